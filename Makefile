@@ -1,0 +1,38 @@
+# moe_dispatch: `make demo` runs the main job, `make test` runs the test suite.
+# Both build the Python 3.12 virtual environment first (reused while requirements/dev.txt
+# is unchanged) and install this package into it (compiling csrc/ when nvcc is present).
+
+VENV        ?= .venv
+# pyenv machines need PYENV_VERSION to expose python3.12; elsewhere it is ignored.
+PYTHON312   ?= $(shell PYENV_VERSION=3.12.1 python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null)
+PY          := $(VENV)/bin/python
+PYTEST_ARGS ?=
+DEMO_ARGS   ?=
+
+.PHONY: venv install demo test bench-full clean
+
+$(VENV)/.deps: requirements/dev.txt
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install python3.12, or pyenv 3.12.x)"; exit 1; }
+	rm -rf $(VENV)
+	$(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/dev.txt
+	touch $@
+
+venv: $(VENV)/.deps
+
+# Editable install; builds moe_dispatch._C when nvcc is found (MOE_DISPATCH_REQUIRE_CUDA=1 makes that mandatory).
+$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/moe-dispatch-bench $(DEMO_ARGS)
+
+test: install
+	$(PY) -m pytest python_tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info $(VENV) moe_dispatch/_C*.so

@@ -1,0 +1,13 @@
+"""moe_dispatch: hierarchical MoE token dispatch/combine for expert parallelism.
+
+See README.md for the API in ten lines and shared semantics; ``python -m moe_dispatch.env``
+reports what this installation can do.
+"""
+
+__version__ = "0.1.0"
+
+from .buffer import Buffer, DispatchHandle, EventOverlap
+from .topology import Topology
+from .validation import CommError
+
+__all__ = ["Buffer", "CommError", "DispatchHandle", "EventOverlap", "Topology", "__version__"]

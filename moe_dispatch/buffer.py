@@ -1,0 +1,305 @@
+"""``Buffer``: the one object users hold (DeepEP's shape): group, topology, transport, SM budget;
+``get_dispatch_layout``, ``dispatch``, ``combine``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import autograd
+from .layout import get_dispatch_layout_reference
+from .topology import Topology
+from .transport import TRANSPORTS, choose_transport
+from .transport.torch_dist import TorchDistPlan, TorchDistTransport
+from .validation import check_hidden, check_topk_idx, check_topk_weights
+
+_BUFFER_IDS = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class DispatchHandle:
+    """What combine (and a cached dispatch) needs to reverse or replay one dispatch.
+
+    Per micro-batch state lives here, never on the Buffer: several handles may be in flight.
+
+    Attributes:
+        buffer_id: the creating Buffer (a handle is only valid with it).
+        num_tokens: T, tokens this rank sent.
+        num_experts: E.
+        num_recv_tokens: R, rows this rank received.
+        recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
+        is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
+        plan: the transport's index plan.
+    """
+
+    buffer_id: int
+    num_tokens: int
+    num_experts: int
+    num_recv_tokens: int
+    recv_topk_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    plan: TorchDistPlan
+
+    @property
+    def num_internode_tokens(self) -> int:
+        """Rows this rank sent to other nodes (stage 1); combine returns as many."""
+        return self.plan.internode_rows
+
+    @property
+    def num_intranode_tokens(self) -> int:
+        """Rows this rank forwarded to other ranks of its node (stage 2)."""
+        return self.plan.intranode_rows
+
+
+class EventOverlap:
+    """Completion of an operation, for ordering work on other streams (DeepEP's ``EventOverlap``).
+
+    ``event`` is a ``torch.cuda.Event`` recorded after the operation, or None when the
+    operation had already completed on the host (CPU tensors).
+    """
+
+    def __init__(self, event: "torch.cuda.Event | None" = None):
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        """Makes the current CUDA stream wait for the operation (no host synchronisation)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait()
+
+
+def _default_ranks_per_node(world_size: int) -> int:
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
+        return int(local)
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if gpus > 0 and world_size % gpus == 0:
+            return gpus
+    return world_size
+
+
+class Buffer:
+    """Hierarchical expert-parallel dispatch/combine for one EP group.
+
+    Args:
+        group: the EP process group (default: the world group). gloo groups use CPU tensors,
+            NCCL groups CUDA tensors of the current device.
+        ranks_per_node: L, ranks sharing a node (NVLink domain); must divide the group size.
+            Default: ``LOCAL_WORLD_SIZE`` (torchrun) when it divides W, else the visible GPU
+            count when it divides W, else W (one node). A CPU world may declare any divisor
+            (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
+        transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``), ``"torch_dist"``
+            or ``"cuda"`` (the CUDA kernels; not available in this version).
+        num_sms: SM budget of the CUDA kernels (positive int), None = chosen from the shape.
+            The torch_dist transport launches no kernels of its own and ignores it.
+        timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
+            others raise ``CommError`` naming the operation and the peers instead of hanging.
+
+    Raises:
+        ValueError: ranks_per_node does not divide the group size, unknown transport, bad
+            num_sms/timeout_s. NotImplementedError: transport="cuda".
+
+    Collective: every rank of ``group`` must construct its Buffer together.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, ranks_per_node: int | None = None,
+                 transport: str = "auto", num_sms: int | None = None, timeout_s: float = 300.0):
+        if not dist.is_initialized():
+            raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        world_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if ranks_per_node is None:
+            ranks_per_node = _default_ranks_per_node(world_size)
+        if not isinstance(ranks_per_node, int):
+            raise ValueError(f"ranks_per_node must be an int, got {ranks_per_node!r}")
+        self.topology = Topology(rank, world_size, ranks_per_node)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
+            raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        backend = str(dist.get_backend(self.group))
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+                       else torch.device("cpu"))
+        if transport == "auto":
+            transport, self.transport_reason = choose_transport(self.device)
+        else:
+            self.transport_reason = "requested"
+        if transport == "cuda":
+            raise NotImplementedError("transport='cuda' is not available in this version of moe_dispatch: "
+                                      "the CUDA kernels are not implemented yet; use transport='auto' or 'torch_dist'")
+        self.transport_name = transport
+        self.num_sms = num_sms
+        self.timeout_s = float(timeout_s)
+        self._uid = next(_BUFFER_IDS)
+        self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank's index in the EP group."""
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """W, the EP group size."""
+        return self.topology.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        """N = W / ranks_per_node."""
+        return self.topology.num_nodes
+
+    # -- layout ----------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """Which ranks and nodes receive each token. Local: no communication, no host sync on GPU.
+
+        Args:
+            topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = no expert; no expert
+                twice in a row.
+            num_experts: E, divisible by the EP size; rank r owns experts ``[r*E/W, (r+1)*E/W)``.
+
+        Returns:
+            ``(num_tokens_per_rank [W], num_tokens_per_node [N], num_tokens_per_expert [E])``
+            int64 and ``is_token_in_rank [T, W]`` bool, on topk_idx's device.
+
+        Raises:
+            ValueError/TypeError: bad topk_idx (shape, dtype, range, duplicates, device) or E.
+        """
+        check_topk_idx(topk_idx, num_experts, device=self.device)
+        if num_experts % self.world_size != 0:
+            raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, "
+                             f"got {num_experts}")
+        return get_dispatch_layout_reference(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node)
+
+    # -- dispatch / combine -----------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
+                 handle: DispatchHandle | None = None, async_finish: bool = False,
+                 previous_event: EventOverlap | None = None):
+        """Sends each token to every rank owning one of its experts, exactly once per rank.
+
+        Collective over the EP group; synchronises the host (receive sizes are host ints).
+        Differentiable w.r.t. ``x`` and ``topk_weights`` (backward is a combine).
+
+        Args:
+            x: ``[T, H]`` bf16/fp16/fp32, contiguous, on the Buffer's device.
+            topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = no expert.
+            topk_weights: ``[T, K]`` fp32 gate weights, or None.
+            num_experts: E, divisible by W.
+            handle: a previous dispatch's handle to replay its routing (cached dispatch);
+                then pass only ``x`` (same T) and the topk outputs are None.
+            async_finish: return an :class:`EventOverlap` whose event marks completion (on CPU
+                the call completes before returning and the event is None).
+            previous_event: make this dispatch wait for it first.
+
+        Returns:
+            ``recv_x [R, H]`` (x's dtype), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
+            rank's local expert ids in ``[0, E/W)``, -1 elsewhere), ``recv_topk_weights [R, K]``
+            fp32 (0 where recv_topk_idx is -1; None without topk_weights),
+            ``num_recv_tokens_per_expert [E/W]`` int64, ``handle``, ``event``. Rows are
+            ordered by source rank, then source token index.
+
+        Raises:
+            ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign handle.
+            CommError: a peer failed or did not join within ``timeout_s``.
+        """
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        if handle is not None:
+            self._check_handle(handle)
+            check_hidden("x", x, self.device, num_rows=handle.num_tokens, rows_what="handle (tokens dispatched)")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle=...) replays the handle's routing: "
+                                 "pass topk_idx=None and topk_weights=None")
+            recv_x = autograd.ReplayDispatchFn.apply(self._transport, handle.plan, x)
+            return recv_x, None, None, None, handle, self._event(async_finish)
+
+        check_hidden("x", x, self.device)
+        if topk_idx is None or num_experts is None:
+            raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
+        check_topk_idx(topk_idx, num_experts, num_tokens=x.shape[0], device=self.device)
+        if topk_weights is not None:
+            check_topk_weights(topk_weights, topk_idx, device=self.device)
+        *_, is_token_in_rank = self.get_dispatch_layout(topk_idx, num_experts)
+
+        box: dict = {}
+        recv_x, recv_weights = autograd.DispatchFn.apply(self._transport, box, topk_idx, is_token_in_rank, x,
+                                                         topk_weights)
+        experts_per_rank = num_experts // self.world_size
+        local = box["recv_topk_idx"] - self.rank * experts_per_rank
+        mine = (box["recv_topk_idx"] >= 0) & (local >= 0) & (local < experts_per_rank)
+        recv_topk_idx = torch.where(mine, local, torch.full_like(local, -1))
+        if recv_weights is not None:
+            recv_weights = torch.where(mine, recv_weights, torch.zeros_like(recv_weights))
+        num_recv_tokens_per_expert = torch.bincount(recv_topk_idx[mine].long(), minlength=experts_per_rank)
+        handle = DispatchHandle(buffer_id=self._uid, num_tokens=x.shape[0], num_experts=num_experts,
+                                num_recv_tokens=recv_x.shape[0], recv_topk_idx=recv_topk_idx,
+                                is_token_in_rank=is_token_in_rank, plan=box["plan"])
+        return recv_x, recv_topk_idx, recv_weights, num_recv_tokens_per_expert, handle, self._event(async_finish)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
+                async_finish: bool = False, previous_event: EventOverlap | None = None):
+        """Sums each received row back onto its source token (the adjoint of dispatch).
+
+        Collective over the EP group. Accumulates in fp32 in a fixed order (inside each node by
+        ascending local rank, the node partial rounded to y's dtype, then by ascending node),
+        so results are deterministic and equal ``moe_dispatch.reference.combine``.
+        Differentiable w.r.t. ``y`` and ``topk_weights`` (backward is a dispatch).
+
+        Args:
+            y: ``[R, H]`` bf16/fp16/fp32 rows in the handle's receive order.
+            handle: from this Buffer's ``dispatch``.
+            topk_weights: None (unweighted sum, Megatron's contract), ``[R]`` fp32 row scales,
+                or ``[R, K]`` fp32 (e.g. ``recv_topk_weights``), whose row sums scale the rows.
+            async_finish, previous_event: as in :meth:`dispatch`.
+
+        Returns:
+            ``combined [T, H]`` in y's dtype (zero rows for tokens no rank held), ``event``.
+
+        Raises:
+            ValueError/TypeError: shapes, dtypes, devices; a foreign handle.
+            CommError: a peer failed or did not join within ``timeout_s``.
+        """
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        self._check_handle(handle)
+        check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
+        row_scale = None
+        if topk_weights is not None:
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+                raise TypeError(f"topk_weights must be an fp32 tensor, got "
+                                f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
+            if topk_weights.device != self.device or topk_weights.dim() not in (1, 2) \
+                    or topk_weights.shape[0] != handle.num_recv_tokens:
+                raise ValueError(f"topk_weights must be [{handle.num_recv_tokens}] or [{handle.num_recv_tokens}, K] "
+                                 f"on {self.device}, got {list(topk_weights.shape)} on {topk_weights.device}")
+            row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
+        out = autograd.CombineFn.apply(self._transport, handle.plan, y, row_scale)
+        return out, self._event(async_finish)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
+        if handle.buffer_id != self._uid:
+            raise ValueError(f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
+                             "combine with the Buffer that dispatched")
+
+    def _event(self, async_finish: bool) -> EventOverlap:
+        if async_finish and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            return EventOverlap(event)
+        return EventOverlap(None)

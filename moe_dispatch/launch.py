@@ -1,0 +1,100 @@
+"""Spawn a multi-process torch.distributed world on one machine (tests, CPU benchmarks).
+
+Each rank runs ``fn(rank, world_size, *args)`` after ``init_process_group`` on a free loopback
+port; its return value comes back to the parent; an exception in any rank is re-raised in the
+parent with that rank's traceback; the whole world is bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn, args, env, timeout_s) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(1)  # W processes share the machine's cores
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, False, f"[rank {rank}] " + traceback.format_exc()))
+
+
+def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
+                timeout_s: float = 600.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    Args:
+        world_size: number of ranks.
+        fn: a module-level (picklable) function.
+        backend: "gloo" (CPU) or "nccl".
+        timeout_s: wall-clock bound for the whole world; ranks still running then are killed.
+        env: extra environment variables for the ranks.
+
+    Returns:
+        the ranks' return values, indexed by rank.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback in the message), died, or the world timed out.
+    """
+    ctx = mp.get_context("forkserver")  # fast (no re-import of torch per rank) yet fork-safe
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, port, backend, results, fn, args, env or {}, timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"world of {world_size} ranks did not finish within {timeout_s:g} s; "
+                                   f"ranks done: {sorted(out)}")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                                       + ("\n" + "\n".join(errors) if errors else ""))
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(value)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,21 @@
+"""How bytes move. ``torch_dist``: the hierarchy on torch.distributed sub-group collectives
+(NCCL on GPU, gloo on CPU). ``cuda``: the ``moe_dispatch._C`` kernels (not yet available)."""
+
+from __future__ import annotations
+
+import torch
+
+TRANSPORTS = ("auto", "torch_dist", "cuda")
+
+
+def choose_transport(device: torch.device) -> tuple[str, str]:
+    """The transport ``Buffer(transport="auto")`` picks for tensors on ``device``, and why.
+
+    Returns:
+        ``(name, reason)``, e.g. ``("torch_dist", "CPU tensors: gloo collectives ...")``.
+    """
+    if device.type == "cuda":
+        return ("torch_dist", "CUDA tensors: the CUDA kernel transport is not implemented yet, "
+                              "so the hierarchy runs on NCCL sub-group all_to_all")
+    return ("torch_dist", f"{device.type} tensors: the hierarchy runs on torch.distributed "
+                          "sub-group all_to_all (gloo)")

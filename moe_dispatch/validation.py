@@ -1,0 +1,80 @@
+"""Boundary checks: every bad input becomes an error naming the argument, the expectation and
+what came (never a bare assert)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CommError(RuntimeError):
+    """A collective failed or did not complete within the Buffer's ``timeout_s`` (a peer that
+    never joined, died, or whose link was cut).
+
+    The message names this rank, the operation and stage, and the peer ranks it waited for.
+    """
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensor(name: str, t, *, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None,
+                 device: torch.device | None = None) -> None:
+    """Checks that ``t`` is a contiguous tensor of rank ``ndim`` with an allowed dtype on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {_shape(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {tuple(t.stride())}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_topk_idx(topk_idx, num_experts: int, *, num_tokens: int | None = None,
+                   device: torch.device | None = None) -> None:
+    """Validates ``topk_idx [T, K]`` int32/int64 with entries in ``[-1, num_experts)`` and no
+    expert repeated within a row."""
+    check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_tokens is not None and topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx has shape {_shape(topk_idx)} but x has {num_tokens} tokens")
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"topk_idx entries must be in [-1, {num_experts}) (-1 = no expert), got {bad}")
+    if topk_idx.shape[1] > 1:
+        s = topk_idx.sort(dim=1).values
+        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+        if bool(dup.any()):
+            row = int(dup.any(1).nonzero()[0, 0])
+            raise ValueError(
+                f"topk_idx row {row} selects an expert more than once: {topk_idx[row].tolist()}"
+            )
+
+
+def check_topk_weights(topk_weights, topk_idx: torch.Tensor, device: torch.device | None = None) -> None:
+    """Validates ``topk_weights [T, K]`` fp32 matching ``topk_idx``."""
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=device)
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights has shape {_shape(topk_weights)} but topk_idx has shape {_shape(topk_idx)}"
+        )
+
+
+def check_hidden(name: str, x, device: torch.device | None = None, *, num_rows: int | None = None,
+                 rows_what: str = "") -> None:
+    """Validates a ``[rows, hidden]`` floating tensor."""
+    check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    if num_rows is not None and x.shape[0] != num_rows:
+        raise ValueError(f"{name} has shape {_shape(x)} but {rows_what} has {num_rows} rows")
