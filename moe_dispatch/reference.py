@@ -41,7 +41,7 @@ def _layouts(topk_idxs, num_experts, ranks_per_node):
 
 
 def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor] | None,
-             num_experts: int, ranks_per_node: int) -> list[RankDispatch]:
+             num_experts: int, ranks_per_node: int, ranks: list[int] | None = None) -> list[RankDispatch]:
     """Dispatch for a whole world at once.
 
     Args:
@@ -50,9 +50,10 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights
         topk_weights: per source rank ``[T_s, K]`` fp32, or None.
         num_experts: E, divisible by W = ``len(xs)``.
         ranks_per_node: L (does not change dispatch results; kept for symmetry with combine).
+        ranks: receivers to compute (default all W), e.g. ``[my_rank]`` inside a world.
 
     Returns:
-        ``W`` :class:`RankDispatch`: rows ordered by source rank, then source token index;
+        one :class:`RankDispatch` per entry of ``ranks``: rows ordered by source rank, then source token index;
         ``recv_topk_idx`` in the receiver's local expert numbering with -1 elsewhere and
         ``recv_topk_weights`` 0 where ``recv_topk_idx`` is -1.
     """
@@ -60,7 +61,7 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights
     experts_per_rank = num_experts // world_size
     in_rank = _layouts(topk_idxs, num_experts, ranks_per_node)
     results = []
-    for r in range(world_size):
+    for r in (range(world_size) if ranks is None else ranks):
         rows = [torch.nonzero(in_rank[s][:, r]).flatten() for s in range(world_size)]
         idx = torch.cat([topk_idxs[s][rows[s]] for s in range(world_size)])
         local = idx - r * experts_per_rank
@@ -82,7 +83,7 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights
 
 
 def combine(ys: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int, ranks_per_node: int,
-            weights: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+            weights: list[torch.Tensor] | None = None, ranks: list[int] | None = None) -> list[torch.Tensor]:
     """Combine for a whole world at once: the adjoint of :func:`dispatch`.
 
     Args:
@@ -91,9 +92,10 @@ def combine(ys: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: 
         num_experts: E.
         ranks_per_node: L; fixes the reduction order (module docstring).
         weights: per rank ``[R_r]`` fp32 row scales applied before the sum, or None.
+        ranks: source ranks to compute (default all W).
 
     Returns:
-        per source rank ``[T_s, H]`` in y's dtype; zero rows for tokens no rank held.
+        per entry of ``ranks`` ``[T_s, H]`` in y's dtype; zero rows for tokens no rank held.
     """
     world_size = len(ys)
     num_nodes = world_size // ranks_per_node
@@ -103,7 +105,7 @@ def combine(ys: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: 
     counts = torch.stack([m.sum(0) for m in in_rank])  # [src, dst]
     starts = torch.cumsum(counts, 0) - counts
     outs = []
-    for s in range(world_size):
+    for s in (range(world_size) if ranks is None else ranks):
         num_tokens = in_rank[s].shape[0]
         acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
         for n in range(num_nodes):
