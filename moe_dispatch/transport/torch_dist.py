@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -71,15 +72,18 @@ def _slots(index: torch.Tensor) -> torch.Tensor:
 
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Row tensors ``[rows, ...]`` -> one ``[rows, bytes]`` uint8 buffer."""
-    return torch.cat([t.reshape(t.shape[0], -1).contiguous().view(torch.uint8) for t in tensors], 1)
+    return torch.cat([t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous().view(torch.uint8)
+                      for t in tensors], 1)
 
 
 def _unpack(buf: torch.Tensor, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
     out, offset = [], 0
     for dtype, shape in like:
-        width = dtype.itemsize * (int(torch.tensor(shape).prod()) if shape else 1)
-        part = buf[:, offset:offset + width].contiguous().view(dtype)
-        out.append(part.reshape(buf.shape[0], *shape))
+        width = dtype.itemsize * math.prod(shape)
+        if buf.shape[0] == 0:  # an empty slice keeps the packed strides, which view() rejects
+            out.append(buf.new_empty((0, *shape), dtype=dtype))
+        else:
+            out.append(buf[:, offset:offset + width].contiguous().view(dtype).reshape(buf.shape[0], *shape))
         offset += width
     return out
 

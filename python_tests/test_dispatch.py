@@ -1,0 +1,220 @@
+"""Dispatch/combine in real gloo worlds against the single-process oracle.
+
+Every rank builds every rank's inputs from one shared seed, so it can compute the exact
+expected result locally (pplx-kernels' pattern). Data movement and the fixed-order fp32
+reductions are compared bit for bit: no tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_dispatch import Buffer, reference
+
+from .worlds import assert_case, run_cases, world_results
+
+WORLDS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
+EXPERTS_PER_RANK = 4
+TOPK = 3
+
+
+def make_routing(world_size: int, num_tokens: list[int], seed: int, *, zipf: float = 0.0,
+                 drop: float = 0.2, num_experts: int | None = None):
+    """Per-rank ``topk_idx [T, K]`` int64 (distinct experts per row, ~``drop`` of entries -1,
+    the first token of each rank with no expert at all) and ``topk_weights [T, K]`` fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = num_experts or EXPERTS_PER_RANK * world_size
+    popularity = (1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf)
+    idxs, weights = [], []
+    for t in num_tokens:
+        idx = torch.multinomial(popularity.expand(max(t, 1), -1), TOPK, replacement=False, generator=gen)[:t]
+        idx[torch.rand(t, TOPK, generator=gen) < drop] = -1
+        if t:
+            idx[0] = -1
+        idxs.append(idx.contiguous())
+        weights.append(torch.rand(t, TOPK, generator=gen))
+    return idxs, weights, num_experts
+
+
+def make_x(num_tokens: list[int], hidden: int, dtype: torch.dtype, seed: int, *, integer: bool = False):
+    gen = torch.Generator().manual_seed(seed + 1)
+    if integer:  # small integers: sums of copies stay exact in every dtype
+        return [torch.randint(-8, 9, (t, hidden), generator=gen).to(dtype) for t in num_tokens]
+    return [torch.randn(t, hidden, generator=gen).to(dtype) for t in num_tokens]
+
+
+def expert(recv_x: torch.Tensor, rank: int) -> torch.Tensor:
+    """A stand-in expert whose output differs per rank, so misrouted rows are visible."""
+    return (recv_x.float() * (rank + 1) + 0.5).to(recv_x.dtype)
+
+
+def check_roundtrip(buf: Buffer, rank: int, world_size: int, ranks_per_node: int, num_tokens: list[int],
+                    hidden: int, dtype: torch.dtype, seed: int, *, zipf: float = 0.0, drop: float = 0.2,
+                    index_dtype=torch.int64) -> None:
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed, zipf=zipf, drop=drop)
+    idxs = [i.to(index_dtype) for i in idxs]
+    xs = make_x(num_tokens, hidden, dtype, seed)
+    recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, ranks_per_node)
+    ref = refs[rank]
+    assert torch.equal(recv_x, ref.recv_x), "recv_x differs from the oracle"
+    assert recv_idx.dtype == index_dtype and torch.equal(recv_idx, ref.recv_topk_idx), "recv_topk_idx differs"
+    assert torch.equal(recv_w, ref.recv_topk_weights), "recv_topk_weights differs"
+    assert torch.equal(per_expert, ref.num_recv_tokens_per_expert), "num_recv_tokens_per_expert differs"
+    ys = [expert(r.recv_x, i) for i, r in enumerate(refs)]
+    out, _ = buf.combine(expert(recv_x, rank), handle)
+    assert torch.equal(out, reference.combine(ys, idxs, num_experts, ranks_per_node, ranks=[rank])[0]), \
+        "unweighted combine differs"
+    out_w, _ = buf.combine(expert(recv_x, rank), handle, recv_w)
+    scales = [r.recv_topk_weights.sum(1) for r in refs]
+    assert torch.equal(out_w, reference.combine(ys, idxs, num_experts, ranks_per_node, scales, ranks=[rank])[0]), \
+        "weighted combine differs"
+
+
+def _cases(ranks_per_node: int) -> dict:
+    L = ranks_per_node
+
+    def sizes(world_size: int, base: int = 24) -> list[int]:
+        return [base + 5 * r for r in range(world_size)]
+
+    cases = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (7, 128, 2880):
+            name = f"random-{str(dtype).removeprefix('torch.')}-h{hidden}"
+            cases[name] = (lambda rank, w, buf, dtype=dtype, hidden=hidden:
+                           check_roundtrip(buf, rank, w, L, sizes(w), hidden, dtype, seed=hidden))
+    cases["zipf-skewed"] = lambda rank, w, buf: check_roundtrip(buf, rank, w, L, sizes(w, 64), 32, torch.bfloat16,
+                                                                seed=7, zipf=1.5)
+    cases["int32-topk-idx"] = lambda rank, w, buf: check_roundtrip(buf, rank, w, L, sizes(w), 16, torch.float32,
+                                                                   seed=8, index_dtype=torch.int32)
+    cases["rank-with-zero-tokens"] = lambda rank, w, buf: check_roundtrip(
+        buf, rank, w, L, [0] + sizes(w)[1:], 16, torch.bfloat16, seed=9)
+    cases["no-token-routed"] = lambda rank, w, buf: check_roundtrip(buf, rank, w, L, sizes(w), 16, torch.float32,
+                                                                    seed=10, drop=1.0)
+    cases["identity-expert"] = _identity_expert
+    cases["autograd-dispatch"] = _autograd_dispatch
+    cases["autograd-combine"] = _autograd_combine
+    cases["deterministic"] = _deterministic
+    cases["cached-dispatch"] = _cached_dispatch
+    cases["interleaved-microbatches"] = _interleaved
+    cases["no-topk-weights"] = _no_weights
+    return cases
+
+
+def _identity_expert(rank, world_size, buf):
+    """dispatch -> identity -> combine returns x times the number of ranks holding the token."""
+    num_tokens = [40] * world_size
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=11)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = make_x(num_tokens, 64, dtype, seed=11, integer=True)[rank]
+        recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+        out, _ = buf.combine(recv_x, handle)
+        holders = handle.is_token_in_rank.sum(1, keepdim=True).to(dtype)
+        assert torch.equal(out, x * holders), f"{dtype}: combine(dispatch(x)) != x * holders"
+
+
+def _world_inputs(world_size, seed, hidden=24):
+    num_tokens = [20 + 3 * r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed)
+    xs = make_x(num_tokens, hidden, torch.float32, seed)
+    return num_tokens, idxs, ws, num_experts, xs
+
+
+def _autograd_dispatch(rank, world_size, buf):
+    """Backward of dispatch (w.r.t. x and topk_weights) equals the oracle's combine of the gradients."""
+    L = buf.topology.ranks_per_node
+    _, idxs, ws, num_experts, xs = _world_inputs(world_size, seed=12)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, L)
+    gen = torch.Generator().manual_seed(13)
+    gxs = [torch.randn(r.recv_x.shape, generator=gen) for r in refs]
+    gws = [torch.randn(r.recv_topk_weights.shape, generator=gen) for r in refs]
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    recv_x, _, recv_w, *_ = buf.dispatch(x, idxs[rank], w, num_experts)
+    ((recv_x * gxs[rank]).sum() + (recv_w * gws[rank]).sum()).backward()
+    assert torch.equal(x.grad, reference.combine(gxs, idxs, num_experts, L, ranks=[rank])[0]), "grad x"
+    # Only the rank owning expert topk_idx[t, k] passes a gradient to topk_weights[t, k].
+    masked = [torch.where(r.recv_topk_idx >= 0, g, torch.zeros_like(g)) for r, g in zip(refs, gws)]
+    expected_w = reference.combine(masked, idxs, num_experts, L, ranks=[rank])[0]
+    assert torch.equal(w.grad, expected_w), "grad topk_weights"
+
+
+def _autograd_combine(rank, world_size, buf):
+    """Backward of a weighted combine equals the oracle's dispatch of the gradient."""
+    L = buf.topology.ranks_per_node
+    num_tokens, idxs, ws, num_experts, xs = _world_inputs(world_size, seed=14)
+    recv_x, _, recv_w, *_, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    gen = torch.Generator().manual_seed(15)
+    gouts = [torch.randn(t, xs[0].shape[1], generator=gen) for t in num_tokens]
+    y = expert(recv_x, rank).requires_grad_()
+    scale = recv_w.clone().requires_grad_()
+    out, _ = buf.combine(y, handle, scale)
+    (out * gouts[rank]).sum().backward()
+    g = reference.dispatch(gouts, idxs, None, num_experts, L, ranks=[rank])[0].recv_x
+    row_scale = recv_w.sum(1, keepdim=True)
+    assert torch.equal(y.grad, g * row_scale), "grad y"
+    expected = (g * y.detach()).sum(1, keepdim=True).expand_as(recv_w)
+    torch.testing.assert_close(scale.grad, expected, rtol=1e-6, atol=1e-6)  # a dot product: summation order
+
+
+def _deterministic(rank, world_size, buf):
+    num_tokens = [48] * world_size
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=16, zipf=1.0)
+    x = make_x(num_tokens, 96, torch.bfloat16, seed=16)[rank]
+    runs = []
+    for _ in range(2):
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+        out, _ = buf.combine(expert(recv_x, rank), handle, recv_w)
+        runs.append((recv_x, out))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "two runs differ"
+
+
+def _cached_dispatch(rank, world_size, buf):
+    """A dispatch replaying a handle equals a fresh dispatch with the same routing."""
+    num_tokens = [30] * world_size
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=17)
+    xs = make_x(num_tokens, 40, torch.bfloat16, seed=17)
+    x2 = xs[rank] * 3
+    _, _, _, _, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    cached, recv_idx, recv_w, per_expert, same, _ = buf.dispatch(x2, handle=handle)
+    assert recv_idx is None and recv_w is None and per_expert is None and same is handle
+    fresh = buf.dispatch(x2, idxs[rank], ws[rank], num_experts)[0]
+    assert torch.equal(cached, fresh), "cached dispatch differs from a fresh one"
+
+
+def _interleaved(rank, world_size, buf):
+    """Dispatch A, dispatch B, combine A, combine B: handles keep their micro-batch apart."""
+    L = buf.topology.ranks_per_node
+    results = []
+    handles = []
+    for seed in (18, 19):
+        num_tokens, idxs, ws, num_experts, xs = _world_inputs(world_size, seed)
+        recv_x, *_, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+        handles.append((recv_x, handle, idxs, xs, num_experts))
+    for recv_x, handle, idxs, xs, num_experts in handles:
+        out, _ = buf.combine(expert(recv_x, rank), handle)
+        ys = [expert(r.recv_x, i) for i, r in enumerate(reference.dispatch(xs, idxs, None, num_experts, L))]
+        results.append(torch.equal(out, reference.combine(ys, idxs, num_experts, L, ranks=[rank])[0]))
+    assert all(results), f"interleaved micro-batches mixed: {results}"
+
+
+def _no_weights(rank, world_size, buf):
+    num_tokens = [10] * world_size
+    idxs, _, num_experts = make_routing(world_size, num_tokens, seed=20)
+    x = make_x(num_tokens, 8, torch.float32, seed=20)[rank]
+    recv_x, recv_idx, recv_w, *_ = buf.dispatch(x, idxs[rank], None, num_experts)
+    assert recv_w is None and recv_idx is not None
+
+
+def _world_entry(rank, world_size, ranks_per_node):
+    buf = Buffer(ranks_per_node=ranks_per_node, timeout_s=60)
+    return run_cases(rank, world_size, _cases(ranks_per_node), buf)
+
+
+CASE_NAMES = list(_cases(1))
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("world_size,ranks_per_node", WORLDS, ids=[f"w{w}-l{l}" for w, l in WORLDS])
+def test_world(world_size, ranks_per_node, case):
+    assert_case(world_results(_world_entry, world_size, ranks_per_node), case)

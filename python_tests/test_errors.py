@@ -1,0 +1,150 @@
+"""Bad input gets an error naming the argument, the expectation and what came; a rank that
+never joins makes its peers fail within ``timeout_s`` with the operation named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_dispatch import Buffer, CommError
+
+from .worlds import assert_case, run_cases, world_results
+
+E = 8  # experts in a world of 2
+
+
+def _inputs(num_tokens=6, hidden=4):
+    x = torch.randn(num_tokens, hidden)
+    idx = torch.tensor([[0, 5], [1, -1], [7, 2], [-1, -1], [3, 4], [6, 0]])[:num_tokens]
+    return x, idx, torch.rand(num_tokens, 2)
+
+
+def _raises(exc, match, fn):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def _bad_input_cases(buf: Buffer) -> dict:
+    x, idx, w = _inputs()
+    return {
+        "x-int-dtype": lambda: _raises(TypeError, r"x must have dtype in .* got int64",
+                                       lambda: buf.dispatch(x.long(), idx, w, E)),
+        "x-not-2d": lambda: _raises(ValueError, r"x must be 2-D, got shape \[6, 4, 1\]",
+                                    lambda: buf.dispatch(x[..., None], idx, w, E)),
+        "x-non-contiguous": lambda: _raises(ValueError, r"x must be contiguous",
+                                            lambda: buf.dispatch(torch.randn(4, 6).t(), idx, w, E)),
+        "x-wrong-device": lambda: _raises(ValueError, r"x must be on cpu, got meta",
+                                          lambda: buf.dispatch(x.to("meta"), idx, w, E)),
+        "topk-idx-float": lambda: _raises(TypeError, r"topk_idx must have dtype in \(int32, int64\), got float32",
+                                          lambda: buf.dispatch(x, idx.float(), w, E)),
+        "topk-idx-rows": lambda: _raises(ValueError, r"topk_idx has shape \[5, 2\] but x has 6 tokens",
+                                         lambda: buf.dispatch(x, idx[:5].contiguous(), w[:5], E)),
+        "topk-idx-too-large": lambda: _raises(ValueError, r"topk_idx entries must be in \[-1, 8\).*got 9",
+                                              lambda: buf.dispatch(x, idx.clamp(max=9) + (idx == 7).long() * 2, w, E)),
+        "topk-idx-below-minus-one": lambda: _raises(ValueError, r"got -2",
+                                                    lambda: buf.dispatch(x, idx.clamp(min=-2) - (idx == -1).long(),
+                                                                         w, E)),
+        "topk-idx-duplicate": lambda: _raises(ValueError, r"topk_idx row 0 selects an expert more than once: \[5, 5\]",
+                                              lambda: buf.dispatch(x, torch.where(idx == 0, 5, idx), w, E)),
+        "topk-weights-shape": lambda: _raises(ValueError, r"topk_weights has shape \[6, 3\] but topk_idx has shape "
+                                                          r"\[6, 2\]",
+                                              lambda: buf.dispatch(x, idx, torch.rand(6, 3), E)),
+        "topk-weights-dtype": lambda: _raises(TypeError, r"topk_weights must have dtype in \(float32\), got float16",
+                                              lambda: buf.dispatch(x, idx, w.half(), E)),
+        "experts-not-divisible": lambda: _raises(ValueError, r"num_experts must be divisible by the EP world size 2, "
+                                                             r"got 9",
+                                                 lambda: buf.dispatch(x, idx, w, 9)),
+        "missing-routing": lambda: _raises(ValueError, r"dispatch needs topk_idx and num_experts",
+                                           lambda: buf.dispatch(x)),
+        "bad-transport": lambda: _raises(ValueError, r"transport must be one of .* got 'nvlink'",
+                                         lambda: Buffer(transport="nvlink")),
+        "cuda-transport-not-built": lambda: _raises(NotImplementedError, r"transport='cuda' is not available",
+                                                    lambda: Buffer(transport="cuda")),
+        "ranks-per-node-not-divisor": lambda: _raises(ValueError, r"ranks_per_node must divide the world size 2, "
+                                                                  r"got ranks_per_node=3",
+                                                      lambda: Buffer(ranks_per_node=3)),
+        "num-sms": lambda: _raises(ValueError, r"num_sms must be a positive int or None, got 0",
+                                   lambda: Buffer(num_sms=0)),
+        "timeout": lambda: _raises(ValueError, r"timeout_s must be a positive number of seconds, got -1",
+                                   lambda: Buffer(timeout_s=-1)),
+    }
+
+
+def _handle_cases(buf: Buffer) -> dict:
+    x, idx, w = _inputs()
+    recv_x, *_, handle, _ = buf.dispatch(x, idx, w, E)
+    other = Buffer(ranks_per_node=1, timeout_s=30)  # collective: every rank builds it
+    rows = handle.num_recv_tokens
+    return {
+        "combine-rows": lambda: _raises(ValueError, rf"y has shape \[{rows + 1}, 4\] but handle \(tokens received\) "
+                                                    rf"has {rows} rows",
+                                        lambda: buf.combine(torch.randn(rows + 1, 4), handle)),
+        "combine-weights-dtype": lambda: _raises(TypeError, r"topk_weights must be an fp32 tensor, got torch.float64",
+                                                 lambda: buf.combine(recv_x, handle, torch.ones(rows, dtype=torch.float64))),
+        "combine-weights-shape": lambda: _raises(ValueError, rf"topk_weights must be \[{rows}\] or \[{rows}, K\]",
+                                                 lambda: buf.combine(recv_x, handle, torch.ones(rows + 2))),
+        "foreign-handle": lambda: _raises(ValueError, r"handle was made by another Buffer",
+                                          lambda: other.combine(recv_x, handle)),
+        "not-a-handle": lambda: _raises(TypeError, r"handle must be a DispatchHandle .* got tuple",
+                                        lambda: buf.combine(recv_x, (1, 2))),
+        "cached-dispatch-with-routing": lambda: _raises(ValueError, r"a cached dispatch \(handle=...\) replays",
+                                                        lambda: buf.dispatch(x, idx, handle=handle)),
+        "cached-dispatch-rows": lambda: _raises(ValueError, r"x has shape \[5, 4\] but handle \(tokens dispatched\) "
+                                                            r"has 6 rows",
+                                                lambda: buf.dispatch(x[:5].contiguous(), handle=handle)),
+    }
+
+
+def _errors_entry(rank, world_size):
+    buf = Buffer(ranks_per_node=1, timeout_s=30)
+    results = run_cases(rank, world_size, {k: (lambda r, w, f=f: f()) for k, f in _bad_input_cases(buf).items()})
+    results.update(run_cases(rank, world_size, {k: (lambda r, w, f=f: f()) for k, f in _handle_cases(buf).items()}))
+    return results
+
+
+def _case_names():
+    return list(_bad_input_cases(None).keys()) + list(_handle_names())
+
+
+def _handle_names():
+    return ["combine-rows", "combine-weights-dtype", "combine-weights-shape", "foreign-handle", "not-a-handle",
+            "cached-dispatch-with-routing", "cached-dispatch-rows"]
+
+
+@pytest.mark.parametrize("case", _case_names())
+def test_bad_input(case):
+    assert_case(world_results(_errors_entry, 2), case)
+
+
+TIMEOUT_S = 3.0
+
+
+def _withheld_rank_entry(rank, world_size, ranks_per_node, absent):
+    """Rank ``absent`` never joins the dispatch; every other rank must raise CommError in time."""
+    buf = Buffer(ranks_per_node=ranks_per_node, timeout_s=TIMEOUT_S)
+    x, idx, w = _inputs()
+    idx = torch.where(idx >= 0, idx % (4 * world_size), idx)
+    if rank == absent:
+        time.sleep(3 * TIMEOUT_S)  # alive but silent, so the peers see a timeout, not a reset
+        return None
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w, 4 * world_size)
+    except CommError as err:
+        return time.monotonic() - start, str(err)
+    return time.monotonic() - start, "no error"
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [(2, 1), (4, 2)])
+def test_withheld_rank_times_out(world_size, ranks_per_node):
+    absent = world_size - 1
+    results = world_results(_withheld_rank_entry, world_size, ranks_per_node, absent)
+    for rank, res in enumerate(results):
+        if rank == absent:
+            continue
+        elapsed, message = res
+        assert message.startswith(f"EP rank {rank}: dispatch"), message
+        assert "did not complete within timeout_s=3" in message, message
+        assert elapsed < 2 * TIMEOUT_S + 2, f"rank {rank} took {elapsed:.1f} s to fail: {message}"
