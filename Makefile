@@ -24,6 +24,8 @@ venv: $(VENV)/.deps
 # Editable install; builds moe_dispatch._C when nvcc is found (MOE_DISPATCH_REQUIRE_CUDA=1 makes that mandatory).
 $(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@# pip -q hides the build's own lines; say in one line what was installed.
+	@$(PY) -c 'from moe_dispatch._ext import extension_status as s; print("moe_dispatch._C:", s())'
 	touch $@
 
 install: $(VENV)/.installed

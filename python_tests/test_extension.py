@@ -1,0 +1,232 @@
+"""The CUDA extension ``moe_dispatch._C`` and its build decisions.
+
+On CPU machines: it is built wherever nvcc exists, loads without a GPU, turns CUDA failures
+into exceptions naming the error, and setup.py skips or fails cleanly without nvcc. On a GPU:
+the layout kernel equals the torch reference exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_dispatch import _ext
+from moe_dispatch.layout import get_dispatch_layout_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_setup_py():
+    # setup.py calls setup() only under __main__, so importing it just defines its helpers.
+    spec = importlib.util.spec_from_file_location("moe_dispatch_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+setup_py = _load_setup_py()
+STATUS = _ext.extension_status()
+built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not available: {STATUS.error}")
+needs_gpu = pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA GPU and the built extension")
+
+
+# --- the build -------------------------------------------------------------------------------
+
+def test_extension_built_where_nvcc_exists():
+    if setup_py.find_nvcc(os.environ) is None:
+        pytest.skip("nvcc not found: the pure-Python install is expected here")
+    if os.environ.get("MOE_DISPATCH_SKIP_CUDA", "") not in ("", "0"):
+        pytest.skip("MOE_DISPATCH_SKIP_CUDA is set")
+    assert STATUS.built, f"nvcc exists but moe_dispatch._C did not load: {STATUS.error}"
+
+
+@built
+def test_module_attributes():
+    assert re.fullmatch(r"\d+[af]?(,\d+[af]?)*", _ext._C.cuda_archs), _ext._C.cuda_archs
+    assert STATUS.cuda_archs == _ext._C.cuda_archs
+    assert isinstance(_ext._C.with_nvshmem, bool)
+    assert str(STATUS).startswith("built for sm_")
+
+
+def test_status_when_missing_names_the_fix():
+    if STATUS.built:
+        pytest.skip("the extension is built here")
+    assert "not built" in str(STATUS) and STATUS.error
+
+
+@built
+def test_with_nvshmem_when_package_installed():
+    if _ext.nvshmem_package_dir() is None:
+        pytest.skip("nvidia-nvshmem package not installed")
+    assert STATUS.with_nvshmem, "the nvidia.nvshmem package is installed but _C was built without it"
+    assert STATUS.nvshmem_lib and STATUS.nvshmem_lib.endswith("libnvshmem_host.so.3")
+    major, minor = _ext._C.nvshmem_version()  # host-only: works without a GPU
+    for dist in ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"):
+        try:
+            assert importlib.metadata.version(dist).split(".")[:2] == [str(major), str(minor)]
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+
+
+@built
+def test_device_count_error_is_a_named_exception():
+    if _ext.cuda_available():
+        pytest.skip("a GPU is visible: device_count succeeds")
+    with pytest.raises(_ext._C.CudaError, match=r"CUDA error \d+ \(cudaError\w+: .*\) at csrc/bindings\.cpp:\d+") as info:
+        _ext._C.device_count()
+    error = info.value
+    assert isinstance(error, RuntimeError)
+    assert error.code != 0 and error.name.startswith("cudaError")
+    assert error.file == "csrc/bindings.cpp" and error.line > 0
+
+
+@built
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        ((4, 2, 7, 4, 2), r"num_experts must be a positive multiple of num_ranks=4, got 7"),
+        ((4, 2, 8, 4, 3), r"ranks_per_node must divide num_ranks=4, got 3"),
+        ((-1, 2, 8, 4, 2), r"num_tokens must be in \[0, 2147483647\], got -1"),
+        ((4, 2, 8, 0, 1), r"num_ranks must be >= 1, got 0"),
+        ((1 << 20, 1 << 12, 8, 4, 2), r"num_tokens \* num_topk must be <= 2147483647"),
+    ],
+)
+def test_layout_binding_rejects_bad_sizes(sizes, match):
+    # Host checks run before anything touches CUDA, so they are testable without a GPU.
+    num_tokens, num_topk, num_experts, num_ranks, ranks_per_node = sizes
+    with pytest.raises(ValueError, match=match):
+        _ext._C.get_dispatch_layout(8, num_tokens, num_topk, num_experts, num_ranks, ranks_per_node,
+                                    8, 8, 8, 8, 0)
+
+
+# --- setup.py's decision (called directly: no pip run) -----------------------------------
+
+def test_require_cuda_without_nvcc_fails(tmp_path):
+    environ = {"PATH": str(tmp_path), "MOE_DISPATCH_REQUIRE_CUDA": "1"}
+    with pytest.raises(SystemExit, match=r"MOE_DISPATCH_REQUIRE_CUDA=1 but nvcc not found on PATH"):
+        setup_py.plan_cuda_build(environ, default_cuda_home=str(tmp_path / "no-cuda"))
+
+
+def test_without_nvcc_prints_one_skip_line(tmp_path, capsys):
+    assert setup_py.plan_cuda_build({"PATH": str(tmp_path)}, default_cuda_home=str(tmp_path)) is None
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1
+    assert re.match(r"moe_dispatch: CUDA extension moe_dispatch\._C skipped \(nvcc not found", lines[0])
+
+
+def test_nvcc_found_in_cuda_home(tmp_path, capsys):
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    environ = {"PATH": str(tmp_path), "CUDA_HOME": str(tmp_path / "cuda")}
+    assert setup_py.plan_cuda_build(environ, default_cuda_home=str(tmp_path / "none")) == str(nvcc)
+    assert capsys.readouterr().err == ""
+
+
+def test_skip_cuda_overrides_nvcc_and_contradicts_require(capsys):
+    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) is None
+    assert "skipped (MOE_DISPATCH_SKIP_CUDA=1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="contradict"):
+        setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1", "MOE_DISPATCH_REQUIRE_CUDA": "1"})
+
+
+def test_nvshmem_home_is_used_when_complete(tmp_path):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "lib").mkdir()
+    assert setup_py.find_nvshmem({"NVSHMEM_HOME": str(tmp_path)}) is None  # headers missing
+    (tmp_path / "include" / "nvshmem.h").write_text("")
+    (tmp_path / "lib" / "libnvshmem_host.so.3").write_text("")
+    assert setup_py.find_nvshmem({"NVSHMEM_HOME": str(tmp_path)}) == str(tmp_path)
+
+
+@pytest.mark.parametrize("raw, archs", [(None, "90"), ("90", "90"), ("90, 100a", "90;100a"), ("80;90a-real", "80;90a-real")])
+def test_cuda_archs(raw, archs):
+    assert setup_py.cuda_archs({} if raw is None else {"MOE_DISPATCH_CUDA_ARCHS": raw}) == archs
+
+
+def test_cuda_archs_rejects_junk():
+    with pytest.raises(SystemExit, match=r"MOE_DISPATCH_CUDA_ARCHS must list CUDA architectures .* got 'sm_90'"):
+        setup_py.cuda_archs({"MOE_DISPATCH_CUDA_ARCHS": "sm_90"})
+
+
+# --- the torch wrapper -------------------------------------------------------------------------
+
+def test_wrapper_validates_before_launch():
+    with pytest.raises(ValueError, match=r"topk_idx must be a CUDA tensor, got device cpu"):
+        _ext.get_dispatch_layout_cuda(torch.zeros(4, 2, dtype=torch.int64), 8, 4, 2)
+    with pytest.raises(TypeError, match=r"topk_idx must have dtype in \(int64\), got int32"):
+        _ext.get_dispatch_layout_cuda(torch.zeros(4, 2, dtype=torch.int32), 8, 4, 2)
+    with pytest.raises(ValueError, match=r"topk_idx must be contiguous"):
+        _ext.get_dispatch_layout_cuda(torch.zeros(2, 4, dtype=torch.int64).t(), 8, 4, 2)
+
+
+def test_op_fake_impl_gives_shapes():
+    # The fake implementation is what torch.compile traces; meta tensors reach it on CPU.
+    topk_idx = torch.empty(5, 3, dtype=torch.int64, device="meta")
+    outs = torch.ops.moe_dispatch.get_dispatch_layout(topk_idx, 12, 6, 2)
+    assert [tuple(o.shape) for o in outs] == [(6,), (3,), (12,), (5, 6)]
+    assert [o.dtype for o in outs] == [torch.int64, torch.int64, torch.int64, torch.bool]
+
+
+# --- the kernel (GPU only) ---------------------------------------------------------------------
+
+def _routing(gen, num_tokens, num_topk, num_experts, skewed, drop):
+    """``[T, K]`` int64 top-k without repeats; skewed piles tokens onto a few experts, drop is
+    the fraction of entries set to -1."""
+    weights = torch.rand(num_experts, generator=gen) ** 8 + 1e-6 if skewed else torch.ones(num_experts)
+    idx = torch.multinomial(weights.expand(num_tokens, -1), num_topk, generator=gen) if num_tokens else \
+        torch.empty(0, num_topk, dtype=torch.int64)
+    idx[torch.rand(idx.shape, generator=gen) < drop] = -1
+    return idx
+
+
+LAYOUT_CASES = [
+    # T, K, E, W, L, skewed, drop
+    (0, 8, 64, 8, 8, False, 0.0),
+    (1, 1, 1, 1, 1, False, 0.0),
+    (37, 8, 64, 8, 4, True, 0.2),
+    (129, 6, 48, 12, 3, False, 0.5),
+    (4096, 8, 256, 16, 8, True, 0.05),
+    (4096, 8, 256, 64, 8, False, 0.0),
+    (50, 3, 2048, 2048, 1024, False, 0.1),  # several counting blocks per role
+    (3000, 9, 3072, 1536, 3, True, 0.05),  # grid-stride is_token_in_rank
+    (20, 5, 10, 5, 5, False, 1.0),  # every entry -1
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "T{}-K{}-E{}-W{}-L{}-skew{}-drop{}".format(*c))
+def test_layout_kernel_matches_reference(case):
+    num_tokens, num_topk, num_experts, num_ranks, ranks_per_node, skewed, drop = case
+    gen = torch.Generator().manual_seed(hash(case) % (1 << 31))
+    topk_idx = _routing(gen, num_tokens, num_topk, num_experts, skewed, drop).cuda()
+    got = _ext.get_dispatch_layout_cuda(topk_idx, num_experts, num_ranks, ranks_per_node)
+    want = get_dispatch_layout_reference(topk_idx, num_experts, num_ranks, ranks_per_node)
+    for name, g, w in zip(("num_tokens_per_rank", "num_tokens_per_node", "num_tokens_per_expert",
+                           "is_token_in_rank"), got, want):
+        assert g.dtype == w.dtype and g.device == topk_idx.device, name
+        assert torch.equal(g, w), name  # counts are exact
+
+
+@needs_gpu
+def test_layout_kernel_on_side_stream_is_deterministic():
+    gen = torch.Generator().manual_seed(7)
+    topk_idx = _routing(gen, 2048, 8, 128, True, 0.1).cuda()
+    first = _ext.get_dispatch_layout_cuda(topk_idx, 128, 16, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        second = _ext.get_dispatch_layout_cuda(topk_idx, 128, 16, 8)
+    torch.cuda.current_stream().wait_stream(stream)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
