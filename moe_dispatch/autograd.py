@@ -1,5 +1,10 @@
 """Dispatch and combine as autograd Functions, each the other's backward (they are adjoint:
-dispatch copies a token to every rank that holds it, combine sums those copies back)."""
+dispatch copies a token to every rank that holds it, combine sums those copies back).
+
+The Functions only wire gradients; the Buffer's ``_move_*`` methods move the data (possibly
+asynchronously: outputs are allocated up front and filled by the communication thread).
+Backward passes run synchronously.
+"""
 
 from __future__ import annotations
 
@@ -7,41 +12,45 @@ import torch
 
 
 class DispatchFn(torch.autograd.Function):
-    """First dispatch of a routing: moves ``x`` (and raw ``topk_weights``) and builds the plan.
+    """Dispatch of ``x`` (and ``topk_weights``) through ``state["plan"]``.
 
-    ``box`` (a dict) receives the plan and the received global ``topk_idx``; the backward is a
-    combine of the gradients through that plan.
+    ``state`` (a dict owned by the handle being built) carries the plan, the layout, the
+    output ``recv_topk_idx`` and receives the ``event``. Gradients of ``recv_topk_weights``
+    flow back only where ``recv_topk_idx`` names a local expert (elsewhere the output is 0).
     """
 
     @staticmethod
-    def forward(ctx, transport, box: dict, topk_idx, is_token_in_rank, x, topk_weights):
-        tensors = [x] if topk_weights is None else [x, topk_weights]
-        received, recv_topk_idx, plan = transport.dispatch(tensors, topk_idx, is_token_in_rank)
-        box["plan"], box["recv_topk_idx"] = plan, recv_topk_idx
-        ctx.transport, ctx.plan = transport, plan
-        return received[0], (received[1] if topk_weights is not None else None)
+    def forward(ctx, buffer, state: dict, async_finish: bool, x, topk_weights):
+        ctx.buffer, ctx.state = buffer, state
+        recv_x, recv_weights = buffer._move_dispatch(state, x, topk_weights, async_finish)
+        return recv_x, recv_weights
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):
         tensors = [grad_recv_x.contiguous()]
         if grad_recv_weights is not None:
-            tensors.append(grad_recv_weights.contiguous())
-        grads = ctx.transport.combine(tensors, [None] * len(tensors), ctx.plan, what="dispatch backward (combine)")
-        return None, None, None, None, grads[0], (grads[1] if len(grads) > 1 else None)
+            mine = ctx.state["recv_topk_idx"] >= 0
+            tensors.append(torch.where(mine, grad_recv_weights, torch.zeros_like(grad_recv_weights)))
+        grads = ctx.buffer._move_combine(ctx.state["plan"], tensors, [None] * len(tensors), False,
+                                         "dispatch backward (combine)")[0]
+        return None, None, None, grads[0], (grads[1] if len(grads) > 1 else None)
 
 
 class ReplayDispatchFn(torch.autograd.Function):
     """Dispatch of ``x`` through an existing plan (cached dispatch); backward is a combine."""
 
     @staticmethod
-    def forward(ctx, transport, plan, x):
-        ctx.transport, ctx.plan = transport, plan
-        return transport.forward([x], plan, what="cached dispatch")[0]
+    def forward(ctx, buffer, plan, events: list, async_finish: bool, x):
+        ctx.buffer, ctx.plan = buffer, plan
+        outs, event = buffer._move_forward(plan, [x], async_finish, "cached dispatch")
+        events.append(event)
+        return outs[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, ctx.transport.combine([grad.contiguous()], [None], ctx.plan,
-                                                 what="cached dispatch backward (combine)")[0]
+        outs, _ = ctx.buffer._move_combine(ctx.plan, [grad.contiguous()], [None], False,
+                                           "cached dispatch backward (combine)")
+        return None, None, None, None, outs[0]
 
 
 class CombineFn(torch.autograd.Function):
@@ -49,21 +58,24 @@ class CombineFn(torch.autograd.Function):
     dispatch of the gradient through the same plan."""
 
     @staticmethod
-    def forward(ctx, transport, plan, y, row_scale):
-        ctx.transport, ctx.plan = transport, plan
+    def forward(ctx, buffer, plan, events: list, async_finish: bool, y, row_scale):
+        ctx.buffer, ctx.plan = buffer, plan
         ctx.save_for_backward(y, row_scale)
-        return transport.combine([y], [row_scale], plan)[0]
+        outs, event = buffer._move_combine(plan, [y], [row_scale], async_finish, "combine")
+        events.append(event)
+        return outs[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         y, row_scale = ctx.saved_tensors
-        grad = ctx.transport.forward([grad_out.contiguous()], ctx.plan, what="combine backward (dispatch)")[0]
+        outs, _ = ctx.buffer._move_forward(ctx.plan, [grad_out.contiguous()], False, "combine backward (dispatch)")
+        grad = outs[0]
         grad_y = grad_scale = None
         if row_scale is None:
             grad_y = grad
         else:
-            if ctx.needs_input_grad[2]:
+            if ctx.needs_input_grad[4]:
                 grad_y = (grad.float() * row_scale.unsqueeze(1)).to(y.dtype)
-            if ctx.needs_input_grad[3]:
+            if ctx.needs_input_grad[5]:
                 grad_scale = (grad.float() * y.float()).sum(1)
-        return None, None, grad_y, grad_scale
+        return None, None, None, None, grad_y, grad_scale

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from . import autograd
 from .layout import get_dispatch_layout_reference
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
-from .transport.torch_dist import TorchDistPlan, TorchDistTransport
+from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive
 from .validation import check_hidden, check_topk_idx, check_topk_weights
 
 _BUFFER_IDS = itertools.count()
@@ -56,19 +57,27 @@ class DispatchHandle:
 
 
 class EventOverlap:
-    """Completion of an operation, for ordering work on other streams (DeepEP's ``EventOverlap``).
+    """Completion of an asynchronous operation (DeepEP's ``EventOverlap``).
 
-    ``event`` is a ``torch.cuda.Event`` recorded after the operation, or None when the
-    operation had already completed on the host (CPU tensors).
+    On GPU it holds a ``torch.cuda.Event`` recorded after the operation; on CPU a future of the
+    Buffer's communication thread. ``EventOverlap()`` (neither) is an operation that already
+    completed.
     """
 
-    def __init__(self, event: "torch.cuda.Event | None" = None):
-        self.event = event
+    def __init__(self, event: "torch.cuda.Event | None" = None, future: "Future | None" = None):
+        self.event, self.future = event, future
 
     def current_stream_wait(self) -> None:
-        """Makes the current CUDA stream wait for the operation (no host synchronisation)."""
+        """Orders the caller after the operation: the current CUDA stream waits for the event
+        (no host synchronisation); on CPU the host waits for the communication thread.
+
+        Raises:
+            CommError: the operation failed or timed out (CPU; raised here, where it is awaited).
+        """
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
+        if self.future is not None:
+            self.future.result()
 
     def __enter__(self) -> "EventOverlap":
         return self
@@ -144,6 +153,9 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
         self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
+        # CPU: one thread runs every collective of this Buffer in call order (a "comm stream"),
+        # so async operations overlap the caller's compute.
+        self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{self.rank}")
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -190,8 +202,10 @@ class Buffer:
                  previous_event: EventOverlap | None = None):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
-        Collective over the EP group; synchronises the host (receive sizes are host ints).
-        Differentiable w.r.t. ``x`` and ``topk_weights`` (backward is a combine).
+        Collective over the EP group. A fresh dispatch first exchanges the layout counts (a
+        small collective the host waits for: receive sizes are host ints), then moves the
+        payload; a cached dispatch (``handle=``) skips the counts. Differentiable w.r.t. ``x``
+        and ``topk_weights`` (backward is a combine, run synchronously).
 
         Args:
             x: ``[T, H]`` bf16/fp16/fp32, contiguous, on the Buffer's device.
@@ -200,9 +214,12 @@ class Buffer:
             num_experts: E, divisible by W.
             handle: a previous dispatch's handle to replay its routing (cached dispatch);
                 then pass only ``x`` (same T) and the topk outputs are None.
-            async_finish: return an :class:`EventOverlap` whose event marks completion (on CPU
-                the call completes before returning and the event is None).
-            previous_event: make this dispatch wait for it first.
+            async_finish: return as soon as the payload is in flight, with an
+                :class:`EventOverlap` that marks its completion: outputs are allocated but must
+                not be read before ``event.current_stream_wait()`` (CPU: the Buffer's
+                communication thread moves the data; CUDA: an event recorded after the work).
+                Otherwise the call returns complete and the event is empty.
+            previous_event: an event this call must wait for first (the host waits on CPU).
 
         Returns:
             ``recv_x [R, H]`` (x's dtype), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
@@ -223,8 +240,9 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle=...) replays the handle's routing: "
                                  "pass topk_idx=None and topk_weights=None")
-            recv_x = autograd.ReplayDispatchFn.apply(self._transport, handle.plan, x)
-            return recv_x, None, None, None, handle, self._event(async_finish)
+            events: list = []
+            recv_x = autograd.ReplayDispatchFn.apply(self, handle.plan, events, async_finish, x)
+            return recv_x, None, None, None, handle, events[0]
 
         check_hidden("x", x, self.device)
         if topk_idx is None or num_experts is None:
@@ -232,22 +250,18 @@ class Buffer:
         check_topk_idx(topk_idx, num_experts, num_tokens=x.shape[0], device=self.device)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
-        *_, is_token_in_rank = self.get_dispatch_layout(topk_idx, num_experts)
-
-        box: dict = {}
-        recv_x, recv_weights = autograd.DispatchFn.apply(self._transport, box, topk_idx, is_token_in_rank, x,
-                                                         topk_weights)
-        experts_per_rank = num_experts // self.world_size
-        local = box["recv_topk_idx"] - self.rank * experts_per_rank
-        mine = (box["recv_topk_idx"] >= 0) & (local >= 0) & (local < experts_per_rank)
-        recv_topk_idx = torch.where(mine, local, torch.full_like(local, -1))
-        if recv_weights is not None:
-            recv_weights = torch.where(mine, recv_weights, torch.zeros_like(recv_weights))
-        num_recv_tokens_per_expert = torch.bincount(recv_topk_idx[mine].long(), minlength=experts_per_rank)
+        layout = self.get_dispatch_layout(topk_idx, num_experts)
+        plan, _ = self._launch(self._transport.plan(*layout), False)
+        state = {"plan": plan, "is_token_in_rank": layout[3], "topk_idx": topk_idx, "num_experts": num_experts,
+                 "recv_topk_idx": topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1]))}
+        recv_x, recv_weights = autograd.DispatchFn.apply(self, state, async_finish, x, topk_weights)
         handle = DispatchHandle(buffer_id=self._uid, num_tokens=x.shape[0], num_experts=num_experts,
-                                num_recv_tokens=recv_x.shape[0], recv_topk_idx=recv_topk_idx,
-                                is_token_in_rank=is_token_in_rank, plan=box["plan"])
-        return recv_x, recv_topk_idx, recv_weights, num_recv_tokens_per_expert, handle, self._event(async_finish)
+                                num_recv_tokens=plan.num_recv_tokens, recv_topk_idx=state["recv_topk_idx"],
+                                is_token_in_rank=layout[3], plan=plan)
+        num_recv_tokens_per_expert = torch.tensor(plan.num_recv_tokens_per_expert, dtype=torch.int64,
+                                                  device=self.device)
+        return (recv_x, state["recv_topk_idx"], recv_weights, num_recv_tokens_per_expert, handle,
+                state["event"])
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
                 async_finish: bool = False, previous_event: EventOverlap | None = None):
@@ -286,8 +300,9 @@ class Buffer:
                 raise ValueError(f"topk_weights must be [{handle.num_recv_tokens}] or [{handle.num_recv_tokens}, K] "
                                  f"on {self.device}, got {list(topk_weights.shape)} on {topk_weights.device}")
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        out = autograd.CombineFn.apply(self._transport, handle.plan, y, row_scale)
-        return out, self._event(async_finish)
+        events: list = []
+        out = autograd.CombineFn.apply(self, handle.plan, events, async_finish, y, row_scale)
+        return out, events[0]
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
@@ -297,9 +312,52 @@ class Buffer:
             raise ValueError(f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
                              "combine with the Buffer that dispatched")
 
-    def _event(self, async_finish: bool) -> EventOverlap:
-        if async_finish and self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            return EventOverlap(event)
-        return EventOverlap(None)
+    def _launch(self, steps, async_finish: bool):
+        """Runs transport steps on this Buffer's communication thread (CPU; it orders all of
+        the Buffer's collectives like a stream) or inline (CUDA: NCCL is stream-ordered).
+        Returns (result or None when asynchronous, event)."""
+        if self.device.type == "cuda":
+            result = drive(steps)
+            event = None
+            if async_finish:
+                event = torch.cuda.Event()
+                event.record()
+            return result, EventOverlap(event)
+        future = self._comm.submit(drive, steps)
+        if async_finish:
+            return None, EventOverlap(future=future)
+        return future.result(), EventOverlap()
+
+    def _move_dispatch(self, state: dict, x: torch.Tensor, topk_weights: torch.Tensor | None,
+                       async_finish: bool):
+        """Allocates the dispatch outputs and moves x, topk_weights and topk_idx into them;
+        converts topk_idx to local numbering and zeroes the weights of other ranks' experts."""
+        plan, rows = state["plan"], state["plan"].num_recv_tokens
+        tensors = [x, state["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
+        out = [t.new_empty((rows, *t.shape[1:])) for t in tensors]
+        out[1] = state["recv_topk_idx"]
+        experts_per_rank = state["num_experts"] // self.world_size
+        first = self.rank * experts_per_rank
+
+        def steps():
+            yield from self._transport.dispatch(tensors, state["is_token_in_rank"], plan, out)
+            recv_idx = out[1]
+            mine = (recv_idx >= first) & (recv_idx < first + experts_per_rank)
+            recv_idx.copy_(torch.where(mine, recv_idx - first, torch.full_like(recv_idx, -1)))
+            if topk_weights is not None:
+                out[2].masked_fill_(~mine, 0.0)
+
+        _, state["event"] = self._launch(steps(), async_finish)
+        return out[0], (out[2] if topk_weights is not None else None)
+
+    def _move_forward(self, plan, tensors: list[torch.Tensor], async_finish: bool, what: str):
+        """Replays a plan's dispatch for row tensors ``[T, ...]``; returns (outputs, event)."""
+        out = [t.new_empty((plan.num_recv_tokens, *t.shape[1:])) for t in tensors]
+        _, event = self._launch(self._transport.forward(tensors, plan, out, what), async_finish)
+        return out, event
+
+    def _move_combine(self, plan, tensors: list[torch.Tensor], scales: list, async_finish: bool, what: str):
+        """Combines row tensors ``[R, ...]`` onto their source tokens; returns (outputs, event)."""
+        out = [t.new_empty((plan.num_tokens, *t.shape[1:])) for t in tensors]
+        _, event = self._launch(self._transport.combine(tensors, scales, plan, out, what), async_finish)
+        return out, event

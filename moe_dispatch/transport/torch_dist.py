@@ -4,6 +4,10 @@ Portable (gloo on CPU, NCCL on GPU, PCIe-safe) and the executable mirror of the 
 orchestration. Rank (n, l) is node n, local index l (see ``Topology``).
 
 Dispatch:
+  metadata (group: all EP ranks): each source tells each destination d how many of its
+    tokens reach d's node, each rank of d's node, and each of d's experts. From that every
+    rank knows every split below and its receive count before any payload moves (so outputs
+    can be allocated up front and the payload can move asynchronously).
   stage 1 (inter-node, group {(m, l) for all m}): each token goes once to every node m that
     holds it, to the forwarder (m, l) with the sender's local index; the copy for the
     sender's own node stays local.
@@ -16,7 +20,10 @@ contributions in fp32 (ascending local rank) and round to the payload dtype, so 
 node) and round. Exactly the order of ``moe_dispatch.reference.combine``.
 
 Every stage moves all row tensors of one call as a single packed uint8 buffer, so a stage is
-one collective whatever the number of tensors.
+one collective whatever the number of tensors. Operations are written as generators that
+yield each in-flight collective (a :class:`Pending`); :func:`drive` runs one to completion,
+and callers may instead stop after the first yield to overlap the first stage with their own
+work.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+from collections.abc import Generator
 
 import torch
 import torch.distributed as dist
@@ -41,18 +49,52 @@ class TorchDistPlan:
     s1_send_idx: torch.Tensor  # [S1] source token of each stage-1 send row, grouped by destination node
     s1_send_slot: torch.Tensor  # [S1] how many earlier rows carry the same token (= node order)
     s1_send_splits: list[int]  # [N]
-    s1_recv_splits: list[int]  # [N] forwarded rows from each source node
-    s2_send_idx: torch.Tensor  # [S2] stage-1 row of each stage-2 send row, grouped by destination local rank
-    s2_send_slot: torch.Tensor  # [S2] same-token ordinal (= local rank order)
+    s1_recv_splits: list[int]  # [N] rows to forward, from each source node
     s2_send_splits: list[int]  # [L]
     s2_recv_splits: list[int]  # [L]
     recv_perm: torch.Tensor  # [R] final row i is stage-2 received row recv_perm[i]
+    num_recv_tokens_per_expert: list[int]  # [E/W]
     internode_rows: int  # rows this rank sends to other nodes per dispatch (and receives back in combine)
     intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
+    # Known once stage 1 has delivered the forwarded rows' routing:
+    s2_send_idx: torch.Tensor | None = None  # [S2] stage-1 row of each stage-2 send row, by destination local rank
+    s2_send_slot: torch.Tensor | None = None  # [S2] same-row ordinal (= local rank order)
 
     @property
     def num_recv_tokens(self) -> int:
         return int(self.recv_perm.numel())
+
+
+class Pending:
+    """One in-flight collective; :meth:`wait` turns a failure or timeout into :class:`CommError`."""
+
+    def __init__(self, work, describe):
+        self.work, self.describe = work, describe
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as err:  # gloo raises on timeout and on a lost peer
+            raise CommError(self.describe(err)) from err
+
+
+Steps = Generator["Pending | None", None, object]
+
+
+def drive(steps: Steps):
+    """Runs an operation's steps to completion, waiting on each collective; returns its result.
+
+    Data movement is never differentiated here (the autograd Functions wire gradients), and
+    grad mode is per thread, so it is switched off explicitly for the communication thread.
+    """
+    with torch.no_grad():
+        try:
+            while True:
+                pending = next(steps)
+                if pending is not None:
+                    pending.wait()
+        except StopIteration as stop:
+            return stop.value
 
 
 def _slots(index: torch.Tensor) -> torch.Tensor:
@@ -92,6 +134,13 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
     return [(t.dtype, tuple(t.shape[1:])) for t in tensors]
 
 
+def _to_host(t: torch.Tensor) -> list[int]:
+    return t.tolist()
+
+
+INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
+
+
 class TorchDistTransport:
     """Hierarchical dispatch/combine for one EP group over torch.distributed.
 
@@ -102,7 +151,7 @@ class TorchDistTransport:
             :class:`CommError` naming the operation and the peers.
 
     Collective: construction creates the sub-groups and must be called by every rank of
-    ``group`` (each rank joins its own inter-node and intra-node group).
+    ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float):
@@ -111,135 +160,142 @@ class TorchDistTransport:
         group_ranks = dist.get_process_group_ranks(group)
         backend = dist.get_backend(group)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.inter_ranks = topology.peer_ranks(topology.local_rank)  # EP ranks, one per node
-        self.intra_ranks = topology.node_ranks(topology.node)
+        self.peers = {INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
+                      INTRA: topology.node_ranks(topology.node),
+                      ALL: list(range(topology.world_size))}
         # Only members create a sub-group (use_local_synchronization), so EP groups that are
-        # themselves sub-groups of the world (Megatron) need no world-wide agreement.
-        self.inter_group = self.intra_group = None
-        if len(self.inter_ranks) > 1:
-            self.inter_group = dist.new_group([group_ranks[r] for r in self.inter_ranks], timeout=timeout,
-                                              backend=backend, use_local_synchronization=True)
-        if len(self.intra_ranks) > 1:
-            self.intra_group = dist.new_group([group_ranks[r] for r in self.intra_ranks], timeout=timeout,
-                                              backend=backend, use_local_synchronization=True)
+        # themselves sub-groups of the world (Megatron) need no world-wide agreement. Our own
+        # groups carry our timeout, whatever the caller's group has.
+        self.groups = {kind: (dist.new_group([group_ranks[r] for r in ranks], timeout=timeout, backend=backend,
+                                             use_local_synchronization=True) if len(ranks) > 1 else None)
+                       for kind, ranks in self.peers.items()}
 
     # -- collectives -------------------------------------------------------------------------
-    def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                    inter: bool, what: str) -> torch.Tensor:
-        group = self.inter_group if inter else self.intra_group
-        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    def _all_to_all(self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
+                    kind: str, what: str) -> tuple[torch.Tensor, Pending | None]:
+        """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None)."""
+        group = self.groups[kind]
+        rows = sum(recv_splits) if recv_splits is not None else send.shape[0]
+        recv = send.new_empty((rows, *send.shape[1:]))
         if group is None:  # a group of one: the only destination is this rank
             recv.copy_(send)
-            return recv
-        try:
-            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
-        except RuntimeError as err:  # gloo raises on timeout and on a lost peer
-            peers = self.inter_ranks if inter else self.intra_ranks
-            stage = "inter-node" if inter else "intra-node"
-            raise CommError(
-                f"EP rank {self.topology.rank}: {what} ({stage} all_to_all with EP ranks {peers}) "
-                f"failed or did not complete within timeout_s={self.timeout_s:g}: {err}"
-            ) from err
-        return recv
+            return recv, None
 
-    def _exchange_counts(self, counts: torch.Tensor, inter: bool, what: str) -> torch.Tensor:
-        """``counts [P, C]`` int64 for each of the P group members -> ``[P, C]`` received."""
-        peers, width = counts.shape
-        got = self._all_to_all(counts.reshape(-1), [width] * peers, [width] * peers, inter, what)
-        return got.view(peers, width)
+        def describe(err):
+            return (f"EP rank {self.topology.rank}: {what} ({kind} all_to_all with EP ranks {self.peers[kind]}) "
+                    f"failed or did not complete within timeout_s={self.timeout_s:g}: {err}")
+
+        try:
+            work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+        except RuntimeError as err:
+            raise CommError(describe(err)) from err
+        return recv, Pending(work, describe)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def dispatch(self, tensors: list[torch.Tensor], topk_idx: torch.Tensor, is_token_in_rank: torch.Tensor,
-                 what: str = "dispatch") -> tuple[list[torch.Tensor], torch.Tensor, TorchDistPlan]:
-        """Moves row tensors ``[T, ...]`` to the ranks holding each token.
-
-        Args:
-            tensors: row tensors aligned with the tokens (x, topk_weights, ...).
-            topk_idx: ``[T, K]`` global expert ids (-1 = none); travels with the tokens.
-            is_token_in_rank: ``[T, W]`` bool, from the layout.
-
-        Returns:
-            (received tensors ``[R, ...]`` in (source rank, source token) order,
-            received ``topk_idx [R, K]`` (global ids), the plan for combine).
-        """
+    def plan(self, num_tokens_per_rank: torch.Tensor, num_tokens_per_node: torch.Tensor,
+             num_tokens_per_expert: torch.Tensor, is_token_in_rank: torch.Tensor,
+             what: str = "dispatch") -> Steps:
+        """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
+        (stage-2 send indices still unset). Arguments as from ``get_dispatch_layout``."""
         topo = self.topology
-        num_nodes, local_ranks, device = topo.num_nodes, topo.ranks_per_node, topk_idx.device
-        num_tokens = topk_idx.shape[0]
-        in_rank = is_token_in_rank.view(num_tokens, num_nodes, local_ranks)
-
-        # Stage 1: once per (token, node), to the forwarder with my local index. Each row also
-        # carries the destination node's L columns of is_token_in_rank: the forwarder's routing.
-        in_node = in_rank.any(2)
+        world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
+        device = is_token_in_rank.device
+        num_tokens = is_token_in_rank.shape[0]
+        experts_per_rank = num_tokens_per_expert.numel() // world
+        # Row for destination d = (n_d, l_d): my counts for d's experts, d's node's ranks, d's node.
+        dest_node = torch.arange(world, device=device) // local_ranks
+        meta = torch.cat([num_tokens_per_expert.view(world, experts_per_rank),
+                          num_tokens_per_rank.view(num_nodes, local_ranks)[dest_node],
+                          num_tokens_per_node[dest_node].view(world, 1)], 1).to(torch.int64)
+        got, pending = self._all_to_all(meta, None, None, ALL, f"{what} metadata")
+        yield pending
+        got = got.view(world, experts_per_rank + local_ranks + 1)  # [source rank, row]
+        # Sources with my local index (my inter-node peers), one per node.
+        peer_rows = got[topo.local_rank::local_ranks]  # [N, row]
+        ranks_of_node = peer_rows[:, experts_per_rank:experts_per_rank + local_ranks]  # [m', l']
+        # From source (m', l_s) to me: [l_s, m'] counts, the arrival blocks of stage 2.
+        recv_counts = got[:, experts_per_rank + topo.local_rank].view(num_nodes, local_ranks).t()
+        in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
         s1_send_idx = torch.nonzero(in_node.t())[:, 1]  # node-major, tokens ascending
-        s1_send_splits = in_node.sum(0).tolist()
-        s1_recv_splits = self._exchange_counts(
-            torch.tensor(s1_send_splits, dtype=torch.int64, device=device).view(-1, 1), True,
-            f"{what} stage 1 counts").flatten().tolist()
-        s1_dest_node = torch.repeat_interleave(torch.arange(num_nodes, device=device),
-                                               torch.tensor(s1_send_splits, device=device),
-                                               output_size=s1_send_idx.numel())
-        payload = [*tensors, topk_idx]
-        send1 = _pack([*[t[s1_send_idx] for t in payload], in_rank[s1_send_idx, s1_dest_node]])
-        recv1 = _unpack(self._all_to_all(send1, s1_send_splits, s1_recv_splits, True, f"{what} stage 1"),
-                        [*_specs(payload), (torch.bool, (local_ranks,))])
-        in_local = recv1.pop()  # [J, L]
-        num_forwarded = in_local.shape[0]
-
-        # Stage 2: the forwarder (n, l) hands each token to the local ranks of node n that hold it.
-        s2_send_idx = torch.nonzero(in_local.t())[:, 1]  # local-rank-major, rows ascending
-        s2_send_splits = in_local.sum(0).tolist()
-        # Per destination local rank, rows from each source node: the receiver's reorder key.
-        src_node = torch.repeat_interleave(torch.arange(num_nodes, device=device),
-                                           torch.tensor(s1_recv_splits, device=device), output_size=num_forwarded)
-        counts = (in_local.t().unsqueeze(2) & (src_node.view(1, -1, 1) == torch.arange(num_nodes, device=device)))
-        recv_counts = self._exchange_counts(counts.sum(1), False, f"{what} stage 2 counts")  # [l, m]
-        s2_recv_splits = recv_counts.sum(1).tolist()
-        recv2 = _unpack(self._all_to_all(_pack([t[s2_send_idx] for t in recv1]), s2_send_splits, s2_recv_splits,
-                                         False, f"{what} stage 2"), _specs(payload))
-        recv_perm = _block_transpose(recv_counts)
-        plan = TorchDistPlan(
+        s1_send_splits = _to_host(num_tokens_per_node)
+        s2_send_splits = _to_host(ranks_of_node.sum(0))
+        return TorchDistPlan(
             num_tokens=num_tokens,
             s1_send_idx=s1_send_idx, s1_send_slot=_slots(s1_send_idx),
-            s1_send_splits=s1_send_splits, s1_recv_splits=s1_recv_splits,
-            s2_send_idx=s2_send_idx, s2_send_slot=_slots(s2_send_idx),
-            s2_send_splits=s2_send_splits, s2_recv_splits=s2_recv_splits,
-            recv_perm=recv_perm,
+            s1_send_splits=s1_send_splits,
+            s1_recv_splits=_to_host(peer_rows[:, -1]),
+            s2_send_splits=s2_send_splits,
+            s2_recv_splits=_to_host(recv_counts.sum(1)),
+            recv_perm=_block_transpose(recv_counts),
+            num_recv_tokens_per_expert=_to_host(got[:, :experts_per_rank].sum(0)),
             internode_rows=sum(s1_send_splits) - s1_send_splits[topo.node],
             intranode_rows=sum(s2_send_splits) - s2_send_splits[topo.local_rank],
         )
-        received = [t[recv_perm] for t in recv2]
-        return received[:-1], received[-1], plan
 
-    def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, what: str) -> list[torch.Tensor]:
-        """Replays a plan's dispatch for other row tensors ``[T, ...]`` (cached dispatch, combine's backward)."""
-        specs = _specs(tensors)
-        recv1 = self._all_to_all(_pack([t[plan.s1_send_idx] for t in tensors]), plan.s1_send_splits,
-                                 plan.s1_recv_splits, True, f"{what} stage 1")
-        recv2 = self._all_to_all(recv1[plan.s2_send_idx], plan.s2_send_splits, plan.s2_recv_splits,
-                                 False, f"{what} stage 2")
-        return _unpack(recv2[plan.recv_perm], specs)
+    def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: TorchDistPlan,
+                 out: list[torch.Tensor], what: str = "dispatch") -> Steps:
+        """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
+        them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); they
+        also fill the plan's stage-2 indices."""
+        topo = self.topology
+        num_tokens, local_ranks = is_token_in_rank.shape[0], topo.ranks_per_node
+        in_rank = is_token_in_rank.view(num_tokens, topo.num_nodes, local_ranks)
+        device = is_token_in_rank.device
+        # Stage 1. Each row also carries the destination node's L columns of is_token_in_rank:
+        # the forwarder's routing.
+        dest_node = torch.repeat_interleave(torch.arange(topo.num_nodes, device=device),
+                                            torch.tensor(plan.s1_send_splits, device=device),
+                                            output_size=plan.s1_send_idx.numel())
+        send1 = _pack([*[t[plan.s1_send_idx] for t in tensors], in_rank[plan.s1_send_idx, dest_node]])
+        recv1, pending = self._all_to_all(send1, plan.s1_send_splits, plan.s1_recv_splits, INTER, f"{what} stage 1")
+        yield pending
+        *recv1, in_local = _unpack(recv1, [*_specs(tensors), (torch.bool, (local_ranks,))])
+        # Stage 2: the forwarder (n, l) hands each row to the local ranks of node n that hold it.
+        plan.s2_send_idx = torch.nonzero(in_local.t())[:, 1]  # local-rank-major, rows ascending
+        plan.s2_send_slot = _slots(plan.s2_send_idx)
+        if plan.s2_send_idx.numel() != sum(plan.s2_send_splits):
+            raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({plan.s2_send_idx.numel()}) disagree "
+                               f"with the metadata ({sum(plan.s2_send_splits)}); did every rank pass the same "
+                               f"num_experts?")
+        yield from self._stage2(recv1, plan, out, what)
+
+    def _stage2(self, rows: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
+        send2 = _pack([t[plan.s2_send_idx] for t in rows])
+        recv2, pending = self._all_to_all(send2, plan.s2_send_splits, plan.s2_recv_splits, INTRA, f"{what} stage 2")
+        yield pending
+        for dst, src in zip(out, _unpack(recv2, _specs(rows))):
+            torch.index_select(src, 0, plan.recv_perm, out=dst)
+
+    def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor],
+                what: str) -> Steps:
+        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
+        (cached dispatch, combine's backward)."""
+        send1 = _pack([t[plan.s1_send_idx] for t in tensors])
+        recv1, pending = self._all_to_all(send1, plan.s1_send_splits, plan.s1_recv_splits, INTER, f"{what} stage 1")
+        yield pending
+        yield from self._stage2(_unpack(recv1, _specs(tensors)), plan, out, what)
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: TorchDistPlan,
-                what: str = "combine") -> list[torch.Tensor]:
-        """Sums received rows back onto their source tokens.
+                out: list[torch.Tensor], what: str = "combine") -> Steps:
+        """Steps summing received rows back onto their source tokens.
 
         Args:
             tensors: ``[R, ...]`` floating row tensors in dispatch's receive order.
             scales: per tensor, None or ``[R]`` fp32 row scales applied (in fp32) before summing.
             plan: the dispatch's plan.
-
-        Returns:
-            ``[T, ...]`` per tensor, in its dtype, reduced in the order of the module docstring.
+            out: per tensor ``[T, ...]`` in its dtype, written with the sums in the order of the
+                module docstring.
         """
         # Scales travel as extra fp32 columns so the forwarder multiplies in fp32.
         payload = [*tensors, *[s.view(-1, 1) for s in scales if s is not None]]
-        specs = _specs(payload)
         packed = _pack(payload)
         unsorted = torch.empty_like(packed)  # back to stage-2 arrival order
         unsorted[plan.recv_perm] = packed
-        back2 = _unpack(self._all_to_all(unsorted, plan.s2_recv_splits, plan.s2_send_splits, False,
-                                         f"{what} stage 2"), specs)
+        back2, pending = self._all_to_all(unsorted, plan.s2_recv_splits, plan.s2_send_splits, INTRA,
+                                          f"{what} stage 2")
+        yield pending
+        back2 = _unpack(back2, _specs(payload))
         num_forwarded = sum(plan.s1_recv_splits)
         row_scales, k = [], len(tensors)
         for s in scales:
@@ -247,9 +303,11 @@ class TorchDistTransport:
             k += s is not None
         partials = [_ordered_sum(t, sc, plan.s2_send_idx, plan.s2_send_slot, num_forwarded)
                     for t, sc in zip(back2[:len(tensors)], row_scales)]
-        back1 = _unpack(self._all_to_all(_pack(partials), plan.s1_recv_splits, plan.s1_send_splits, True,
-                                         f"{what} stage 1"), _specs(partials))
-        return [_ordered_sum(t, None, plan.s1_send_idx, plan.s1_send_slot, plan.num_tokens) for t in back1]
+        back1, pending = self._all_to_all(_pack(partials), plan.s1_recv_splits, plan.s1_send_splits, INTER,
+                                          f"{what} stage 1")
+        yield pending
+        for dst, rows in zip(out, _unpack(back1, _specs(partials))):
+            dst.copy_(_ordered_sum(rows, None, plan.s1_send_idx, plan.s1_send_slot, plan.num_tokens))
 
 
 def _ordered_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, slot: torch.Tensor,

@@ -1,0 +1,85 @@
+"""Asynchronous dispatch/combine (``async_finish=True``): the call returns while the payload
+is in flight on the Buffer's communication thread, and the results equal the synchronous ones."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_dispatch import Buffer
+
+from .test_dispatch import expert, make_routing, make_x
+from .worlds import assert_case, run_cases, world_results
+
+LATE_S = 1.0  # how late the last rank joins, to show the others do not wait for it
+
+
+def _inputs(rank, world_size, seed=30):
+    num_tokens = [32] * world_size
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed)
+    return make_x(num_tokens, 64, torch.bfloat16, seed)[rank], idxs[rank], ws[rank], num_experts
+
+
+def _async_matches_sync(rank, world_size, buf):
+    x, idx, w, num_experts = _inputs(rank, world_size)
+    sync = buf.dispatch(x, idx, w, num_experts)
+    recv_x, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(x, idx, w, num_experts, async_finish=True)
+    event.current_stream_wait()
+    assert torch.equal(recv_x, sync[0]) and torch.equal(recv_idx, sync[1]) and torch.equal(recv_w, sync[2])
+    assert torch.equal(per_expert, sync[3])
+    out, event = buf.combine(expert(recv_x, rank), handle, recv_w, async_finish=True)
+    with event:  # leaving the block waits for the combine
+        pass
+    assert torch.equal(out, buf.combine(expert(recv_x, rank), handle, recv_w)[0])
+
+
+def _returns_before_late_peer(rank, world_size, buf):
+    """Combine and cached dispatch need no host-visible metadata: with the last rank joining
+    LATE_S seconds late, the others' calls return at once and complete after it joins."""
+    x, idx, w, num_experts = _inputs(rank, world_size, seed=31)
+    recv_x, *_, handle, _ = buf.dispatch(x, idx, w, num_experts)
+    expected_out = buf.combine(recv_x, handle)[0]
+    expected_cached = buf.dispatch(x, handle=handle)[0]
+    late = rank == world_size - 1
+    for name, call, expected in (
+            ("combine", lambda: buf.combine(recv_x, handle, async_finish=True), expected_out),
+            ("cached dispatch", lambda: buf.dispatch(x, handle=handle, async_finish=True)[::5], expected_cached)):
+        if late:
+            time.sleep(LATE_S)
+        start = time.monotonic()
+        out, event = call()
+        returned = time.monotonic() - start
+        event.current_stream_wait()
+        completed = time.monotonic() - start
+        assert torch.equal(out, expected), f"async {name} differs from sync"
+        if not late and world_size > 1:
+            assert returned < LATE_S / 2, f"async {name} took {returned:.2f} s to return"
+            assert completed > LATE_S / 2, f"async {name} completed in {completed:.2f} s, before the late rank joined"
+
+
+def _autograd_after_async(rank, world_size, buf):
+    """Backward after an async dispatch is ordered after it (same communication thread)."""
+    x, idx, w, num_experts = _inputs(rank, world_size, seed=32)
+    x = x.float().requires_grad_()
+    recv_x, *_, handle, event = buf.dispatch(x, idx, w, num_experts, async_finish=True)
+    event.current_stream_wait()
+    recv_x.sum().backward()
+    holders = handle.is_token_in_rank.sum(1, keepdim=True).float()
+    assert torch.equal(x.grad, holders.expand_as(x)), "grad of sum(recv_x) must count the holders"
+
+
+CASES = {"async-matches-sync": _async_matches_sync, "returns-before-late-peer": _returns_before_late_peer,
+         "autograd-after-async": _autograd_after_async}
+
+
+def _entry(rank, world_size, ranks_per_node):
+    buf = Buffer(ranks_per_node=ranks_per_node, timeout_s=60)
+    return run_cases(rank, world_size, CASES, buf)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("world_size,ranks_per_node", [(1, 1), (2, 1), (4, 2)])
+def test_async(world_size, ranks_per_node, case):
+    assert_case(world_results(_entry, world_size, ranks_per_node), case)
