@@ -1,9 +1,10 @@
 """Dispatch and combine as autograd Functions, each the other's backward (they are adjoint:
 dispatch copies a token to every rank that holds it, combine sums those copies back).
 
-The Functions only wire gradients; the Buffer's ``_move_*`` methods move the data (possibly
-asynchronously: outputs are allocated up front and filled by the communication thread).
-Backward passes run synchronously.
+The Functions only wire gradients; the Buffer's ``_move_*`` methods move the data, launched
+as the per-call ``ctl`` dict says (sync, async, or up to a receive hook). Backward passes run
+synchronously, except that a dispatch given a ``wgrad_store`` launches its gradient combine
+first and runs the delayed weight gradients while it is in flight.
 """
 
 from __future__ import annotations
@@ -12,45 +13,48 @@ import torch
 
 
 class DispatchFn(torch.autograd.Function):
-    """Dispatch of ``x`` (and ``topk_weights``) through ``state["plan"]``.
+    """Dispatch of ``x`` (and ``topk_weights``) through ``ctl["plan"]``.
 
-    ``state`` (a dict owned by the handle being built) carries the plan, the layout, the
-    output ``recv_topk_idx`` and receives the ``event``. Gradients of ``recv_topk_weights``
-    flow back only where ``recv_topk_idx`` names a local expert (elsewhere the output is 0).
+    ``ctl`` carries the plan, the layout, the output ``recv_topk_idx``, the launch mode and
+    receives the event or hook. Gradients of ``recv_topk_weights`` flow back only where
+    ``recv_topk_idx`` names a local expert (elsewhere the output is 0).
     """
 
     @staticmethod
-    def forward(ctx, buffer, state: dict, async_finish: bool, x, topk_weights):
-        ctx.buffer, ctx.state = buffer, state
-        recv_x, recv_weights = buffer._move_dispatch(state, x, topk_weights, async_finish)
-        return recv_x, recv_weights
+    def forward(ctx, buffer, ctl: dict, x, topk_weights):
+        ctx.buffer, ctx.ctl = buffer, ctl
+        return buffer._move_dispatch(ctl, x, topk_weights)
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):
+        ctl = ctx.ctl
         tensors = [grad_recv_x.contiguous()]
         if grad_recv_weights is not None:
-            mine = ctx.state["recv_topk_idx"] >= 0
+            mine = ctl["recv_topk_idx"] >= 0
             tensors.append(torch.where(mine, grad_recv_weights, torch.zeros_like(grad_recv_weights)))
-        grads = ctx.buffer._move_combine(ctx.state["plan"], tensors, [None] * len(tensors), False,
-                                         "dispatch backward (combine)")[0]
-        return None, None, None, grads[0], (grads[1] if len(grads) > 1 else None)
+        store = ctl.get("wgrad_store")
+        launch = {"mode": "async" if store is not None else "sync"}
+        grads = ctx.buffer._move_combine(ctl["plan"], tensors, [None] * len(tensors), launch,
+                                         "dispatch backward (combine)")
+        if store is not None:  # the experts' weight gradients overlap the combine in flight
+            store.backward_dw()
+            launch["event"].current_stream_wait()
+        return None, None, grads[0], (grads[1] if len(grads) > 1 else None)
 
 
 class ReplayDispatchFn(torch.autograd.Function):
     """Dispatch of ``x`` through an existing plan (cached dispatch); backward is a combine."""
 
     @staticmethod
-    def forward(ctx, buffer, plan, events: list, async_finish: bool, x):
+    def forward(ctx, buffer, plan, ctl: dict, x):
         ctx.buffer, ctx.plan = buffer, plan
-        outs, event = buffer._move_forward(plan, [x], async_finish, "cached dispatch")
-        events.append(event)
-        return outs[0]
+        return buffer._move_forward(plan, [x], ctl, "cached dispatch")[0]
 
     @staticmethod
     def backward(ctx, grad):
-        outs, _ = ctx.buffer._move_combine(ctx.plan, [grad.contiguous()], [None], False,
-                                           "cached dispatch backward (combine)")
-        return None, None, None, None, outs[0]
+        out = ctx.buffer._move_combine(ctx.plan, [grad.contiguous()], [None], {"mode": "sync"},
+                                       "cached dispatch backward (combine)")
+        return None, None, None, out[0]
 
 
 class CombineFn(torch.autograd.Function):
@@ -58,24 +62,22 @@ class CombineFn(torch.autograd.Function):
     dispatch of the gradient through the same plan."""
 
     @staticmethod
-    def forward(ctx, buffer, plan, events: list, async_finish: bool, y, row_scale):
+    def forward(ctx, buffer, plan, ctl: dict, y, row_scale):
         ctx.buffer, ctx.plan = buffer, plan
         ctx.save_for_backward(y, row_scale)
-        outs, event = buffer._move_combine(plan, [y], [row_scale], async_finish, "combine")
-        events.append(event)
-        return outs[0]
+        return buffer._move_combine(plan, [y], [row_scale], ctl, "combine")[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         y, row_scale = ctx.saved_tensors
-        outs, _ = ctx.buffer._move_forward(ctx.plan, [grad_out.contiguous()], False, "combine backward (dispatch)")
-        grad = outs[0]
+        grad = ctx.buffer._move_forward(ctx.plan, [grad_out.contiguous()], {"mode": "sync"},
+                                        "combine backward (dispatch)")[0]
         grad_y = grad_scale = None
         if row_scale is None:
             grad_y = grad
         else:
-            if ctx.needs_input_grad[4]:
+            if ctx.needs_input_grad[3]:
                 grad_y = (grad.float() * row_scale.unsqueeze(1)).to(y.dtype)
-            if ctx.needs_input_grad[5]:
+            if ctx.needs_input_grad[4]:
                 grad_scale = (grad.float() * y.float()).sum(1)
-        return None, None, None, None, grad_y, grad_scale
+        return None, None, None, grad_y, grad_scale

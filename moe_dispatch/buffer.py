@@ -15,7 +15,7 @@ from . import autograd
 from .layout import get_dispatch_layout_reference
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
-from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive
+from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
 from .validation import check_hidden, check_topk_idx, check_topk_weights
 
 _BUFFER_IDS = itertools.count()
@@ -44,6 +44,7 @@ class DispatchHandle:
     recv_topk_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
     plan: TorchDistPlan
+    _hook: "RecvHook | None" = None  # the dispatch's receive hook, when issued with one
 
     @property
     def num_internode_tokens(self) -> int:
@@ -199,7 +200,8 @@ class Buffer:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
                  handle: DispatchHandle | None = None, async_finish: bool = False,
-                 previous_event: EventOverlap | None = None):
+                 previous_event: EventOverlap | None = None, return_recv_hook: bool = False,
+                 wgrad_store: "DelayedWgrad | None" = None):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
         Collective over the EP group. A fresh dispatch first exchanges the layout counts (a
@@ -220,29 +222,36 @@ class Buffer:
                 communication thread moves the data; CUDA: an event recorded after the work).
                 Otherwise the call returns complete and the event is empty.
             previous_event: an event this call must wait for first (the host waits on CPU).
+            return_recv_hook: issue only the sends (the inter-node stage) and return a
+                ``hook`` as a 7th value; calling ``hook()`` completes the receive. Nothing is
+                held in between (the communication thread is free). Outputs must not be read,
+                nor the handle used, before the hook ran. Excludes ``async_finish``.
+            wgrad_store: a :class:`moe_dispatch.overlap.DelayedWgrad`; in this dispatch's
+                backward the gradient combine is launched first and ``wgrad_store.backward_dw()``
+                runs while it is in flight (delayed weight gradients of the experts).
 
         Returns:
             ``recv_x [R, H]`` (x's dtype), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
             rank's local expert ids in ``[0, E/W)``, -1 elsewhere), ``recv_topk_weights [R, K]``
             fp32 (0 where recv_topk_idx is -1; None without topk_weights),
-            ``num_recv_tokens_per_expert [E/W]`` int64, ``handle``, ``event``. Rows are
-            ordered by source rank, then source token index.
+            ``num_recv_tokens_per_expert [E/W]`` int64, ``handle``, ``event`` (and ``hook``
+            with ``return_recv_hook``). Rows are ordered by source rank, then source token.
 
         Raises:
-            ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign handle.
+            ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign or unfinished
+                handle; async_finish with return_recv_hook.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        ctl = self._control(async_finish, return_recv_hook, previous_event)
+        ctl["wgrad_store"] = wgrad_store
         if handle is not None:
             self._check_handle(handle)
             check_hidden("x", x, self.device, num_rows=handle.num_tokens, rows_what="handle (tokens dispatched)")
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle=...) replays the handle's routing: "
                                  "pass topk_idx=None and topk_weights=None")
-            events: list = []
-            recv_x = autograd.ReplayDispatchFn.apply(self, handle.plan, events, async_finish, x)
-            return recv_x, None, None, None, handle, events[0]
+            recv_x = autograd.ReplayDispatchFn.apply(self, handle.plan, ctl, x)
+            return (recv_x, None, None, None, handle, *self._completion(ctl))
 
         check_hidden("x", x, self.device)
         if topk_idx is None or num_experts is None:
@@ -251,20 +260,21 @@ class Buffer:
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         layout = self.get_dispatch_layout(topk_idx, num_experts)
-        plan, _ = self._launch(self._transport.plan(*layout), False)
-        state = {"plan": plan, "is_token_in_rank": layout[3], "topk_idx": topk_idx, "num_experts": num_experts,
-                 "recv_topk_idx": topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1]))}
-        recv_x, recv_weights = autograd.DispatchFn.apply(self, state, async_finish, x, topk_weights)
+        plan = self._run(self._transport.plan(*layout), {"mode": "sync"})
+        ctl.update(plan=plan, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
+                   recv_topk_idx=topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1])))
+        recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
         handle = DispatchHandle(buffer_id=self._uid, num_tokens=x.shape[0], num_experts=num_experts,
-                                num_recv_tokens=plan.num_recv_tokens, recv_topk_idx=state["recv_topk_idx"],
-                                is_token_in_rank=layout[3], plan=plan)
+                                num_recv_tokens=plan.num_recv_tokens, recv_topk_idx=ctl["recv_topk_idx"],
+                                is_token_in_rank=layout[3], plan=plan, _hook=ctl.get("hook"))
         num_recv_tokens_per_expert = torch.tensor(plan.num_recv_tokens_per_expert, dtype=torch.int64,
                                                   device=self.device)
-        return (recv_x, state["recv_topk_idx"], recv_weights, num_recv_tokens_per_expert, handle,
-                state["event"])
+        return (recv_x, ctl["recv_topk_idx"], recv_weights, num_recv_tokens_per_expert, handle,
+                *self._completion(ctl))
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
-                async_finish: bool = False, previous_event: EventOverlap | None = None):
+                async_finish: bool = False, previous_event: EventOverlap | None = None,
+                return_recv_hook: bool = False):
         """Sums each received row back onto its source token (the adjoint of dispatch).
 
         Collective over the EP group. Accumulates in fp32 in a fixed order (inside each node by
@@ -274,20 +284,21 @@ class Buffer:
 
         Args:
             y: ``[R, H]`` bf16/fp16/fp32 rows in the handle's receive order.
-            handle: from this Buffer's ``dispatch``.
+            handle: from this Buffer's ``dispatch`` (its receive hook, if any, already called).
             topk_weights: None (unweighted sum, Megatron's contract), ``[R]`` fp32 row scales,
                 or ``[R, K]`` fp32 (e.g. ``recv_topk_weights``), whose row sums scale the rows.
-            async_finish, previous_event: as in :meth:`dispatch`.
+            async_finish, previous_event, return_recv_hook: as in :meth:`dispatch` (the hook
+                variant issues the intra-node return and leaves the rest to ``hook()``).
 
         Returns:
-            ``combined [T, H]`` in y's dtype (zero rows for tokens no rank held), ``event``.
+            ``combined [T, H]`` in y's dtype (zero rows for tokens no rank held), ``event``
+            (and ``hook`` with ``return_recv_hook``).
 
         Raises:
-            ValueError/TypeError: shapes, dtypes, devices; a foreign handle.
+            ValueError/TypeError: shapes, dtypes, devices; a foreign or unfinished handle.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        ctl = self._control(async_finish, return_recv_hook, previous_event)
         self._check_handle(handle)
         check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
         row_scale = None
@@ -300,9 +311,8 @@ class Buffer:
                 raise ValueError(f"topk_weights must be [{handle.num_recv_tokens}] or [{handle.num_recv_tokens}, K] "
                                  f"on {self.device}, got {list(topk_weights.shape)} on {topk_weights.device}")
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        events: list = []
-        out = autograd.CombineFn.apply(self, handle.plan, events, async_finish, y, row_scale)
-        return out, events[0]
+        out = autograd.CombineFn.apply(self, handle.plan, ctl, y, row_scale)
+        return (out, *self._completion(ctl))
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
@@ -311,53 +321,107 @@ class Buffer:
         if handle.buffer_id != self._uid:
             raise ValueError(f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
                              "combine with the Buffer that dispatched")
+        if handle._hook is not None and not handle._hook.called:
+            raise RuntimeError("the dispatch that made this handle was issued with return_recv_hook=True and its "
+                               "hook() has not been called: call hook() before using the handle or its outputs")
 
-    def _launch(self, steps, async_finish: bool):
-        """Runs transport steps on this Buffer's communication thread (CPU; it orders all of
-        the Buffer's collectives like a stream) or inline (CUDA: NCCL is stream-ordered).
-        Returns (result or None when asynchronous, event)."""
+    @staticmethod
+    def _control(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None) -> dict:
+        """The per-call launch settings, passed through the autograd Functions."""
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish=True and return_recv_hook=True exclude each other: the hook variant "
+                             "returns before the receive, the async variant completes it in the background")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        return {"mode": "hook" if return_recv_hook else "async" if async_finish else "sync"}
+
+    @staticmethod
+    def _completion(ctl: dict) -> tuple:
+        """``(event,)``, or ``(event, hook)`` for the hook variant."""
+        event = ctl.get("event", EventOverlap())
+        return (event, ctl["hook"]) if ctl["mode"] == "hook" else (event,)
+
+    def _run(self, steps, ctl: dict):
+        """Runs transport steps per ``ctl["mode"]``: "sync" waits and returns the result;
+        "async" records an event in ``ctl``; "hook" issues up to the first collective and puts
+        a :class:`RecvHook` in ``ctl``. CPU steps run on this Buffer's communication thread
+        (it orders all of the Buffer's collectives, like a stream); CUDA steps run inline
+        (NCCL is stream-ordered)."""
+        mode = ctl["mode"]
+        if mode == "hook":
+            first = self._submit(start, steps).result()
+            ctl["hook"] = RecvHook(self, steps, first)
+            return None
         if self.device.type == "cuda":
             result = drive(steps)
-            event = None
-            if async_finish:
+            if mode == "async":
                 event = torch.cuda.Event()
                 event.record()
-            return result, EventOverlap(event)
-        future = self._comm.submit(drive, steps)
-        if async_finish:
-            return None, EventOverlap(future=future)
-        return future.result(), EventOverlap()
+                ctl["event"] = EventOverlap(event)
+            return result
+        future = self._submit(drive, steps)
+        if mode == "async":
+            ctl["event"] = EventOverlap(future=future)
+            return None
+        return future.result()
 
-    def _move_dispatch(self, state: dict, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                       async_finish: bool):
+    def _submit(self, fn, *args) -> Future:
+        if self.device.type == "cuda":  # inline, on the caller's stream
+            future: Future = Future()
+            future.set_result(fn(*args))
+            return future
+        return self._comm.submit(fn, *args)
+
+    def _move_dispatch(self, ctl: dict, x: torch.Tensor, topk_weights: torch.Tensor | None):
         """Allocates the dispatch outputs and moves x, topk_weights and topk_idx into them;
         converts topk_idx to local numbering and zeroes the weights of other ranks' experts."""
-        plan, rows = state["plan"], state["plan"].num_recv_tokens
-        tensors = [x, state["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
+        plan, rows = ctl["plan"], ctl["plan"].num_recv_tokens
+        tensors = [x, ctl["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
         out = [t.new_empty((rows, *t.shape[1:])) for t in tensors]
-        out[1] = state["recv_topk_idx"]
-        experts_per_rank = state["num_experts"] // self.world_size
+        out[1] = ctl["recv_topk_idx"]
+        experts_per_rank = ctl["num_experts"] // self.world_size
         first = self.rank * experts_per_rank
 
         def steps():
-            yield from self._transport.dispatch(tensors, state["is_token_in_rank"], plan, out)
+            yield from self._transport.dispatch(tensors, ctl["is_token_in_rank"], plan, out)
             recv_idx = out[1]
             mine = (recv_idx >= first) & (recv_idx < first + experts_per_rank)
             recv_idx.copy_(torch.where(mine, recv_idx - first, torch.full_like(recv_idx, -1)))
             if topk_weights is not None:
                 out[2].masked_fill_(~mine, 0.0)
 
-        _, state["event"] = self._launch(steps(), async_finish)
+        self._run(steps(), ctl)
         return out[0], (out[2] if topk_weights is not None else None)
 
-    def _move_forward(self, plan, tensors: list[torch.Tensor], async_finish: bool, what: str):
-        """Replays a plan's dispatch for row tensors ``[T, ...]``; returns (outputs, event)."""
+    def _move_forward(self, plan, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
+        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[R, ...]`` outputs."""
         out = [t.new_empty((plan.num_recv_tokens, *t.shape[1:])) for t in tensors]
-        _, event = self._launch(self._transport.forward(tensors, plan, out, what), async_finish)
-        return out, event
+        self._run(self._transport.forward(tensors, plan, out, what), ctl)
+        return out
 
-    def _move_combine(self, plan, tensors: list[torch.Tensor], scales: list, async_finish: bool, what: str):
-        """Combines row tensors ``[R, ...]`` onto their source tokens; returns (outputs, event)."""
+    def _move_combine(self, plan, tensors: list[torch.Tensor], scales: list, ctl: dict,
+                      what: str) -> list[torch.Tensor]:
+        """Combines row tensors ``[R, ...]`` onto their source tokens into new ``[T, ...]`` outputs."""
         out = [t.new_empty((plan.num_tokens, *t.shape[1:])) for t in tensors]
-        _, event = self._launch(self._transport.combine(tensors, scales, plan, out, what), async_finish)
-        return out, event
+        self._run(self._transport.combine(tensors, scales, plan, out, what), ctl)
+        return out
+
+
+class RecvHook:
+    """Completes an operation issued with ``return_recv_hook=True``: ``hook()`` waits for the
+    issued stage and runs the rest (on the Buffer's communication thread), then returns.
+
+    Raises:
+        RuntimeError: called twice.
+        CommError: the operation failed or timed out.
+    """
+
+    def __init__(self, buffer: Buffer, steps, first):
+        self._buffer, self._steps, self._first = buffer, steps, first
+        self.called = False
+
+    def __call__(self) -> None:
+        if self.called:
+            raise RuntimeError("this receive hook was already called; each hook completes its operation once")
+        self.called = True
+        self._buffer._submit(finish, self._steps, self._first).result()

@@ -1,5 +1,7 @@
-"""Asynchronous dispatch/combine (``async_finish=True``): the call returns while the payload
-is in flight on the Buffer's communication thread, and the results equal the synchronous ones."""
+"""Overlap hooks: asynchronous dispatch/combine (``async_finish=True``) return while the payload
+is in flight on the Buffer's communication thread; receive hooks complete an issued operation
+later; delayed weight gradients run while the dispatch backward is in flight. Results always
+equal the synchronous ones."""
 
 from __future__ import annotations
 
@@ -70,8 +72,70 @@ def _autograd_after_async(rank, world_size, buf):
     assert torch.equal(x.grad, holders.expand_as(x)), "grad of sum(recv_x) must count the holders"
 
 
+def _recv_hook(rank, world_size, buf):
+    """return_recv_hook: outputs are complete after hook(); misuse raises clearly."""
+    x, idx, w, num_experts = _inputs(rank, world_size, seed=33)
+    sync = buf.dispatch(x, idx, w, num_experts)
+    recv_x, recv_idx, recv_w, per_expert, handle, event, hook = buf.dispatch(x, idx, w, num_experts,
+                                                                             return_recv_hook=True)
+    try:
+        buf.combine(recv_x, handle)
+        raise AssertionError("combine before the dispatch hook must raise")
+    except RuntimeError as err:
+        assert "hook() has not been called" in str(err), err
+    hook()
+    assert torch.equal(recv_x, sync[0]) and torch.equal(recv_idx, sync[1]) and torch.equal(recv_w, sync[2])
+    try:
+        hook()
+        raise AssertionError("a second hook() call must raise")
+    except RuntimeError as err:
+        assert "already called" in str(err), err
+    out, _, combine_hook = buf.combine(expert(recv_x, rank), handle, return_recv_hook=True)
+    combine_hook()
+    assert torch.equal(out, buf.combine(expert(recv_x, rank), handle)[0])
+    try:
+        buf.dispatch(x, idx, w, num_experts, async_finish=True, return_recv_hook=True)
+        raise AssertionError("async_finish with return_recv_hook must raise")
+    except ValueError as err:
+        assert "exclude each other" in str(err), err
+
+
+def _two_microbatch_hooks(rank, world_size, buf):
+    """Dispatch A and B issued with hooks, completed in reverse order, then combined A, B."""
+    inputs = [_inputs(rank, world_size, seed=s) for s in (34, 35)]
+    expected = [buf.combine(expert(buf.dispatch(*i)[0], rank), buf.dispatch(*i)[4])[0] for i in inputs]
+    issued = [buf.dispatch(*i, return_recv_hook=True) for i in inputs]
+    for *_, hook in reversed(issued):
+        hook()
+    for (recv_x, *_, handle, _, _), want in zip(issued, expected):
+        assert torch.equal(buf.combine(expert(recv_x, rank), handle)[0], want)
+
+
+def _delayed_wgrad(rank, world_size, buf):
+    """Experts with deferred weight gradients: the dispatch backward runs backward_dw while its
+    combine is in flight; every gradient is bitwise equal to the eager order."""
+    from moe_dispatch.overlap import DelayedWgrad, delayed_linear
+
+    x0, idx, w0, num_experts = _inputs(rank, world_size, seed=36)
+    gen = torch.Generator().manual_seed(37)
+    w1, w2 = torch.randn(96, 64, generator=gen), torch.randn(64, 96, generator=gen)
+    grads = []
+    for delayed in (False, True):
+        store = DelayedWgrad() if delayed else None
+        x, w, p1, p2 = (t.float().clone().requires_grad_() for t in (x0, w0, w1, w2))
+        recv_x, _, recv_w, *_, handle, _ = buf.dispatch(x, idx, w, num_experts, wgrad_store=store)
+        y = delayed_linear(torch.relu(delayed_linear(recv_x, p1, store)), p2, store)
+        out, _ = buf.combine(y, handle, recv_w)
+        (out * out).sum().backward()
+        assert store is None or len(store) == 0, "the dispatch backward must have run the deferred wgrads"
+        grads.append([t.grad for t in (x, w, p1, p2)])
+    for name, eager, late in zip(("x", "topk_weights", "w1", "w2"), *grads):
+        assert torch.equal(eager, late), f"delayed wgrad changed grad of {name}"
+
+
 CASES = {"async-matches-sync": _async_matches_sync, "returns-before-late-peer": _returns_before_late_peer,
-         "autograd-after-async": _autograd_after_async}
+         "autograd-after-async": _autograd_after_async, "recv-hook": _recv_hook,
+         "two-microbatch-hooks": _two_microbatch_hooks, "delayed-wgrad": _delayed_wgrad}
 
 
 def _entry(rank, world_size, ranks_per_node):

@@ -97,6 +97,26 @@ def drive(steps: Steps):
             return stop.value
 
 
+def start(steps: Steps):
+    """Runs an operation up to its first collective (issued, not awaited); returns what
+    :func:`finish` needs."""
+    with torch.no_grad():
+        try:
+            return False, next(steps)
+        except StopIteration as stop:
+            return True, stop.value
+
+
+def finish(steps: Steps, started) -> object:
+    """Completes an operation begun with :func:`start`; returns its result."""
+    done, value = started
+    if done:
+        return value
+    if value is not None:
+        value.wait()
+    return drive(steps)
+
+
 def _slots(index: torch.Tensor) -> torch.Tensor:
     """``slot[i]`` = number of ``j < i`` with ``index[j] == index[i]``."""
     if index.numel() == 0:
