@@ -9,7 +9,7 @@ PY          := $(VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS   ?=
 
-.PHONY: venv install demo test bench-full clean
+.PHONY: venv install demo test gpu-wheels gpu-check-dry clean
 
 $(VENV)/.deps: requirements/dev.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install python3.12, or pyenv 3.12.x)"; exit 1; }
@@ -35,6 +35,16 @@ demo: install
 
 test: install
 	$(PY) -m pytest python_tests $(PYTEST_ARGS)
+
+# Wheels the lent GPU machine lacks (it has no package index): carried as .whl by the device tool.
+gpu-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform any \
+	    -d .whl megatron-core==$$(sed -n 's/^megatron-core==//p' requirements/dev.txt)
+
+# The one-shot GPU script, build + quick CPU tests only: proves it works before a GPU is at hand.
+gpu-check-dry: install
+	benchmarks/gpu_check.sh --dry-run --out bench_results/gpu_check_dry
 
 clean:
 	rm -rf build dist *.egg-info $(VENV) moe_dispatch/_C*.so

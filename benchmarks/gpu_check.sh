@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One-shot GPU check: build the extension, run every test (GPU tests included), run the
+# kernel benchmarks, print a summary table last. Made for a single lent GPU machine with no
+# network: only what is installed there, plus wheels handed over in a folder.
+#
+#   benchmarks/gpu_check.sh --out DIR [--wheels DIR] [--dry-run]
+#
+#   --out DIR     logs, JSON and the summary go here (created)
+#   --wheels DIR  wheels to install first without an index (default: .whl if it exists);
+#                 `make gpu-wheels` fills .whl with what the GPU image lacks (megatron-core)
+#   --dry-run     build + the CPU-quick tests only: checks the script itself on a CPU machine
+#
+# Every step is bounded by `timeout`; a failing step is recorded and the script goes on, so
+# one call always reports everything. Exit status: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="" WHEELS="" DRY_RUN=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --wheels) WHEELS="$2"; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (expected --out DIR, --wheels DIR, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+[[ -n "$OUT" ]] || { echo "gpu_check.sh: --out DIR is required" >&2; exit 2; }
+mkdir -p "$OUT"
+[[ -z "$WHEELS" && -d .whl ]] && WHEELS=.whl
+PY="${PYTHON:-python3}"
+[[ -x .venv/bin/python && "$DRY_RUN" == 1 && -z "${PYTHON:-}" ]] && PY=.venv/bin/python
+export PYTHONUNBUFFERED=1
+
+SUMMARY="$OUT/summary.tsv"
+printf 'step\tstatus\tseconds\tdetail\n' > "$SUMMARY"
+FAILED=0
+
+# step NAME TIMEOUT_S COMMAND...: runs COMMAND with output to $OUT/NAME.log, records the result.
+step() {
+  local name="$1" limit="$2"; shift 2
+  local start=$SECONDS status=ok
+  echo "== $name: $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || status="FAILED($?)"
+  tail -n 5 "$OUT/$name.log" | sed 's/^/   /'
+  [[ "$status" == ok ]] || FAILED=1
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-100)" >> "$SUMMARY"
+}
+
+if [[ -n "$WHEELS" ]]; then
+  # --target keeps the machine's own packages untouched; PYTHONPATH puts the wheels first.
+  step wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+       --target /tmp/moe_dispatch_site "$WHEELS"/*.whl
+  export PYTHONPATH="/tmp/moe_dispatch_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# Build in place (no install into the machine's environment): the extension lands beside the
+# package sources, which PYTHONPATH then exposes.
+if [[ "$DRY_RUN" == 0 ]]; then export MOE_DISPATCH_REQUIRE_CUDA=1; fi
+step build 300 "$PY" setup.py -q build_ext --inplace
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step env 60 "$PY" -m moe_dispatch.env
+
+if [[ "$DRY_RUN" == 1 ]]; then
+  step tests 300 "$PY" -m pytest python_tests -q -x -p no:cacheprovider \
+       -k "extension or env or layout or quant or permute" --junitxml="$OUT/tests.xml"
+else
+  step tests 420 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --junitxml="$OUT/tests.xml"
+  step bench_kernels 180 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
+fi
+
+{
+  echo
+  echo "== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), dry_run=$DRY_RUN)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU visible"
+  column -t -s $'\t' "$SUMMARY"
+  grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -n 1
+} | tee "$OUT/summary.txt"
+exit "$FAILED"
