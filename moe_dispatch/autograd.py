@@ -23,7 +23,8 @@ class DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer, ctl: dict, x, topk_weights):
         ctx.buffer, ctx.ctl = buffer, ctl
-        return buffer._move_dispatch(ctl, x, topk_weights)
+        recv_x, recv_weights = buffer._move_dispatch(ctl, x, topk_weights)
+        return recv_x, recv_weights
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from . import autograd
-from .layout import get_dispatch_layout_reference
+from .layout import get_dispatch_layout
+from .quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
 from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
@@ -194,7 +195,9 @@ class Buffer:
         if num_experts % self.world_size != 0:
             raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, "
                              f"got {num_experts}")
-        return get_dispatch_layout_reference(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node)
+        # Triton kernels on CUDA, the torch reference on CPU; inputs were validated above.
+        return tuple(get_dispatch_layout(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node,
+                                         validate=False)[:4])
 
     # -- dispatch / combine -----------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
@@ -210,7 +213,10 @@ class Buffer:
         and ``topk_weights`` (backward is a combine, run synchronously).
 
         Args:
-            x: ``[T, H]`` bf16/fp16/fp32, contiguous, on the Buffer's device.
+            x: ``[T, H]`` bf16/fp16/fp32, contiguous, on the Buffer's device; or the fp8 tuple
+                ``(x_fp8 [T, H] float8_e4m3fn, scales [T, H/128] fp32)`` from
+                ``moe_dispatch.quant.per_token_cast_to_fp8`` (H a multiple of 128; not
+                differentiable), which arrives as a tuple of the same form.
             topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = no expert.
             topk_weights: ``[T, K]`` fp32 gate weights, or None.
             num_experts: E, divisible by W.
@@ -231,7 +237,7 @@ class Buffer:
                 runs while it is in flight (delayed weight gradients of the experts).
 
         Returns:
-            ``recv_x [R, H]`` (x's dtype), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
+            ``recv_x [R, H]`` (x's dtype, or the fp8 tuple), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
             rank's local expert ids in ``[0, E/W)``, -1 elsewhere), ``recv_topk_weights [R, K]``
             fp32 (0 where recv_topk_idx is -1; None without topk_weights),
             ``num_recv_tokens_per_expert [E/W]`` int64, ``handle``, ``event`` (and ``hook``
@@ -244,27 +250,36 @@ class Buffer:
         """
         ctl = self._control(async_finish, return_recv_hook, previous_event)
         ctl["wgrad_store"] = wgrad_store
+        fp8 = isinstance(x, tuple)
         if handle is not None:
             self._check_handle(handle)
-            check_hidden("x", x, self.device, num_rows=handle.num_tokens, rows_what="handle (tokens dispatched)")
+            self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle=...) replays the handle's routing: "
                                  "pass topk_idx=None and topk_weights=None")
-            recv_x = autograd.ReplayDispatchFn.apply(self, handle.plan, ctl, x)
+            if fp8:
+                recv_x = tuple(self._move_forward(handle.plan, list(x), ctl, "cached dispatch (fp8)"))
+            else:
+                recv_x = autograd.ReplayDispatchFn.apply(self, handle.plan, ctl, x)
             return (recv_x, None, None, None, handle, *self._completion(ctl))
 
-        check_hidden("x", x, self.device)
+        self._check_x(x)
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
-        check_topk_idx(topk_idx, num_experts, num_tokens=x.shape[0], device=self.device)
+        num_tokens = x[0].shape[0] if fp8 else x.shape[0]
+        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         layout = self.get_dispatch_layout(topk_idx, num_experts)
         plan = self._run(self._transport.plan(*layout), {"mode": "sync"})
         ctl.update(plan=plan, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
                    recv_topk_idx=topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1])))
-        recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
-        handle = DispatchHandle(buffer_id=self._uid, num_tokens=x.shape[0], num_experts=num_experts,
+        if fp8:  # fp8 is a forward-only format: no autograd
+            *recv_x, recv_weights = self._move_dispatch(ctl, list(x), topk_weights)
+            recv_x = tuple(recv_x)
+        else:
+            recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
+        handle = DispatchHandle(buffer_id=self._uid, num_tokens=num_tokens, num_experts=num_experts,
                                 num_recv_tokens=plan.num_recv_tokens, recv_topk_idx=ctl["recv_topk_idx"],
                                 is_token_in_rank=layout[3], plan=plan, _hook=ctl.get("hook"))
         num_recv_tokens_per_expert = torch.tensor(plan.num_recv_tokens_per_expert, dtype=torch.int64,
@@ -372,26 +387,37 @@ class Buffer:
             return future
         return self._comm.submit(fn, *args)
 
-    def _move_dispatch(self, ctl: dict, x: torch.Tensor, topk_weights: torch.Tensor | None):
-        """Allocates the dispatch outputs and moves x, topk_weights and topk_idx into them;
-        converts topk_idx to local numbering and zeroes the weights of other ranks' experts."""
+    def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
+            check_fp8_pair(*x, num_tokens=num_tokens, device=self.device)
+        else:
+            check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)
+
+    def _move_dispatch(self, ctl: dict, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor]:
+        """Allocates the dispatch outputs and moves x (a tensor, or a list of row tensors such
+        as the fp8 pair), topk_idx and topk_weights into them; converts topk_idx to local
+        numbering and zeroes the weights of other ranks' experts. Returns the received x
+        tensors followed by the received weights (or None)."""
         plan, rows = ctl["plan"], ctl["plan"].num_recv_tokens
-        tensors = [x, ctl["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
+        xs = x if isinstance(x, list) else [x]
+        tensors = [*xs, ctl["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
         out = [t.new_empty((rows, *t.shape[1:])) for t in tensors]
-        out[1] = ctl["recv_topk_idx"]
+        out[len(xs)] = ctl["recv_topk_idx"]
         experts_per_rank = ctl["num_experts"] // self.world_size
         first = self.rank * experts_per_rank
 
         def steps():
             yield from self._transport.dispatch(tensors, ctl["is_token_in_rank"], plan, out)
-            recv_idx = out[1]
+            recv_idx = out[len(xs)]
             mine = (recv_idx >= first) & (recv_idx < first + experts_per_rank)
             recv_idx.copy_(torch.where(mine, recv_idx - first, torch.full_like(recv_idx, -1)))
             if topk_weights is not None:
-                out[2].masked_fill_(~mine, 0.0)
+                out[-1].masked_fill_(~mine, 0.0)
 
         self._run(steps(), ctl)
-        return out[0], (out[2] if topk_weights is not None else None)
+        return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
 
     def _move_forward(self, plan, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[R, ...]`` outputs."""

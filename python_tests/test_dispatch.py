@@ -99,6 +99,7 @@ def _cases(ranks_per_node: int) -> dict:
     cases["cached-dispatch"] = _cached_dispatch
     cases["interleaved-microbatches"] = _interleaved
     cases["no-topk-weights"] = _no_weights
+    cases["fp8-tuple"] = _fp8
     return cases
 
 
@@ -204,6 +205,24 @@ def _no_weights(rank, world_size, buf):
     x = make_x(num_tokens, 8, torch.float32, seed=20)[rank]
     recv_x, recv_idx, recv_w, *_ = buf.dispatch(x, idxs[rank], None, num_experts)
     assert recv_w is None and recv_idx is not None
+
+
+def _fp8(rank, world_size, buf):
+    """The fp8 tuple (x_fp8, scales) travels as one row: bits equal the oracle's, cached too."""
+    from moe_dispatch.quant import per_token_cast_to_fp8
+
+    L = buf.topology.ranks_per_node
+    num_tokens = [12 + r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=21)
+    pairs = [per_token_cast_to_fp8(x) for x in make_x(num_tokens, 256, torch.bfloat16, seed=21)]
+    (recv_fp8, recv_scales), recv_idx, recv_w, *_, handle, _ = buf.dispatch(pairs[rank], idxs[rank], ws[rank],
+                                                                             num_experts)
+    bits = reference.dispatch([p[0].view(torch.uint8) for p in pairs], idxs, ws, num_experts, L)[rank]
+    scales = reference.dispatch([p[1] for p in pairs], idxs, None, num_experts, L, ranks=[rank])[0]
+    assert recv_fp8.dtype == torch.float8_e4m3fn and torch.equal(recv_fp8.view(torch.uint8), bits.recv_x)
+    assert torch.equal(recv_scales, scales.recv_x) and torch.equal(recv_w, bits.recv_topk_weights)
+    cached_fp8, cached_scales = buf.dispatch(pairs[rank], handle=handle)[0]
+    assert torch.equal(cached_fp8.view(torch.uint8), bits.recv_x) and torch.equal(cached_scales, scales.recv_x)
 
 
 def _world_entry(rank, world_size, ranks_per_node):

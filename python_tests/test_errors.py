@@ -56,6 +56,11 @@ def _bad_input_cases(buf: Buffer) -> dict:
         "experts-not-divisible": lambda: _raises(ValueError, r"num_experts must be divisible by the EP world size 2, "
                                                              r"got 9",
                                                  lambda: buf.dispatch(x, idx, w, 9)),
+        "fp8-hidden-not-multiple-of-128": lambda: _raises(ValueError, r"x_fp8 has hidden size 96, which is not a multiple of the fp8 block size 128",
+                                                          lambda: buf.dispatch((torch.zeros(6, 96).to(torch.float8_e4m3fn),
+                                                                                torch.ones(6, 1)), idx, w, E)),
+        "fp8-not-a-pair": lambda: _raises(ValueError, r"an fp8 x must be the tuple \(x_fp8, scales\), got a tuple of 1",
+                                          lambda: buf.dispatch((x,), idx, w, E)),
         "missing-routing": lambda: _raises(ValueError, r"dispatch needs topk_idx and num_experts",
                                            lambda: buf.dispatch(x)),
         "bad-transport": lambda: _raises(ValueError, r"transport must be one of .* got 'nvlink'",
