@@ -47,7 +47,6 @@ class TorchDistPlan:
 
     num_tokens: int
     s1_send_idx: torch.Tensor  # [S1] source token of each stage-1 send row, grouped by destination node
-    s1_send_slot: torch.Tensor  # [S1] how many earlier rows carry the same token (= node order)
     s1_send_splits: list[int]  # [N]
     s1_recv_splits: list[int]  # [N] rows to forward, from each source node
     s2_send_splits: list[int]  # [L]
@@ -58,7 +57,6 @@ class TorchDistPlan:
     intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
     # Known once stage 1 has delivered the forwarded rows' routing:
     s2_send_idx: torch.Tensor | None = None  # [S2] stage-1 row of each stage-2 send row, by destination local rank
-    s2_send_slot: torch.Tensor | None = None  # [S2] same-row ordinal (= local rank order)
 
     @property
     def num_recv_tokens(self) -> int:
@@ -117,37 +115,65 @@ def finish(steps: Steps, started) -> object:
     return drive(steps)
 
 
-def _slots(index: torch.Tensor) -> torch.Tensor:
-    """``slot[i]`` = number of ``j < i`` with ``index[j] == index[i]``."""
-    if index.numel() == 0:
-        return index.clone()
-    order = torch.sort(index, stable=True).indices
-    sorted_idx = index[order]
-    pos = torch.arange(index.numel(), device=index.device)
-    run_start = torch.ones_like(sorted_idx, dtype=torch.bool)
-    run_start[1:] = sorted_idx[1:] != sorted_idx[:-1]
-    first = torch.cummax(torch.where(run_start, pos, torch.zeros_like(pos)), 0).values
-    slot = torch.empty_like(index)
-    slot[order] = pos - first
-    return slot
+_ALIGN = 8  # bytes; every packed field starts at a multiple, so it can be viewed in place as its dtype
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Row tensors ``[rows, ...]`` -> one ``[rows, bytes]`` uint8 buffer."""
-    return torch.cat([t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous().view(torch.uint8)
-                      for t in tensors], 1)
+def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return dtype.itemsize * math.prod(shape)
 
 
-def _unpack(buf: torch.Tensor, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+def _padded(width: int) -> int:
+    return -(-width // _ALIGN) * _ALIGN
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, ...]`` -> ``[rows, bytes]`` uint8 (a view when ``t`` is contiguous)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous().view(torch.uint8)
+
+
+def _pack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """Packs row tensors side by side into one ``[rows, bytes]`` uint8 buffer, one copy each:
+    ``(t, index)`` contributes ``t[index]`` (gathered straight into place), ``(t, None)`` all of
+    ``t``. Fields are padded to ``_ALIGN`` bytes.
+
+    ``Tensor.index_select`` is used for every row gather: advanced indexing (``t[index]``)
+    copies element by element and is several times slower on uint8 rows on CPU."""
+    num_rows = next(t.shape[0] if index is None else index.numel() for t, index in rows)
+    widths = [_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t, _ in rows]
+    buf = torch.empty((num_rows, sum(widths)), dtype=torch.uint8, device=rows[0][0].device)
+    offset = 0
+    for (t, index), width in zip(rows, widths):
+        src = _as_bytes(t)
+        dst = buf[:, offset:offset + src.shape[1]]
+        if index is None:
+            dst.copy_(src)
+        else:
+            torch.index_select(src, 0, index, out=dst)
+        offset += width
+    return buf
+
+
+def _fields(buf: torch.Tensor, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """The packed fields of ``buf`` as ``[rows, *shape]`` tensors of their dtypes: strided views
+    into ``buf``, no copies."""
     out, offset = [], 0
     for dtype, shape in like:
-        width = dtype.itemsize * math.prod(shape)
+        width = _row_bytes(dtype, shape)
         if buf.shape[0] == 0:  # an empty slice keeps the packed strides, which view() rejects
             out.append(buf.new_empty((0, *shape), dtype=dtype))
         else:
-            out.append(buf[:, offset:offset + width].contiguous().view(dtype).reshape(buf.shape[0], *shape))
-        offset += width
+            out.append(buf[:, offset:offset + width].view(dtype).view(buf.shape[0], *shape))
+        offset += _padded(width)
     return out
+
+
+def _unpack_rows(buf: torch.Tensor, index: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """``out[j] = field j of buf[index]`` for contiguous ``out`` tensors, one copy each."""
+    offset = 0
+    for dst in out:
+        width = _row_bytes(dst.dtype, tuple(dst.shape[1:]))
+        torch.index_select(buf[:, offset:offset + width], 0, index, out=_as_bytes(dst))
+        offset += _padded(width)
 
 
 def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
@@ -241,7 +267,7 @@ class TorchDistTransport:
         s2_send_splits = _to_host(ranks_of_node.sum(0))
         return TorchDistPlan(
             num_tokens=num_tokens,
-            s1_send_idx=s1_send_idx, s1_send_slot=_slots(s1_send_idx),
+            s1_send_idx=s1_send_idx,
             s1_send_splits=s1_send_splits,
             s1_recv_splits=_to_host(peer_rows[:, -1]),
             s2_send_splits=s2_send_splits,
@@ -266,34 +292,34 @@ class TorchDistTransport:
         dest_node = torch.repeat_interleave(torch.arange(topo.num_nodes, device=device),
                                             torch.tensor(plan.s1_send_splits, device=device),
                                             output_size=plan.s1_send_idx.numel())
-        send1 = _pack([*[t[plan.s1_send_idx] for t in tensors], in_rank[plan.s1_send_idx, dest_node]])
+        send1 = _pack([*[(t, plan.s1_send_idx) for t in tensors], (in_rank[plan.s1_send_idx, dest_node], None)])
         recv1, pending = self._all_to_all(send1, plan.s1_send_splits, plan.s1_recv_splits, INTER, f"{what} stage 1")
         yield pending
-        *recv1, in_local = _unpack(recv1, [*_specs(tensors), (torch.bool, (local_ranks,))])
+        # The forwarder keeps the rows packed; stage 2 forwards them whole (routing columns too).
+        specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
+        in_local = _fields(recv1, specs)[-1]
         # Stage 2: the forwarder (n, l) hands each row to the local ranks of node n that hold it.
         plan.s2_send_idx = torch.nonzero(in_local.t())[:, 1]  # local-rank-major, rows ascending
-        plan.s2_send_slot = _slots(plan.s2_send_idx)
         if plan.s2_send_idx.numel() != sum(plan.s2_send_splits):
             raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({plan.s2_send_idx.numel()}) disagree "
                                f"with the metadata ({sum(plan.s2_send_splits)}); did every rank pass the same "
                                f"num_experts?")
         yield from self._stage2(recv1, plan, out, what)
 
-    def _stage2(self, rows: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
-        send2 = _pack([t[plan.s2_send_idx] for t in rows])
+    def _stage2(self, recv1: torch.Tensor, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
+        send2 = recv1.index_select(0, plan.s2_send_idx)
         recv2, pending = self._all_to_all(send2, plan.s2_send_splits, plan.s2_recv_splits, INTRA, f"{what} stage 2")
         yield pending
-        for dst, src in zip(out, _unpack(recv2, _specs(rows))):
-            torch.index_select(src, 0, plan.recv_perm, out=dst)
+        _unpack_rows(recv2, plan.recv_perm, out)
 
     def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor],
                 what: str) -> Steps:
         """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
         (cached dispatch, combine's backward)."""
-        send1 = _pack([t[plan.s1_send_idx] for t in tensors])
+        send1 = _pack([(t, plan.s1_send_idx) for t in tensors])
         recv1, pending = self._all_to_all(send1, plan.s1_send_splits, plan.s1_recv_splits, INTER, f"{what} stage 1")
         yield pending
-        yield from self._stage2(_unpack(recv1, _specs(tensors)), plan, out, what)
+        yield from self._stage2(recv1, plan, out, what)
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: TorchDistPlan,
@@ -309,39 +335,45 @@ class TorchDistTransport:
         """
         # Scales travel as extra fp32 columns so the forwarder multiplies in fp32.
         payload = [*tensors, *[s.view(-1, 1) for s in scales if s is not None]]
-        packed = _pack(payload)
-        unsorted = torch.empty_like(packed)  # back to stage-2 arrival order
-        unsorted[plan.recv_perm] = packed
+        # Back to stage-2 arrival order by gathering with the inverse permutation.
+        arrival = torch.empty_like(plan.recv_perm)
+        arrival[plan.recv_perm] = torch.arange(arrival.numel(), device=arrival.device)
+        unsorted = _pack([(t, arrival) for t in payload])
         back2, pending = self._all_to_all(unsorted, plan.s2_recv_splits, plan.s2_send_splits, INTRA,
                                           f"{what} stage 2")
         yield pending
-        back2 = _unpack(back2, _specs(payload))
+        back2 = _fields(back2, _specs(payload))
         num_forwarded = sum(plan.s1_recv_splits)
         row_scales, k = [], len(tensors)
         for s in scales:
             row_scales.append(None if s is None else back2[k].view(-1))
             k += s is not None
-        partials = [_ordered_sum(t, sc, plan.s2_send_idx, plan.s2_send_slot, num_forwarded)
+        partials = [_block_sum(t, sc, plan.s2_send_idx, plan.s2_send_splits, num_forwarded)
                     for t, sc in zip(back2[:len(tensors)], row_scales)]
-        back1, pending = self._all_to_all(_pack(partials), plan.s1_recv_splits, plan.s1_send_splits, INTER,
-                                          f"{what} stage 1")
+        back1, pending = self._all_to_all(_pack([(p, None) for p in partials]), plan.s1_recv_splits,
+                                          plan.s1_send_splits, INTER, f"{what} stage 1")
         yield pending
-        for dst, rows in zip(out, _unpack(back1, _specs(partials))):
-            dst.copy_(_ordered_sum(rows, None, plan.s1_send_idx, plan.s1_send_slot, plan.num_tokens))
+        for dst, rows in zip(out, _fields(back1, _specs(partials))):
+            dst.copy_(_block_sum(rows, None, plan.s1_send_idx, plan.s1_send_splits, plan.num_tokens))
 
 
-def _ordered_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, slot: torch.Tensor,
-                 num_out: int) -> torch.Tensor:
-    """``out[index[i]] += rows[i] * scale[i]`` in fp32, one slot at a time so each output
-    row accumulates its inputs in slot order (deterministic); rounds to ``rows.dtype``."""
+def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, splits: list[int],
+               num_out: int) -> torch.Tensor:
+    """``out[index[i]] += rows[i] * scale[i]`` in fp32, rounded to ``rows.dtype``.
+
+    ``rows`` come in one block per destination (``splits``, ascending destination) and an index
+    occurs at most once per block, so adding block after block accumulates every output row in
+    ascending destination order: the fixed order of the module docstring, with no masks, gathers
+    or full-size fp32 copies."""
     acc = torch.zeros((num_out, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
-    vals = rows.float()
-    if scale is not None:
-        vals = vals * scale.view(-1, *([1] * (rows.dim() - 1)))
-    num_slots = int(slot.max()) + 1 if slot.numel() else 0
-    for s in range(num_slots):
-        sel = slot == s
-        acc.index_add_(0, index[sel], vals[sel])
+    start = 0
+    for num in splits:
+        if num:
+            vals = rows[start:start + num].float()
+            if scale is not None:
+                vals.mul_(scale[start:start + num].view(-1, *([1] * (rows.dim() - 1))))
+            acc.index_add_(0, index[start:start + num], vals)
+        start += num
     return acc.to(rows.dtype)
 
 

@@ -1,0 +1,154 @@
+"""The main job (``moe_dispatch.bench``) on a tiny CPU world, and the routing generators it runs on."""
+
+import json
+
+import pytest
+import torch
+
+from moe_dispatch import bench, routing
+
+
+# -- routing ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(routing.PRESETS))
+def test_preset_routing_shapes_and_contract(name):
+    preset = routing.PRESETS[name]
+    topk_idx, topk_weights = routing.generate_routing(preset, 512, seed=3, rank=1)
+    assert topk_idx.shape == (512, preset.topk) and topk_idx.dtype == torch.int64
+    assert topk_weights.shape == (512, preset.topk) and topk_weights.dtype == torch.float32
+    assert topk_idx.is_contiguous() and topk_weights.is_contiguous()
+    assert int(topk_idx.min()) >= 0 and int(topk_idx.max()) < preset.num_experts
+    ordered = topk_idx.sort(dim=1).values
+    assert not bool((ordered[:, 1:] == ordered[:, :-1]).any()), "an expert appears twice in a row"
+    assert bool((topk_weights > 0).all())
+    # norm_topk_prob: weights sum to routed_scaling_factor.
+    torch.testing.assert_close(topk_weights.sum(1), torch.full((512,), preset.routed_scaling_factor))
+
+
+def test_deepseek_v3_routing_stays_in_topk_group_groups():
+    preset = routing.PRESETS["deepseek-v3"]
+    topk_idx, _ = routing.generate_routing(preset, 2048, seed=0, rank=0)
+    group = topk_idx // (preset.num_experts // preset.n_group)
+    used = torch.zeros(2048, preset.n_group, dtype=torch.bool).scatter_(1, group, True)
+    assert int(used.sum(1).max()) <= preset.topk_group
+    assert int(used.sum(1).max()) == preset.topk_group  # random logits do spread over all allowed groups
+
+
+def test_group_limited_routing_ranks_groups_by_their_two_best_scores():
+    # 4 groups of 2 experts, 2 groups allowed, top-2. Group 0 holds the single best expert but a
+    # poor second, so by the sum of its two best scores it loses to groups 1 and 2.
+    preset = routing.ModelPreset("toy", num_experts=8, topk=2, hidden=16, score_func="sigmoid",
+                                 n_group=4, topk_group=2)
+    logits = torch.tensor([[6.0, -6.0, 1.0, 1.0, 2.0, 0.5, -3.0, -3.0]])
+    topk_idx, topk_weights = routing.select_experts(logits, preset)
+    assert set(topk_idx[0].tolist()) == {4, 2} or set(topk_idx[0].tolist()) == {4, 3}
+    assert 0 not in topk_idx[0].tolist()
+    # A selection bias moves the choice but not the weights (the unbiased scores).
+    bias = torch.zeros(8)
+    bias[3] = 1.0
+    biased_idx, biased_w = routing.select_experts(logits, preset, expert_bias=bias)
+    assert biased_idx[0].tolist() == [3, 4]
+    scores = torch.sigmoid(logits[0, [3, 4]])
+    torch.testing.assert_close(biased_w[0], scores / scores.sum())
+
+
+def test_routing_is_deterministic_per_seed_and_rank():
+    preset = routing.PRESETS["qwen3-30b-a3b"]
+    a = routing.generate_routing(preset, 256, seed=7, rank=2)
+    b = routing.generate_routing(preset, 256, seed=7, rank=2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    other_rank = routing.generate_routing(preset, 256, seed=7, rank=3)
+    other_seed = routing.generate_routing(preset, 256, seed=8, rank=2)
+    assert not torch.equal(a[0], other_rank[0]) and not torch.equal(a[0], other_seed[0])
+    assert routing.rank_seed(7, 2) != routing.rank_seed(2, 7)
+
+
+def test_zipf_routing_is_skewed_by_popularity():
+    num_experts, topk = 64, 4
+    popularity = routing.zipf_popularity(num_experts, 1.2, seed=5)
+    torch.testing.assert_close(popularity.sum(), torch.tensor(1.0))
+    topk_idx, topk_weights = routing.zipf_routing(20000, num_experts, topk, 1.2, seed=5, rank=0)
+    assert topk_idx.shape == (20000, topk) and topk_idx.dtype == torch.int64 and topk_weights.dtype == torch.float32
+    ordered = topk_idx.sort(dim=1).values
+    assert not bool((ordered[:, 1:] == ordered[:, :-1]).any())
+    torch.testing.assert_close(topk_weights.sum(1), torch.ones(20000))
+    counts = torch.bincount(topk_idx.flatten(), minlength=num_experts).float()
+    by_popularity = counts[popularity.argsort(descending=True)]
+    assert by_popularity[0] > 8 * by_popularity[-1]
+    assert by_popularity[:8].sum() > 0.4 * counts.sum()  # 1/8 of the experts get > 40% of the picks
+    # Popularity is shared by every rank; the draws are not.
+    other = routing.zipf_routing(20000, num_experts, topk, 1.2, seed=5, rank=1)[0]
+    assert not torch.equal(topk_idx, other)
+    uniform = torch.bincount(routing.zipf_routing(20000, num_experts, topk, 0.0, seed=5, rank=0)[0].flatten(),
+                             minlength=num_experts).float()
+    assert uniform.max() < 1.3 * uniform.mean()
+
+
+def test_drop_entries_and_tokens():
+    preset = routing.PRESETS["qwen3-30b-a3b"]
+    topk_idx, topk_weights = routing.generate_routing(preset, 4000, seed=1, rank=0)
+    gen = routing.make_generator(1, 99)
+    idx, w = routing.drop_entries(topk_idx, topk_weights, 0.25, gen)
+    dropped = idx == -1
+    assert 0.2 < dropped.float().mean() < 0.3
+    assert bool((w[dropped] == 0).all()) and torch.equal(idx[~dropped], topk_idx[~dropped])
+    idx, w = routing.drop_tokens(topk_idx, topk_weights, 0.1, gen)
+    empty = (idx == -1).all(1)
+    assert 0.05 < empty.float().mean() < 0.15
+    assert bool(((idx == -1).any(1) == empty).all()), "drop_tokens empties whole rows only"
+    assert bool((w[empty] == 0).all())
+    with pytest.raises(ValueError, match=r"drop probability must be in \[0, 1\], got 1.5"):
+        routing.drop_entries(topk_idx, topk_weights, 1.5, gen)
+
+
+def test_preset_validation_and_hidden_scale():
+    with pytest.raises(ValueError, match="topk_group must be in"):
+        routing.ModelPreset("bad", num_experts=16, topk=2, hidden=64, n_group=4, topk_group=5)
+    with pytest.raises(ValueError, match="exceeds the 1 groups x 4 experts"):
+        routing.ModelPreset("bad", num_experts=16, topk=8, hidden=64, n_group=4, topk_group=1)
+    with pytest.raises(ValueError, match="score_func must be"):
+        routing.ModelPreset("bad", num_experts=16, topk=2, hidden=64, score_func="relu")
+    deepseek = routing.PRESETS["deepseek-v3"]
+    assert deepseek.with_hidden_scale(0.125).hidden == 896
+    assert deepseek.with_hidden_scale(1e-6).hidden == 16
+    assert deepseek.with_hidden_scale(0.125).num_experts == 256
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    status = bench.main(["--world-size", "4", "--ranks-per-node", "2", "--num-tokens", "128",
+                         "--hidden-scale", "0.01", "--iters", "2", "--warmup", "1", "--json", str(out)])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "cross / lower bound" in printed and "goal:" in printed
+    figures = json.loads(out.read_text())
+    assert figures["oracle_check"] == "passed"
+    assert figures["config"]["world_size"] == 4 and figures["config"]["ranks_per_node"] == 2
+    assert figures["torch_version"] == torch.__version__
+    assert set(figures["models"]) == set(routing.PRESETS)
+    for model in figures["models"].values():
+        assert model["oracle_check"] == "passed" and model["mismatches"] == []
+        bytes_ = model["bytes"]
+        assert f"{bytes_['ours']['internode_over_lower_bound']:.2f}" == "1.00"
+        assert bytes_["flat"]["internode"] >= bytes_["ours"]["internode"]
+        for side in ("ours", "flat"):
+            for op in ("dispatch", "combine", "total"):
+                stats = model["latency_ms"][side][op]
+                assert 0 < stats["min"] <= stats["median"] <= stats["max"]
+        assert model["ratio_ours_over_flat"]["total"] > 0
+    assert isinstance(figures["goal"]["met"], bool)
+
+
+def test_bench_reports_mismatches():
+    got = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    want = got.clone()
+    want[1, 0] = 0.0
+    assert bench._mismatches([("recv_x", got, got.clone())], rank=3) == []
+    errors = bench._mismatches([("recv_x", got, want), ("recv_topk_weights", None, want)], rank=3)
+    assert errors == ["rank 3: recv_x: 1 of 3 rows differ from the oracle (first: [1])",
+                      "rank 3: recv_topk_weights: got NoneType, oracle Tensor"]
+
+
+def test_bench_rejects_bad_sizes():
+    with pytest.raises(SystemExit):
+        bench.main(["--world-size", "6", "--ranks-per-node", "4"])
