@@ -1,0 +1,164 @@
+"""Overlap benchmark: how much dispatch/combine time hides behind expert compute.
+
+Per model shape, M micro-batches per step, every rank times four schedules in the same run:
+
+  comm     dispatch + combine of every micro-batch, no expert compute
+  compute  the experts of every micro-batch, no communication
+  off      per micro-batch: dispatch, experts, combine, each waited for
+  on       pipelined: micro-batch i+1 is dispatched and i-1 combined asynchronously (on the
+           Buffer's communication thread / stream) while the experts of i compute
+
+hidden = 1 - (t_on - t_compute) / t_comm: the fraction of communication time that the overlap
+removes from the step (1.0 = all of it). Goal (printed, not tested): >= 0.70 where compute >=
+communication. Each time is the max over ranks, median over iterations.
+
+CPU (default): spawns a gloo world, 2 ranks = 2 nodes x 1, so each rank has a core for its compute
+and the transfer mostly waits on sockets. GPU: run under torchrun (NCCL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from moe_dispatch import Buffer, routing
+from moe_dispatch.launch import spawn_world
+
+GOAL_HIDDEN = 0.70
+
+
+def _experts(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """A dense stand-in for the local experts: an FFN over every received row (the compute whose
+    size decides how much communication can hide)."""
+    return (torch.nn.functional.gelu(recv_x @ w1) @ w2).to(recv_x.dtype)
+
+
+def _step(buf: Buffer, batches, received, weights, num_experts: int, mode: str) -> None:
+    """One training-step's worth of MoE layers in ``mode``; ``received`` holds each micro-batch's
+    dispatched rows, so "compute" runs the experts on exactly the rows the other modes see."""
+    w1, w2 = weights
+    if mode == "compute":
+        for recv_x, recv_idx in received:
+            _experts(recv_x, recv_idx, w1, w2)
+        return
+    if mode in ("comm", "off"):
+        for x, idx, w in batches:
+            recv_x, recv_idx, *_, handle, _ = buf.dispatch(x, idx, w, num_experts)
+            y = recv_x if mode == "comm" else _experts(recv_x, recv_idx, w1, w2)
+            buf.combine(y, handle)
+        return
+    # mode == "on": dispatch i+1 and combine i-1 are in flight while the experts of i compute.
+    pending = [buf.dispatch(*batches[0], num_experts, async_finish=True)]
+    combines = []
+    for i in range(len(batches)):
+        if i + 1 < len(batches):
+            pending.append(buf.dispatch(*batches[i + 1], num_experts, async_finish=True))
+        recv_x, recv_idx, *_, handle, event = pending[i]
+        event.current_stream_wait()
+        y = _experts(recv_x, recv_idx, w1, w2)
+        combines.append(buf.combine(y, handle, async_finish=True)[1])
+    for event in combines:
+        event.current_stream_wait()
+
+
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | None:
+    buf = Buffer(ranks_per_node=args.ranks_per_node, timeout_s=120)
+    torch.manual_seed(args.seed)
+    results = []
+    for name in args.models:
+        preset = routing.PRESETS[name].with_hidden_scale(args.hidden_scale)
+        if preset.num_experts % world_size:
+            continue
+        batches = []
+        for mb in range(args.micro_batches):
+            gen = routing.make_generator(routing.rank_seed(args.seed, mb), rank)
+            idx, w = routing.select_experts(routing.router_logits(args.num_tokens, preset.num_experts, gen), preset)
+            x = torch.randn(args.num_tokens, preset.hidden, generator=gen).to(torch.bfloat16)
+            batches.append((x.to(buf.device), idx.to(buf.device), w.to(buf.device)))
+        ffn = int(preset.hidden * args.ffn_ratio)
+        weights = (torch.randn(preset.hidden, ffn, dtype=torch.bfloat16, device=buf.device) / preset.hidden ** 0.5,
+                   torch.randn(ffn, preset.hidden, dtype=torch.bfloat16, device=buf.device) / ffn ** 0.5)
+        received = [buf.dispatch(*b, preset.num_experts)[:2] for b in batches]
+        times = {m: [] for m in ("comm", "compute", "off", "on")}
+        for it in range(args.warmup + args.iters):
+            for mode in times:
+                dist.barrier()
+                if buf.device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                _step(buf, batches, received, weights, preset.num_experts, mode)
+                if buf.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if it >= args.warmup:
+                    times[mode].append(float(elapsed) * 1e3)
+        med = {m: statistics.median(v) for m, v in times.items()}
+        results.append({"model": name, "hidden": preset.hidden, "ffn": ffn, "median_ms": med,
+                        "hidden_fraction": 1 - (med["on"] - med["compute"]) / med["comm"],
+                        "compute_over_comm": med["compute"] / med["comm"]})
+    return results if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=sorted(routing.PRESETS), choices=sorted(routing.PRESETS))
+    parser.add_argument("--num-tokens", type=int, default=1024, help="tokens per rank per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--hidden-scale", type=float, default=0.125)
+    parser.add_argument("--ffn-ratio", type=float, default=2.0, help="expert FFN width / hidden")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/overlap.json"))
+    args = parser.parse_args(argv)
+
+    if "RANK" in os.environ:  # torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        args.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        results = _rank(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+    else:
+        results = spawn_world(args.world_size, _rank, args, timeout_s=1800)[0]
+    if results is None:
+        return 0
+
+    table = Table(title=f"overlap of dispatch/combine with expert compute ({args.micro_batches} micro-batches, "
+                        f"{args.num_tokens} tokens each)", caption="hidden = 1 - (on - compute) / comm; ms = median "
+                        "of the max over ranks")
+    for col in ("model", "comm ms", "compute ms", "off ms", "on ms", "compute / comm", "hidden"):
+        table.add_column(col, justify="right")
+    for r in results:
+        m = r["median_ms"]
+        table.add_row(r["model"], *(f"{m[k]:.1f}" for k in ("comm", "compute", "off", "on")),
+                      f"{r['compute_over_comm']:.2f}", f"{r['hidden_fraction']:.2f}")
+    console = Console()
+    console.print(table)
+    eligible = [r for r in results if r["compute_over_comm"] >= 1]
+    met = all(r["hidden_fraction"] >= GOAL_HIDDEN for r in eligible)
+    console.print(f"goal: hidden >= {GOAL_HIDDEN} where compute >= comm: "
+                  f"{'met' if met else 'not met'} ({len(eligible)} of {len(results)} shapes eligible)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, pathlib.Path) else v)
+                                                for k, v in vars(args).items()},
+                                     "torch": torch.__version__, "results": results}, indent=2))
+    console.print(f"figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
