@@ -155,9 +155,10 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
         self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
-        # CPU: one thread runs every collective of this Buffer in call order (a "comm stream"),
-        # so async operations overlap the caller's compute.
+        # One ordered queue for every transfer of this Buffer, so asynchronous calls overlap the
+        # caller's compute: a high-priority CUDA stream, or on CPU a thread (the same role).
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{self.rank}")
+        self._comm_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None)
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -203,8 +204,8 @@ class Buffer:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
                  handle: DispatchHandle | None = None, async_finish: bool = False,
-                 previous_event: EventOverlap | None = None, return_recv_hook: bool = False,
-                 wgrad_store: "DelayedWgrad | None" = None):
+                 previous_event: EventOverlap | None = None, allocate_on_comm_stream: bool = False,
+                 return_recv_hook: bool = False, wgrad_store: "DelayedWgrad | None" = None):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
         Collective over the EP group. A fresh dispatch first exchanges the layout counts (a
@@ -228,6 +229,8 @@ class Buffer:
                 communication thread moves the data; CUDA: an event recorded after the work).
                 Otherwise the call returns complete and the event is empty.
             previous_event: an event this call must wait for first (the host waits on CPU).
+            allocate_on_comm_stream: on CUDA, allocate the outputs from the communication
+                stream's memory pool (Megatron's knob); no effect on CPU.
             return_recv_hook: issue only the sends (the inter-node stage) and return a
                 ``hook`` as a 7th value; calling ``hook()`` completes the receive. Nothing is
                 held in between (the communication thread is free). Outputs must not be read,
@@ -248,7 +251,7 @@ class Buffer:
                 handle; async_finish with return_recv_hook.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
-        ctl = self._control(async_finish, return_recv_hook, previous_event)
+        ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         ctl["wgrad_store"] = wgrad_store
         fp8 = isinstance(x, tuple)
         if handle is not None:
@@ -291,7 +294,7 @@ class Buffer:
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
                 async_finish: bool = False, previous_event: EventOverlap | None = None,
-                return_recv_hook: bool = False):
+                allocate_on_comm_stream: bool = False, return_recv_hook: bool = False):
         """Sums each received row back onto its source token (the adjoint of dispatch).
 
         Collective over the EP group. Accumulates in fp32 in a fixed order (inside each node by
@@ -304,8 +307,9 @@ class Buffer:
             handle: from this Buffer's ``dispatch`` (its receive hook, if any, already called).
             topk_weights: None (unweighted sum, Megatron's contract), ``[R]`` fp32 row scales,
                 or ``[R, K]`` fp32 (e.g. ``recv_topk_weights``), whose row sums scale the rows.
-            async_finish, previous_event, return_recv_hook: as in :meth:`dispatch` (the hook
-                variant issues the intra-node return and leaves the rest to ``hook()``).
+            async_finish, previous_event, allocate_on_comm_stream, return_recv_hook: as in
+                :meth:`dispatch` (the hook variant issues the intra-node return and leaves the
+                rest to ``hook()``).
 
         Returns:
             ``combined [T, H]`` in y's dtype (zero rows for tokens no rank held), ``event``
@@ -315,7 +319,7 @@ class Buffer:
             ValueError/TypeError: shapes, dtypes, devices; a foreign or unfinished handle.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
-        ctl = self._control(async_finish, return_recv_hook, previous_event)
+        ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         self._check_handle(handle)
         check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
         row_scale = None
@@ -343,14 +347,16 @@ class Buffer:
                                "hook() has not been called: call hook() before using the handle or its outputs")
 
     @staticmethod
-    def _control(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None) -> dict:
+    def _control(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None,
+                 allocate_on_comm_stream: bool = False) -> dict:
         """The per-call launch settings, passed through the autograd Functions."""
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True exclude each other: the hook variant "
                              "returns before the receive, the async variant completes it in the background")
         if previous_event is not None:
             previous_event.current_stream_wait()
-        return {"mode": "hook" if return_recv_hook else "async" if async_finish else "sync"}
+        return {"mode": "hook" if return_recv_hook else "async" if async_finish else "sync",
+                "allocate_on_comm_stream": allocate_on_comm_stream}
 
     @staticmethod
     def _completion(ctl: dict) -> tuple:
@@ -358,36 +364,63 @@ class Buffer:
         event = ctl.get("event", EventOverlap())
         return (event, ctl["hook"]) if ctl["mode"] == "hook" else (event,)
 
-    def _run(self, steps, ctl: dict):
+    def _run(self, steps, ctl: dict, uses: list[torch.Tensor]):
         """Runs transport steps per ``ctl["mode"]``: "sync" waits and returns the result;
         "async" records an event in ``ctl``; "hook" issues up to the first collective and puts
-        a :class:`RecvHook` in ``ctl``. CPU steps run on this Buffer's communication thread
-        (it orders all of the Buffer's collectives, like a stream); CUDA steps run inline
-        (NCCL is stream-ordered)."""
+        a :class:`RecvHook` in ``ctl``. CPU steps run on this Buffer's communication thread and
+        CUDA steps on its communication stream; either orders all of the Buffer's transfers.
+        ``uses``: tensors of the caller's stream that the transfer reads or writes (on CUDA the
+        caching allocator is told, so an early free cannot hand their memory to other work)."""
         mode = ctl["mode"]
         if mode == "hook":
             first = self._submit(start, steps).result()
             ctl["hook"] = RecvHook(self, steps, first)
+            self._record(uses)
             return None
-        if self.device.type == "cuda":
-            result = drive(steps)
-            if mode == "async":
-                event = torch.cuda.Event()
-                event.record()
-                ctl["event"] = EventOverlap(event)
-            return result
         future = self._submit(drive, steps)
-        if mode == "async":
+        if mode == "sync":
+            self._join()
+            return future.result()
+        self._record(uses)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(self._comm_stream)
+            ctl["event"] = EventOverlap(event)
+        else:
             ctl["event"] = EventOverlap(future=future)
-            return None
-        return future.result()
+        return None
 
     def _submit(self, fn, *args) -> Future:
-        if self.device.type == "cuda":  # inline, on the caller's stream
-            future: Future = Future()
+        """CPU: queues ``fn`` on the communication thread. CUDA: runs it now with the
+        communication stream current, after the work already queued on the caller's stream."""
+        if self.device.type != "cuda":
+            return self._comm.submit(fn, *args)
+        future: Future = Future()
+        self._comm_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._comm_stream):
             future.set_result(fn(*args))
-            return future
-        return self._comm.submit(fn, *args)
+        return future
+
+    def _join(self) -> None:
+        """Orders the caller's CUDA stream after the communication stream (no host wait)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+
+    def _record(self, tensors: list[torch.Tensor]) -> None:
+        if self.device.type == "cuda":
+            for t in tensors:
+                t.record_stream(self._comm_stream)
+
+    def _alloc(self, ctl: dict, shapes_like: list[tuple[torch.Tensor, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Outputs ``t.new_empty(shape)``; with ``allocate_on_comm_stream`` on CUDA they come from the
+        communication stream's pool and are recorded for the caller's stream, which reads them."""
+        if not (ctl.get("allocate_on_comm_stream") and self.device.type == "cuda"):
+            return [t.new_empty(shape) for t, shape in shapes_like]
+        with torch.cuda.stream(self._comm_stream):
+            out = [t.new_empty(shape) for t, shape in shapes_like]
+        for t in out:
+            t.record_stream(torch.cuda.current_stream())
+        return out
 
     def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
         if isinstance(x, tuple):
@@ -405,7 +438,7 @@ class Buffer:
         plan, rows = ctl["plan"], ctl["plan"].num_recv_tokens
         xs = x if isinstance(x, list) else [x]
         tensors = [*xs, ctl["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
-        out = [t.new_empty((rows, *t.shape[1:])) for t in tensors]
+        out = self._alloc(ctl, [(t, (rows, *t.shape[1:])) for t in tensors])
         out[len(xs)] = ctl["recv_topk_idx"]
         experts_per_rank = ctl["num_experts"] // self.world_size
         first = self.rank * experts_per_rank
@@ -418,20 +451,21 @@ class Buffer:
             if topk_weights is not None:
                 out[-1].masked_fill_(~mine, 0.0)
 
-        self._run(steps(), ctl)
+        self._run(steps(), ctl, [*tensors, *out])
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
 
     def _move_forward(self, plan, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[R, ...]`` outputs."""
-        out = [t.new_empty((plan.num_recv_tokens, *t.shape[1:])) for t in tensors]
-        self._run(self._transport.forward(tensors, plan, out, what), ctl)
+        out = self._alloc(ctl, [(t, (plan.num_recv_tokens, *t.shape[1:])) for t in tensors])
+        self._run(self._transport.forward(tensors, plan, out, what), ctl, [*tensors, *out])
         return out
 
     def _move_combine(self, plan, tensors: list[torch.Tensor], scales: list, ctl: dict,
                       what: str) -> list[torch.Tensor]:
         """Combines row tensors ``[R, ...]`` onto their source tokens into new ``[T, ...]`` outputs."""
-        out = [t.new_empty((plan.num_tokens, *t.shape[1:])) for t in tensors]
-        self._run(self._transport.combine(tensors, scales, plan, out, what), ctl)
+        out = self._alloc(ctl, [(t, (plan.num_tokens, *t.shape[1:])) for t in tensors])
+        uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
+        self._run(self._transport.combine(tensors, scales, plan, out, what), ctl, uses)
         return out
 
 
@@ -453,3 +487,4 @@ class RecvHook:
             raise RuntimeError("this receive hook was already called; each hook completes its operation once")
         self.called = True
         self._buffer._submit(finish, self._steps, self._first).result()
+        self._buffer._join()

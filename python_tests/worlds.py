@@ -26,9 +26,9 @@ def run_cases(rank: int, world_size: int, cases: dict, *args) -> dict[str, str |
 
 
 @functools.cache
-def world_results(entry, world_size: int, *args) -> list[dict[str, str | None]]:
+def world_results(entry, world_size: int, *args, backend: str = "gloo") -> list[dict[str, str | None]]:
     """Runs ``entry(rank, world_size, *args)`` in a fresh world once per distinct argument set."""
-    return spawn_world(world_size, entry, *args, timeout_s=600)
+    return spawn_world(world_size, entry, *args, backend=backend, timeout_s=600)
 
 
 def assert_case(results: list[dict[str, str | None]], case: str) -> None:
