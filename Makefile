@@ -8,8 +8,9 @@ PYTHON312   ?= $(shell PYENV_VERSION=3.12.1 python3.12 -c 'import sys; print(sys
 PY          := $(VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS   ?=
+TRAIN_ARGS  ?=
 
-.PHONY: venv install demo test gpu-wheels gpu-check-dry clean
+.PHONY: venv install demo test train gpu-wheels gpu-check-dry clean
 
 $(VENV)/.deps: requirements/dev.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install python3.12, or pyenv 3.12.x)"; exit 1; }
@@ -35,6 +36,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest python_tests $(PYTEST_ARGS)
+
+# Megatron-Core GPT with MoE layers on CPU (2 nodes x 2): alltoall vs custom from one seed.
+train: install
+	$(PY) benchmarks/train_megatron_moe.py $(TRAIN_ARGS)
 
 # Wheels the lent GPU machine lacks (it has no package index): carried as .whl by the device tool.
 gpu-wheels: venv

@@ -1,0 +1,49 @@
+"""Megatron-Core backend "custom": ``moe_dispatch`` as Megatron's flex token dispatcher.
+
+Usage::
+
+    import moe_dispatch.megatron as mdm          # installs the backend (idempotent)
+    config = TransformerConfig(..., expert_model_parallel_size=8, num_moe_experts=64)
+    mdm.configure(config, ranks_per_node=8)      # flex + "custom" + checks with fixes
+    # or by hand: moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="custom"
+
+Every ``MoELayer`` built from such a config gets a ``MoEFlexTokenDispatcher`` whose
+``_comm_manager`` is a :class:`CustomDispatchManager` over ``moe_dispatch.Buffer`` (the
+hierarchical dispatch/combine), with the permute fused into dispatch when padding or a static
+budget is configured. EP overlap (``overlap_moe_expert_parallel_comm``) and
+``delay_wgrad_compute`` are wired as for Megatron's own deepep/hybridep backends. With
+Megatron-Bridge installed, ``apply_flex_dispatcher_backend(model_config, "custom")`` works too.
+
+``moe_dispatch.megatron.cpu`` (explicit opt-in) lets Megatron's MoELayer run under gloo on a
+machine without a GPU, for tests and debugging; it is not a training path.
+
+Raises (on import):
+    ImportError: megatron-core is not installed (``pip install 'moe-dispatch[megatron]'``).
+    UnsupportedMegatronVersionError: an unsupported megatron-core version.
+"""
+
+from __future__ import annotations
+
+try:
+    import megatron.core  # noqa: F401
+
+    HAVE_MEGATRON = True
+except ImportError as _err:  # pragma: no cover - exercised only without megatron-core
+    HAVE_MEGATRON = False
+    raise ImportError("moe_dispatch.megatron needs megatron-core (the 'custom' flex dispatcher backend plugs into "
+                      "it): pip install 'moe-dispatch[megatron]'") from _err
+
+from .compat import (UnsupportedMegatronVersionError, install, installed, megatron_core_version,  # noqa: E402
+                     patch_bridge)
+from .config import (BACKEND_NAME, OPTIONS_ATTR, CustomBackendOptions, configure, get_options,  # noqa: E402
+                     is_custom_backend, validate_config)
+from .manager import CustomDispatchManager, InflightDispatch, clear_buffers, ep_ranks_per_node, get_buffer  # noqa: E402
+
+install()
+
+__all__ = [
+    "BACKEND_NAME", "HAVE_MEGATRON", "OPTIONS_ATTR", "CustomBackendOptions", "CustomDispatchManager",
+    "InflightDispatch", "UnsupportedMegatronVersionError", "clear_buffers", "configure", "ep_ranks_per_node",
+    "get_buffer", "get_options", "install", "installed", "is_custom_backend", "megatron_core_version",
+    "patch_bridge", "validate_config",
+]

@@ -1,0 +1,260 @@
+"""Configuration of the Megatron-Core backend "custom": our knobs, ``configure()`` and the checks.
+
+Megatron-Core selects a flex-dispatcher backend by two ``TransformerConfig`` fields
+(``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend``); the knobs that are
+ours (simulated nodes, padding, the static budget) travel on the config object as the
+attribute ``moe_dispatch_options`` (a :class:`CustomBackendOptions`). A config without it
+uses the defaults.
+
+Megatron checks its EP-overlap constraints once, in ``TransformerConfig.__post_init__``; a
+config changed afterwards (what ``configure()`` and Megatron-Bridge do) is not checked again,
+so :func:`validate_config` repeats the checks that matter to this backend, each message naming
+the knob, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from typing import Any
+
+BACKEND_NAME = "custom"
+OPTIONS_ATTR = "moe_dispatch_options"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomBackendOptions:
+    """The knobs of the "custom" backend that Megatron's ``TransformerConfig`` has no field for.
+
+    Attributes:
+        ranks_per_node: EP ranks per node (NVLink domain) for the hierarchy. None: derived from
+            the EP group's global ranks and ``LOCAL_WORLD_SIZE`` (torchrun), or the visible GPU
+            count; a CPU world may declare any divisor of the EP size to simulate nodes.
+        pad_multiple: pad each local expert's rows to a multiple of this (zero rows), as
+            HybridEP's fused permute does for fp8/fp4 grouped GEMMs. None: Megatron's
+            ``get_align_size_for_quantization(config)`` (0 -> 1, no padding).
+        num_permuted_tokens: static receive budget P: the permuted expert input has exactly P
+            rows (rows beyond it are dropped and flagged in ``manager.over_budget``).
+        expert_rank_capacity_factor: budget as a factor of the balanced load, like Megatron's
+            ``moe_expert_rank_capacity_factor`` for HybridEP:
+            ``P = ceil(T * topk * factor)`` rounded up to ``pad_multiple``. Excludes
+            ``num_permuted_tokens``.
+        fuse_permute: permute inside ``dispatch`` (the HybridEP layout: ``dispatch`` returns
+            expert-major rows) or after it (the DeepEP layout: ``get_permuted_hidden_states_by_experts``
+            permutes). None: fused exactly when padding or a budget is in use.
+        raise_on_overflow: read the overflow flag on the host after every budgeted dispatch and
+            raise ``moe_dispatch.permute.PermuteOverflowError`` (a host synchronisation; for
+            debugging). Default: only accumulate the device flag ``over_budget``.
+        timeout_s: bound on every collective of the backend's ``Buffer``.
+
+    Raises:
+        ValueError: a knob out of range (the message names it and the fix).
+    """
+
+    ranks_per_node: int | None = None
+    pad_multiple: int | None = None
+    num_permuted_tokens: int | None = None
+    expert_rank_capacity_factor: float | None = None
+    fuse_permute: bool | None = None
+    raise_on_overflow: bool = False
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int (EP ranks per node) or None to derive it "
+                             f"from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}")
+        if self.pad_multiple is not None and (not _is_int(self.pad_multiple) or self.pad_multiple < 1):
+            raise ValueError(f"pad_multiple must be a positive int (1 = no padding; 16, 32, 128, 256 for fp8/fp4 "
+                             f"grouped GEMMs) or None, got {self.pad_multiple!r}")
+        if self.num_permuted_tokens is not None and (not _is_int(self.num_permuted_tokens)
+                                                     or self.num_permuted_tokens < 1):
+            raise ValueError(f"num_permuted_tokens must be a positive int (rows of the permuted expert input) "
+                             f"or None for a dropless exact size, got {self.num_permuted_tokens!r}")
+        factor = self.expert_rank_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0
+                                   or not math.isfinite(factor)):
+            raise ValueError(f"expert_rank_capacity_factor must be a positive number (e.g. 1.5 = room for 1.5x the "
+                             f"balanced load) or None, got {factor!r}")
+        if factor is not None and self.num_permuted_tokens is not None:
+            raise ValueError("num_permuted_tokens and expert_rank_capacity_factor both set a static budget: "
+                             f"pass only one (got {self.num_permuted_tokens} and {factor})")
+        if self.fuse_permute is not None and not isinstance(self.fuse_permute, bool):
+            raise ValueError(f"fuse_permute must be True, False or None (auto), got {self.fuse_permute!r}")
+        if not isinstance(self.raise_on_overflow, bool):
+            raise ValueError(f"raise_on_overflow must be a bool, got {self.raise_on_overflow!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether a static receive budget is configured."""
+        return self.num_permuted_tokens is not None or self.expert_rank_capacity_factor is not None
+
+
+def get_options(config) -> CustomBackendOptions:
+    """The backend options attached to ``config`` by :func:`configure` (defaults when none)."""
+    options = getattr(config, OPTIONS_ATTR, None)
+    if options is None:
+        return CustomBackendOptions()
+    if not isinstance(options, CustomBackendOptions):
+        raise TypeError(f"config.{OPTIONS_ATTR} must be a moe_dispatch.megatron.CustomBackendOptions, "
+                        f"got {type(options).__name__}; set it through moe_dispatch.megatron.configure(config, ...)")
+    return options
+
+
+def resolve_pad_multiple(config) -> int:
+    """Rows of each local expert block are padded to a multiple of this (>= 1).
+
+    ``options.pad_multiple`` when set, else Megatron's ``get_align_size_for_quantization``
+    (256 with the TE op fuser, the fp8/fp4 recipe's alignment, 0 otherwise; 0 means 1).
+    """
+    options = get_options(config)
+    if options.pad_multiple is not None:
+        return options.pad_multiple
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    return max(1, int(get_align_size_for_quantization(config)))
+
+
+def resolve_fuse_permute(config) -> bool:
+    """Whether the permute runs inside ``dispatch`` (HybridEP layout) for this config."""
+    options = get_options(config)
+    if options.fuse_permute is not None:
+        return options.fuse_permute
+    return options.has_budget or resolve_pad_multiple(config) > 1
+
+
+def is_custom_backend(config) -> bool:
+    """True when ``config`` selects this backend (flex dispatcher, backend "custom")."""
+    return (getattr(config, "moe_token_dispatcher_type", None) == "flex"
+            and getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME)
+
+
+def validate_config(config) -> None:
+    """Checks a ``TransformerConfig`` that selects the "custom" backend; raises or warns with
+    the fix. A config that does not name the backend passes untouched.
+
+    Raises:
+        ValueError: the backend is named but the dispatcher type is not "flex" (Megatron would
+            silently keep the other dispatcher); expert_model_parallel_size == 1;
+            num_moe_experts < 2; EP overlap with pipeline parallelism and no virtual pipeline;
+            shared-expert overlap together with EP overlap; delay_wgrad_compute without EP
+            overlap; a Megatron knob this backend replaces (capacity padding, router padding,
+            moe_expert_rank_capacity_factor) or does not support.
+
+    Warns:
+        UserWarning: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` while EP overlap is on (the hardware
+        queue serialises the communication stream behind compute: no overlap).
+    """
+    if getattr(config, "moe_flex_dispatcher_backend", None) != BACKEND_NAME:
+        return
+    get_options(config)  # type check of the attached options
+    dispatcher = getattr(config, "moe_token_dispatcher_type", None)
+    if dispatcher != "flex":
+        raise ValueError(
+            f"moe_flex_dispatcher_backend='custom' takes effect only with moe_token_dispatcher_type='flex', got "
+            f"moe_token_dispatcher_type={dispatcher!r}: Megatron-Core would silently build the {dispatcher!r} "
+            "dispatcher. Set moe_token_dispatcher_type='flex' (moe_dispatch.megatron.configure(config) does)")
+    ep = getattr(config, "expert_model_parallel_size", 1)
+    if ep is None or ep <= 1:
+        raise ValueError(
+            f"the 'custom' flex backend moves tokens between expert-parallel ranks, but expert_model_parallel_size="
+            f"{ep}: there is nothing to dispatch. Set expert_model_parallel_size > 1, or use "
+            "moe_token_dispatcher_type='alltoall' for a single EP rank")
+    experts = getattr(config, "num_moe_experts", None)
+    if experts is None or experts <= 1:
+        raise ValueError(
+            f"the 'custom' flex backend needs a mixture of experts, but num_moe_experts={experts}: set "
+            "num_moe_experts >= 2 (and divisible by expert_model_parallel_size)")
+    overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+    if overlap:
+        pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+        if pp > 1 and getattr(config, "virtual_pipeline_model_parallel_size", None) is None:
+            raise ValueError(
+                f"overlap_moe_expert_parallel_comm=True with pipeline_model_parallel_size={pp} needs the interleaved "
+                "schedule: set virtual_pipeline_model_parallel_size (>= 2), or set "
+                "overlap_moe_expert_parallel_comm=False")
+        if getattr(config, "moe_shared_expert_overlap", False):
+            raise ValueError(
+                "moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other (both "
+                "claim the communication stream): set moe_shared_expert_overlap=False (the EP overlap hides the "
+                "shared experts behind dispatch anyway)")
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            warnings.warn(
+                "CUDA_DEVICE_MAX_CONNECTIONS=1 while overlap_moe_expert_parallel_comm=True: one hardware queue "
+                "serialises the dispatch/combine stream behind the compute stream, so nothing overlaps. Unset it "
+                "(or set it > 1) for EP overlap; keep it only if tensor-parallel comm overlap needs it",
+                UserWarning, stacklevel=2)
+    if getattr(config, "delay_wgrad_compute", False) and not overlap:
+        raise ValueError(
+            "delay_wgrad_compute=True defers the experts' weight gradients into the EP-overlap schedule: set "
+            "overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False")
+    if getattr(config, "moe_pad_expert_input_to_capacity", False):
+        raise ValueError(
+            "moe_pad_expert_input_to_capacity=True is not supported by the 'custom' backend: set it False and use "
+            "configure(config, pad_multiple=...) for aligned expert blocks, or num_permuted_tokens=/"
+            "expert_rank_capacity_factor= for a static budget")
+    if getattr(config, "moe_router_padding_for_quantization", False):
+        raise ValueError(
+            "moe_router_padding_for_quantization=True adds routing entries beyond moe_router_topk, which the "
+            "'custom' backend's top-k dispatch cannot carry: set it False and use configure(config, pad_multiple=16) "
+            "(or the fp8 recipe's alignment): the fused permute pads each expert block instead")
+    if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
+        raise ValueError(
+            "moe_expert_rank_capacity_factor is HybridEP's/NCCL EP's knob: set it to None and pass "
+            "configure(config, expert_rank_capacity_factor=...) for the 'custom' backend's static budget")
+
+
+def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None = None,
+              pad_multiple: int | None = None, num_permuted_tokens: int | None = None,
+              expert_rank_capacity_factor: float | None = None, fuse_permute: bool | None = None,
+              raise_on_overflow: bool = False, timeout_s: float = 300.0, **config_fields: Any):
+    """Selects the "custom" backend on a Megatron-Core ``TransformerConfig`` and validates it.
+
+    Sets ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend="custom"`` and
+    ``moe_shared_expert_overlap=False`` (what Megatron-Bridge's ``apply_flex_dispatcher_backend``
+    does for its backends), then any Megatron fields passed as keywords (e.g.
+    ``overlap_moe_expert_parallel_comm=True``), the SM budget, attaches the backend's own knobs
+    and runs :func:`validate_config`.
+
+    Args:
+        config: a ``megatron.core.transformer.TransformerConfig`` (changed in place).
+        ranks_per_node, pad_multiple, num_permuted_tokens, expert_rank_capacity_factor,
+            fuse_permute, raise_on_overflow, timeout_s: see :class:`CustomBackendOptions`.
+        num_sms: SM budget of the CUDA kernels; stored in Megatron's
+            ``moe_flex_dispatcher_num_sms`` (None keeps the config's value).
+        **config_fields: ``TransformerConfig`` fields to set before validation.
+
+    Returns:
+        ``config``.
+
+    Raises:
+        ValueError: an unknown field name, a bad knob, or a check of :func:`validate_config`.
+    """
+    unknown = sorted(name for name in config_fields if not hasattr(config, name))
+    if unknown:
+        raise ValueError(f"configure() got {unknown}, which are neither TransformerConfig fields nor backend knobs "
+                         f"(backend knobs: {[f.name for f in dataclasses.fields(CustomBackendOptions)] + ['num_sms']})")
+    if num_sms is not None and (not _is_int(num_sms) or num_sms < 1):
+        raise ValueError(f"num_sms must be a positive int (SMs for dispatch/combine kernels) or None, got {num_sms!r}")
+    options = CustomBackendOptions(ranks_per_node=ranks_per_node, pad_multiple=pad_multiple,
+                                   num_permuted_tokens=num_permuted_tokens,
+                                   expert_rank_capacity_factor=expert_rank_capacity_factor,
+                                   fuse_permute=fuse_permute, raise_on_overflow=raise_on_overflow,
+                                   timeout_s=timeout_s)
+    config.moe_token_dispatcher_type = "flex"
+    config.moe_flex_dispatcher_backend = BACKEND_NAME
+    config.moe_shared_expert_overlap = False
+    for name, value in config_fields.items():
+        setattr(config, name, value)
+    if num_sms is not None:
+        config.moe_flex_dispatcher_num_sms = num_sms
+    setattr(config, OPTIONS_ATTR, options)
+    validate_config(config)
+    return config

@@ -1,0 +1,323 @@
+"""``CustomDispatchManager``: Megatron-Core's ``_DispatchManager`` contract over ``moe_dispatch.Buffer``.
+
+Megatron's flex dispatcher (``MoEFlexTokenDispatcher``) drives its manager in this order per
+micro-batch and layer (the semantics come from megatron-core's ``token_dispatcher.py``):
+
+1. ``setup_metadata(routing_map [T, W, E_local] or [T, E'], probs)``: here converted to top-k
+   form, ``token_indices [T, K]`` int64 and ``token_probs [T, K]`` fp32 (differentiable in
+   probs); ``dispatch_preprocess`` hands ``token_probs`` on as "the probs".
+2. ``dispatch(hidden [T, H])``: the hierarchical dispatch (differentiable; its backward is a
+   combine). Fused (HybridEP layout): the received rows are permuted to expert-major blocks
+   padded to ``pad_multiple``, optionally into a static budget of ``P`` rows, and
+   ``dispatched_probs [P]`` follows the rows. Unfused (DeepEP layout): the received rows come
+   back as is (``[R, H]``, source rank then source token) with ``dispatched_probs [R, K]``.
+3. ``get_permuted_hidden_states_by_experts(hidden)`` -> ``(tokens [P, H], probs [P])``: the
+   permute when unfused, the identity when fused. Experts multiply by the probs themselves.
+4. ``get_number_of_tokens_per_expert()`` -> ``[E_local]`` int64 split sizes of the rows.
+5. ``get_restored_hidden_states_by_experts(y [P, H])`` -> unpermute (unweighted) or identity.
+6. ``combine(y)`` -> ``[T, H]``, the unweighted sum of every copy (Megatron's contract).
+
+The attributes ``token_probs`` and ``dispatched_probs`` are part of the contract: Megatron's
+EP-overlap schedule (``overlap_moe_expert_parallel_comm``) replaces them with detached copies
+between its schedule nodes, so ``dispatch`` reads ``self.token_probs`` and step 3 reads
+``self.dispatched_probs``. The routing state of one dispatch (the ``DispatchHandle``, the
+permute handle, the split sizes) lives in one :class:`InflightDispatch` held from ``dispatch``
+to its ``combine`` (a layer's dispatch and combine of one micro-batch are never interleaved
+with another micro-batch's, even under EP overlap); backward passes need none of it: their
+state is in the autograd contexts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
+
+from ..buffer import Buffer, DispatchHandle
+from ..layout import routing_map_to_topk
+from ..permute import PermuteHandle, check_permute_overflow, permute, unpermute
+from .config import get_options, resolve_fuse_permute, resolve_pad_multiple, validate_config
+
+logger = logging.getLogger(__name__)
+
+_BUFFERS: dict[tuple, Buffer] = {}
+
+
+def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> int:
+    """EP ranks per node of ``group`` for the Buffer's hierarchy.
+
+    ``explicit`` when given; else the group's global ranks are mapped to nodes of
+    ``LOCAL_WORLD_SIZE`` ranks (torchrun; else the visible GPU count): the EP group must hold
+    the same number of ranks on every node, in contiguous runs of its own rank order. Megatron's
+    EP group (ranks strided by TP x CP) satisfies this on homogeneous nodes. When it does not,
+    or the node size is unknown, the group is one "node" (flat exchange, still exact) and a
+    warning says how to set it.
+    """
+    world_size = dist.get_world_size(group)
+    if explicit is not None:
+        if world_size % explicit != 0:
+            raise ValueError(f"ranks_per_node={explicit} does not divide the EP group size {world_size}: pass "
+                             f"configure(config, ranks_per_node=...) with a divisor of {world_size}")
+        return explicit
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    node_size = int(local) if local is not None and local.isdigit() and int(local) > 0 else None
+    if node_size is None and torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        node_size = torch.cuda.device_count()
+    if node_size is None:
+        return world_size
+    nodes = [r // node_size for r in dist.get_process_group_ranks(group)]
+    runs = [1]
+    for prev, cur in zip(nodes, nodes[1:]):
+        if cur == prev:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    contiguous = len(runs) == len(set(nodes))
+    if contiguous and len(set(runs)) == 1:
+        return runs[0]
+    warnings.warn(f"the EP group's ranks sit on nodes {nodes} (node size {node_size}), not as equal contiguous "
+                  "runs: moe_dispatch treats the group as one node (exact, but no inter-node de-duplication). Pass "
+                  "moe_dispatch.megatron.configure(config, ranks_per_node=...) to set the hierarchy", stacklevel=2)
+    return world_size
+
+
+def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
+               timeout_s: float = 300.0) -> Buffer:
+    """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, SM budget).
+
+    Collective on first use for a group (every rank of ``group`` must reach it together, which
+    Megatron's identical layer order on all EP ranks guarantees).
+    """
+    rpn = ep_ranks_per_node(group, ranks_per_node)
+    key = (group, rpn, num_sms, float(timeout_s))
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, timeout_s=timeout_s)
+        _BUFFERS[key] = buf
+    return buf
+
+
+def clear_buffers() -> None:
+    """Forgets the cached Buffers (e.g. before ``destroy_process_group``)."""
+    _BUFFERS.clear()
+
+
+@dataclasses.dataclass(eq=False)
+class InflightDispatch:
+    """Routing state of one dispatch, from ``dispatch`` to its ``combine``.
+
+    Attributes:
+        handle: the Buffer's :class:`~moe_dispatch.DispatchHandle` (combine replays it backwards).
+        num_tokens: T, tokens this rank dispatched.
+        recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
+        permute_handle: the :class:`~moe_dispatch.permute.PermuteHandle` once permuted.
+        tokens_per_expert: ``[E_local]`` int64 rows of each expert block (grouped-GEMM splits).
+        fused: whether dispatch returned permuted rows.
+    """
+
+    handle: DispatchHandle
+    num_tokens: int
+    recv_topk_idx: torch.Tensor
+    fused: bool
+    permute_handle: PermuteHandle | None = None
+    tokens_per_expert: torch.Tensor | None = None
+
+
+class CustomDispatchManager(_DispatchManager):
+    """Megatron-Core's flex-dispatcher manager for ``moe_flex_dispatcher_backend="custom"``.
+
+    Built by ``MoEFlexTokenDispatcher.__init__`` (patched by ``moe_dispatch.megatron.install``)
+    once per MoE layer, over the TP x EP group, with the experts and top-k folded over TP as
+    Megatron does for DeepEP.
+
+    Args:
+        group: the TP x EP process group (``pg_collection.tp_ep``).
+        num_local_experts: E_local, experts on this rank.
+        router_topk: K, entries per token in the folded routing map (``tp * moe_router_topk``).
+        num_experts: E', experts in the folded numbering (``tp * num_moe_experts``).
+        config: the ``TransformerConfig`` (checked with ``validate_config``; backend knobs from
+            ``moe_dispatch.megatron.configure``).
+
+    Attributes (Megatron's contract):
+        token_indices: ``[T, K]`` int64 global expert ids, -1 = none.
+        token_probs: ``[T, K]`` fp32 probabilities of those experts (0 where none).
+        dispatched_probs: ``[P]`` (fused) or ``[R, K]`` (unfused) fp32 probs of the received rows.
+        over_budget: ``[1]`` bool, set once any budgeted dispatch dropped rows (never reset here;
+            Megatron's ``dispatcher.reset_over_budget()`` clears it).
+
+    Raises:
+        ValueError: an invalid config (see ``validate_config``), or E' not divisible by the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_local_experts: int, router_topk: int, num_experts: int,
+                 config) -> None:
+        validate_config(config)
+        self.group = group
+        self.num_local_experts = num_local_experts
+        self.router_topk = router_topk
+        self.num_experts = num_experts
+        self.config = config
+        self.options = get_options(config)
+        group_size = dist.get_world_size(group)
+        if num_experts != num_local_experts * group_size:
+            raise ValueError(f"the 'custom' backend needs num_experts ({num_experts}, folded over TP) = "
+                             f"num_local_experts ({num_local_experts}) x the TP x EP group size ({group_size}); "
+                             "make num_moe_experts divisible by expert_model_parallel_size")
+        self.pad_multiple = resolve_pad_multiple(config)
+        self.fused = resolve_fuse_permute(config)
+        self.num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
+        self.router_dtype = getattr(config, "moe_router_dtype", None)
+        backend = str(dist.get_backend(group))
+        self._device = (torch.device("cuda", torch.cuda.current_device())
+                        if "nccl" in backend and torch.cuda.is_available() else torch.device("cpu"))
+        self.over_budget = torch.zeros(1, dtype=torch.bool, device=self._device)
+        self.token_indices: torch.Tensor | None = None
+        self.token_probs: torch.Tensor | None = None
+        self.dispatched_probs: torch.Tensor | None = None
+        self._inflight: InflightDispatch | None = None
+        self._buffer: Buffer | None = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def buffer(self) -> Buffer:
+        """The EP group's Buffer (created on first use; collective then)."""
+        if self._buffer is None:
+            self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
+                                      num_sms=self.num_sms, timeout_s=self.options.timeout_s)
+        return self._buffer
+
+    def budget(self, num_tokens: int) -> int | None:
+        """Static rows P of the permuted expert input for T dispatched tokens, or None (dropless)."""
+        opts = self.options
+        if opts.num_permuted_tokens is not None:
+            rows = opts.num_permuted_tokens
+        elif opts.expert_rank_capacity_factor is not None:
+            rows = math.ceil(num_tokens * self.router_topk * opts.expert_rank_capacity_factor)
+        else:
+            return None
+        return -(-rows // self.pad_multiple) * self.pad_multiple
+
+    def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
+        budget = self.budget(state.num_tokens)
+        # recv_topk_idx comes from Buffer.dispatch (checked there, local ids): no second host check
+        res = permute(hidden, state.recv_topk_idx, probs, num_local_experts=self.num_local_experts,
+                      pad_multiple=self.pad_multiple, num_permuted_tokens=budget, validate=False)
+        state.permute_handle, state.tokens_per_expert = res.handle, res.tokens_per_expert
+        if budget is not None:
+            # The unused tail of the budget (zero rows, no token, prob 0) joins the last expert's
+            # block, so the split sizes sum to P as Megatron's experts (torch.split, grouped
+            # GEMMs) require; its outputs are never gathered back. Device ops, no host sync.
+            tokens_per_expert = res.tokens_per_expert.clone()
+            tokens_per_expert[-1] += budget - tokens_per_expert.sum()
+            state.tokens_per_expert = tokens_per_expert
+            self.over_budget |= res.handle.overflow.to(self.over_budget.device)
+            if self.options.raise_on_overflow:
+                check_permute_overflow(res.handle)
+        return res.permuted_x, res.permuted_probs
+
+    def _state(self, what: str) -> InflightDispatch:
+        if self._inflight is None:
+            raise RuntimeError(f"{what} called without a dispatch in flight: Megatron's flex dispatcher calls "
+                               "token_dispatch before dispatch_postprocess/combine_preprocess/token_combine, once each")
+        return self._inflight
+
+    # -- Megatron's contract ---------------------------------------------------------------
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
+        """Routing of this micro-batch: ``routing_map [T, W, E_local]`` bool and ``probs`` of the
+        same shape (or already ``[T, E']``) -> ``token_indices``/``token_probs`` ``[T, K]``.
+
+        Raises:
+            ValueError: a token selects more than K experts (checked on CPU tensors only, to
+                keep GPU dispatch free of an extra host synchronisation).
+        """
+        num_tokens = routing_map.shape[0]
+        routing_map = routing_map.reshape(num_tokens, self.num_experts)
+        probs = probs.reshape(num_tokens, self.num_experts)
+        self.token_indices, self.token_probs = routing_map_to_topk(routing_map, probs, self.router_topk,
+                                                                   validate=False)
+
+    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Dispatches ``hidden_states [T, H]`` (bf16/fp16/fp32) to the ranks of their experts.
+
+        Collective over the TP x EP group; synchronises the host once (receive sizes).
+        ``async_finish`` launches the Buffer asynchronously and makes the current stream wait
+        for it before returning (what Megatron's DeepEP wrapper does); ``allocate_on_comm_stream``
+        allocates the outputs from the Buffer's communication stream (CUDA).
+
+        Returns:
+            fused: ``[P, H]`` expert-major rows (zero padding rows), ``dispatched_probs [P]``;
+            unfused: ``[R, H]`` received rows, ``dispatched_probs [R, K]``.
+        """
+        if self.token_indices is None or self.token_probs is None:
+            raise RuntimeError("dispatch called before setup_metadata: Megatron's dispatch_preprocess sets the routing")
+        probs = self.token_probs if self.token_probs.dtype == torch.float32 else self.token_probs.float()
+        recv_x, recv_idx, recv_probs, _, handle, event = self.buffer.dispatch(
+            hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts,
+            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+        event.current_stream_wait()
+        state = InflightDispatch(handle=handle, num_tokens=hidden_states.shape[0], recv_topk_idx=recv_idx,
+                                 fused=self.fused)
+        self._inflight = state
+        if self.fused:
+            out, self.dispatched_probs = self._permute(state, recv_x, recv_probs)
+            return out
+        self.dispatched_probs = recv_probs
+        return recv_x
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
+        """``(tokens [P, H], probs [P])`` for the experts, expert-major (identity when fused).
+
+        Reads ``self.dispatched_probs`` (the EP-overlap schedule may have replaced it by a
+        detached copy). With ``moe_router_dtype="fp64"`` the probs are returned in fp64, as
+        Megatron's DeepEP manager does.
+        """
+        state = self._state("get_permuted_hidden_states_by_experts")
+        if state.fused:
+            probs = self.dispatched_probs
+        else:
+            hidden_states, probs = self._permute(state, hidden_states, self.dispatched_probs)
+        if self.router_dtype == "fp64":
+            probs = probs.to(torch.float64)
+        return hidden_states, probs
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        """``[E_local]`` int64 rows of each local expert block (padded to ``pad_multiple``,
+        clipped to the budget; with a budget the last block also holds the unused tail rows,
+        so the sizes sum to P): the grouped-GEMM split sizes, on the Buffer's device."""
+        state = self._state("get_number_of_tokens_per_expert")
+        if state.tokens_per_expert is None:
+            raise RuntimeError("get_number_of_tokens_per_expert called before the permute: Megatron's "
+                               "dispatch_postprocess calls get_permuted_hidden_states_by_experts first")
+        return state.tokens_per_expert
+
+    def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Expert outputs ``[P, H]`` -> received-row order ``[R, H]`` (unweighted sum of each
+        row's copies; identity when fused: ``combine`` unpermutes)."""
+        state = self._state("get_restored_hidden_states_by_experts")
+        if state.fused:
+            return hidden_states
+        return unpermute(hidden_states, state.permute_handle)
+
+    def combine(self, hidden_states: torch.Tensor, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Sums expert outputs back onto their source tokens: ``[P, H]`` (fused) or ``[R, H]``
+        -> ``[T, H]`` in the input dtype (fp32 accumulation, deterministic order).
+
+        Collective over the TP x EP group; releases this dispatch's routing state.
+        """
+        state = self._state("combine")
+        self._inflight = None
+        if state.fused:
+            hidden_states = unpermute(hidden_states, state.permute_handle)
+        out, event = self.buffer.combine(hidden_states.contiguous(), state.handle, async_finish=async_finish,
+                                         allocate_on_comm_stream=allocate_on_comm_stream)
+        event.current_stream_wait()
+        self.dispatched_probs = None
+        return out

@@ -1,0 +1,290 @@
+"""``moe_dispatch.megatron`` in one process: ``configure()`` and its checks (each error names the
+knob, the reason and the fix), the patch points ``install()`` wraps, Megatron-Bridge's helper
+(against a stand-in module: Bridge is not a dependency), and the import guard."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import moe_dispatch.megatron as mdm  # noqa: E402
+from moe_dispatch.megatron import compat  # noqa: E402
+
+
+def _config(**fields):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
+                expert_model_parallel_size=2, bf16=True, params_dtype=torch.bfloat16, ffn_hidden_size=32,
+                moe_ffn_hidden_size=32)
+    base.update(fields)
+    return TransformerConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# configure() and validate_config()
+# ---------------------------------------------------------------------------------------------
+
+def test_configure_selects_the_backend():
+    cfg = _config(moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=False)
+    cfg.moe_shared_expert_overlap = True  # configure turns it off, as Bridge's helper does
+    out = mdm.configure(cfg, ranks_per_node=2, num_sms=24, pad_multiple=16, expert_rank_capacity_factor=1.5)
+    assert out is cfg
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend) == ("flex", "custom")
+    assert cfg.moe_shared_expert_overlap is False and cfg.moe_flex_dispatcher_num_sms == 24
+    assert mdm.get_options(cfg) == mdm.CustomBackendOptions(ranks_per_node=2, pad_multiple=16,
+                                                            expert_rank_capacity_factor=1.5)
+    assert mdm.is_custom_backend(cfg)
+
+
+def test_configure_sets_megatron_fields_then_checks():
+    cfg = mdm.configure(_config(), overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    assert cfg.overlap_moe_expert_parallel_comm and cfg.delay_wgrad_compute
+
+
+def test_resolved_layout():
+    from moe_dispatch.megatron.config import resolve_fuse_permute, resolve_pad_multiple
+
+    cfg = mdm.configure(_config())
+    assert resolve_pad_multiple(cfg) == 1 and not resolve_fuse_permute(cfg)  # DeepEP layout: permute after
+    cfg = mdm.configure(_config(), pad_multiple=16)
+    assert resolve_pad_multiple(cfg) == 16 and resolve_fuse_permute(cfg)  # HybridEP layout: fused
+    cfg = mdm.configure(_config(), num_permuted_tokens=512)
+    assert resolve_fuse_permute(cfg)
+    cfg = mdm.configure(_config(), pad_multiple=16, fuse_permute=False)
+    assert not resolve_fuse_permute(cfg)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(moe_token_dispatcher_type="alltoall"),
+     r"takes effect only with moe_token_dispatcher_type='flex'.*silently build the 'alltoall'.*Set "
+     r"moe_token_dispatcher_type='flex'"),
+    (dict(expert_model_parallel_size=1),
+     r"expert_model_parallel_size=1: there is nothing to dispatch\. Set expert_model_parallel_size > 1"),
+    (dict(num_moe_experts=1), r"num_moe_experts=1: set num_moe_experts >= 2"),
+    (dict(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2),
+     r"pipeline_model_parallel_size=2 needs the interleaved schedule: set virtual_pipeline_model_parallel_size"),
+    (dict(overlap_moe_expert_parallel_comm=True, moe_shared_expert_overlap=True),
+     r"moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other.*set "
+     r"moe_shared_expert_overlap=False"),
+    (dict(delay_wgrad_compute=True), r"set overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False"),
+    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0),
+     r"moe_pad_expert_input_to_capacity=True is not supported.*pad_multiple"),
+    (dict(moe_router_padding_for_quantization=True), r"set it False and use configure\(config, pad_multiple=16\)"),
+    (dict(moe_expert_rank_capacity_factor=1.5), r"HybridEP's/NCCL EP's knob.*expert_rank_capacity_factor=\.\.\."),
+])
+def test_configure_rejects_with_the_fix(fields, match):
+    with pytest.raises(ValueError, match=match):
+        mdm.configure(_config(), **fields)
+
+
+def test_validate_config_catches_a_hand_set_backend():
+    cfg = _config(moe_token_dispatcher_type="alltoall")
+    cfg.moe_flex_dispatcher_backend = "custom"  # what users write by mistake
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type='flex'"):
+        mdm.validate_config(cfg)
+    mdm.validate_config(_config())  # other backends: untouched
+
+
+def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
+    def max_connections_warnings(**fields):
+        cfg = _config()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mdm.configure(cfg, **fields)
+        return [w for w in caught if "CUDA_DEVICE_MAX_CONNECTIONS" in str(w.message)]
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    found = max_connections_warnings(overlap_moe_expert_parallel_comm=True)
+    assert len(found) == 1 and found[0].category is UserWarning
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 while overlap_moe_expert_parallel_comm=True" in str(found[0].message)
+    assert "Unset it" in str(found[0].message)
+    assert not max_connections_warnings()  # no EP overlap: nothing to say
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert not max_connections_warnings(overlap_moe_expert_parallel_comm=True)
+
+
+@pytest.mark.parametrize("knobs, match", [
+    (dict(pad_multiple=0), r"pad_multiple must be a positive int"),
+    (dict(ranks_per_node=0), r"ranks_per_node must be a positive int"),
+    (dict(num_permuted_tokens=0), r"num_permuted_tokens must be a positive int"),
+    (dict(expert_rank_capacity_factor=-1.0), r"expert_rank_capacity_factor must be a positive number"),
+    (dict(num_permuted_tokens=64, expert_rank_capacity_factor=1.0), r"both set a static budget: pass only one"),
+    (dict(fuse_permute="yes"), r"fuse_permute must be True, False or None"),
+    (dict(timeout_s=0), r"timeout_s must be a positive number"),
+    (dict(num_sms=0), r"num_sms must be a positive int"),
+    (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
+])
+def test_bad_knobs(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        mdm.configure(_config(), **knobs)
+
+
+def test_foreign_options_object():
+    cfg = _config()
+    cfg.moe_dispatch_options = {"ranks_per_node": 2}
+    with pytest.raises(TypeError, match="CustomBackendOptions"):
+        mdm.get_options(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# install() and its patch points
+# ---------------------------------------------------------------------------------------------
+
+def test_install_is_idempotent():
+    from megatron.core.models.common import fine_grained_callables as common_callables
+    from megatron.core.models.common import utils as common_utils
+    from megatron.core.models.gpt import fine_grained_callables as gpt_callables
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    before = (MoEFlexTokenDispatcher.__init__, common_utils.should_free_input,
+              gpt_callables.build_transformer_layer_callables)
+    mdm.install()
+    mdm.install()
+    assert mdm.installed()
+    after = (MoEFlexTokenDispatcher.__init__, common_utils.should_free_input,
+             gpt_callables.build_transformer_layer_callables)
+    assert before == after
+    for fn in after:
+        assert getattr(fn, "_moe_dispatch_patched", False)
+        assert not getattr(fn.__wrapped_original__, "_moe_dispatch_patched", False)  # wrapped once
+    assert common_callables.build_transformer_layer_callables is gpt_callables.build_transformer_layer_callables
+
+
+def test_unsupported_version_names_it():
+    with pytest.raises(compat.UnsupportedMegatronVersionError,
+                       match=r"supports megatron-core 0\.19\.x.*found 0\.16\.0.*moe_dispatch/megatron/compat\.py"):
+        compat.patch_points((0, 16, 0))
+    assert compat.patch_points((0, 19, 2)).free_input_module == "megatron.core.models.common.utils"
+
+
+def test_should_free_input_for_custom():
+    from megatron.core.models.common import utils as common_utils
+
+    original = common_utils.should_free_input.__wrapped_original__
+    unfused = mdm.configure(_config())
+    fused = mdm.configure(_config(), pad_multiple=8)
+    for cfg in (unfused, fused):
+        assert common_utils.should_free_input("moe_dispatch", True, cfg, 4) is False  # the router saved it
+        assert common_utils.should_free_input("moe_combine", True, cfg, 4) is True
+        assert common_utils.should_free_input("pre_dispatch_computation", True, cfg, 4) is False
+        assert common_utils.should_free_input("moe_dispatch", False, cfg, None) is False  # dense layers
+    assert common_utils.should_free_input("mlp", True, unfused, 4) is True  # permute copies: free
+    assert common_utils.should_free_input("mlp", True, fused, 4) is False  # experts saved the permuted rows
+    for backend in ("deepep", "hybridep"):
+        cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+        for name in ("moe_dispatch", "mlp", "moe_combine"):
+            assert common_utils.should_free_input(name, True, cfg, 4) == original(name, True, cfg, 4)
+
+
+def test_setup_metadata_compiles_without_graph_breaks():
+    """Megatron wraps dispatch_preprocess (which calls setup_metadata) in torch.compile: the
+    routing conversion must trace as one graph (no host synchronisation)."""
+    from moe_dispatch.layout import routing_map_to_topk
+
+    routing_map = torch.rand(12, 8) > 0.7
+    probs = torch.rand(12, 8)
+    explanation = torch._dynamo.explain(lambda r, p: routing_map_to_topk(r, p, 4, validate=False))(routing_map, probs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Bridge (stand-in module with Bridge's helper signature; Bridge is not a dependency)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_bridge(monkeypatch):
+    calls = []
+
+    def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None):
+        calls.append(("apply", moe_flex_dispatcher_backend))
+        if moe_flex_dispatcher_backend not in ("deepep", "hybridep"):
+            return None  # Bridge logs "Not a valid flex dispatcher backend" and skips
+        model_config.moe_token_dispatcher_type = "flex"
+        model_config.moe_flex_dispatcher_backend = moe_flex_dispatcher_backend
+        model_config.moe_shared_expert_overlap = False
+        return None
+
+    def validate_flex_dispatcher_backend(model_config):
+        calls.append(("validate", model_config.moe_flex_dispatcher_backend))
+
+    names = ["megatron.bridge", "megatron.bridge.training", compat._BRIDGE_MODULE, "megatron.bridge.recipes_stub"]
+    modules = {name: types.ModuleType(name) for name in names}
+    flex = modules[compat._BRIDGE_MODULE]
+    flex.apply_flex_dispatcher_backend = apply_flex_dispatcher_backend
+    flex.validate_flex_dispatcher_backend = validate_flex_dispatcher_backend
+    modules["megatron.bridge.recipes_stub"].apply_flex_dispatcher_backend = apply_flex_dispatcher_backend
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return modules, calls
+
+
+def test_bridge_helper_accepts_custom(fake_bridge):
+    modules, calls = fake_bridge
+    assert mdm.patch_bridge()
+    flex = modules[compat._BRIDGE_MODULE]
+    assert modules["megatron.bridge.recipes_stub"].apply_flex_dispatcher_backend is flex.apply_flex_dispatcher_backend
+
+    cfg = _config(moe_shared_expert_overlap=False)
+    cfg.moe_shared_expert_overlap = True
+    flex.apply_flex_dispatcher_backend(cfg, "custom")
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend, cfg.moe_shared_expert_overlap) == \
+        ("flex", "custom", False)
+    assert mdm.get_options(cfg) == mdm.CustomBackendOptions()
+    flex.validate_flex_dispatcher_backend(cfg)  # ours: passes
+    cfg.expert_model_parallel_size = 1
+    with pytest.raises(ValueError, match="expert_model_parallel_size=1"):
+        flex.validate_flex_dispatcher_backend(cfg)
+
+    other = _config()
+    flex.apply_flex_dispatcher_backend(other, "hybridep")  # Bridge's own path
+    assert other.moe_flex_dispatcher_backend == "hybridep" and ("apply", "hybridep") in calls
+    flex.validate_flex_dispatcher_backend(other)
+    assert ("validate", "hybridep") in calls
+
+    dense = _config(num_moe_experts=None, expert_model_parallel_size=1, moe_ffn_hidden_size=None)
+    flex.apply_flex_dispatcher_backend(dense, "custom")  # not an MoE model: left alone, like Bridge
+    assert dense.moe_token_dispatcher_type == "allgather"
+    assert mdm.patch_bridge()  # idempotent
+
+
+def test_no_bridge_no_patch():
+    assert compat._BRIDGE_MODULE not in sys.modules
+    assert mdm.patch_bridge() is False
+
+
+# ---------------------------------------------------------------------------------------------
+# import guard and the CPU shims' refusal on GPU machines
+# ---------------------------------------------------------------------------------------------
+
+def test_core_imports_without_megatron_and_the_backend_says_how_to_install():
+    code = ("import sys\n"
+            "sys.modules['megatron'] = None\n"
+            "sys.modules['megatron.core'] = None\n"
+            "import moe_dispatch\n"
+            "print('core ok')\n"
+            "try:\n"
+            "    import moe_dispatch.megatron\n"
+            "except ImportError as e:\n"
+            "    print('ImportError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "core ok" in out.stdout
+    assert "ImportError: moe_dispatch.megatron needs megatron-core" in out.stdout
+    assert "pip install 'moe-dispatch[megatron]'" in out.stdout
+
+
+def test_cpu_shims_refuse_a_gpu_process(monkeypatch):
+    cpu = importlib.import_module("moe_dispatch.megatron.cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="for processes without a GPU.*CUDA_VISIBLE_DEVICES"):
+        cpu.enable()
+    assert not cpu.is_enabled()
