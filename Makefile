@@ -9,8 +9,9 @@ PY          := $(VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS   ?=
 TRAIN_ARGS  ?=
+SIMCLUSTER_ARGS ?=
 
-.PHONY: venv install demo test train gpu-wheels gpu-check-dry clean
+.PHONY: venv install demo test train simcluster gpu-wheels gpu-check-dry clean
 
 $(VENV)/.deps: requirements/dev.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install python3.12, or pyenv 3.12.x)"; exit 1; }
@@ -40,6 +41,12 @@ test: install
 # Megatron-Core GPT with MoE layers on CPU (2 nodes x 2): alltoall vs custom from one seed.
 train: install
 	$(PY) benchmarks/train_megatron_moe.py $(TRAIN_ARGS)
+
+# Simulated multi-node cluster (network namespaces + tc; needs root and iproute2): benchmark on 2 and
+# 4 nodes, then the fault drills. E.g. make simcluster SIMCLUSTER_ARGS="--models deepseek-v3 --ratio 40"
+simcluster: install
+	$(PY) -m benchmarks.simcluster bench $(SIMCLUSTER_ARGS)
+	$(PY) -m benchmarks.simcluster faults
 
 # Wheels the lent GPU machine lacks (it has no package index): carried as .whl by the device tool.
 gpu-wheels: venv

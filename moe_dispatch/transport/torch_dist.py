@@ -228,8 +228,12 @@ class TorchDistTransport:
             return recv, None
 
         def describe(err):
-            return (f"EP rank {self.topology.rank}: {what} ({kind} all_to_all with EP ranks {self.peers[kind]}) "
-                    f"failed or did not complete within timeout_s={self.timeout_s:g}: {err}")
+            # gloo does not say which peer it missed: name the others with their nodes.
+            topo = self.topology
+            others = [r for r in self.peers[kind] if r != topo.rank]
+            how = f"timed out after timeout_s={self.timeout_s:g}" if "timed out" in str(err).lower() else "failed"
+            return (f"EP rank {topo.rank} (node {topo.node}): {what} ({kind} all_to_all) {how} waiting for "
+                    f"EP ranks {others} (nodes {[r // topo.ranks_per_node for r in others]}): {err}")
 
         try:
             work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
