@@ -62,10 +62,14 @@ step env 60 "$PY" -m moe_dispatch.env
 
 if [[ "$DRY_RUN" == 1 ]]; then
   step tests 300 "$PY" -m pytest python_tests -q -x -p no:cacheprovider \
-       -k "extension or env or layout or quant or permute" --junitxml="$OUT/tests.xml"
+       -k "extension or env or layout or quant or permute or intranode" --junitxml="$OUT/tests.xml"
+  # The CPU backend of the intranode protocol on a tiny shape: checks the benchmark script itself.
+  step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
 else
   step tests 420 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --junitxml="$OUT/tests.xml"
   step bench_kernels 180 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
+  # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, vs a d2d copy in the same run.
+  step bench_intranode 150 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
 fi
 
 {
@@ -74,5 +78,6 @@ fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU visible"
   column -t -s $'\t' "$SUMMARY"
   grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -n 1
+  grep -h "^goal:" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
 } | tee "$OUT/summary.txt"
 exit "$FAILED"

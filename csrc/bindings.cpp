@@ -14,6 +14,11 @@
 
 namespace py = pybind11;
 
+namespace moe_dispatch {
+// csrc/kernels/intranode_bindings.cpp: intranode dispatch/combine, CUDA IPC helpers.
+void register_intranode(py::module_& m);
+}  // namespace moe_dispatch
+
 namespace {
 
 template <typename T>
@@ -100,4 +105,6 @@ PYBIND11_MODULE(_C, m) {
       "num_tokens_per_expert [num_experts] int64 and is_token_in_rank [num_tokens, num_ranks]\n"
       "bool, all fully overwritten. Raises ValueError for inconsistent sizes, CudaError on\n"
       "launch failure.");
+
+  moe_dispatch::register_intranode(m);
 }

@@ -1,0 +1,45 @@
+// Typed kernel launch: arguments are checked against the kernel's parameter types by the
+// compiler (cudaLaunchKernelEx's variadic form), never packed by hand into a void* array.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include "core/error.h"
+
+namespace moe_dispatch {
+
+// Most blocks of `kernel` (with `threads` threads, `smem_bytes` dynamic shared memory) that the
+// current device keeps resident at once.
+template <typename Kernel>
+int max_resident_blocks(Kernel kernel, int threads, size_t smem_bytes = 0) {
+  int device = 0, num_sms = 0, per_sm = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+  return per_sm * num_sms;
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...). `cooperative` asks the
+// runtime to guarantee that every block is resident at once (blocks of one launch wait on
+// each other), failing the launch otherwise.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                   bool cooperative, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeCooperative;
+  attribute[0].val.cooperative = cooperative ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace moe_dispatch

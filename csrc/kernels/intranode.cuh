@@ -1,0 +1,369 @@
+// Intranode dispatch/combine over NVLink: buffer layout, queue protocol, kernel arguments.
+//
+// Shared by the CUDA kernels (intranode_dispatch.cu, intranode_combine.cu) and by the CPU
+// harness (intranode_cpu_harness.cpp), which runs the very same protocol code
+// (intranode_roles.cuh) with threads standing in for warps. Everything here is plain C++17
+// that g++ compiles too: no CUDA intrinsics outside `#ifdef __CUDA_ARCH__`.
+//
+// ---------------------------------------------------------------------------------------------
+// Roles. A rank's SM budget `num_sms` gives C = num_sms / 2 channels; channel c of a source
+// rank owns its tokens [begin(c), begin(c+1)) with begin(c) = floor(T * c / C). Per channel one
+// block sends and one block receives (blockIdx.x = 2c sends, 2c + 1 receives).
+//
+//   dispatch sender  (source s, channel c): one warp group per destination d; the group scans
+//       the channel's tokens in order and copies each token that d holds into the ring queue
+//       (s -> d, c), which lives in d's buffer; publishes `tail` every chunk.
+//   dispatch receiver(dest r, channel c): one warp group per source s; copies queue (s -> r, c)
+//       out to rows prefix[s][c] + i of recv_x (prefix over (source, channel) in that order,
+//       so rows come out ordered by source rank, then source token); publishes `head`.
+//   combine sender   (holder r, channel c): one warp group per source s; the rows r received
+//       from (s, c) are contiguous in y, so it streams rows [prefix[s][c], prefix[s][c+1]).
+//   combine receiver (source s, channel c): worker warps take the channel's tokens round
+//       robin; for token t they add the holders' rows in ascending rank order in fp32 and
+//       round once; a coordinator warp frees queue slots (`head`) behind the slowest worker.
+//
+// ---------------------------------------------------------------------------------------------
+// Queue protocol (per queue q = (src -> dst, channel); S = num_slots, K = chunk_tokens):
+//   - tail[q] lives in dst's buffer, is written only by src (st.release) and polled by dst;
+//     head[q] lives in src's buffer, is written only by dst (st.release) and polled by src.
+//     Everybody polls local memory; every remote access is a store.
+//   - Counters count slots since the start of the operation; slot i is ring entry i % S.
+//   - The sender writes entries [sent, sent + k) (k <= K) only after head >= sent + K - S,
+//     then (after a group barrier) publishes tail = sent + k.
+//   - The receiver copies entries [consumed, tail) out, then (after a group barrier) publishes
+//     head. Before publishing the final head (= the queue's token count) it resets its tail
+//     to 0: no further tail store can come in this operation, and the sender, which waits for
+//     that final head before it ends, resets its head to 0. So every operation starts from
+//     zeroed counters with no barrier: the next operation's first tail store into dst happens
+//     after src saw the final head, which dst published after its reset.
+//   - The notify step (dispatch only) exchanges per-(source, channel) token counts through
+//     meta[][]: barrier, write meta into every peer, barrier, read own meta. The first barrier
+//     keeps a fast rank from overwriting meta a slow rank has not read yet.
+//   - Barriers are counting semaphores, so they reset themselves: arriving at rank d adds 1 to
+//     d's signal[me]; waiting takes 1 from each own signal[p] once it is >= 1.
+//   - Every wait is bounded (Ctx::wait_ge): on expiry a waiter raises the ErrorRecord's flag and
+//     records rank, channel, peer and counter; the other waiters see the flag and leave, offering
+//     their own record if they had waited half the bound (the better-named cause wins, see
+//     timeout_level); the host raises with the record's text.
+// ---------------------------------------------------------------------------------------------
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MOE_HD __host__ __device__ __forceinline__
+#else
+#define MOE_HD inline
+#endif
+
+namespace moe_dispatch {
+namespace intranode {
+
+// Ranks one kernel serves (a warp group per peer in a 16-warp block). The protocol has no
+// other limit on W: raising it needs kNumThreads = 32 * kMaxRanks.
+constexpr int kMaxRanks = 16;
+// num_sms / 2; 64 channels = 128 SMs, all of an H100/H200.
+constexpr int kMaxChannels = 64;
+constexpr int kNumThreads = 512;  // dispatch and combine blocks
+constexpr int kNumWarps = kNumThreads / 32;
+constexpr int kNotifyThreads = 1024;  // one notify block per rank; W * C <= kNotifyThreads
+constexpr int kLine = 128;            // counters sit on their own 128-byte line
+constexpr int kFieldAlign = 16;       // slot fields start on 16 bytes (one vector access)
+constexpr int kMaxTopk = 32;
+
+MOE_HD int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+// ---- channels ---------------------------------------------------------------------------------
+
+struct TokenRange {
+  int begin;
+  int end;
+};
+
+// Tokens [begin(c), begin(c+1)) of channel c, begin(c) = floor(T * c / C): balanced, and a
+// function of (T, C, c) only, so sender, receiver and notify agree without talking.
+MOE_HD TokenRange channel_token_range(int num_tokens, int num_channels, int channel) {
+  const int64_t t = num_tokens;
+  return {static_cast<int>(t * channel / num_channels),
+          static_cast<int>(t * (channel + 1) / num_channels)};
+}
+
+// The channel owning token t: the inverse of channel_token_range,
+// ceil((t + 1) * C / T) - 1, for 0 <= t < T.
+MOE_HD int channel_of_token(int num_tokens, int num_channels, int token) {
+  const int64_t c = static_cast<int64_t>(token + 1) * num_channels;
+  return static_cast<int>((c + num_tokens - 1) / num_tokens) - 1;
+}
+
+// ---- slots ------------------------------------------------------------------------------------
+
+// One queue entry. Dispatch:
+//   [0, x_bytes)                         x row (any dtype, raw bytes; fp8 e4m3 for fp8)
+//   [scale_offset, +scale_bytes)         fp8 scales fp32[H/128] (scale_bytes = 0 otherwise)
+//   [topk_idx_offset, +4K)               int32[K]: expert id local to the destination, -1 elsewhere
+//   [topk_weights_offset, +4K)           fp32[K]: gate weight, 0 where the id is -1
+//   [aux_offset, +4)                     int32 source token index
+// Combine (num_topk = 0, scale_bytes = 0):
+//   [0, x_bytes)                         y row (bf16/fp16/fp32)
+//   [aux_offset, +4)                     fp32 row scale (1.0 without weights)
+// Each field starts on 16 bytes; slot_bytes is a multiple of 16.
+struct SlotLayout {
+  int32_t x_bytes;
+  int32_t scale_bytes;
+  int32_t num_topk;
+  int32_t scale_offset;
+  int32_t topk_idx_offset;
+  int32_t topk_weights_offset;
+  int32_t aux_offset;
+  int32_t slot_bytes;
+};
+
+MOE_HD SlotLayout make_slot_layout(int x_bytes, int scale_bytes, int num_topk) {
+  SlotLayout s{};
+  s.x_bytes = x_bytes;
+  s.scale_bytes = scale_bytes;
+  s.num_topk = num_topk;
+  s.scale_offset = static_cast<int32_t>(align_up(x_bytes, kFieldAlign));
+  s.topk_idx_offset = static_cast<int32_t>(s.scale_offset + align_up(scale_bytes, kFieldAlign));
+  s.topk_weights_offset = static_cast<int32_t>(s.topk_idx_offset + align_up(4 * num_topk, kFieldAlign));
+  s.aux_offset = static_cast<int32_t>(s.topk_weights_offset + align_up(4 * num_topk, kFieldAlign));
+  s.slot_bytes = static_cast<int32_t>(s.aux_offset + kFieldAlign);
+  return s;
+}
+
+// ---- the communication buffer -------------------------------------------------------------------
+
+// One buffer per rank, allocated once per Buffer (W = num_ranks, C = num_channels, the most
+// any call may use, S = num_slots, B = slot_bytes):
+//
+//   byte offset                                 region
+//   0                                           signal  int32[W]      arrivals of rank p at my barrier
+//   meta_offset   = align128(4W)                meta    int32[W][C]   tokens of source p's channel c for me
+//   tail_offset   = meta_offset + align128(4WC) tail    [W][C] lines  int32 at byte 0 of each 128-B line:
+//                                                                     slots of queue (p -> me, c) written
+//   head_offset   = tail_offset + 128 W C       head    [W][C] lines  slots of queue (me -> p, c) freed by p
+//   queue_offset  = head_offset + 128 W C       queue   [W][C][S]     B bytes each: ring (p -> me, c)
+//   total_bytes   = queue_offset + W C S B
+//
+// Everything before queue_offset (the control region) must be zero when the Buffer is made
+// and stays zero between operations (the protocol resets what it uses).
+struct BufferLayout {
+  int32_t num_ranks;
+  int32_t num_channels;
+  int32_t num_slots;
+  int32_t slot_bytes;
+  int64_t meta_offset;
+  int64_t tail_offset;
+  int64_t head_offset;
+  int64_t queue_offset;
+  int64_t total_bytes;
+
+  MOE_HD int32_t* signal(char* base) const { return reinterpret_cast<int32_t*>(base); }
+  MOE_HD int32_t* meta(char* base, int peer, int channel) const {
+    return reinterpret_cast<int32_t*>(base + meta_offset) + peer * num_channels + channel;
+  }
+  MOE_HD int32_t* tail(char* base, int peer, int channel) const {
+    return reinterpret_cast<int32_t*>(base + tail_offset +
+                                      static_cast<int64_t>(peer * num_channels + channel) * kLine);
+  }
+  MOE_HD int32_t* head(char* base, int peer, int channel) const {
+    return reinterpret_cast<int32_t*>(base + head_offset +
+                                      static_cast<int64_t>(peer * num_channels + channel) * kLine);
+  }
+  MOE_HD char* slot(char* base, int peer, int channel, int64_t index) const {
+    const int64_t ring = static_cast<int64_t>(peer * num_channels + channel) * num_slots;
+    return base + queue_offset + (ring + index % num_slots) * slot_bytes;
+  }
+};
+
+MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_slots, int slot_bytes) {
+  BufferLayout l{};
+  l.num_ranks = num_ranks;
+  l.num_channels = num_channels;
+  l.num_slots = num_slots;
+  l.slot_bytes = slot_bytes;
+  const int64_t queues = static_cast<int64_t>(num_ranks) * num_channels;
+  l.meta_offset = align_up(4 * static_cast<int64_t>(num_ranks), kLine);
+  l.tail_offset = l.meta_offset + align_up(4 * queues, kLine);
+  l.head_offset = l.tail_offset + kLine * queues;
+  l.queue_offset = l.head_offset + kLine * queues;
+  l.total_bytes = l.queue_offset + queues * num_slots * static_cast<int64_t>(slot_bytes);
+  return l;
+}
+
+// ---- errors -----------------------------------------------------------------------------------
+
+enum Phase : int32_t { kNotify = 1, kDispatch = 2, kCombine = 3 };
+enum Role : int32_t { kBarrier = 1, kSender = 2, kReceiver = 3, kCoordinator = 4 };
+// What a wait polled: a barrier signal, a queue's tail (data to arrive), a queue's head (room).
+enum Counter : int32_t { kSignal = 1, kTail = 2, kHead = 3 };
+
+// Where a wait happened: enough to name it in an error message.
+struct WaitSite {
+  int32_t phase;
+  int32_t role;
+  int32_t rank;     // the waiting rank
+  int32_t channel;  // -1 for barriers
+  int32_t peer;     // the rank whose store was awaited
+  int32_t counter;
+};
+
+// The timeout of a launch that best names its cause (int32 fields: Python reads int32[16]).
+// flag: set by the first wait to time out; every other wait then gives up. The record proper
+// (phase .. level, written under `lock`) is replaced by a later offer only with a lower level
+// (timeout_level), so the rank that never took part is named, not a rank stalled behind it.
+struct ErrorRecord {
+  int32_t flag;
+  int32_t phase;  // 0 until a record is written
+  int32_t role;
+  int32_t rank;
+  int32_t channel;
+  int32_t peer;
+  int32_t counter;
+  int32_t expected;
+  int32_t observed;
+  int32_t level;
+  int32_t lock;
+  int32_t reserved[5];
+};
+static_assert(sizeof(ErrorRecord) == 64, "ErrorRecord is read as int32[16] by Python");
+constexpr int kErrorRecordInts = 16;
+
+// How well a timed-out wait names the cause, lower is better: 0 = the peer never stored to
+// this tail or barrier signal in this operation (it never started, died, or is stuck in an
+// earlier one); 1 = a queue's head never moved (its receiver freed nothing, often because it
+// waits on a level-0 peer itself); 2 = the peer made progress, then stopped.
+MOE_HD int32_t timeout_level(int32_t counter, int32_t observed) {
+  if (observed > 0) return 2;
+  return counter == kHead ? 1 : 0;
+}
+
+// ---- numerics -----------------------------------------------------------------------------------
+
+MOE_HD uint32_t float_bits(float f) {
+  union {
+    float f;
+    uint32_t u;
+  } v{f};
+  return v.u;
+}
+
+MOE_HD float bits_float(uint32_t u) {
+  union {
+    uint32_t u;
+    float f;
+  } v{u};
+  return v.f;
+}
+
+MOE_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, NaN stays (quiet) NaN: torch's float -> bfloat16.
+MOE_HD uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The combine's reduction step: acc + value * scale, each rounded to fp32 (no FMA), as
+// torch computes `partial += y.float() * w` in the oracle. scale = 1 is exact.
+MOE_HD float combine_step(float acc, float value, float scale) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(acc, __fmul_rn(value, scale));
+#else
+  volatile float product = value * scale;  // volatile: keep the host compiler from contracting
+  return acc + product;
+#endif
+}
+
+// Element types of the combine (y and out); the dispatch moves raw bytes.
+struct Bf16Tag {};
+struct F16Tag {};
+struct F32Tag {};
+enum DType : int32_t { kBf16 = 0, kF16 = 1, kF32 = 2 };
+
+// Global expert id -> the destination's local id, -1 when another rank owns it (or none).
+MOE_HD int32_t local_expert(int64_t expert, int rank, int experts_per_rank) {
+  const int64_t local = expert - static_cast<int64_t>(rank) * experts_per_rank;
+  return (expert >= 0 && local >= 0 && local < experts_per_rank) ? static_cast<int32_t>(local) : -1;
+}
+
+// ---- kernel arguments (passed by value; one launch serves ranks [rank_begin, +num_launch_ranks)) ----
+
+struct Common {
+  int32_t num_ranks;         // W
+  int32_t num_channels;      // C of this call (<= layout.num_channels)
+  int32_t rank_begin;        // first rank of this launch (real mode: my rank; loopback: 0)
+  int32_t num_launch_ranks;  // 1 in real mode, W in loopback
+  int32_t skip_rank;         // loopback tests: this rank's blocks do nothing (-1: none)
+  int32_t chunk_tokens;      // K: tokens per published tail
+  int64_t timeout_cycles;    // bound of every wait (clock64 cycles)
+  BufferLayout layout;
+  char* buffers[kMaxRanks];  // every rank's buffer as this process addresses it
+  ErrorRecord* error;        // device memory, shared by the launch
+  ErrorRecord* error_host;   // host-mapped mirror (may be null), readable without a sync
+};
+
+struct NotifyRank {
+  const bool* is_token_in_rank;  // [T, W]
+  int32_t* recv_prefix;          // [W * C + 1] out: rows before (source, channel), total last
+  int32_t* num_recv_tokens;      // [1] out: R
+  int32_t* overflow;             // [1] out: 1 when R > budget (budget mode)
+  int64_t* recv_topk_idx;        // [budget, K] or null: rows [R, budget) get -1 (budget mode)
+  float* recv_topk_weights;      // [budget, K] or null: rows [R, budget) get 0
+  int32_t* recv_src_idx;         // [budget] or null: rows [R, budget) get -1
+  int32_t num_tokens;            // T of this rank
+  int32_t budget;                // rows allocated for the receive, -1 = exactly R (host sync)
+};
+
+struct NotifyArgs {
+  Common common;
+  int32_t num_topk;
+  NotifyRank ranks[kMaxRanks];
+};
+
+struct DispatchRank {
+  const char* x;                  // [T, x_bytes] raw rows
+  const float* x_scales;          // [T, H/128] fp32 or null
+  const int64_t* topk_idx;        // [T, K] global ids, -1 = none
+  const float* topk_weights;      // [T, K] or null
+  const bool* is_token_in_rank;   // [T, W]
+  const int32_t* recv_prefix;     // [W * C + 1] from notify
+  char* recv_x;                   // [rows, x_bytes]
+  float* recv_scales;             // [rows, H/128] or null
+  int64_t* recv_topk_idx;         // [rows, K] local ids, -1 elsewhere (null when K = 0)
+  float* recv_topk_weights;       // [rows, K] or null
+  int32_t* recv_src_idx;          // [rows] source token index
+  int64_t* num_recv_per_expert;   // [E / W] zeroed by the caller; counts of stored rows
+  int32_t* overflow;              // [1] set when a row falls beyond `rows`
+  int32_t num_tokens;             // T
+  int32_t num_rows;               // rows allocated (R, or the budget)
+};
+
+struct DispatchArgs {
+  Common common;
+  SlotLayout slot;
+  int32_t experts_per_rank;
+  DispatchRank ranks[kMaxRanks];
+};
+
+struct CombineRank {
+  const char* y;                  // [rows, x_bytes] rows in dispatch's receive order
+  const float* row_scale;         // [rows] fp32 or null (scale 1)
+  const bool* is_token_in_rank;   // [T, W] of this rank's own tokens (as dispatched)
+  const int32_t* recv_prefix;     // [W * C + 1] of this rank's dispatch receive
+  char* out;                      // [T, x_bytes]
+  int32_t num_tokens;             // T
+  int32_t num_rows;               // rows of y (rows at or beyond it are sent as zeros)
+};
+
+struct CombineArgs {
+  Common common;
+  SlotLayout slot;
+  CombineRank ranks[kMaxRanks];
+};
+
+}  // namespace intranode
+}  // namespace moe_dispatch

@@ -1,0 +1,89 @@
+// Intranode combine kernel and its host launcher. Protocol: intranode_roles.cuh.
+#include <cuda_runtime.h>
+
+#include "core/error.h"
+#include "core/launch.h"
+#include "kernels/intranode.h"
+#include "kernels/intranode_device.cuh"
+
+namespace moe_dispatch {
+namespace intranode {
+
+namespace {
+
+// blockIdx = (2 * channel + is_receiver, launched rank). Senders: W warp groups, one per
+// destination (the rows' source rank). Receivers: warp 0 coordinates, the others reduce.
+template <class T>
+__global__ void __launch_bounds__(kNumThreads, 2) combine_kernel(const __grid_constant__ CombineArgs args) {
+  const Common& common = args.common;
+  const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
+  if (rank == common.skip_rank) return;
+  const int channel = static_cast<int>(blockIdx.x) / 2;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  if (blockIdx.x % 2 == 0) {
+    __shared__ GroupState groups[kMaxRanks];
+    const int group_warps = kNumWarps / common.num_ranks;
+    const int peer = warp / group_warps;
+    if (peer >= common.num_ranks) return;
+    DeviceCtx ctx{&common, peer + 1, group_warps * 32};
+    combine_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, &groups[peer]);
+    return;
+  }
+  __shared__ CombineRecvState state;
+  for (int i = threadIdx.x; i < kNumWarps * kMaxRanks; i += blockDim.x) {
+    (&state.progress[0][0])[i] = 0;
+    (&state.seen_tail[0][0])[i] = 0;
+  }
+  if (threadIdx.x == 0) state.done = 0;
+  __syncthreads();
+  DeviceCtx ctx{&common, 0, 32};
+  if (warp == 0) {
+    combine_recv_coordinator(ctx, args, rank, channel, kNumWarps - 1, &state);
+  } else {
+    combine_recv_worker<T>(ctx, args, rank, channel, warp - 1, kNumWarps - 1, &state);
+  }
+}
+
+template <class T>
+void launch_typed(const CombineArgs& args, bool cooperative, cudaStream_t stream) {
+  const Common& c = args.common;
+  const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
+  check_resident(max_resident_blocks(combine_kernel<T>, kNumThreads), grid, "combine");
+  launch_kernel(combine_kernel<T>, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+}
+
+}  // namespace
+
+void launch_combine(const CombineArgs& args, DType dtype, bool cooperative, cudaStream_t stream) {
+  const Common& c = args.common;
+  const SlotLayout& s = args.slot;
+  check_common(c);
+  MOE_HOST_CHECK(s.x_bytes > 0 && s.x_bytes % kFieldAlign == 0,
+                 "y rows must be a positive multiple of " << kFieldAlign << " bytes, got " << s.x_bytes);
+  const SlotLayout want = make_slot_layout(s.x_bytes, 0, 0);
+  MOE_HOST_CHECK(want.slot_bytes == s.slot_bytes && want.aux_offset == s.aux_offset && s.num_topk == 0 &&
+                     s.scale_bytes == 0,
+                 "the combine slot layout is not make_slot_layout(" << s.x_bytes << ", 0, 0)");
+  MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
+                 "a combine slot needs " << s.slot_bytes << " bytes but the buffer's slots hold "
+                                         << c.layout.slot_bytes << "; make the Buffer for this hidden size and dtype");
+  for (int i = 0; i < c.num_launch_ranks; ++i) {
+    const CombineRank& r = args.ranks[i];
+    const int rank = c.rank_begin + i;
+    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0,
+                   "rank " << rank << ": num_tokens and num_rows must be >= 0, got " << r.num_tokens << ", " << r.num_rows);
+    MOE_HOST_CHECK(r.recv_prefix != nullptr, "rank " << rank << ": recv_prefix must be a device pointer");
+    MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_rank != nullptr),
+                   "rank " << rank << ": out and is_token_in_rank must be device pointers");
+    MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": y must be a device pointer");
+  }
+  switch (dtype) {
+    case kBf16: launch_typed<Bf16Tag>(args, cooperative, stream); break;
+    case kF16: launch_typed<F16Tag>(args, cooperative, stream); break;
+    case kF32: launch_typed<F32Tag>(args, cooperative, stream); break;
+    default: MOE_HOST_CHECK(false, "combine dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " << dtype);
+  }
+}
+
+}  // namespace intranode
+}  // namespace moe_dispatch

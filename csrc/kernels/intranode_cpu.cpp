@@ -1,0 +1,512 @@
+// CPU backend of the intranode protocol: runs the role functions of intranode_roles.cuh - the
+// very code the kernels run - with one std::thread per warp (width 1, lane 0), std atomics
+// for the counters and steady_clock bounded waits. Buffers are host memory. Used by the
+// loopback harness on machines without a GPU, where tests compare its results with
+// moe_dispatch.reference; it also builds standalone (-DMOE_INTRANODE_CPU_MAIN) for
+// ThreadSanitizer, which checks that the queue protocol orders every slot access.
+// Timeouts: Common::timeout_cycles counts nanoseconds here.
+#include "kernels/intranode_cpu.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/intranode_roles.cuh"
+
+namespace moe_dispatch {
+namespace intranode {
+namespace {
+
+// Reusable barrier of a fixed number of threads (a named barrier of a warp group).
+class ThreadBarrier {
+ public:
+  explicit ThreadBarrier(int count) : count_(count) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != generation; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int count_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+};
+
+template <class T>
+struct HostElem;
+template <>
+struct HostElem<Bf16Tag> {
+  using Storage = uint16_t;
+  static float load(Storage v) { return bf16_to_float(v); }
+  static Storage store(float f) { return float_to_bf16(f); }
+};
+template <>
+struct HostElem<F32Tag> {
+  using Storage = float;
+  static float load(Storage v) { return v; }
+  static Storage store(float f) { return f; }
+};
+
+struct HostCtx {
+  const Common* common;
+  ThreadBarrier* group;  // null: a one-thread group
+
+  int lane() const { return 0; }
+  int width() const { return 1; }
+  int tid() const { return 0; }
+  int num_threads() const { return 1; }
+  void warp_sync() const {}
+  void block_sync() const {}
+  void group_sync() const {
+    if (group != nullptr) group->arrive_and_wait();
+  }
+
+  int32_t load_acquire(const int32_t* p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  void store_release(int32_t* p, int32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  void store_relaxed(int32_t* p, int32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+  void signal_add(int32_t* p, int32_t v) const { __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+  void count_add(int64_t* p, int64_t v) const { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+  int32_t shared_load(const int32_t* p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  void shared_store(int32_t* p, int32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  void shared_add(int32_t* p, int32_t v) const { __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+  // shared_load/shared_store acquire/release already order what fence_block orders on the GPU
+  // (and ThreadSanitizer does not model fences).
+  void fence_block() const {}
+
+  // As DeviceCtx::offer_timeout: the better-named cause (lower timeout_level) wins.
+  void offer_timeout(const WaitSite& site, int32_t expected, int32_t observed) const {
+    ErrorRecord* e = common->error;
+    const int32_t level = timeout_level(site.counter, observed);
+    int32_t unlocked = 0;
+    while (!__atomic_compare_exchange_n(&e->lock, &unlocked, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+      unlocked = 0;
+      std::this_thread::yield();
+    }
+    if (e->phase == 0 || level < e->level) {
+      e->phase = site.phase;
+      e->role = site.role;
+      e->rank = site.rank;
+      e->channel = site.channel;
+      e->peer = site.peer;
+      e->counter = site.counter;
+      e->expected = expected;
+      e->observed = observed;
+      e->level = level;
+    }
+    __atomic_store_n(&e->lock, 0, __ATOMIC_RELEASE);
+  }
+
+  int32_t wait_ge_lane(const int32_t* p, int32_t target, const WaitSite& site) const {
+    const auto start = std::chrono::steady_clock::now();
+    for (uint32_t spin = 0;; ++spin) {
+      const int32_t v = load_acquire(p);
+      if (v >= target) return v;
+      const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - start).count();
+      if (__atomic_load_n(&common->error->flag, __ATOMIC_ACQUIRE) != 0) {
+        if (2 * waited > common->timeout_cycles) offer_timeout(site, target, v);
+        return -1;
+      }
+      if (waited > common->timeout_cycles) {
+        __atomic_store_n(&common->error->flag, 1, __ATOMIC_RELEASE);
+        offer_timeout(site, target, v);
+        return -1;
+      }
+      if (spin < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+  int32_t wait_ge(const int32_t* p, int32_t target, const WaitSite& site) const {
+    return wait_ge_lane(p, target, site);
+  }
+
+  int32_t block_exclusive_scan(int32_t* data, int n) const {
+    int32_t total = 0;
+    for (int i = 0; i < n; ++i) {
+      const int32_t v = data[i];
+      data[i] = total;
+      total += v;
+    }
+    return total;
+  }
+
+  void copy_in(char* dst, const char* src, int bytes) const { std::memcpy(dst, src, bytes); }
+  void copy_out(char* dst, const char* src, int bytes) const { std::memcpy(dst, src, bytes); }
+  void zero_row(char* dst, int bytes) const { std::memset(dst, 0, bytes); }
+  int32_t queue_i32(const char* p) const {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+  float queue_f32(const char* p) const {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+
+  template <class T>
+  void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int bytes) const {
+    using E = HostElem<T>;
+    using S = typename E::Storage;
+    const int n = bytes / static_cast<int>(sizeof(S));
+    for (int i = 0; i < n; ++i) {
+      float acc = 0.0f;
+      for (int h = 0; h < num_rows; ++h) {
+        S v;
+        std::memcpy(&v, rows[h] + i * sizeof(S), sizeof(S));
+        acc = combine_step(acc, E::load(v), scales[h]);
+      }
+      const S r = E::store(acc);
+      std::memcpy(out + i * sizeof(S), &r, sizeof(S));
+    }
+  }
+};
+
+// Runs fn(...) on threads and joins them all; the first exception (e.g. std::system_error
+// when the OS refuses a thread) is rethrown after the join.
+class Threads {
+ public:
+  template <class Fn>
+  void spawn(Fn fn) {
+    threads_.emplace_back([this, fn]() {
+      try {
+        fn();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+    });
+  }
+  void join() {
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::vector<std::thread> threads_;
+  std::mutex mutex_;
+  std::exception_ptr error_;
+};
+
+void check_cpu_options(const CpuOptions& o, int num_ranks) {
+  if (o.group_warps < 1 || o.group_warps > 8)
+    throw std::invalid_argument("cpu group_warps must be in [1, 8], got " + std::to_string(o.group_warps));
+  if (o.num_workers < 1 || o.num_workers > kNumWarps - 1)
+    throw std::invalid_argument("cpu num_workers must be in [1, " + std::to_string(kNumWarps - 1) + "], got " +
+                                std::to_string(o.num_workers));
+  if (num_ranks > kMaxRanks) throw std::invalid_argument("num_ranks must be <= " + std::to_string(kMaxRanks));
+}
+
+// Threads of the group-structured blocks (dispatch send/recv, combine send): W groups of
+// group_warps threads per (rank, channel, role).
+template <class Role>
+void run_groups(const Common& c, const CpuOptions& o, int num_roles, Role role) {
+  struct Block {
+    GroupState groups[kMaxRanks];
+    std::vector<std::unique_ptr<ThreadBarrier>> barriers;
+  };
+  std::vector<std::unique_ptr<Block>> blocks;
+  Threads threads;
+  for (int i = 0; i < c.num_launch_ranks; ++i) {
+    const int rank = c.rank_begin + i;
+    if (rank == c.skip_rank) continue;
+    for (int channel = 0; channel < c.num_channels; ++channel) {
+      for (int r = 0; r < num_roles; ++r) {
+        blocks.push_back(std::make_unique<Block>());
+        Block* block = blocks.back().get();
+        std::memset(block->groups, 0, sizeof(block->groups));
+        for (int peer = 0; peer < c.num_ranks; ++peer) {
+          block->barriers.push_back(o.group_warps > 1 ? std::make_unique<ThreadBarrier>(o.group_warps) : nullptr);
+          for (int w = 0; w < o.group_warps; ++w) {
+            ThreadBarrier* barrier = block->barriers.back().get();
+            threads.spawn([&c, &o, role, rank, channel, r, peer, w, block, barrier]() {
+              HostCtx ctx{&c, barrier};
+              role(ctx, r, rank, channel, peer, w, o.group_warps, &block->groups[peer]);
+            });
+          }
+        }
+      }
+    }
+  }
+  threads.join();
+}
+
+}  // namespace
+
+void run_notify_cpu(const NotifyArgs& args) {
+  const Common& c = args.common;
+  std::vector<std::unique_ptr<NotifyState>> states;
+  Threads threads;
+  for (int i = 0; i < c.num_launch_ranks; ++i) {
+    const int rank = c.rank_begin + i;
+    if (rank == c.skip_rank) continue;
+    states.push_back(std::make_unique<NotifyState>());
+    NotifyState* st = states.back().get();
+    threads.spawn([&args, rank, st]() {
+      HostCtx ctx{&args.common, nullptr};
+      notify(ctx, args, rank, st);
+    });
+  }
+  threads.join();
+}
+
+void run_dispatch_cpu(const DispatchArgs& args, const CpuOptions& options) {
+  check_cpu_options(options, args.common.num_ranks);
+  run_groups(args.common, options, 2,
+             [&args](HostCtx& ctx, int role, int rank, int channel, int peer, int warp, int group_warps, GroupState* gs) {
+               if (role == 0) {
+                 dispatch_send(ctx, args, rank, channel, peer, warp, group_warps, gs);
+               } else {
+                 dispatch_recv(ctx, args, rank, channel, peer, warp, group_warps, gs);
+               }
+             });
+}
+
+void run_combine_cpu(const CombineArgs& args, DType dtype, const CpuOptions& options) {
+  const Common& c = args.common;
+  check_cpu_options(options, c.num_ranks);
+  if (dtype != kBf16 && dtype != kF32)
+    throw std::invalid_argument("the CPU combine supports bf16 (0) and fp32 (2), got dtype " + std::to_string(dtype));
+  // Receivers: a coordinator and num_workers workers per (rank, channel), on their own threads.
+  std::vector<std::unique_ptr<CombineRecvState>> states;
+  Threads receivers;
+  for (int i = 0; i < c.num_launch_ranks; ++i) {
+    const int rank = c.rank_begin + i;
+    if (rank == c.skip_rank) continue;
+    for (int channel = 0; channel < c.num_channels; ++channel) {
+      states.push_back(std::make_unique<CombineRecvState>());
+      CombineRecvState* st = states.back().get();
+      std::memset(st, 0, sizeof(*st));
+      receivers.spawn([&args, &options, rank, channel, st]() {
+        HostCtx ctx{&args.common, nullptr};
+        combine_recv_coordinator(ctx, args, rank, channel, options.num_workers, st);
+      });
+      for (int w = 0; w < options.num_workers; ++w) {
+        receivers.spawn([&args, &options, dtype, rank, channel, w, st]() {
+          HostCtx ctx{&args.common, nullptr};
+          if (dtype == kBf16) {
+            combine_recv_worker<Bf16Tag>(ctx, args, rank, channel, w, options.num_workers, st);
+          } else {
+            combine_recv_worker<F32Tag>(ctx, args, rank, channel, w, options.num_workers, st);
+          }
+        });
+      }
+    }
+  }
+  std::exception_ptr send_error;
+  try {
+    run_groups(c, options, 1,
+               [&args](HostCtx& ctx, int, int rank, int channel, int peer, int warp, int group_warps, GroupState* gs) {
+                 combine_send(ctx, args, rank, channel, peer, warp, group_warps, gs);
+               });
+  } catch (...) {
+    send_error = std::current_exception();
+  }
+  receivers.join();
+  if (send_error) std::rethrow_exception(send_error);
+}
+
+}  // namespace intranode
+}  // namespace moe_dispatch
+
+#ifdef MOE_INTRANODE_CPU_MAIN
+// Standalone driver for sanitizer builds (see python_tests/test_intranode_cuda.py):
+//   intranode_cpu W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]
+// Every simulated rank runs on its own thread ROUNDS (default 3) times: notify, dispatch,
+// combine, each a launch of that rank alone (rank_begin = r, one launched rank: the launch
+// shape of the real multi-GPU mode), over buffers the rounds reuse. Ranks are not joined
+// between operations, so a fast rank starts the next one while others finish the last: the
+// case the protocol's barrier-free reuse of rings and counters must get right. Rows are small
+// integers (exact in bf16) checked against a direct computation; prints "ok", or the first
+// mismatch and exits non-zero.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+namespace {
+
+using namespace moe_dispatch::intranode;
+
+struct World {
+  int W, C, S, chunk, H, K, E, x_bytes;
+  CpuOptions options;
+  std::vector<int> T;
+  std::vector<std::vector<uint16_t>> x;
+  std::vector<std::vector<int64_t>> idx;
+  std::vector<std::vector<uint8_t>> in_rank;
+  Common common;
+};
+
+// Rank r's rounds; returns 0 or prints the failure and returns 1.
+int run_rank(const World& w, int r, int rounds) {
+  Common common = w.common;
+  common.rank_begin = r;
+  common.num_launch_ranks = 1;
+  for (int round = 0; round < rounds; ++round) {
+    NotifyArgs na{};
+    na.common = common;
+    na.num_topk = w.K;
+    std::vector<int32_t> prefix(w.W * w.C + 1);
+    int32_t num_recv = 0, overflow = 0;
+    NotifyRank& n = na.ranks[0];
+    n.is_token_in_rank = reinterpret_cast<const bool*>(w.in_rank[r].data());
+    n.recv_prefix = prefix.data();
+    n.num_recv_tokens = &num_recv;
+    n.overflow = &overflow;
+    n.num_tokens = w.T[r];
+    n.budget = -1;
+    run_notify_cpu(na);
+    if (w.common.error->flag) return std::printf("rank %d round %d: notify timed out\n", r, round), 1;
+
+    DispatchArgs da{};
+    da.common = common;
+    da.slot = make_slot_layout(w.x_bytes, 0, w.K);
+    da.experts_per_rank = w.E / w.W;
+    std::vector<uint16_t> recv_x(static_cast<size_t>(num_recv) * w.H);
+    std::vector<int64_t> recv_idx(static_cast<size_t>(num_recv) * w.K), per_expert(w.E / w.W, 0);
+    std::vector<float> recv_w(static_cast<size_t>(num_recv) * w.K);
+    std::vector<int32_t> recv_src(num_recv);
+    DispatchRank& d = da.ranks[0];
+    d.x = reinterpret_cast<const char*>(w.x[r].data());
+    d.topk_idx = w.idx[r].data();
+    d.is_token_in_rank = reinterpret_cast<const bool*>(w.in_rank[r].data());
+    d.recv_prefix = prefix.data();
+    d.recv_x = reinterpret_cast<char*>(recv_x.data());
+    d.recv_topk_idx = recv_idx.data();
+    d.recv_topk_weights = recv_w.data();
+    d.recv_src_idx = recv_src.data();
+    d.num_recv_per_expert = per_expert.data();
+    d.overflow = &overflow;
+    d.num_tokens = w.T[r];
+    d.num_rows = num_recv;
+    run_dispatch_cpu(da, w.options);
+    int row = 0;  // expected receive order: by source rank, then source token
+    for (int s = 0; s < w.W; ++s)
+      for (int t = 0; t < w.T[s]; ++t) {
+        if (!w.in_rank[s][t * w.W + r]) continue;
+        if (row >= num_recv || recv_src[row] != t ||
+            std::memcmp(&recv_x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H], w.x_bytes)) {
+          return std::printf("rank %d round %d: dispatch row %d (source %d token %d) is wrong\n", r, round, row, s,
+                             t), 1;
+        }
+        ++row;
+      }
+    if (row != num_recv) return std::printf("rank %d round %d: %d rows, expected %d\n", r, round, num_recv, row), 1;
+
+    CombineArgs ca{};
+    ca.common = common;
+    ca.slot = make_slot_layout(w.x_bytes, 0, 0);
+    std::vector<uint16_t> out(static_cast<size_t>(w.T[r]) * w.H, 0xffff);
+    CombineRank& c = ca.ranks[0];
+    c.y = reinterpret_cast<const char*>(recv_x.data());
+    c.is_token_in_rank = reinterpret_cast<const bool*>(w.in_rank[r].data());
+    c.recv_prefix = prefix.data();
+    c.out = reinterpret_cast<char*>(out.data());
+    c.num_tokens = w.T[r];
+    c.num_rows = num_recv;
+    run_combine_cpu(ca, kBf16, w.options);
+    for (int t = 0; t < w.T[r]; ++t) {
+      int holders = 0;
+      for (int q = 0; q < w.W; ++q) holders += w.in_rank[r][t * w.W + q];
+      for (int h = 0; h < w.H; ++h) {
+        const float want = holders * bf16_to_float(w.x[r][t * w.H + h]);
+        if (bf16_to_float(out[t * w.H + h]) != want)
+          return std::printf("rank %d round %d: combine token %d h %d: %g != %g\n", r, round, t, h,
+                             bf16_to_float(out[t * w.H + h]), want), 1;
+      }
+    }
+    if (w.common.error->flag) return std::printf("rank %d round %d: a wait timed out\n", r, round), 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 7 && argc != 8) {
+    std::fprintf(stderr, "usage: %s W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]\n", argv[0]);
+    return 2;
+  }
+  World w{};
+  w.W = std::atoi(argv[1]);
+  w.C = std::atoi(argv[2]);
+  w.S = std::atoi(argv[3]);
+  w.chunk = std::atoi(argv[4]);
+  w.options.group_warps = std::atoi(argv[5]);
+  w.options.num_workers = std::atoi(argv[6]);
+  const int rounds = argc == 8 ? std::atoi(argv[7]) : 3;
+  w.H = 32;
+  w.K = 3;
+  w.E = 4 * w.W;
+  w.x_bytes = 2 * w.H;
+  std::mt19937 rng(static_cast<unsigned>(w.W * 131 + w.C * 7 + w.S));
+  w.T.resize(w.W);
+  w.x.resize(w.W);
+  w.idx.resize(w.W);
+  w.in_rank.resize(w.W);
+  for (int r = 0; r < w.W; ++r) {
+    w.T[r] = r == 1 ? 0 : 30 + 5 * r;  // rank 1 sends nothing
+    w.x[r].resize(static_cast<size_t>(w.T[r]) * w.H);
+    for (int t = 0; t < w.T[r]; ++t)
+      for (int h = 0; h < w.H; ++h) w.x[r][t * w.H + h] = float_to_bf16(static_cast<float>((t * 7 + h + 3 * r) % 17 - 8));
+    w.idx[r].assign(static_cast<size_t>(w.T[r]) * w.K, -1);
+    w.in_rank[r].assign(static_cast<size_t>(w.T[r]) * w.W, 0);
+    for (int t = 0; t < w.T[r]; ++t) {
+      std::vector<int> experts(w.E);
+      for (int e = 0; e < w.E; ++e) experts[e] = e;
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (int k = 0; k < w.K; ++k) {
+        if (rng() % 5 == 0) continue;
+        w.idx[r][t * w.K + k] = experts[k];
+        w.in_rank[r][t * w.W + experts[k] / (w.E / w.W)] = 1;
+      }
+    }
+  }
+  const BufferLayout layout = make_buffer_layout(w.W, w.C, w.S, make_slot_layout(w.x_bytes, 0, w.K).slot_bytes);
+  std::vector<std::vector<int64_t>> buffers(w.W, std::vector<int64_t>(layout.total_bytes / 8 + 16, 0));
+  ErrorRecord error{};
+  w.common.num_ranks = w.W;
+  w.common.num_channels = w.C;
+  w.common.skip_rank = -1;
+  w.common.chunk_tokens = w.chunk;
+  w.common.timeout_cycles = 20'000'000'000LL;  // ns
+  w.common.layout = layout;
+  for (int r = 0; r < w.W; ++r) w.common.buffers[r] = reinterpret_cast<char*>(buffers[r].data());
+  w.common.error = &error;
+
+  std::vector<int> status(w.W, 0);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < w.W; ++r) ranks.emplace_back([&w, &status, r, rounds]() { status[r] = run_rank(w, r, rounds); });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < w.W; ++r) {
+    if (status[r] != 0) {
+      std::printf("failed (rank %d first); timeout record: flag %d rank %d peer %d counter %d\n", r, error.flag,
+                  error.rank, error.peer, error.counter);
+      return 1;
+    }
+  }
+  std::printf("ok\n");
+  return 0;
+}
+#endif  // MOE_INTRANODE_CPU_MAIN

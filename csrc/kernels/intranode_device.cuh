@@ -1,0 +1,303 @@
+// DeviceCtx: the GPU side of the Ctx contract of intranode_roles.cuh (lanes, named barriers,
+// system-scope acquire/release over NVLink, bounded clock64 waits, 16-byte vector copies).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/intranode_roles.cuh"
+
+namespace moe_dispatch {
+namespace intranode {
+
+// ---- memory primitives ----------------------------------------------------------------------
+
+__device__ __forceinline__ int32_t ld_acquire_sys(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int32_t* p, int32_t v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(int32_t* p, int32_t v) {
+  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(int32_t* p, int32_t v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Inputs are read-only for the whole kernel: the non-coherent path, no L1 allocation.
+__device__ __forceinline__ int4 ld_input_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int32_t ld_input_i32(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Queue slots are rewritten by peers as the ring wraps: read at L2 (.cg), never a stale L1 line.
+__device__ __forceinline__ int4 ld_queue_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t ld_queue_i32(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// ---- combine element types ------------------------------------------------------------------
+
+template <class T>
+struct Vec;
+
+template <>
+struct Vec<Bf16Tag> {
+  static constexpr int kPer = 8;
+  __device__ __forceinline__ static void unpack(const int4& v, float* f) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                           static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static int4 pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = static_cast<uint32_t>(float_to_bf16(f[2 * i])) |
+             (static_cast<uint32_t>(float_to_bf16(f[2 * i + 1])) << 16);
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                     static_cast<int>(w[3]));
+  }
+};
+
+template <>
+struct Vec<F16Tag> {
+  static constexpr int kPer = 8;
+  __device__ __forceinline__ static void unpack(const int4& v, float* f) {
+    const __half* h = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __half2float(h[i]);
+  }
+  __device__ __forceinline__ static int4 pack(const float* f) {
+    int4 v;
+    __half* h = reinterpret_cast<__half*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = __float2half_rn(f[i]);
+    return v;
+  }
+};
+
+template <>
+struct Vec<F32Tag> {
+  static constexpr int kPer = 4;
+  __device__ __forceinline__ static void unpack(const int4& v, float* f) {
+    f[0] = __int_as_float(v.x);
+    f[1] = __int_as_float(v.y);
+    f[2] = __int_as_float(v.z);
+    f[3] = __int_as_float(v.w);
+  }
+  __device__ __forceinline__ static int4 pack(const float* f) {
+    return make_int4(__float_as_int(f[0]), __float_as_int(f[1]), __float_as_int(f[2]), __float_as_int(f[3]));
+  }
+};
+
+// ---- the context ----------------------------------------------------------------------------
+
+constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per lane before the first store
+
+struct DeviceCtx {
+  const Common* common;
+  int group_barrier;  // named barrier of this warp's group (1..15); unused for one-warp groups
+  int group_threads;
+
+  __device__ int lane() const { return static_cast<int>(threadIdx.x & 31u); }
+  __device__ int width() const { return 32; }
+  __device__ int tid() const { return static_cast<int>(threadIdx.x); }
+  __device__ int num_threads() const { return static_cast<int>(blockDim.x); }
+  __device__ void warp_sync() const { __syncwarp(); }
+  __device__ void block_sync() const { __syncthreads(); }
+  __device__ void group_sync() const {
+    if (group_threads <= 32) {
+      __syncwarp();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(group_barrier), "r"(group_threads) : "memory");
+    }
+  }
+
+  __device__ int32_t load_acquire(const int32_t* p) const { return ld_acquire_sys(p); }
+  __device__ void store_release(int32_t* p, int32_t v) const { st_release_sys(p, v); }
+  __device__ void store_relaxed(int32_t* p, int32_t v) const { st_relaxed_sys(p, v); }
+  __device__ void signal_add(int32_t* p, int32_t v) const { red_add_release_sys(p, v); }
+  __device__ void count_add(int64_t* p, int64_t v) const {
+    atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+  }
+  __device__ int32_t shared_load(const int32_t* p) const { return *reinterpret_cast<const volatile int32_t*>(p); }
+  __device__ void shared_store(int32_t* p, int32_t v) const { *reinterpret_cast<volatile int32_t*>(p) = v; }
+  __device__ void shared_add(int32_t* p, int32_t v) const { atomicAdd(p, v); }
+  __device__ void fence_block() const { __threadfence_block(); }
+
+  // Offers a timed-out wait to the launch's record (see ErrorRecord): written when none is
+  // there yet or when this one names the cause better (lower timeout_level).
+  __device__ void offer_timeout(const WaitSite& site, int32_t expected, int32_t observed) const {
+    ErrorRecord* e = common->error;
+    const int32_t level = timeout_level(site.counter, observed);
+    bool locked = false;
+    for (int i = 0; i < (1 << 16) && !locked; ++i) locked = atomicCAS(&e->lock, 0, 1) == 0;
+    if (!locked) return;  // another offer holds it for a handful of stores; this one is dropped
+    __threadfence();
+    if (ld_volatile(&e->phase) == 0 || level < ld_volatile(&e->level)) {
+      const int32_t fields[10] = {1, site.phase, site.role, site.rank, site.channel, site.peer, site.counter,
+                                  expected, observed, level};
+      volatile int32_t* out = &e->flag;
+#pragma unroll
+      for (int i = 1; i < 10; ++i) out[i] = fields[i];
+      if (common->error_host != nullptr) {  // the pinned mirror: fields first, then its flag
+        volatile int32_t* host = &common->error_host->flag;
+#pragma unroll
+        for (int i = 1; i < 10; ++i) host[i] = fields[i];
+        __threadfence_system();
+        host[0] = 1;
+      }
+    }
+    __threadfence_system();
+    atomicExch(&e->lock, 0);
+  }
+
+  // Polls until *p >= target. -1 after timeout_cycles, or once another wait of the launch timed
+  // out (offering this wait too if it had waited half the bound).
+  __device__ int32_t wait_ge_lane(const int32_t* p, int32_t target, const WaitSite& site) const {
+    int32_t v = ld_acquire_sys(p);
+    if (v >= target) return v;
+    const long long start = clock64();
+    for (uint32_t spin = 1;; ++spin) {
+      v = ld_acquire_sys(p);
+      if (v >= target) return v;
+      if ((spin & 63u) == 0) {
+        const long long waited = clock64() - start;
+        if (ld_volatile(&common->error->flag) != 0) {
+          if (2 * waited > common->timeout_cycles) offer_timeout(site, target, v);
+          return -1;
+        }
+        if (waited > common->timeout_cycles) {
+          atomicExch(&common->error->flag, 1);
+          offer_timeout(site, target, v);
+          return -1;
+        }
+      }
+    }
+  }
+
+  __device__ int32_t wait_ge(const int32_t* p, int32_t target, const WaitSite& site) const {
+    int32_t v = 0;
+    if (lane() == 0) v = wait_ge_lane(p, target, site);
+    return __shfl_sync(0xffffffffu, v, 0);
+  }
+
+  __device__ int32_t block_exclusive_scan(int32_t* data, int n) const {
+    const int i = tid();
+    const int32_t own = i < n ? data[i] : 0;
+    __syncthreads();
+    for (int offset = 1; offset < n; offset <<= 1) {
+      const int32_t add = (i < n && i >= offset) ? data[i - offset] : 0;
+      __syncthreads();
+      if (i < n) data[i] += add;
+      __syncthreads();
+    }
+    const int32_t total = n > 0 ? data[n - 1] : 0;
+    __syncthreads();
+    if (i < n) data[i] -= own;
+    __syncthreads();
+    return total;
+  }
+
+  template <bool kFromQueue>
+  __device__ __forceinline__ void copy(char* dst, const char* src, int bytes) const {
+    if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
+      const int n = bytes / 16;
+      int4* d = reinterpret_cast<int4*>(dst);
+      const int4* s = reinterpret_cast<const int4*>(src);
+      int i = lane();
+      for (; i + (kCopyUnroll - 1) * 32 < n; i += kCopyUnroll * 32) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) v[u] = kFromQueue ? ld_queue_v4(s + i + u * 32) : ld_input_v4(s + i + u * 32);
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) d[i + u * 32] = v[u];
+      }
+      for (; i < n; i += 32) d[i] = kFromQueue ? ld_queue_v4(s + i) : ld_input_v4(s + i);
+    } else {  // fields are whole int32s (fp8 scales of H % 512 != 0)
+      const int n = bytes / 4;
+      int32_t* d = reinterpret_cast<int32_t*>(dst);
+      const int32_t* s = reinterpret_cast<const int32_t*>(src);
+      for (int i = lane(); i < n; i += 32) d[i] = kFromQueue ? ld_queue_i32(s + i) : ld_input_i32(s + i);
+    }
+  }
+  __device__ void copy_in(char* dst, const char* src, int bytes) const { copy<false>(dst, src, bytes); }
+  __device__ void copy_out(char* dst, const char* src, int bytes) const { copy<true>(dst, src, bytes); }
+  __device__ void zero_row(char* dst, int bytes) const {
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int i = lane(); i < bytes / 16; i += 32) d[i] = make_int4(0, 0, 0, 0);
+  }
+  __device__ int32_t queue_i32(const char* p) const { return ld_queue_i32(reinterpret_cast<const int32_t*>(p)); }
+  __device__ float queue_f32(const char* p) const { return __int_as_float(queue_i32(p)); }
+
+  // out = sum over rows h (in order) of float(rows[h]) * scales[h], fp32, rounded once.
+  // Two vectors per lane per step keep two loads per holder in flight.
+  template <class T>
+  __device__ void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int bytes) const {
+    constexpr int kPer = Vec<T>::kPer;
+    const int n = bytes / 16;
+    int4* d = reinterpret_cast<int4*>(out);
+    for (int i = lane(); i < n; i += 64) {
+      const bool second = i + 32 < n;
+      float acc0[kPer], acc1[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) acc0[j] = acc1[j] = 0.0f;
+      for (int h = 0; h < num_rows; ++h) {
+        const int4* row = reinterpret_cast<const int4*>(rows[h]);
+        const int4 v0 = ld_queue_v4(row + i);
+        const int4 v1 = second ? ld_queue_v4(row + i + 32) : make_int4(0, 0, 0, 0);
+        const float scale = scales[h];
+        float f[kPer];
+        Vec<T>::unpack(v0, f);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) acc0[j] = combine_step(acc0[j], f[j], scale);
+        Vec<T>::unpack(v1, f);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) acc1[j] = combine_step(acc1[j], f[j], scale);
+      }
+      d[i] = Vec<T>::pack(acc0);
+      if (second) d[i + 32] = Vec<T>::pack(acc1);
+    }
+  }
+};
+
+}  // namespace intranode
+}  // namespace moe_dispatch

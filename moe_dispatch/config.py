@@ -1,0 +1,149 @@
+"""``Config``: launch shape and queue sizes of the CUDA intranode kernels.
+
+Pure Python (no extension needed): it validates itself when built, sizes the communication
+buffer, and ``Config.auto`` picks defaults from the shape. The byte layouts mirror
+``csrc/kernels/intranode.cuh`` (``make_slot_layout``, ``make_buffer_layout``); a CPU test
+checks the mirror against the extension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Limits of the kernels (csrc/kernels/intranode.cuh); _C.intranode_limits reports the same.
+MAX_RANKS = 16  # warp groups of a 16-warp block: one per peer
+MAX_CHANNELS = 64  # num_sms / 2
+MAX_TOPK = 32
+FIELD_ALIGN = 16  # slot fields start on 16 bytes
+LINE = 128  # each head/tail counter owns a 128-byte line
+ERROR_RECORD_INTS = 16
+
+
+def _align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """Byte offsets inside one queue slot (see ``make_slot_layout`` in intranode.cuh)."""
+
+    x_bytes: int
+    scale_bytes: int
+    num_topk: int
+    scale_offset: int
+    topk_idx_offset: int
+    topk_weights_offset: int
+    aux_offset: int
+    slot_bytes: int
+
+
+def slot_layout(x_bytes: int, scale_bytes: int = 0, num_topk: int = 0) -> SlotLayout:
+    """A dispatch slot (x row, fp8 scales, top-k ids and weights, source index) or, with
+    ``scale_bytes = num_topk = 0``, a combine slot (y row, row scale)."""
+    scale_offset = _align(x_bytes, FIELD_ALIGN)
+    topk_idx_offset = scale_offset + _align(scale_bytes, FIELD_ALIGN)
+    topk_weights_offset = topk_idx_offset + _align(4 * num_topk, FIELD_ALIGN)
+    aux_offset = topk_weights_offset + _align(4 * num_topk, FIELD_ALIGN)
+    return SlotLayout(x_bytes, scale_bytes, num_topk, scale_offset, topk_idx_offset, topk_weights_offset,
+                      aux_offset, aux_offset + FIELD_ALIGN)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """Byte offsets of one rank's communication buffer (drawn in intranode.cuh)."""
+
+    num_ranks: int
+    num_channels: int
+    num_slots: int
+    slot_bytes: int
+    meta_offset: int
+    tail_offset: int
+    head_offset: int
+    queue_offset: int
+    total_bytes: int
+
+
+def buffer_layout(num_ranks: int, num_channels: int, num_slots: int, slot_bytes: int) -> BufferLayout:
+    queues = num_ranks * num_channels
+    meta = _align(4 * num_ranks, LINE)
+    tail = meta + _align(4 * queues, LINE)
+    head = tail + LINE * queues
+    queue = head + LINE * queues
+    return BufferLayout(num_ranks, num_channels, num_slots, slot_bytes, meta, tail, head, queue,
+                        queue + queues * num_slots * slot_bytes)
+
+
+def max_slot_bytes(hidden: int, num_topk: int, *, element_bytes: int = 2, fp8: bool = True,
+                   combine_element_bytes: int | None = None) -> int:
+    """Slot size that fits every operation a Buffer for ``hidden`` performs: dispatch of
+    ``element_bytes``-wide rows (and of fp8 rows with their scales when ``fp8``), and combine of
+    ``combine_element_bytes``-wide rows (default ``element_bytes``)."""
+    sizes = [slot_layout(hidden * element_bytes, 0, num_topk).slot_bytes,
+             slot_layout(hidden * (combine_element_bytes or element_bytes)).slot_bytes]
+    if fp8 and hidden % 128 == 0:
+        sizes.append(slot_layout(hidden, 4 * (hidden // 128), num_topk).slot_bytes)
+    return max(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch shape and queue sizes of the intranode kernels.
+
+    Attributes:
+        num_sms: SM budget per rank: ``num_sms / 2`` channels, each one sender block and one
+            receiver block (even, 2..128). Each channel owns a contiguous range of every
+            source's tokens.
+        num_slots: depth of each ring queue (source, destination, channel), in tokens. The
+            buffer holds ``W * num_channels * num_slots`` slots per rank.
+        chunk_tokens: tokens a sender writes between two publications of its tail (and the
+            room it waits for); ``1 <= chunk_tokens <= num_slots``.
+
+    Raises:
+        ValueError: naming the field, the rule and the value, when built.
+    """
+
+    num_sms: int = 16
+    num_slots: int = 32
+    chunk_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("num_sms", "num_slots", "chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"Config.{name} must be an int, got {value!r}")
+        if self.num_sms < 2 or self.num_sms % 2 or self.num_sms > 2 * MAX_CHANNELS:
+            raise ValueError(f"Config.num_sms must be even and in [2, {2 * MAX_CHANNELS}] (a sender and a receiver "
+                             f"block per channel), got {self.num_sms}")
+        if not 1 <= self.num_slots <= 1 << 20:
+            raise ValueError(f"Config.num_slots must be in [1, 2^20], got {self.num_slots}")
+        if not 1 <= self.chunk_tokens <= self.num_slots:
+            raise ValueError(f"Config.chunk_tokens must be in [1, num_slots={self.num_slots}], got {self.chunk_tokens}")
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    @classmethod
+    def auto(cls, num_tokens: int, world_size: int, *, num_sms: int | None = None,
+             num_slots: int | None = None, chunk_tokens: int | None = None) -> "Config":
+        """Defaults from the shape; explicit arguments win.
+
+        One channel per 256 tokens of the largest rank, 1 to 8 channels (so <= 16 SMs: the
+        rest stay with the GEMMs); chunks of 8 tokens (4 below 64 tokens per channel) in a ring
+        four chunks deep.
+        """
+        if num_sms is None:
+            num_sms = 2 * max(1, min(8, math.ceil(max(num_tokens, 1) / 256)))
+        per_channel = max(1, num_tokens // (num_sms // 2))
+        if chunk_tokens is None:
+            chunk_tokens = 8 if per_channel >= 64 else 4
+        if num_slots is None:
+            num_slots = 4 * chunk_tokens
+        del world_size  # the ring depth does not grow with W: every peer has its own rings
+        return cls(num_sms=num_sms, num_slots=num_slots, chunk_tokens=chunk_tokens)
+
+    def buffer_bytes(self, world_size: int, slot_bytes: int) -> int:
+        """Bytes of one rank's communication buffer for ``world_size`` ranks and slots of
+        ``slot_bytes`` (see :func:`max_slot_bytes`)."""
+        return buffer_layout(world_size, self.num_channels, self.num_slots, _align(slot_bytes, FIELD_ALIGN)).total_bytes

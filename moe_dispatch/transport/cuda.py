@@ -1,0 +1,671 @@
+"""The CUDA intranode transport: ``moe_dispatch._C``'s NVLink kernels, plus the loopback harness.
+
+Importable without the extension (only the launches need it). Kernels and protocol:
+``csrc/kernels/intranode.cuh`` (buffer layout drawn byte by byte, queue protocol in prose) and
+``intranode_roles.cuh`` (the per-warp code, shared with the CPU backend).
+
+Operations, for the ranks of one launch:
+
+- **dispatch** = notify (barrier, per-(source, channel) token counts exchanged, receive prefix)
+  then the dispatch kernel (per-channel ring queues; rows ordered by source rank, then source
+  token; top-k ids converted to the receiver's local numbering, weights travel with them).
+  Without ``num_worst_tokens`` the host reads the receive count between the two launches (one
+  host sync); with it, outputs have that many rows, nothing waits for the host (CUDA-graph
+  capturable) and ``handle.overflow`` says after the fact whether rows were dropped.
+  A cached dispatch (``handle=``) skips notify.
+- **combine**: each token's rows from its holders, summed in fp32 in ascending rank order and
+  rounded once to y's dtype (= ``moe_dispatch.reference.combine`` for one node).
+
+Every wait inside the kernels is bounded by ``timeout_s``; a timed-out launch records rank,
+channel, peer and counter, every block leaves, and :meth:`check` raises
+:class:`IntranodeTimeoutError` with that text. ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` overrides the
+default bound (e.g. 1 to debug a hang quickly).
+
+Two front ends share one launcher (:class:`_Engine`):
+
+- :class:`Loopback`: W simulated ranks on one device, one launch for all of them: on a GPU
+  their "peer" buffers are W allocations of the same GPU; on CPU (``backend="cpu"``) the same
+  protocol code runs on threads over host memory. Tests and benchmarks use it.
+- :class:`IntranodeTransport`: one rank per process and GPU; buffers shared through CUDA IPC
+  handles exchanged over torch.distributed (written, not yet run on a multi-GPU node).
+
+How ``Buffer(transport="cuda")`` drives it (one node: W == ranks_per_node <= 16):
+
+- ``__init__``: keep ``Config(num_sms=num_sms or 16)`` (it must be equal on every rank) and no
+  transport yet; reject ``num_nodes > 1`` (the internode kernels are a separate issue).
+- ``dispatch``: on the first call, or when a call needs bigger slots than the current
+  transport has, (re)create ``IntranodeTransport(group, rank, hidden=H, num_topk=K,
+  element_bytes=max(2, x.element_size()), config=..., timeout_s=self.timeout_s)`` (collective,
+  like the dispatch itself: every rank sees the same H and K). Then
+  ``res = t.dispatch(x, topk_idx, topk_weights, E, num_worst_tokens=...)`` gives ``recv_x``
+  (a tensor, or the fp8 pair), ``recv_topk_idx`` (topk_idx's dtype), ``recv_topk_weights``,
+  ``num_recv_tokens_per_expert`` (int64 [E/W]) and ``res.handle`` (an :class:`IntranodeHandle`,
+  to keep in ``DispatchHandle.plan``; ``num_recv_tokens = handle.num_rows``).
+  Cached: ``t.dispatch(x, None, None, E, handle=plan)`` (topk outputs None).
+- ``combine``: ``t.combine(y, plan, row_scale)`` with ``row_scale`` = None, the ``[R]`` weights,
+  or ``[R, K]`` weights summed over K (fp32 multiply before the sum, as the oracle).
+- autograd: dispatch backward = ``combine(grad_recv_x, plan)``; combine backward = the cached
+  dispatch of ``grad_out`` (times ``row_scale``); both on the caller's stream, no host sync.
+- ``num_worst_tokens`` makes dispatch host-sync-free (CUDA-graph capturable); expose
+  ``plan.check_overflow()`` (or raise after the step) for the overflow flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..config import ERROR_RECORD_INTS, MAX_RANKS, MAX_TOPK, Config, buffer_layout, max_slot_bytes, slot_layout
+from ..validation import CommError
+
+TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
+COOPERATIVE_ENV = "MOE_DISPATCH_COOPERATIVE"
+DEFAULT_TIMEOUT_S = 100.0
+FP8_BLOCK = 128
+COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+_PHASES = {1: "notify", 2: "dispatch", 3: "combine"}
+_ROLES = {1: "barrier", 2: "sender", 3: "receiver", 4: "coordinator"}
+_SIGNAL, _TAIL, _HEAD = 1, 2, 3
+
+
+class IntranodeTimeoutError(CommError):
+    """A wait inside an intranode kernel ran past ``timeout_s``.
+
+    Attributes (from the kernel's record): ``phase`` ("notify"/"dispatch"/"combine"),
+    ``role``, ``rank`` (the waiting rank), ``channel`` (-1 for the barrier), ``peer`` (the rank
+    whose store never came), ``counter`` ("signal"/"tail"/"head"), ``expected``, ``observed``.
+    """
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.__dict__.update(fields)
+
+
+def describe_timeout(record: list[int], timeout_s: float) -> tuple[str, dict]:
+    """The message and fields of a kernel error record (``int32[16]``, see ``ErrorRecord``)."""
+    _, phase, role, rank, channel, peer, counter, expected, observed = record[:9]
+    if phase == 0:  # the flag without a record: the offering wait could not take the record's lock
+        return (f"moe_dispatch intranode operation timed out after timeout_s={timeout_s:g}, but the kernel's record "
+                f"of which wait it was is missing; the buffers are in an undefined state: reset() them (loopback) "
+                f"or recreate the Buffer", {"phase": None, "role": None, "rank": None, "channel": None, "peer": None,
+                                            "counter": None, "expected": None, "observed": None})
+    fields = {"phase": _PHASES.get(phase, str(phase)), "role": _ROLES.get(role, str(role)), "rank": rank,
+              "channel": channel, "peer": peer, "counter": {_SIGNAL: "signal", _TAIL: "tail", _HEAD: "head"}.get(
+                  counter, str(counter)), "expected": expected, "observed": observed}
+    where = f"rank {rank} ({fields['role']}, channel {channel})" if channel >= 0 else f"rank {rank}"
+    if counter == _SIGNAL:
+        what = (f"waited at the notify barrier for rank {peer} to arrive (signal[{peer}] of rank {rank}); "
+                f"saw {observed} arrivals, needed {expected}")
+    elif counter == _TAIL:
+        what = (f"waited for tokens from rank {peer}: tail of queue rank {peer} -> rank {rank}, channel {channel} "
+                f"should reach {expected} but stayed at {observed}")
+    else:
+        what = (f"waited for rank {peer} to free queue slots: head of queue rank {rank} -> rank {peer}, "
+                f"channel {channel} should reach {expected} but stayed at {observed}")
+    message = (f"moe_dispatch intranode {fields['phase']} timed out after timeout_s={timeout_s:g}: {where} {what}. "
+               f"Rank {peer} did not take part (crashed, hung, or called another operation). The communication "
+               f"buffers are now in an undefined state: reset() them (loopback) or recreate the Buffer.")
+    return message, fields
+
+
+def default_timeout_s(timeout_s: float | None) -> float:
+    if timeout_s is not None:
+        return float(timeout_s)
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def _ext():
+    from .._ext import require_extension
+
+    return require_extension()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _check_aligned(name: str, t: torch.Tensor | None, alignment: int) -> None:
+    """The kernels move rows in 16-byte vectors (fp8 scales in 4-byte words)."""
+    if t is not None and t.numel() and t.data_ptr() % alignment:
+        raise ValueError(f"{name} must start on a {alignment}-byte boundary, but its data pointer is "
+                         f"{t.data_ptr() % alignment} bytes past one (a view with a storage offset?); pass .clone()")
+
+
+@dataclasses.dataclass(eq=False)
+class IntranodeHandle:
+    """One rank's share of a dispatch: what combine and a cached dispatch replay.
+
+    Attributes:
+        num_tokens: T, tokens this rank sent.
+        num_channels: C of the dispatch (combine and replays use the same).
+        is_token_in_rank: ``[T, W]`` bool of this rank's tokens.
+        recv_prefix: ``[W * C + 1]`` int32: first receive row of each (source, channel), total last.
+        num_recv_tokens: R as a host int (None in budget mode: read ``num_recv_tokens_dev``).
+        num_recv_tokens_dev: ``[1]`` int32 on the device.
+        overflow: ``[1]`` int32: 1 when R exceeded the rows allocated (budget mode).
+        num_rows: rows allocated for the receive (R, or ``num_worst_tokens``).
+        topk_dtype: the caller's top-k id dtype (outputs come back in it).
+    """
+
+    num_tokens: int
+    num_channels: int
+    is_token_in_rank: torch.Tensor
+    recv_prefix: torch.Tensor
+    num_recv_tokens: int | None
+    num_recv_tokens_dev: torch.Tensor
+    overflow: torch.Tensor
+    num_rows: int
+    topk_dtype: torch.dtype = torch.int64
+
+    def check_overflow(self) -> None:
+        """Raises ValueError when the budget was too small (reads the device: a host sync)."""
+        if int(self.overflow.item()):
+            raise ValueError(f"dispatch received {int(self.num_recv_tokens_dev.item())} rows but num_worst_tokens="
+                             f"{self.num_rows}: rows past the budget were dropped; raise num_worst_tokens")
+
+
+@dataclasses.dataclass(eq=False)
+class RankDispatch:
+    """One rank's dispatch outputs (rows ``[R or budget, ...]``)."""
+
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    recv_topk_idx: torch.Tensor | None  # None for a cached dispatch without topk_idx
+    recv_topk_weights: torch.Tensor | None
+    recv_src_idx: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+    handle: IntranodeHandle
+
+
+@dataclasses.dataclass
+class _Input:
+    """A source rank's dispatch input after validation."""
+
+    rank: int
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    topk_idx: torch.Tensor  # int64 ([T, 0] when no top-k travels)
+    topk_weights: torch.Tensor | None
+    is_token_in_rank: torch.Tensor
+    topk_dtype: torch.dtype | None  # the caller's; None: no topk_idx given
+
+
+class _Engine:
+    """Launches notify / dispatch / combine for a list of ranks over a set of W buffers.
+
+    Args:
+        world_size: W.
+        config: buffer shape (channels, ring depth, chunk); calls may use fewer SMs.
+        slot_bytes: capacity of a queue slot.
+        buffers: W buffer addresses as this process sees them.
+        error: ``int32[16]`` error record on the launch device (zeroed).
+        error_host_ptr: device address of a pinned mirror of it, or None.
+        backend: "cuda" or "cpu".
+        timeout_s: bound of every wait.
+    """
+
+    def __init__(self, world_size: int, config: Config, slot_bytes: int, buffers: list[int], error: torch.Tensor,
+                 error_host_ptr: int | None, backend: str, timeout_s: float, cpu_options: dict | None = None):
+        self.world_size, self.config, self.slot_bytes = world_size, config, slot_bytes
+        self.buffers, self.error, self.error_host_ptr = buffers, error, error_host_ptr
+        self.backend, self.timeout_s = backend, timeout_s
+        self.cpu_options = dict(cpu_options or {})
+        self.layout = buffer_layout(world_size, config.num_channels, config.num_slots, slot_bytes)
+        self.device = error.device
+        self.cooperative = os.environ.get(COOPERATIVE_ENV, "1") != "0"
+        self.set_timeout(timeout_s)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound of every wait from the next launch on (clock64 cycles on the GPU, ns on CPU)."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        if self.backend == "cuda":
+            clock_khz = _ext().device_clock_khz(self.device.index if self.device.index is not None
+                                                else torch.cuda.current_device())
+            self.timeout_cycles = max(1, int(timeout_s * clock_khz * 1000))
+        else:
+            self.timeout_cycles = max(1, int(timeout_s * 1e9))  # the CPU backend counts nanoseconds
+
+    def common(self, num_channels: int, rank_begin: int, skip_rank: int | None) -> dict:
+        return {"num_ranks": self.world_size, "num_channels": num_channels, "rank_begin": rank_begin,
+                "skip_rank": -1 if skip_rank is None else skip_rank, "chunk_tokens": self.config.chunk_tokens,
+                "timeout_cycles": self.timeout_cycles, "buffer_channels": self.config.num_channels,
+                "num_slots": self.config.num_slots, "slot_bytes": self.slot_bytes, "buffers": self.buffers,
+                "error": self.error.data_ptr(), "error_host": self.error_host_ptr}
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.backend == "cuda" else 0
+
+    def notify(self, common: dict, ranks: list[dict], num_topk: int) -> None:
+        _ext().intranode_notify(common, ranks, num_topk, self.backend, self._stream(), self.cooperative)
+
+    def dispatch(self, common: dict, ranks: list[dict], x_bytes: int, scale_bytes: int, num_topk: int,
+                 experts_per_rank: int) -> None:
+        _ext().intranode_dispatch(common, ranks, x_bytes, scale_bytes, num_topk, experts_per_rank, self.backend,
+                                  self._stream(), self.cooperative, self.cpu_options)
+
+    def combine(self, common: dict, ranks: list[dict], y_bytes: int, dtype: torch.dtype) -> None:
+        _ext().intranode_combine(common, ranks, y_bytes, COMBINE_DTYPES[dtype], self.backend, self._stream(),
+                                 self.cooperative, self.cpu_options)
+
+    def read_error(self) -> list[int] | None:
+        """The error record if a wait timed out (reads the device: a host sync)."""
+        record = self.error.tolist()
+        return record if record[0] or record[1] else None
+
+    def raise_if_timed_out(self, record: list[int] | None = None) -> None:
+        record = record if record is not None else self.read_error()
+        if record:
+            raise IntranodeTimeoutError(*describe_timeout(record, self.timeout_s))
+
+
+# ---------------------------------------------------------------------------------------------
+# The operations, for the ranks of one launch
+# ---------------------------------------------------------------------------------------------
+
+def _check_num_sms(num_sms: int, config: Config) -> int:
+    if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2 or num_sms > config.num_sms:
+        raise ValueError(f"num_sms must be even and in [2, {config.num_sms}] (the Buffer's Config.num_sms), "
+                         f"got {num_sms!r}")
+    return num_sms // 2
+
+
+def _prepare(rank: int, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int,
+             world_size: int, device: torch.device, validate: bool = True,
+             handle: IntranodeHandle | None = None) -> _Input:
+    from ..layout import get_dispatch_layout
+    from ..quant import check_fp8_pair
+    from ..validation import check_hidden, check_topk_idx, check_topk_weights
+
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"rank {rank}: an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
+        check_fp8_pair(*x, block_size=FP8_BLOCK, device=device)
+        x, scales = x
+    else:
+        check_hidden(f"x (rank {rank})", x, device)
+        scales = None
+    if x.shape[1] * x.element_size() % 16:
+        raise ValueError(f"rank {rank}: rows of x must be a multiple of 16 bytes, got {x.shape[1]} x "
+                         f"{x.element_size()} bytes; pad the hidden size")
+    _check_aligned(f"x (rank {rank})", x, 16)
+    _check_aligned(f"scales (rank {rank})", scales, 4)
+    if topk_idx is None:  # a cached dispatch of x alone: no top-k fields travel
+        if handle is None:
+            raise ValueError(f"rank {rank}: topk_idx is required unless replaying a handle (cached dispatch)")
+        if topk_weights is not None:
+            raise ValueError(f"rank {rank}: topk_weights without topk_idx")
+        return _Input(rank, x, scales, torch.empty(x.shape[0], 0, dtype=torch.int64, device=device), None,
+                      handle.is_token_in_rank, None)
+    if validate:  # reads topk_idx on the host: skipped under CUDA-graph capture
+        check_topk_idx(topk_idx, num_experts, num_tokens=x.shape[0], device=device)
+    elif topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"rank {rank}: topk_idx has shape {list(topk_idx.shape)} but x has {x.shape[0]} tokens")
+    if topk_idx.shape[1] > MAX_TOPK:
+        raise ValueError(f"rank {rank}: top-k must be <= {MAX_TOPK}, got {topk_idx.shape[1]}")
+    if topk_weights is not None:
+        check_topk_weights(topk_weights, topk_idx, device=device)
+    if handle is not None:  # a cached dispatch replays the handle's routing
+        is_token_in_rank = handle.is_token_in_rank
+    else:
+        is_token_in_rank = get_dispatch_layout(topk_idx, num_experts, world_size, world_size, validate=False)[3]
+    return _Input(rank, x, scales, topk_idx.to(torch.int64).contiguous(), topk_weights,
+                  is_token_in_rank.contiguous(), topk_idx.dtype)
+
+
+def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sms: int,
+              handles: list[IntranodeHandle] | None, num_worst_tokens: int | None, skip_rank: int | None,
+              skip_phase: str | None) -> list[RankDispatch]:
+    """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and dispatch."""
+    world_size, device = engine.world_size, engine.device
+    first = inputs[0]
+    hidden, dtype = first.x.shape[1], first.x.dtype
+    num_topk = first.topk_idx.shape[1]
+    for inp in inputs:
+        if inp.x.shape[1] != hidden or inp.x.dtype != dtype or inp.topk_idx.shape[1] != num_topk \
+                or (inp.scales is None) != (first.scales is None):
+            raise ValueError(f"every rank must dispatch the same hidden size, dtype and top-k: rank {inp.rank} has "
+                             f"[{inp.x.shape[1]}] {inp.x.dtype} top-{inp.topk_idx.shape[1]}, rank {first.rank} has "
+                             f"[{hidden}] {dtype} top-{num_topk}")
+    x_bytes = hidden * first.x.element_size()
+    scale_bytes = 4 * (hidden // FP8_BLOCK) if first.scales is not None else 0
+    need = slot_layout(x_bytes, scale_bytes, num_topk).slot_bytes
+    if need > engine.slot_bytes:
+        raise ValueError(f"a dispatch slot for hidden {hidden} x {first.x.element_size()} bytes, top-{num_topk} needs "
+                         f"{need} bytes but the buffer's slots hold {engine.slot_bytes}; size the Buffer for it")
+    experts_per_rank = num_experts // world_size
+    rank_begin = first.rank
+    skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
+    if handles is None:
+        num_channels = _check_num_sms(num_sms, engine.config)
+        budget = -1 if num_worst_tokens is None else int(num_worst_tokens)
+        prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
+        counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
+        overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
+        outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs] if budget >= 0 else None
+        ranks = [{"is_token_in_rank": _ptr(inp.is_token_in_rank), "recv_prefix": p.data_ptr(),
+                  "num_recv_tokens": n.data_ptr(), "overflow": o.data_ptr(),
+                  "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
+                  "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
+                  "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
+                  "num_tokens": inp.x.shape[0], "budget": budget}
+                 for i, (inp, p, n, o) in enumerate(zip(inputs, prefixes, counts, overflows))]
+        engine.notify(engine.common(num_channels, rank_begin, skip("notify")), ranks, num_topk)
+        if budget < 0:  # the host learns R: one sync for all launched ranks
+            totals = torch.cat(counts).tolist()
+            engine.raise_if_timed_out()
+            outs = [_alloc_outputs(inp, total, experts_per_rank, device) for inp, total in zip(inputs, totals)]
+        else:
+            totals = [None] * len(inputs)
+        handles = [IntranodeHandle(num_tokens=inp.x.shape[0], num_channels=num_channels,
+                                   is_token_in_rank=inp.is_token_in_rank, recv_prefix=p, num_recv_tokens=total,
+                                   num_recv_tokens_dev=n, overflow=o, num_rows=budget if budget >= 0 else total,
+                                   topk_dtype=inp.topk_dtype or torch.int64)
+                   for inp, p, n, o, total in zip(inputs, prefixes, counts, overflows, totals)]
+    else:
+        if len(handles) != len(inputs):
+            raise ValueError(f"pass one handle per rank: {len(inputs)} inputs, {len(handles)} handles")
+        for inp, h in zip(inputs, handles):
+            if not isinstance(h, IntranodeHandle) or h.num_tokens != inp.x.shape[0]:
+                raise ValueError(f"rank {inp.rank}: the handle is not an IntranodeHandle for {inp.x.shape[0]} tokens")
+        num_channels = handles[0].num_channels
+        outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
+    ranks = [{"x": _ptr(inp.x), "x_scales": _ptr(inp.scales), "topk_idx": _ptr(inp.topk_idx),
+              "topk_weights": _ptr(inp.topk_weights), "is_token_in_rank": _ptr(h.is_token_in_rank),
+              "recv_prefix": h.recv_prefix.data_ptr(), "recv_x": _ptr(o["x"]), "recv_scales": _ptr(o["scales"]),
+              "recv_topk_idx": _ptr(o["topk_idx"]),
+              "recv_topk_weights": _ptr(o["topk_weights"]) if inp.topk_weights is not None else None,
+              "recv_src_idx": _ptr(o["src_idx"]), "num_recv_per_expert": o["per_expert"].data_ptr(),
+              "overflow": h.overflow.data_ptr(), "num_tokens": inp.x.shape[0], "num_rows": h.num_rows}
+             for inp, h, o in zip(inputs, handles, outs)]
+    engine.dispatch(engine.common(num_channels, rank_begin, skip("dispatch")), ranks, x_bytes, scale_bytes,
+                    num_topk, experts_per_rank)
+    results = []
+    for inp, h, o in zip(inputs, handles, outs):
+        recv_x = (o["x"], o["scales"]) if inp.scales is not None else o["x"]
+        if inp.topk_dtype is None:
+            topk = None
+        else:
+            topk = o["topk_idx"] if inp.topk_dtype == torch.int64 else o["topk_idx"].to(inp.topk_dtype)
+        results.append(RankDispatch(recv_x, topk, o["topk_weights"] if inp.topk_weights is not None else None,
+                                    o["src_idx"], o["per_expert"], h))
+    return results
+
+
+def _alloc_outputs(inp: _Input, rows: int, experts_per_rank: int, device: torch.device) -> dict:
+    hidden, num_topk = inp.x.shape[1], inp.topk_idx.shape[1]
+    return {"x": torch.empty(rows, hidden, dtype=inp.x.dtype, device=device),
+            "scales": (torch.empty(rows, hidden // FP8_BLOCK, dtype=torch.float32, device=device)
+                       if inp.scales is not None else None),
+            "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=device),
+            "topk_weights": torch.empty(rows, num_topk, dtype=torch.float32, device=device),
+            "src_idx": torch.empty(rows, dtype=torch.int32, device=device),
+            "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=device)}
+
+
+def _combine(engine: _Engine, rank_begin: int, ys: list[torch.Tensor], handles: list[IntranodeHandle],
+             row_scales: list[torch.Tensor | None] | None, skip_rank: int | None) -> list[torch.Tensor]:
+    from ..validation import check_hidden
+
+    device = engine.device
+    if len(ys) != len(handles):
+        raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
+    row_scales = row_scales or [None] * len(ys)
+    hidden, dtype = ys[0].shape[1], ys[0].dtype
+    for i, (y, h, s) in enumerate(zip(ys, handles, row_scales)):
+        check_hidden(f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows, rows_what="the handle (rows received)")
+        if y.shape[1] != hidden or y.dtype != dtype:
+            raise ValueError(f"every rank must combine the same hidden size and dtype: rank {rank_begin + i} has "
+                             f"[{y.shape[1]}] {y.dtype}, rank {rank_begin} has [{hidden}] {dtype}")
+        _check_aligned(f"y (rank {rank_begin + i})", y, 16)
+        if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != (h.num_rows,) or s.device != device):
+            raise ValueError(f"row_scale of rank {rank_begin + i} must be [{h.num_rows}] fp32 on {device}, got "
+                             f"{list(s.shape)} {s.dtype} on {s.device}")
+    y_bytes = hidden * ys[0].element_size()
+    if y_bytes % 16:
+        raise ValueError(f"rows of y must be a multiple of 16 bytes, got {hidden} x {ys[0].element_size()} bytes")
+    if slot_layout(y_bytes).slot_bytes > engine.slot_bytes:
+        raise ValueError(f"a combine slot for hidden {hidden} x {ys[0].element_size()} bytes needs "
+                         f"{slot_layout(y_bytes).slot_bytes} bytes but the buffer's slots hold {engine.slot_bytes}")
+    outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
+    ranks = [{"y": _ptr(y), "row_scale": _ptr(s.contiguous()) if s is not None else None,
+              "is_token_in_rank": _ptr(h.is_token_in_rank), "recv_prefix": h.recv_prefix.data_ptr(),
+              "out": _ptr(out), "num_tokens": h.num_tokens, "num_rows": h.num_rows}
+             for y, h, s, out in zip(ys, handles, row_scales, outs)]
+    engine.combine(engine.common(handles[0].num_channels, rank_begin, skip_rank), ranks, y_bytes, dtype)
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# Loopback: W simulated ranks on one device
+# ---------------------------------------------------------------------------------------------
+
+class Loopback:
+    """W simulated ranks on one device; each operation is one launch serving all of them.
+
+    On a GPU the "peer" buffers are W allocations of that GPU, so one H200 checks correctness
+    and kernel efficiency of the whole protocol. With ``backend="cpu"`` (CPU tensors) the same
+    role code runs on threads (``cpu_options``: ``group_warps`` threads per peer group,
+    ``num_workers`` combine workers).
+
+    Args:
+        world_size: W simulated ranks (1..16; one node).
+        hidden: largest hidden size to move; ``num_topk``: largest top-k.
+        config: :class:`moe_dispatch.config.Config` (default ``Config()``); calls may use fewer SMs.
+        device: where buffers and outputs live (a CUDA device, or CPU for the CPU backend).
+        element_bytes: widest element of x / y (2 for bf16, 4 for fp32 rows).
+        timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
+
+    Raises:
+        ValueError: W out of range; RuntimeError: the extension is not built.
+    """
+
+    def __init__(self, world_size: int, hidden: int, num_topk: int, *, config: Config | None = None,
+                 device: torch.device | str = "cuda", element_bytes: int = 2, timeout_s: float | None = None,
+                 cpu_options: dict | None = None):
+        if not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size!r}")
+        self.world_size = world_size
+        self.config = config or Config()
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        backend = "cuda" if self.device.type == "cuda" else "cpu"
+        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
+        self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
+        self._buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+                         for _ in range(world_size)]
+        error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
+        self.engine = _Engine(world_size, self.config, slot_bytes, [b.data_ptr() for b in self._buffers], error,
+                              None, backend, default_timeout_s(timeout_s), cpu_options)
+
+    @property
+    def timeout_s(self) -> float:
+        """Bound, in seconds, of every wait inside the launches (settable)."""
+        return self.engine.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.engine.set_timeout(value)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of each simulated rank's communication buffer."""
+        return self.layout.total_bytes
+
+    def dispatch(self, xs: list, topk_idxs: list[torch.Tensor] | None, topk_weights: list[torch.Tensor] | None,
+                 num_experts: int, *, num_sms: int | None = None, handles: list[IntranodeHandle] | None = None,
+                 num_worst_tokens: int | None = None, withhold_rank: int | None = None,
+                 withhold_phase: str = "dispatch", check: bool = True, validate: bool = True) -> list[RankDispatch]:
+        """Dispatch for all W ranks (see the module doc).
+
+        Args:
+            xs: per rank ``[T_r, H]`` bf16/fp16/fp32, or ``(x_fp8 [T_r, H], scales [T_r, H/128])``.
+            topk_idxs: per rank ``[T_r, K]`` int32/int64 global expert ids, -1 = none (None with
+                ``handles``: only x travels and ``recv_topk_idx`` is None).
+            topk_weights: per rank ``[T_r, K]`` fp32, or None.
+            num_experts: E, divisible by W.
+            num_sms: SMs per simulated rank for this call (default ``config.num_sms``).
+            handles: previous results' handles: a cached dispatch (no notify, same routing).
+            num_worst_tokens: budget mode: this many rows per rank, no host sync.
+            withhold_rank, withhold_phase: tests: that rank's blocks skip "notify", "dispatch".
+            check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out.
+            validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
+
+        Returns:
+            per rank a :class:`RankDispatch`; rows ordered by source rank, then source token.
+        """
+        if topk_idxs is None:
+            topk_idxs = [None] * self.world_size
+        if len(xs) != self.world_size or len(topk_idxs) != self.world_size:
+            raise ValueError(f"pass one x and one topk_idx per rank ({self.world_size}), got {len(xs)} and "
+                             f"{len(topk_idxs)}")
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.world_size:
+            raise ValueError(f"num_experts must be a positive multiple of {self.world_size}, got {num_experts!r}")
+        weights = topk_weights if topk_weights is not None else [None] * self.world_size
+        if handles is not None and len(handles) != self.world_size:
+            raise ValueError(f"pass one handle per rank ({self.world_size}), got {len(handles)}")
+        inputs = [_prepare(r, xs[r], topk_idxs[r], weights[r], num_experts, self.world_size, self.device, validate,
+                           handles[r] if handles is not None else None)
+                  for r in range(self.world_size)]
+        try:
+            results = _dispatch(self.engine, inputs, num_experts, num_sms=num_sms or self.config.num_sms,
+                                handles=handles, num_worst_tokens=num_worst_tokens, skip_rank=withhold_rank,
+                                skip_phase=withhold_phase if withhold_rank is not None else None)
+        except IntranodeTimeoutError:
+            self.reset()
+            raise
+        if check:
+            self.check()
+        return results
+
+    def combine(self, ys: list[torch.Tensor], handles: list[IntranodeHandle],
+                row_scales: list[torch.Tensor | None] | None = None, *, withhold_rank: int | None = None,
+                check: bool = True) -> list[torch.Tensor]:
+        """Combine for all W ranks: ``out[s] [T_s, H]`` in y's dtype, the fp32 sum over holders
+        in ascending rank order of ``y * row_scale``, rounded once (zero rows for tokens no rank held)."""
+        outs = _combine(self.engine, 0, ys, handles, row_scales, withhold_rank)
+        if check:
+            self.check()
+        return outs
+
+    def check(self) -> None:
+        """Synchronises, then raises :class:`IntranodeTimeoutError` (and resets the buffers) if
+        a wait of a previous launch timed out."""
+        record = self.engine.read_error()
+        if record:
+            self.reset()
+            self.engine.raise_if_timed_out(record)
+
+    def reset(self) -> None:
+        """Zeroes the control regions and the error record (after a timeout left them dirty)."""
+        for b in self._buffers:
+            b[:self.layout.queue_offset].zero_()
+        self.engine.error.zero_()
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank per GPU: buffers shared through CUDA IPC
+# ---------------------------------------------------------------------------------------------
+
+class IntranodeTransport:
+    """The intranode kernels for one EP group of W <= 16 ranks on one node, one GPU each.
+
+    Status: written against the same launcher the loopback harness validates, but not yet run
+    on a multi-GPU node (the CUDA IPC exchange and cross-GPU visibility are what remains to
+    check there).
+
+    Args:
+        group: the EP process group (NCCL); W = its size, all ranks on this node.
+        rank: this rank's index in the group.
+        hidden, num_topk, element_bytes: the largest rows this transport moves (sizes slots).
+        config: :class:`Config`; every rank must pass the same.
+        timeout_s: bound of every wait inside the kernels.
+
+    Collective: every rank constructs it together (allocation, IPC handle exchange).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, hidden: int, num_topk: int, *,
+                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None):
+        C = _ext()
+        world_size = dist.get_world_size(group)
+        if world_size > MAX_RANKS:
+            raise ValueError(f"the intranode kernels serve at most {MAX_RANKS} ranks, the group has {world_size}")
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.config = config or Config()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
+        self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
+        # cudaMalloc'ed (a base pointer, as cudaIpcGetMemHandle needs), zeroed before peers map it.
+        self._own = C.cuda_malloc(self.layout.total_bytes)
+        zero = torch.zeros(min(self.layout.total_bytes, self.layout.queue_offset), dtype=torch.uint8,
+                           device=self.device)
+        torch.cuda.synchronize(self.device)
+        _copy_to_raw(self._own, zero)
+        torch.cuda.synchronize(self.device)
+        handles: list = [None] * world_size
+        dist.all_gather_object(handles, C.ipc_get_handle(self._own), group=group)
+        self._opened = {}
+        for r, h in enumerate(handles):
+            if r != rank:
+                self._opened[r] = C.ipc_open_handle(h)
+        buffers = [self._own if r == rank else self._opened[r] for r in range(world_size)]
+        error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
+        self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
+        error_host_ptr = C.host_device_pointer(self._error_host.data_ptr())
+        self.engine = _Engine(world_size, self.config, slot_bytes, buffers, error, error_host_ptr, "cuda",
+                              default_timeout_s(timeout_s))
+        dist.barrier(group=group)
+
+    def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
+                 num_sms: int | None = None, handle: IntranodeHandle | None = None,
+                 num_worst_tokens: int | None = None) -> RankDispatch:
+        """This rank's dispatch (collective: every rank of the group calls it)."""
+        self.check_errors()
+        inp = _prepare(self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device,
+                       handle=handle)
+        return _dispatch(self.engine, [inp], num_experts, num_sms=num_sms or self.config.num_sms,
+                         handles=[handle] if handle is not None else None, num_worst_tokens=num_worst_tokens,
+                         skip_rank=None, skip_phase=None)[0]
+
+    def combine(self, y: torch.Tensor, handle: IntranodeHandle, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's combine (collective)."""
+        self.check_errors()
+        return _combine(self.engine, self.rank, [y], [handle], [row_scale], None)[0]
+
+    def check_errors(self) -> None:
+        """Raises :class:`IntranodeTimeoutError` if a kernel of this rank timed out; reads the
+        pinned mirror of the record, so it does not wait for running kernels."""
+        record = self._error_host.tolist()
+        if record[0]:  # the mirror's flag is set once its fields are written
+            self.engine.raise_if_timed_out(record)
+
+    def close(self) -> None:
+        """Unmaps the peers' buffers and frees this rank's (call on every rank, after the last op)."""
+        C = _ext()
+        torch.cuda.synchronize(self.device)
+        for ptr in self._opened.values():
+            C.ipc_close(ptr)
+        self._opened = {}
+        if self._own:
+            C.cuda_free(self._own)
+            self._own = 0
+
+
+def _copy_to_raw(address: int, src: torch.Tensor) -> None:
+    """Copies a CUDA tensor's bytes to a raw device address (through a tensor view of it)."""
+    dst = _raw_tensor(address, src.numel(), src.device)
+    dst.copy_(src)
+
+
+def _raw_tensor(address: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over raw device memory (not owned: the caller keeps the memory alive)."""
+    class _Holder:
+        __cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Holder(), device=device)
