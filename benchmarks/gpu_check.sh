@@ -70,6 +70,12 @@ else
   step bench_kernels 180 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
   # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, vs a d2d copy in the same run.
   step bench_intranode 150 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  # Megatron's EP-overlap schedule needs EP >= 2, hence two GPUs.
+  if [[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]]; then
+    step bench_megatron_overlap 300 "$PY" -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+         benchmarks/bench_megatron_overlap.py --hidden 2048 --ffn 4096 --heads 16 --experts 64 --topk 8 \
+         --seq-len 2048 --micro-batch-size 1 --micro-batches 4 --vocab 32000 --json "$OUT/bench_megatron_overlap.json"
+  fi
 fi
 
 {
@@ -79,5 +85,6 @@ fi
   column -t -s $'\t' "$SUMMARY"
   grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -n 1
   grep -h "^goal:" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
+  grep -h "hidden =" "$OUT/bench_megatron_overlap.log" 2>/dev/null | sed 's/^/megatron overlap /'
 } | tee "$OUT/summary.txt"
 exit "$FAILED"

@@ -14,6 +14,10 @@ budget is configured. EP overlap (``overlap_moe_expert_parallel_comm``) and
 ``delay_wgrad_compute`` are wired as for Megatron's own deepep/hybridep backends. With
 Megatron-Bridge installed, ``apply_flex_dispatcher_backend(model_config, "custom")`` works too.
 
+``enable_delayed_wgrad(model)`` (explicit opt-in, ``moe_dispatch.megatron.delayed_wgrad``) defers
+the weight gradients of Megatron's local (non-TE) experts, so ``delay_wgrad_compute`` works
+without Transformer Engine.
+
 ``moe_dispatch.megatron.cpu`` (explicit opt-in) lets Megatron's MoELayer run under gloo on a
 machine without a GPU, for tests and debugging; it is not a training path.
 
@@ -37,13 +41,15 @@ from .compat import (UnsupportedMegatronVersionError, install, installed, megatr
                      patch_bridge)
 from .config import (BACKEND_NAME, OPTIONS_ATTR, CustomBackendOptions, configure, get_options,  # noqa: E402
                      is_custom_backend, validate_config)
+from .delayed_wgrad import ExpertWgradStore, disable_delayed_wgrad, enable_delayed_wgrad  # noqa: E402
 from .manager import CustomDispatchManager, InflightDispatch, clear_buffers, ep_ranks_per_node, get_buffer  # noqa: E402
 
 install()
 
 __all__ = [
     "BACKEND_NAME", "HAVE_MEGATRON", "OPTIONS_ATTR", "CustomBackendOptions", "CustomDispatchManager",
-    "InflightDispatch", "UnsupportedMegatronVersionError", "clear_buffers", "configure", "ep_ranks_per_node",
+    "ExpertWgradStore", "InflightDispatch", "UnsupportedMegatronVersionError", "clear_buffers", "configure",
+    "disable_delayed_wgrad", "enable_delayed_wgrad", "ep_ranks_per_node",
     "get_buffer", "get_options", "install", "installed", "is_custom_backend", "megatron_core_version",
     "patch_bridge", "validate_config",
 ]

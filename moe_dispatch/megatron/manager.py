@@ -148,6 +148,8 @@ class CustomDispatchManager(_DispatchManager):
         token_indices: ``[T, K]`` int64 global expert ids, -1 = none.
         token_probs: ``[T, K]`` fp32 probabilities of those experts (0 where none).
         dispatched_probs: ``[P]`` (fused) or ``[R, K]`` (unfused) fp32 probs of the received rows.
+        wgrad_store: None, or the experts' :class:`~moe_dispatch.overlap.DelayedWgrad` (set by
+            ``enable_delayed_wgrad``): the dispatch backward runs it while its combine is in flight.
         over_budget: ``[1]`` bool, set once any budgeted dispatch dropped rows (never reset here;
             Megatron's ``dispatcher.reset_over_budget()`` clears it).
 
@@ -182,6 +184,7 @@ class CustomDispatchManager(_DispatchManager):
         self.dispatched_probs: torch.Tensor | None = None
         self._inflight: InflightDispatch | None = None
         self._buffer: Buffer | None = None
+        self.wgrad_store = None  # a DelayedWgrad, set by delayed_wgrad.enable_delayed_wgrad
 
     # -- helpers ---------------------------------------------------------------------------
     @property
@@ -260,7 +263,8 @@ class CustomDispatchManager(_DispatchManager):
         probs = self.token_probs if self.token_probs.dtype == torch.float32 else self.token_probs.float()
         recv_x, recv_idx, recv_probs, _, handle, event = self.buffer.dispatch(
             hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts,
-            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+            wgrad_store=self.wgrad_store)
         event.current_stream_wait()
         state = InflightDispatch(handle=handle, num_tokens=hidden_states.shape[0], recv_topk_idx=recv_idx,
                                  fused=self.fused)
