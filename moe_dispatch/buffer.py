@@ -276,7 +276,7 @@ class Buffer:
         layout = self.get_dispatch_layout(topk_idx, num_experts)
         # The metadata exchange runs on the caller's thread (its all-ranks group is used by no
         # other thread), so it does not queue behind payloads in flight on the comm thread.
-        plan = drive(self._transport.plan(*layout))
+        plan = drive(self._transport.plan(layout[2], layout[3]))
         ctl.update(plan=plan, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
                    recv_topk_idx=topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1])))
         if fp8:  # fp8 is a forward-only format: no autograd

@@ -5,9 +5,9 @@ orchestration. Rank (n, l) is node n, local index l (see ``Topology``).
 
 Dispatch:
   metadata (group: all EP ranks): each source tells each destination d how many of its
-    tokens reach d's node, each rank of d's node, and each of d's experts. From that every
-    rank knows every split below and its receive count before any payload moves (so outputs
-    can be allocated up front and the payload can move asynchronously).
+    tokens reach d's node, each rank of d's node, and each of d's experts, per chunk (below).
+    From that every rank knows every split below and its receive count before any payload
+    moves (so outputs can be allocated up front and the payload can move asynchronously).
   stage 1 (inter-node, group {(m, l) for all m}): each token goes once to every node m that
     holds it, to the forwarder (m, l) with the sender's local index; the copy for the
     sender's own node stays local.
@@ -19,17 +19,33 @@ contributions in fp32 (ascending local rank) and round to the payload dtype, so 
 (token, node) pair crosses the network once; sources sum node partials in fp32 (ascending
 node) and round. Exactly the order of ``moe_dispatch.reference.combine``.
 
+Pipeline. Each source splits its tokens into ``num_chunks`` contiguous ranges; every stage
+runs once per chunk, and the inter-node and intra-node groups (separate process groups) carry
+different chunks at the same time, so the slow inter-node link never waits for the node::
+
+    dispatch   inter-node | S1(0) | S1(1) | S1(2) | S1(3) |
+               intra-node         | S2(0) | S2(1) | S2(2) | S2(3) | reorder
+    combine    intra-node | S2(0) | S2(1) | S2(2) | S2(3) |
+               forwarder          | sum 0 | sum 1 | sum 2 | sum 3 |
+               inter-node         | S1(0) | S1(1) | S1(2) | S1(3) | (sum i lands after S1(i))
+
+A token lives in exactly one chunk, so every sum above runs over the same rows in the same
+order as without chunks: results are bit-identical for any chunk count. Stage 2 of all
+chunks lands in one buffer that a single gather puts in final order (a per-chunk scatter
+would be many times slower on CPU).
+
 Every stage moves all row tensors of one call as a single packed uint8 buffer, so a stage is
-one collective whatever the number of tensors. Operations are written as generators that
-yield each in-flight collective (a :class:`Pending`); :func:`drive` runs one to completion,
-and callers may instead stop after the first yield to overlap the first stage with their own
-work.
+one collective per chunk whatever the number of tensors. Operations are written as generators
+that yield each collective they wait for (a :class:`Pending`; others may be in flight
+meanwhile); :func:`drive` runs one to completion, and callers may instead stop after the first
+yield to overlap the first transfer with their own work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import math
 from collections.abc import Generator
 
@@ -39,28 +55,38 @@ import torch.distributed as dist
 from ..topology import Topology
 from ..validation import CommError
 
+NUM_CHUNKS = 4  # default pipeline depth: enough to hide stage 2 behind stage 1, few collectives
+
 
 @dataclasses.dataclass
-class TorchDistPlan:
-    """The index plan of one dispatch (a rank's share of the handle); its combine replays it
-    backwards. Splits are host ints (gloo and ``all_to_all_single`` take lists)."""
+class TorchDistChunk:
+    """One chunk of a dispatch's plan: source tokens ``[begin, end)``. Splits are host ints
+    (gloo and ``all_to_all_single`` take lists)."""
 
-    num_tokens: int
-    s1_send_idx: torch.Tensor  # [S1] source token of each stage-1 send row, grouped by destination node
+    begin: int
+    end: int
+    s1_send_idx: torch.Tensor  # [S1] source token - begin of each stage-1 send row, grouped by destination node
+    s1_route_idx: torch.Tensor  # [S1] row of is_token_in_rank[begin:end].view(-1, L) sent along with each row
     s1_send_splits: list[int]  # [N]
     s1_recv_splits: list[int]  # [N] rows to forward, from each source node
     s2_send_splits: list[int]  # [L]
     s2_recv_splits: list[int]  # [L]
-    recv_perm: torch.Tensor  # [R] final row i is stage-2 received row recv_perm[i]
-    num_recv_tokens_per_expert: list[int]  # [E/W]
-    internode_rows: int  # rows this rank sends to other nodes per dispatch (and receives back in combine)
-    intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
     # Known once stage 1 has delivered the forwarded rows' routing:
     s2_send_idx: torch.Tensor | None = None  # [S2] stage-1 row of each stage-2 send row, by destination local rank
 
-    @property
-    def num_recv_tokens(self) -> int:
-        return int(self.recv_perm.numel())
+
+@dataclasses.dataclass
+class TorchDistPlan:
+    """The index plan of one dispatch (a rank's share of the handle); its combine replays it
+    backwards."""
+
+    num_tokens: int
+    num_recv_tokens: int
+    chunks: list[TorchDistChunk]
+    recv_perm: torch.Tensor  # [R] final row i is row recv_perm[i] of the chunks' stage-2 arrivals, concatenated
+    num_recv_tokens_per_expert: list[int]  # [E/W]
+    internode_rows: int  # rows this rank sends to other nodes per dispatch (and receives back in combine)
+    intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
 
 
 class Pending:
@@ -180,10 +206,6 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
     return [(t.dtype, tuple(t.shape[1:])) for t in tensors]
 
 
-def _to_host(t: torch.Tensor) -> list[int]:
-    return t.tolist()
-
-
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
 
 
@@ -195,14 +217,20 @@ class TorchDistTransport:
         topology: this rank's place in the group.
         timeout_s: bound on every collective; a peer that never joins makes it raise
             :class:`CommError` naming the operation and the peers.
+        num_chunks: pipeline depth (module docstring), the same on every rank; 1 runs the
+            stages one after the other.
 
     Collective: construction creates the sub-groups and must be called by every rank of
     ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
     """
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float):
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float,
+                 num_chunks: int = NUM_CHUNKS):
+        if not (isinstance(num_chunks, int) and num_chunks >= 1):
+            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
         self.topology = topology
         self.timeout_s = timeout_s
+        self.num_chunks = num_chunks
         group_ranks = dist.get_process_group_ranks(group)
         backend = dist.get_backend(group)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -218,11 +246,13 @@ class TorchDistTransport:
 
     # -- collectives -------------------------------------------------------------------------
     def _all_to_all(self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
-                    kind: str, what: str) -> tuple[torch.Tensor, Pending | None]:
-        """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None)."""
+                    kind: str, what: str, recv: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending | None]:
+        """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None) into
+        ``recv`` (contiguous, allocated when None)."""
         group = self.groups[kind]
-        rows = sum(recv_splits) if recv_splits is not None else send.shape[0]
-        recv = send.new_empty((rows, *send.shape[1:]))
+        if recv is None:
+            rows = sum(recv_splits) if recv_splits is not None else send.shape[0]
+            recv = send.new_empty((rows, *send.shape[1:]))
         if group is None:  # a group of one: the only destination is this rank
             recv.copy_(send)
             return recv, None
@@ -242,88 +272,128 @@ class TorchDistTransport:
         return recv, Pending(work, describe)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(self, num_tokens_per_rank: torch.Tensor, num_tokens_per_node: torch.Tensor,
-             num_tokens_per_expert: torch.Tensor, is_token_in_rank: torch.Tensor,
+    def plan(self, num_tokens_per_expert: torch.Tensor, is_token_in_rank: torch.Tensor,
              what: str = "dispatch") -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
-        (stage-2 send indices still unset). Arguments as from ``get_dispatch_layout``."""
+        (stage-2 send indices still unset). ``num_tokens_per_expert [E]`` and
+        ``is_token_in_rank [T, W]`` as from ``get_dispatch_layout``; the per-rank and per-node
+        counts are taken per chunk from ``is_token_in_rank``."""
         topo = self.topology
         world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
-        device = is_token_in_rank.device
+        num_chunks, device = self.num_chunks, is_token_in_rank.device
         num_tokens = is_token_in_rank.shape[0]
         experts_per_rank = num_tokens_per_expert.numel() // world
-        # Row for destination d = (n_d, l_d): my counts for d's experts, d's node's ranks, d's node.
+        bounds = [c * num_tokens // num_chunks for c in range(num_chunks + 1)]
+        # My tokens per chunk for each rank and each node: running counts at the chunk bounds.
+        in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
+        running = torch.zeros((num_tokens + 1, world + num_nodes), dtype=torch.int64, device=device)
+        torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
+        per_chunk = running[bounds[1:]] - running[bounds[:-1]]  # [C, W + N]
+        to_rank, to_node = per_chunk[:, :world], per_chunk[:, world:]
+        # Row for destination d = (n_d, l_d): my counts for d's experts, then per chunk for
+        # d's node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
-        meta = torch.cat([num_tokens_per_expert.view(world, experts_per_rank),
-                          num_tokens_per_rank.view(num_nodes, local_ranks)[dest_node],
-                          num_tokens_per_node[dest_node].view(world, 1)], 1).to(torch.int64)
+        chunk_counts = torch.cat([to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node],
+                                  to_node[:, dest_node].unsqueeze(2)], 2)  # [C, W, L + 1]
+        meta = torch.cat([num_tokens_per_expert.view(world, experts_per_rank).to(torch.int64),
+                          chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
         got, pending = self._all_to_all(meta, None, None, ALL, f"{what} metadata")
         yield pending
-        got = got.view(world, experts_per_rank + local_ranks + 1)  # [source rank, row]
-        # Sources with my local index (my inter-node peers), one per node.
-        peer_rows = got[topo.local_rank::local_ranks]  # [N, row]
-        ranks_of_node = peer_rows[:, experts_per_rank:experts_per_rank + local_ranks]  # [m', l']
-        # From source (m', l_s) to me: [l_s, m'] counts, the arrival blocks of stage 2.
-        recv_counts = got[:, experts_per_rank + topo.local_rank].view(num_nodes, local_ranks).t()
-        in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
-        s1_send_idx = torch.nonzero(in_node.t())[:, 1]  # node-major, tokens ascending
-        s1_send_splits = _to_host(num_tokens_per_node)
-        s2_send_splits = _to_host(ranks_of_node.sum(0))
+        got = got.view(world, -1)  # [source rank, row]
+        counts = got[:, experts_per_rank:].reshape(world, num_chunks, local_ranks + 1)
+        peers = counts[topo.local_rank::local_ranks]  # [N, C, L + 1]: my inter-node peers, one per node
+        # Stage-2 arrivals [c, l, m]: tokens of source (m, l) in chunk c for me, in arrival order.
+        arrivals = counts[:, :, topo.local_rank].reshape(num_nodes, local_ranks, num_chunks).permute(2, 1, 0)
+        # Every split as host ints in one transfer (one host sync on GPU).
+        host = iter(torch.cat([to_node.flatten(), peers[:, :, -1].t().flatten(), peers[:, :, :-1].sum(0).flatten(),
+                               arrivals.sum(2).flatten(), got[:, :experts_per_rank].sum(0)]).tolist())
+        s1_send, s1_recv, s2_send, s2_recv = ([[next(host) for _ in range(n)] for _ in range(num_chunks)]
+                                              for n in (num_nodes, num_nodes, local_ranks, local_ranks))
+        num_recv_tokens_per_expert = list(host)
+        chunks = []
+        for c in range(num_chunks):
+            begin, end = bounds[c], bounds[c + 1]
+            node, token = torch.nonzero(in_node[begin:end].t()).unbind(1)  # node-major, tokens ascending
+            chunks.append(TorchDistChunk(begin, end, token, token * num_nodes + node,
+                                         s1_send[c], s1_recv[c], s2_send[c], s2_recv[c]))
+        num_recv_tokens = sum(map(sum, s2_recv))
         return TorchDistPlan(
             num_tokens=num_tokens,
-            s1_send_idx=s1_send_idx,
-            s1_send_splits=s1_send_splits,
-            s1_recv_splits=_to_host(peer_rows[:, -1]),
-            s2_send_splits=s2_send_splits,
-            s2_recv_splits=_to_host(recv_counts.sum(1)),
-            recv_perm=_block_transpose(recv_counts),
-            num_recv_tokens_per_expert=_to_host(got[:, :experts_per_rank].sum(0)),
-            internode_rows=sum(s1_send_splits) - s1_send_splits[topo.node],
-            intranode_rows=sum(s2_send_splits) - s2_send_splits[topo.local_rank],
+            num_recv_tokens=num_recv_tokens,
+            chunks=chunks,
+            recv_perm=_reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens),
+            num_recv_tokens_per_expert=num_recv_tokens_per_expert,
+            internode_rows=sum(sum(s) - s[topo.node] for s in s1_send),
+            intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
         )
 
     def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: TorchDistPlan,
                  out: list[torch.Tensor], what: str = "dispatch") -> Steps:
         """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
         them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); they
-        also fill the plan's stage-2 indices."""
+        also fill the chunks' stage-2 indices."""
         topo = self.topology
         num_tokens, local_ranks = is_token_in_rank.shape[0], topo.ranks_per_node
-        in_rank = is_token_in_rank.view(num_tokens, topo.num_nodes, local_ranks)
-        device = is_token_in_rank.device
-        # Stage 1. Each row also carries the destination node's L columns of is_token_in_rank:
-        # the forwarder's routing.
-        dest_node = torch.repeat_interleave(torch.arange(topo.num_nodes, device=device),
-                                            torch.tensor(plan.s1_send_splits, device=device),
-                                            output_size=plan.s1_send_idx.numel())
-        send1 = _pack([*[(t, plan.s1_send_idx) for t in tensors], (in_rank[plan.s1_send_idx, dest_node], None)])
-        recv1, pending = self._all_to_all(send1, plan.s1_send_splits, plan.s1_recv_splits, INTER, f"{what} stage 1")
-        yield pending
-        # The forwarder keeps the rows packed; stage 2 forwards them whole (routing columns too).
-        specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
-        in_local = _fields(recv1, specs)[-1]
-        # Stage 2: the forwarder (n, l) hands each row to the local ranks of node n that hold it.
-        plan.s2_send_idx = torch.nonzero(in_local.t())[:, 1]  # local-rank-major, rows ascending
-        if plan.s2_send_idx.numel() != sum(plan.s2_send_splits):
-            raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({plan.s2_send_idx.numel()}) disagree "
-                               f"with the metadata ({sum(plan.s2_send_splits)}); did every rank pass the same "
-                               f"num_experts?")
-        yield from self._stage2(recv1, plan, out, what)
+        routing = is_token_in_rank.view(num_tokens * topo.num_nodes, local_ranks)  # row t * N + node
 
-    def _stage2(self, recv1: torch.Tensor, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
-        send2 = recv1.index_select(0, plan.s2_send_idx)
-        recv2, pending = self._all_to_all(send2, plan.s2_send_splits, plan.s2_recv_splits, INTRA, f"{what} stage 2")
-        yield pending
-        _unpack_rows(recv2, plan.recv_perm, out)
+        def send1(chunk):
+            # Each row also carries the destination node's L columns of is_token_in_rank: the
+            # forwarder's routing.
+            rows = slice(chunk.begin, chunk.end)
+            return _pack([*[(t[rows], chunk.s1_send_idx) for t in tensors],
+                          (routing[chunk.begin * topo.num_nodes:chunk.end * topo.num_nodes], chunk.s1_route_idx)])
+
+        specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
+
+        def send2(chunk, recv1):
+            # The forwarder (n, l) hands each row to the local ranks of node n that hold it; it
+            # keeps the rows packed and forwards them whole (routing columns too).
+            in_local = _fields(recv1, specs)[-1]
+            chunk.s2_send_idx = torch.nonzero(in_local.t())[:, 1]  # local-rank-major, rows ascending
+            if chunk.s2_send_idx.numel() != sum(chunk.s2_send_splits):
+                raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({chunk.s2_send_idx.numel()}) "
+                                   f"disagree with the metadata ({sum(chunk.s2_send_splits)}); did every rank "
+                                   f"pass the same num_experts?")
+            return recv1.index_select(0, chunk.s2_send_idx)
+
+        yield from self._dispatch_pipeline(send1, send2, plan, out, what)
 
     def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor],
                 what: str) -> Steps:
         """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
         (cached dispatch, combine's backward)."""
-        send1 = _pack([(t, plan.s1_send_idx) for t in tensors])
-        recv1, pending = self._all_to_all(send1, plan.s1_send_splits, plan.s1_recv_splits, INTER, f"{what} stage 1")
-        yield pending
-        yield from self._stage2(recv1, plan, out, what)
+        yield from self._dispatch_pipeline(
+            lambda chunk: _pack([(t[chunk.begin:chunk.end], chunk.s1_send_idx) for t in tensors]),
+            lambda chunk, recv1: recv1.index_select(0, chunk.s2_send_idx), plan, out, what)
+
+    def _dispatch_pipeline(self, send1, send2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
+        """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
+        packs a chunk's stage-1 rows, ``send2(chunk, recv1)`` its stage-2 rows from what stage 1
+        delivered; the stage-2 rows of every chunk land back to back in one buffer, gathered
+        into ``out`` at the end."""
+        chunks = plan.chunks
+        recv2, landed, in_flight = None, 0, []
+        inter = self._all_to_all(send1(chunks[0]), chunks[0].s1_send_splits, chunks[0].s1_recv_splits, INTER,
+                                 f"{what} stage 1")
+        for c, chunk in enumerate(chunks):
+            following = chunks[c + 1] if c + 1 < len(chunks) else None
+            packed = send1(following) if following is not None else None  # packed while chunk c is on the wire
+            recv1, pending = inter
+            yield pending
+            if following is not None:
+                inter = self._all_to_all(packed, following.s1_send_splits, following.s1_recv_splits, INTER,
+                                         f"{what} stage 1")
+            send = send2(chunk, recv1)
+            if recv2 is None:
+                recv2 = send.new_empty((plan.num_recv_tokens, send.shape[1]))
+            rows = sum(chunk.s2_recv_splits)
+            _, pending = self._all_to_all(send, chunk.s2_send_splits, chunk.s2_recv_splits, INTRA,
+                                          f"{what} stage 2", recv=recv2[landed:landed + rows])
+            in_flight.append(pending)
+            landed += rows
+        for pending in in_flight:
+            yield pending
+        _unpack_rows(recv2, plan.recv_perm, out)
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: TorchDistPlan,
@@ -339,26 +409,54 @@ class TorchDistTransport:
         """
         # Scales travel as extra fp32 columns so the forwarder multiplies in fp32.
         payload = [*tensors, *[s.view(-1, 1) for s in scales if s is not None]]
-        # Back to stage-2 arrival order by gathering with the inverse permutation.
+        specs = _specs(payload)
+        chunks = plan.chunks
+        # Rows go back in stage-2 arrival order: the inverse of the dispatch's final gather.
         arrival = torch.empty_like(plan.recv_perm)
         arrival[plan.recv_perm] = torch.arange(arrival.numel(), device=arrival.device)
-        unsorted = _pack([(t, arrival) for t in payload])
-        back2, pending = self._all_to_all(unsorted, plan.s2_recv_splits, plan.s2_send_splits, INTRA,
-                                          f"{what} stage 2")
-        yield pending
-        back2 = _fields(back2, _specs(payload))
-        num_forwarded = sum(plan.s1_recv_splits)
-        row_scales, k = [], len(tensors)
-        for s in scales:
-            row_scales.append(None if s is None else back2[k].view(-1))
-            k += s is not None
-        partials = [_block_sum(t, sc, plan.s2_send_idx, plan.s2_send_splits, num_forwarded)
+        bounds = [0, *itertools.accumulate(sum(chunk.s2_recv_splits) for chunk in chunks)]
+
+        def send2(c):
+            return _pack([(t, arrival[bounds[c]:bounds[c + 1]]) for t in payload])
+
+        def forwarder_sums(chunk, back2):
+            back2 = _fields(back2, specs)
+            num_forwarded = sum(chunk.s1_recv_splits)
+            row_scales, k = [], len(tensors)
+            for s in scales:
+                row_scales.append(None if s is None else back2[k].view(-1))
+                k += s is not None
+            return [_block_sum(t, sc, chunk.s2_send_idx, chunk.s2_send_splits, num_forwarded)
                     for t, sc in zip(back2[:len(tensors)], row_scales)]
-        back1, pending = self._all_to_all(_pack([(p, None) for p in partials]), plan.s1_recv_splits,
-                                          plan.s1_send_splits, INTER, f"{what} stage 1")
-        yield pending
-        for dst, rows in zip(out, _fields(back1, _specs(partials))):
-            dst.copy_(_block_sum(rows, None, plan.s1_send_idx, plan.s1_send_splits, plan.num_tokens))
+
+        def land(chunk, back1):
+            for dst, rows in zip(out, _fields(back1, _specs(tensors))):
+                dst[chunk.begin:chunk.end].copy_(_block_sum(rows, None, chunk.s1_send_idx, chunk.s1_send_splits,
+                                                            chunk.end - chunk.begin))
+
+        # The intra-node return and forwarder sums of chunk c + 1 overlap the inter-node return
+        # of chunk c; the source's sums of chunk c overlap the inter-node return of chunk c + 1.
+        intra = self._all_to_all(send2(0), chunks[0].s2_recv_splits, chunks[0].s2_send_splits, INTRA,
+                                 f"{what} stage 2")
+        in_flight = None  # (chunk, back1, pending): the inter-node return on the wire
+        for c, chunk in enumerate(chunks):
+            packed = send2(c + 1) if c + 1 < len(chunks) else None
+            back2, pending = intra
+            yield pending
+            if packed is not None:
+                intra = self._all_to_all(packed, chunks[c + 1].s2_recv_splits, chunks[c + 1].s2_send_splits, INTRA,
+                                         f"{what} stage 2")
+            partials = forwarder_sums(chunk, back2)
+            arrived = in_flight
+            if arrived is not None:
+                yield arrived[2]  # the inter-node link is free again
+            back1, pending = self._all_to_all(_pack([(p, None) for p in partials]), chunk.s1_recv_splits,
+                                              chunk.s1_send_splits, INTER, f"{what} stage 1")
+            in_flight = (chunk, back1, pending)
+            if arrived is not None:
+                land(*arrived[:2])  # while chunk c crosses back
+        yield in_flight[2]
+        land(*in_flight[:2])
 
 
 def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, splits: list[int],
@@ -381,15 +479,13 @@ def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tens
     return acc.to(rows.dtype)
 
 
-def _block_transpose(counts: torch.Tensor) -> torch.Tensor:
-    """Rows arrive in blocks ordered (forwarder l, source node m); the result order is source
-    rank m*L + l, i.e. blocks ordered (m, l). Returns the gather index for that reorder."""
-    local_ranks, num_nodes = counts.shape
+def _reorder_blocks(counts: torch.Tensor, dims: tuple[int, ...], total: int) -> torch.Tensor:
+    """Rows lie in blocks of ``counts`` rows each, the blocks in the order of ``counts``' own
+    indices; returns the gather index that orders the blocks as ``counts.permute(dims)`` does
+    instead (rows keep their order inside a block). ``total``: the number of rows."""
     flat = counts.flatten()
-    starts = torch.cumsum(flat, 0) - flat  # block starts in arrival order
-    order = torch.arange(local_ranks * num_nodes, device=counts.device).view(local_ranks, num_nodes).t().flatten()
-    lens, begins = flat[order], starts[order]
-    total = int(flat.sum())
-    block = torch.repeat_interleave(torch.arange(order.numel(), device=counts.device), lens, output_size=total)
+    starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).permute(dims).flatten()
+    lens = counts.permute(dims).flatten()
+    block = torch.repeat_interleave(torch.arange(lens.numel(), device=counts.device), lens, output_size=total)
     offset_in_block = torch.arange(total, device=counts.device) - (torch.cumsum(lens, 0) - lens)[block]
-    return begins[block] + offset_in_block
+    return starts[block] + offset_in_block
