@@ -2,7 +2,7 @@
 (every layer a MoELayer, flex backend "custom") with EP overlap off and on.
 
 Per iteration, every rank times three runs of one training step (``--micro-batches``
-micro-batches through ``get_forward_backward_func()``), the same weights and data:
+micro-batches through Megatron's schedule, ``moe_dispatch.megatron.schedule.run_gpt_step``), the same weights and data:
 
   off   the plain schedule, experts compute their weight gradients at once
   on    Megatron's combined-1F1B schedule: ``overlap_moe_expert_parallel_comm`` +
@@ -101,7 +101,7 @@ def _build(args, overlap: bool):
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
     import torch._dynamo
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -119,16 +119,6 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     batches = [torch.randint(0, args.vocab, (args.micro_batch_size, args.seq_len), generator=gen).to(device)
                for _ in range(args.micro_batches)]
-    positions = torch.arange(args.seq_len, device=device).unsqueeze(0).expand(args.micro_batch_size, -1)
-
-    def loss_func(output):
-        loss = output.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def forward_step(data_iterator, model, return_schedule_plan=False):
-        tokens = next(data_iterator)
-        run = model.build_schedule_plan if return_schedule_plan else model
-        return run(tokens, positions, None, labels=tokens), loss_func
 
     times = {m: [] for m in MODES}
     comm_ms = []
@@ -140,9 +130,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
             _sync()
             timer.active, timer.seconds = mode == "comm", 0.0
             start = time.perf_counter()
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                                        num_microbatches=args.micro_batches, seq_length=args.seq_len,
-                                        micro_batch_size=args.micro_batch_size, forward_only=False)
+            run_gpt_step(model, batches)
             _sync()
             elapsed = torch.tensor([time.perf_counter() - start, timer.seconds], dtype=torch.float64)
             timer.active = False

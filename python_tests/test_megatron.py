@@ -277,7 +277,7 @@ def _train_step(overlap: bool, seed: int, **knobs):
     (the combined 1F1B EP-overlap schedule when ``overlap``); returns losses and gradients."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -297,20 +297,7 @@ def _train_step(overlap: bool, seed: int, **knobs):
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     batches = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(3)]
-    positions = torch.arange(8).unsqueeze(0).expand(2, 8)
-
-    def loss_func(output):
-        loss = output.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def forward_step(data_iterator, model, return_schedule_plan=False):
-        tokens = next(data_iterator)
-        run = model.build_schedule_plan if return_schedule_plan else model
-        return run(tokens, positions, None, labels=tokens), loss_func
-
-    out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                                      num_microbatches=3, seq_length=8, micro_batch_size=2, forward_only=False)
-    return [o["loss"] for o in out], {n: p.grad for n, p in model.named_parameters()}
+    return run_gpt_step(model, batches), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _check_ep_overlap(seed: int, **knobs):

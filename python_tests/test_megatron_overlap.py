@@ -204,7 +204,7 @@ def _train_step(overlap: bool, seed: int, run_wgrad: str | None, **knobs):
     (test_megatron.py's ``_train_step`` with the enable call added.)"""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -225,21 +225,7 @@ def _train_step(overlap: bool, seed: int, run_wgrad: str | None, **knobs):
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     batches = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(NUM_MICROBATCHES)]
-    positions = torch.arange(8).unsqueeze(0).expand(2, 8)
-
-    def loss_func(output):
-        loss = output.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def forward_step(data_iterator, model, return_schedule_plan=False):
-        tokens = next(data_iterator)
-        run = model.build_schedule_plan if return_schedule_plan else model
-        return run(tokens, positions, None, labels=tokens), loss_func
-
-    out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                                      num_microbatches=NUM_MICROBATCHES, seq_length=8, micro_batch_size=2,
-                                      forward_only=False)
-    return [o["loss"] for o in out], {n: p.grad for n, p in model.named_parameters()}, stores
+    return run_gpt_step(model, batches), {n: p.grad for n, p in model.named_parameters()}, stores
 
 
 def _check_schedule(seed: int, **knobs):
@@ -323,7 +309,7 @@ def _gpu_losses(dispatcher: str, seed: int) -> list[float]:
     bf16 GPTModel; "custom": EP overlap + delay_wgrad_compute with delayed experts."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -345,24 +331,10 @@ def _gpu_losses(dispatcher: str, seed: int) -> list[float]:
         mdm.enable_delayed_wgrad(model)
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
-    positions = torch.arange(64, device="cuda").unsqueeze(0).expand(4, 64)
-
-    def loss_func(output):
-        loss = output.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def forward_step(data_iterator, model, return_schedule_plan=False):
-        tokens = next(data_iterator)
-        run = model.build_schedule_plan if return_schedule_plan else model
-        return run(tokens, positions, None, labels=tokens), loss_func
-
     losses = []
     for _ in range(GPU_STEPS):
         batches = [torch.randint(0, 128, (4, 64), generator=gen).cuda() for _ in range(NUM_MICROBATCHES)]
-        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                                          num_microbatches=NUM_MICROBATCHES, seq_length=64, micro_batch_size=4,
-                                          forward_only=False)
-        losses.append(float(torch.stack([o["loss"] for o in out]).mean()))
+        losses.append(float(torch.stack(run_gpt_step(model, batches)).mean()))
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
