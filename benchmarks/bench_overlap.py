@@ -149,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     console.print(table)
     eligible = [r for r in results if r["compute_over_comm"] >= 1]
-    met = all(r["hidden_fraction"] >= GOAL_HIDDEN for r in eligible)
-    console.print(f"goal: hidden >= {GOAL_HIDDEN} where compute >= comm: "
-                  f"{'met' if met else 'not met'} ({len(eligible)} of {len(results)} shapes eligible)")
+    if not eligible:
+        verdict = "not measured (no shape has compute >= comm: raise --ffn-ratio)"
+    else:
+        met = all(r["hidden_fraction"] >= GOAL_HIDDEN for r in eligible)
+        verdict = f"{'met' if met else 'not met'} on {len(eligible)} of {len(results)} shapes"
+    console.print(f"goal: hidden >= {GOAL_HIDDEN} where compute >= comm: {verdict}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, pathlib.Path) else v)
                                                 for k, v in vars(args).items()},

@@ -2,6 +2,7 @@
 on a simulated multi-node cluster. Needs root and iproute2 (``ip``, ``tc``); see ``--help``.
 
     python -m benchmarks.simcluster [bench] [--nodes 2 4] [--ranks-per-node 4] [--ratio 9 | --rate-mbit R] ...
+    python -m benchmarks.simcluster overlap [--nodes 2] [--rate-mbit 400] ...   # bench_overlap on the links
     python -m benchmarks.simcluster faults [--scenarios link-cut rank-kill] [--timeout-s 5] ...
     python -m benchmarks.simcluster cleanup      # namespaces left by a killed run
 """
@@ -126,6 +127,28 @@ def cmd_bench(args, console) -> int:
     return 1 if failed else 0
 
 
+def cmd_overlap(args, console) -> int:
+    """``benchmarks/bench_overlap.py`` on a simulated cluster with fixed-rate links."""
+    overlap_args = ["--models", *args.models, "--num-tokens", str(args.num_tokens), "--micro-batches",
+                    str(args.micro_batches), "--hidden-scale", str(args.hidden_scale), "--ffn-ratio",
+                    str(args.ffn_ratio), "--iters", str(args.iters), "--json", str(args.json.resolve())]
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="simcluster-overlap-"))
+    try:
+        with SimCluster(args.nodes, args.ranks_per_node, rate_mbit=args.rate_mbit, mtu=args.mtu,
+                        log=lambda m: say(console, m)) as cluster:
+            say(console, f"[simcluster] {cluster.describe()}: bench_overlap {' '.join(overlap_args)}")
+            sys.stdout.flush()
+            cluster.launch(["overlap", "--", *overlap_args], run_dir, rank0_stdout=sys.stdout)
+            codes, hung = cluster.wait(args.timeout_s)
+        if hung or any(codes):
+            tail = (run_dir / "rank0.log").read_text()[-3000:] if (run_dir / "rank0.log").exists() else ""
+            say(console, f"[simcluster] overlap failed: exit codes {codes}, still running {hung}\n{tail}")
+            return 1
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
 def cmd_faults(args, console) -> int:
     from rich.markup import escape
     from rich.table import Table
@@ -203,6 +226,21 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--png", type=pathlib.Path, default=pathlib.Path("bench_results/simcluster.png"))
     bench.set_defaults(func=cmd_bench)
 
+    overlap = sub.add_parser("overlap", help="benchmarks/bench_overlap.py on fixed-rate links")
+    overlap.add_argument("--nodes", type=int, default=2)
+    overlap.add_argument("--ranks-per-node", type=int, default=1)
+    overlap.add_argument("--rate-mbit", type=float, default=400.0, help="inter-node rate per node link (default 400)")
+    overlap.add_argument("--mtu", type=int, default=9000)
+    overlap.add_argument("--models", nargs="+", choices=sorted(routing.PRESETS), default=list(routing.PRESETS))
+    overlap.add_argument("--num-tokens", type=int, default=1024)
+    overlap.add_argument("--micro-batches", type=int, default=4)
+    overlap.add_argument("--hidden-scale", type=float, default=0.125)
+    overlap.add_argument("--ffn-ratio", type=float, default=2.0)
+    overlap.add_argument("--iters", type=int, default=5)
+    overlap.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
+    overlap.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/simcluster_overlap.json"))
+    overlap.set_defaults(func=cmd_overlap)
+
     faults = sub.add_parser("faults", help="cut a node's link during a dispatch, kill a rank during a combine")
     faults.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     faults.add_argument("--nodes", type=int, default=2)
@@ -223,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("bench", "faults", "cleanup", "-h", "--help"):
+    if not argv or argv[0] not in ("bench", "overlap", "faults", "cleanup", "-h", "--help"):
         argv.insert(0, "bench")
     console = Console() if sys.stdout.isatty() else Console(width=170)
     missing = missing_requirements()

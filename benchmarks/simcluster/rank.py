@@ -9,6 +9,8 @@
     the standalone benchmark ``moe_dispatch.bench.main`` unchanged (its torchrun mode) in a
     fresh world on the next port.
 
+``python -m benchmarks.simcluster.rank overlap -- <bench_overlap args>``
+    ``benchmarks/bench_overlap.py`` (its torchrun mode) on the simulated links.
 ``python -m benchmarks.simcluster.rank fault --timeout-s S ...``
     dispatch + combine in a loop (bounded in count and time) with ``Buffer(timeout_s=S)``;
     marks progress in the run folder so the harness can strike mid-operation; on a
@@ -140,6 +142,17 @@ def bench_main(argv: list[str]) -> int:
     return bench.main(bench_args)
 
 
+def overlap_main(argv: list[str]) -> int:
+    """``overlap -- <bench_overlap args>``: ``benchmarks/bench_overlap.py`` in its torchrun mode, so
+    the overlap of communication with expert compute is measured on links that make the
+    communication wait on the network rather than on this machine's cores."""
+    overlap_args = argv[1:] if argv[:1] == ["--"] else argv
+    torch.set_num_threads(1)
+    from benchmarks import bench_overlap
+
+    return bench_overlap.main(overlap_args)
+
+
 # -- faults -----------------------------------------------------------------------------------
 def fault_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="simcluster rank fault")
@@ -238,7 +251,7 @@ def node_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    modes = {"bench": bench_main, "fault": fault_main, "node": node_main}
+    modes = {"bench": bench_main, "overlap": overlap_main, "fault": fault_main, "node": node_main}
     if not argv or argv[0] not in modes:
         print(f"usage: python -m benchmarks.simcluster.rank {{{','.join(modes)}}} ...", file=sys.stderr)
         return 2
