@@ -43,6 +43,20 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn,
         results.put((rank, False, f"[rank {rank}] " + traceback.format_exc()))
 
 
+def _record(item, out: dict, errors: list) -> None:
+    rank, ok, value = item
+    if ok:
+        out[rank] = value
+    else:
+        errors.append(value)
+
+
+def _exited_silently(procs, out: dict, errors: list) -> list[int]:
+    """Ranks whose process is gone without a result or an error (they never will report)."""
+    reported = set(out) | {r for r in range(len(procs)) if any(e.startswith(f"[rank {r}] ") for e in errors)}
+    return [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported]
+
+
 def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
                 timeout_s: float = 600.0, env: dict[str, str] | None = None) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
@@ -79,17 +93,21 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
                 raise RuntimeError(f"world of {world_size} ranks did not finish within {timeout_s:g} s; "
                                    f"ranks done: {sorted(out)}")
             try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                _record(results.get(timeout=min(remaining, 1.0)), out, errors)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise RuntimeError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                silent = _exited_silently(procs, out, errors)
+                if silent:
+                    # A result put just before exiting may still be in the pipe: drain, then decide.
+                    try:
+                        while True:
+                            _record(results.get(timeout=1.0), out, errors)
+                    except queue.Empty:
+                        pass
+                    silent = _exited_silently(procs, out, errors)
+                if silent:
+                    raise RuntimeError(f"ranks {silent} exited without a result (exit codes "
+                                       f"{[procs[r].exitcode for r in silent]})"
                                        + ("\n" + "\n".join(errors) if errors else ""))
-                continue
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(value)
         if errors:
             raise RuntimeError("\n".join(errors))
     finally:

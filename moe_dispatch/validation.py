@@ -74,7 +74,9 @@ def check_topk_weights(topk_weights, topk_idx: torch.Tensor, device: torch.devic
 
 def check_hidden(name: str, x, device: torch.device | None = None, *, num_rows: int | None = None,
                  rows_what: str = "") -> None:
-    """Validates a ``[rows, hidden]`` floating tensor."""
+    """Validates a ``[rows, hidden]`` floating tensor with hidden >= 1."""
     check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    if x.shape[1] < 1:
+        raise ValueError(f"{name} must have a hidden size >= 1, got shape {_shape(x)}")
     if num_rows is not None and x.shape[0] != num_rows:
         raise ValueError(f"{name} has shape {_shape(x)} but {rows_what} has {num_rows} rows")

@@ -100,6 +100,7 @@ def _cases(ranks_per_node: int) -> dict:
     cases["interleaved-microbatches"] = _interleaved
     cases["no-topk-weights"] = _no_weights
     cases["fp8-tuple"] = _fp8
+    cases["backward-with-empty-rank"] = _backward_empty_rank
     return cases
 
 
@@ -223,6 +224,18 @@ def _fp8(rank, world_size, buf):
     assert torch.equal(recv_scales, scales.recv_x) and torch.equal(recv_w, bits.recv_topk_weights)
     cached_fp8, cached_scales = buf.dispatch(pairs[rank], handle=handle)[0]
     assert torch.equal(cached_fp8.view(torch.uint8), bits.recv_x) and torch.equal(cached_scales, scales.recv_x)
+
+
+def _backward_empty_rank(rank, world_size, buf):
+    """``out.sum().backward()`` (expanded, zero-stride gradients) with rank 0 sending no token."""
+    num_tokens = [0] + [9] * (world_size - 1)
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=22)
+    x = make_x(num_tokens, 16, torch.float32, seed=22, integer=True)[rank].requires_grad_()
+    recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+    out, _ = buf.combine(recv_x, handle)
+    out.sum().backward()
+    holders = handle.is_token_in_rank.sum(1, keepdim=True).float()
+    assert torch.equal(x.grad, holders.expand_as(x)), "grad of sum(combine(dispatch(x))) must count the holders"
 
 
 def _world_entry(rank, world_size, ranks_per_node):

@@ -35,6 +35,8 @@ def _bad_input_cases(buf: Buffer) -> dict:
                                     lambda: buf.dispatch(x[..., None], idx, w, E)),
         "x-non-contiguous": lambda: _raises(ValueError, r"x must be contiguous",
                                             lambda: buf.dispatch(torch.randn(4, 6).t(), idx, w, E)),
+        "x-hidden-zero": lambda: _raises(ValueError, r"x must have a hidden size >= 1, got shape \[6, 0\]",
+                                         lambda: buf.dispatch(torch.zeros(6, 0), idx, w, E)),
         "x-wrong-device": lambda: _raises(ValueError, r"x must be on cpu, got meta",
                                           lambda: buf.dispatch(x.to("meta"), idx, w, E)),
         "topk-idx-float": lambda: _raises(TypeError, r"topk_idx must have dtype in \(int32, int64\), got float32",

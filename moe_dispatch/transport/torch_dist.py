@@ -154,7 +154,10 @@ def _padded(width: int) -> int:
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``[rows, ...]`` -> ``[rows, bytes]`` uint8 (a view when ``t`` is contiguous)."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous().view(torch.uint8)
+    width = math.prod(t.shape[1:])
+    if t.numel() == 0:  # empty tensors count as contiguous whatever their strides (e.g. expanded grads)
+        return t.new_empty((t.shape[0], width * t.element_size()), dtype=torch.uint8)
+    return t.reshape(t.shape[0], width).contiguous().view(torch.uint8)
 
 
 def _pack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
