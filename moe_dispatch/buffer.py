@@ -20,6 +20,8 @@ from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, fini
 from .validation import check_hidden, check_topk_idx, check_topk_weights
 
 _BUFFER_IDS = itertools.count()
+# dtypes as small ints, for the cross-rank argument check
+_DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64)
 
 
 @dataclasses.dataclass(eq=False)
@@ -273,6 +275,12 @@ class Buffer:
         check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
+        x0 = x[0] if fp8 else x
+        self._transport.check_same_everywhere({
+            "num_experts": num_experts, "top-k": topk_idx.shape[1], "hidden": x0.shape[1],
+            "x dtype": _DTYPE_CODES.index(x0.dtype), "fp8 x": int(fp8),
+            "topk_idx dtype": _DTYPE_CODES.index(topk_idx.dtype), "topk_weights given": int(topk_weights is not None),
+        }, self.device, "dispatch")
         layout = self.get_dispatch_layout(topk_idx, num_experts)
         # The metadata exchange runs on the caller's thread (its all-ranks group is used by no
         # other thread), so it does not queue behind payloads in flight on the comm thread.

@@ -155,3 +155,31 @@ def test_withheld_rank_times_out(world_size, ranks_per_node):
         assert message.startswith(f"EP rank {rank} (node {rank // ranks_per_node}): dispatch"), message
         assert "timed out after timeout_s=3 waiting for EP ranks [" in message, message
         assert elapsed < 2 * TIMEOUT_S + 2, f"rank {rank} took {elapsed:.1f} s to fail: {message}"
+
+
+def _inconsistent_entry(rank, world_size):
+    """Ranks that disagree on an argument get a ValueError naming it (not a process abort)."""
+    buf = Buffer(ranks_per_node=1, timeout_s=30)
+    x, idx, w = _inputs()
+    variants = {
+        "num_experts": lambda: buf.dispatch(x, idx, w, E * (rank + 1)),
+        "hidden": lambda: buf.dispatch(torch.randn(6, 4 + rank), idx, w, E),
+        "x dtype": lambda: buf.dispatch(x.to(torch.bfloat16) if rank else x, idx, w, E),
+        "top-k": lambda: buf.dispatch(x, idx[:, :2 - rank].contiguous(), w[:, :2 - rank].contiguous(), E),
+        "topk_weights given": lambda: buf.dispatch(x, idx, w if rank else None, E),
+    }
+    messages = {}
+    for name, call in variants.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as err:
+            messages[name] = str(err)
+    return messages
+
+
+def test_arguments_differ_across_ranks():
+    for rank, messages in enumerate(world_results(_inconsistent_entry, 2)):
+        for name, message in messages.items():
+            assert f"dispatch arguments differ across ranks: {name} is" in message, message
+            assert f"on EP rank {1 - rank}" in message, message

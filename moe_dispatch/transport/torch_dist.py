@@ -248,6 +248,15 @@ class TorchDistTransport:
                        for kind, ranks in self.peers.items()}
 
     # -- collectives -------------------------------------------------------------------------
+    def _describe(self, kind: str, what: str, err: Exception) -> str:
+        """The CommError text: this rank and node, the operation, timeout or failure, and the
+        peers it waited for with their nodes (gloo does not say which one it missed)."""
+        topo = self.topology
+        others = [r for r in self.peers[kind] if r != topo.rank]
+        how = f"timed out after timeout_s={self.timeout_s:g}" if "timed out" in str(err).lower() else "failed"
+        return (f"EP rank {topo.rank} (node {topo.node}): {what} {how} waiting for EP ranks {others} "
+                f"(nodes {[r // topo.ranks_per_node for r in others]}): {err}")
+
     def _all_to_all(self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
                     kind: str, what: str, recv: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending | None]:
         """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None) into
@@ -261,18 +270,38 @@ class TorchDistTransport:
             return recv, None
 
         def describe(err):
-            # gloo does not say which peer it missed: name the others with their nodes.
-            topo = self.topology
-            others = [r for r in self.peers[kind] if r != topo.rank]
-            how = f"timed out after timeout_s={self.timeout_s:g}" if "timed out" in str(err).lower() else "failed"
-            return (f"EP rank {topo.rank} (node {topo.node}): {what} ({kind} all_to_all) {how} waiting for "
-                    f"EP ranks {others} (nodes {[r // topo.ranks_per_node for r in others]}): {err}")
+            return self._describe(kind, f"{what} ({kind} all_to_all)", err)
 
         try:
             work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
         except RuntimeError as err:
             raise CommError(describe(err)) from err
         return recv, Pending(work, describe)
+
+    def check_same_everywhere(self, fields: dict[str, int], device: torch.device, what: str) -> None:
+        """Compares ``fields`` (small ints) across all EP ranks (one all_gather on the caller's
+        thread): arguments that must agree, checked before any payload moves, since a size
+        mismatch inside a collective aborts the process instead of raising.
+
+        Raises:
+            ValueError: naming the first field and EP rank that differ from this rank.
+        """
+        group = self.groups[ALL]
+        if group is None:
+            return
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
+        try:
+            dist.all_gather(gathered, mine, group=group)
+        except RuntimeError as err:
+            raise CommError(self._describe(ALL, f"{what} argument check ({ALL} all_gather)", err)) from err
+        table = torch.stack(gathered).tolist()
+        for rank, row in enumerate(table):
+            for (name, value), theirs in zip(fields.items(), row):
+                if theirs != value:
+                    raise ValueError(f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
+                                     f"{value} here but {theirs} on EP rank {rank}; every rank must pass the same "
+                                     f"{', '.join(fields)}")
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(self, num_tokens_per_expert: torch.Tensor, is_token_in_rank: torch.Tensor,
