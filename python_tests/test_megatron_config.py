@@ -65,8 +65,8 @@ def test_resolved_layout():
 
 @pytest.mark.parametrize("fields, match", [
     (dict(moe_token_dispatcher_type="alltoall"),
-     r"takes effect only with moe_token_dispatcher_type='flex'.*silently build the 'alltoall'.*Set "
-     r"moe_token_dispatcher_type='flex'"),
+     r"configure\(\) selects moe_token_dispatcher_type='flex'.*got moe_token_dispatcher_type='alltoall'.*Drop "
+     r"those keywords"),
     (dict(expert_model_parallel_size=1),
      r"expert_model_parallel_size=1: there is nothing to dispatch\. Set expert_model_parallel_size > 1"),
     (dict(num_moe_experts=1), r"num_moe_experts=1: set num_moe_experts >= 2"),
@@ -288,3 +288,15 @@ def test_cpu_shims_refuse_a_gpu_process(monkeypatch):
     with pytest.raises(RuntimeError, match="for processes without a GPU.*CUDA_VISIBLE_DEVICES"):
         cpu.enable()
     assert not cpu.is_enabled()
+
+
+def test_configure_rejects_what_would_fail_later():
+    """Settings that pass Megatron's own checks but cannot work with the backend fail at configure()."""
+    with pytest.raises(ValueError, match=r"num_moe_experts=6 is not divisible by expert_model_parallel_size=4"):
+        mdm.configure(_config(expert_model_parallel_size=4), num_moe_experts=6)
+    with pytest.raises(ValueError, match=r"configure\(ranks_per_node=3\) must divide expert_model_parallel_size=4"):
+        mdm.configure(_config(expert_model_parallel_size=4), ranks_per_node=3)
+    with pytest.raises(ValueError, match=r"moe_flex_dispatcher_backend='deepep'. Drop those keywords"):
+        mdm.configure(_config(), moe_flex_dispatcher_backend="deepep")
+    with pytest.raises(TypeError, match=r"configure\(\) takes a megatron.core.transformer.TransformerConfig, got dict"):
+        mdm.configure({"a": 1})

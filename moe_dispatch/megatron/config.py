@@ -143,7 +143,8 @@ def validate_config(config) -> None:
     Raises:
         ValueError: the backend is named but the dispatcher type is not "flex" (Megatron would
             silently keep the other dispatcher); expert_model_parallel_size == 1;
-            num_moe_experts < 2; EP overlap with pipeline parallelism and no virtual pipeline;
+            num_moe_experts < 2 or not divisible by EP; ranks_per_node not dividing EP; EP
+            overlap with pipeline parallelism and no virtual pipeline;
             shared-expert overlap together with EP overlap; delay_wgrad_compute without EP
             overlap; a Megatron knob this backend replaces (capacity padding, router padding,
             moe_expert_rank_capacity_factor) or does not support.
@@ -172,6 +173,15 @@ def validate_config(config) -> None:
         raise ValueError(
             f"the 'custom' flex backend needs a mixture of experts, but num_moe_experts={experts}: set "
             "num_moe_experts >= 2 (and divisible by expert_model_parallel_size)")
+    if experts % ep != 0:
+        raise ValueError(
+            f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}: each EP rank owns "
+            f"num_moe_experts / EP experts; choose num_moe_experts as a multiple of {ep}")
+    rpn = get_options(config).ranks_per_node
+    if rpn is not None and ep % rpn != 0:
+        raise ValueError(
+            f"configure(ranks_per_node={rpn}) must divide expert_model_parallel_size={ep} (the EP group is split "
+            f"into nodes of ranks_per_node ranks): pass a divisor of {ep}, or None to take it from LOCAL_WORLD_SIZE")
     overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
     if overlap:
         pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
@@ -235,8 +245,19 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
         ``config``.
 
     Raises:
-        ValueError: an unknown field name, a bad knob, or a check of :func:`validate_config`.
+        TypeError: ``config`` is not a TransformerConfig.
+        ValueError: an unknown field name, a bad knob, another dispatcher or backend asked for
+            through the keywords, or a check of :func:`validate_config`.
     """
+    if not hasattr(config, "moe_token_dispatcher_type"):
+        raise TypeError(f"configure() takes a megatron.core.transformer.TransformerConfig, got "
+                        f"{type(config).__name__}")
+    if config_fields.get("moe_flex_dispatcher_backend", BACKEND_NAME) != BACKEND_NAME \
+            or config_fields.get("moe_token_dispatcher_type", "flex") != "flex":
+        raise ValueError("configure() selects moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend="
+                         f"'custom'; it got moe_token_dispatcher_type={config_fields.get('moe_token_dispatcher_type')!r}"
+                         f", moe_flex_dispatcher_backend={config_fields.get('moe_flex_dispatcher_backend')!r}. Drop "
+                         "those keywords (for another backend, set the config fields without configure())")
     unknown = sorted(name for name in config_fields if not hasattr(config, name))
     if unknown:
         raise ValueError(f"configure() got {unknown}, which are neither TransformerConfig fields nor backend knobs "
