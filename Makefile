@@ -36,7 +36,7 @@ demo: install
 	$(VENV)/bin/moe-dispatch-bench $(DEMO_ARGS)
 
 test: install
-	$(PY) -m pytest python_tests $(PYTEST_ARGS)
+	$(PY) -m pytest python_tests -rs $(PYTEST_ARGS)
 
 # Megatron-Core GPT with MoE layers on CPU (2 nodes x 2): alltoall vs custom from one seed.
 train: install

@@ -129,12 +129,15 @@ class Buffer:
                  transport: str = "auto", num_sms: int | None = None, timeout_s: float = 300.0):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), got "
+                            f"{type(group).__name__}")
         self.group = group if group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if ranks_per_node is None:
             ranks_per_node = _default_ranks_per_node(world_size)
-        if not isinstance(ranks_per_node, int):
-            raise ValueError(f"ranks_per_node must be an int, got {ranks_per_node!r}")
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         self.topology = Topology(rank, world_size, ranks_per_node)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -269,6 +272,9 @@ class Buffer:
             return (recv_x, None, None, None, handle, *self._completion(ctl))
 
         self._check_x(x)
+        if isinstance(topk_weights, int) and num_experts is None:
+            raise TypeError(f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
+                            "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword")
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if fp8 else x.shape[0]
@@ -329,16 +335,21 @@ class Buffer:
         """
         ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         self._check_handle(handle)
+        if isinstance(y, tuple):
+            raise TypeError("combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
+                            "format (dequantize the expert output, or keep it in bf16)")
         check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
         row_scale = None
         if topk_weights is not None:
             if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
-                raise TypeError(f"topk_weights must be an fp32 tensor, got "
-                                f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
+                got = (str(topk_weights.dtype).removeprefix("torch.") if isinstance(topk_weights, torch.Tensor)
+                       else type(topk_weights).__name__)
+                raise TypeError(f"topk_weights must be an fp32 tensor, got {got}")
+            rows, topk = handle.num_recv_tokens, handle.recv_topk_idx.shape[1]
             if topk_weights.device != self.device or topk_weights.dim() not in (1, 2) \
-                    or topk_weights.shape[0] != handle.num_recv_tokens:
-                raise ValueError(f"topk_weights must be [{handle.num_recv_tokens}] or [{handle.num_recv_tokens}, K] "
-                                 f"on {self.device}, got {list(topk_weights.shape)} on {topk_weights.device}")
+                    or topk_weights.shape[0] != rows or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk):
+                raise ValueError(f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
+                                 f"{list(topk_weights.shape)} on {topk_weights.device}")
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
         out = autograd.CombineFn.apply(self, handle.plan, ctl, y, row_scale)
         return (out, *self._completion(ctl))
@@ -362,6 +373,9 @@ class Buffer:
             raise ValueError("async_finish=True and return_recv_hook=True exclude each other: the hook variant "
                              "returns before the receive, the async variant completes it in the background")
         if previous_event is not None:
+            if not isinstance(previous_event, EventOverlap):
+                raise TypeError(f"previous_event must be an EventOverlap returned by this package, got "
+                                f"{type(previous_event).__name__}")
             previous_event.current_stream_wait()
         return {"mode": "hook" if return_recv_hook else "async" if async_finish else "sync",
                 "allocate_on_comm_stream": allocate_on_comm_stream}

@@ -69,6 +69,10 @@ def _bad_input_cases(buf: Buffer) -> dict:
                                          lambda: Buffer(transport="nvlink")),
         "cuda-transport-not-built": lambda: _raises(NotImplementedError, r"transport='cuda' is not available",
                                                     lambda: Buffer(transport="cuda")),
+        "group-type": lambda: _raises(TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str",
+                                      lambda: Buffer("world")),
+        "ranks-per-node-zero": lambda: _raises(ValueError, r"ranks_per_node must be a positive int, got 0",
+                                               lambda: Buffer(ranks_per_node=0)),
         "ranks-per-node-not-divisor": lambda: _raises(ValueError, r"ranks_per_node must divide the world size 2, "
                                                                   r"got ranks_per_node=3",
                                                       lambda: Buffer(ranks_per_node=3)),
@@ -88,12 +92,20 @@ def _handle_cases(buf: Buffer) -> dict:
         "combine-rows": lambda: _raises(ValueError, rf"y has shape \[{rows + 1}, 4\] but handle \(tokens received\) "
                                                     rf"has {rows} rows",
                                         lambda: buf.combine(torch.randn(rows + 1, 4), handle)),
-        "combine-weights-dtype": lambda: _raises(TypeError, r"topk_weights must be an fp32 tensor, got torch.float64",
+        "combine-weights-dtype": lambda: _raises(TypeError, r"topk_weights must be an fp32 tensor, got float64",
                                                  lambda: buf.combine(recv_x, handle, torch.ones(rows, dtype=torch.float64))),
-        "combine-weights-shape": lambda: _raises(ValueError, rf"topk_weights must be \[{rows}\] or \[{rows}, K\]",
+        "combine-weights-shape": lambda: _raises(ValueError, rf"topk_weights must be \[{rows}\] or \[{rows}, 2\]",
                                                  lambda: buf.combine(recv_x, handle, torch.ones(rows + 2))),
         "foreign-handle": lambda: _raises(ValueError, r"handle was made by another Buffer",
                                           lambda: other.combine(recv_x, handle)),
+        "combine-weights-wrong-k": lambda: _raises(ValueError, rf"topk_weights must be \[{rows}\] or \[{rows}, 2\]",
+                                                   lambda: buf.combine(recv_x, handle, torch.ones(rows, 3))),
+        "combine-fp8": lambda: _raises(TypeError, r"fp8 \(x_fp8, scales\) is a dispatch-only format",
+                                       lambda: buf.combine((recv_x, recv_x), handle)),
+        "previous-event-type": lambda: _raises(TypeError, r"previous_event must be an EventOverlap .* got object",
+                                               lambda: buf.combine(recv_x, handle, previous_event=object())),
+        "num-experts-as-weights": lambda: _raises(TypeError, r"topk_weights got the int 8: pass num_experts after",
+                                                  lambda: buf.dispatch(x, idx, E)),
         "not-a-handle": lambda: _raises(TypeError, r"handle must be a DispatchHandle .* got tuple",
                                         lambda: buf.combine(recv_x, (1, 2))),
         "cached-dispatch-with-routing": lambda: _raises(ValueError, r"a cached dispatch \(handle=...\) replays",
@@ -116,7 +128,8 @@ def _case_names():
 
 
 def _handle_names():
-    return ["combine-rows", "combine-weights-dtype", "combine-weights-shape", "foreign-handle", "not-a-handle",
+    return ["combine-rows", "combine-weights-dtype", "combine-weights-shape", "combine-weights-wrong-k", "combine-fp8",
+            "previous-event-type", "num-experts-as-weights", "foreign-handle", "not-a-handle",
             "cached-dispatch-with-routing", "cached-dispatch-rows"]
 
 
