@@ -9,19 +9,23 @@
 #   --wheels DIR  wheels to install first without an index (default: .whl if it exists);
 #                 `make gpu-wheels` fills .whl with what the GPU image lacks (megatron-core)
 #   --dry-run     build + the CPU-quick tests only: checks the script itself on a CPU machine
+#   --budget-s S  whole-script bound in seconds (default 540, inside the device tool's 600 s per call)
 #
-# Every step is bounded by `timeout`; a failing step is recorded and the script goes on, so
-# one call always reports everything. Exit status: 0 when every step passed.
+# Every step is bounded by its own limit and by what is left of the budget; a failing or
+# skipped step is recorded and the script goes on, so one call always ends with the summary.
+# Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-OUT="" WHEELS="" DRY_RUN=0
+OUT="" WHEELS="" DRY_RUN=0 BUDGET_S=540
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --wheels) WHEELS="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (expected --out DIR, --wheels DIR, --dry-run)" >&2; exit 2 ;;
+    --budget-s) BUDGET_S="$2"; shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (expected --out DIR, --wheels DIR, --dry-run, --budget-s S)" >&2
+       exit 2 ;;
   esac
 done
 [[ -n "$OUT" ]] || { echo "gpu_check.sh: --out DIR is required" >&2; exit 2; }
@@ -35,11 +39,19 @@ SUMMARY="$OUT/summary.tsv"
 printf 'step\tstatus\tseconds\tdetail\n' > "$SUMMARY"
 FAILED=0
 
-# step NAME TIMEOUT_S COMMAND...: runs COMMAND with output to $OUT/NAME.log, records the result.
+# step NAME TIMEOUT_S COMMAND...: runs COMMAND with output to $OUT/NAME.log, records the result;
+# the limit shrinks to what is left of the budget (20 s are kept for the summary).
 step() {
   local name="$1" limit="$2"; shift 2
-  local start=$SECONDS status=ok
-  echo "== $name: $*"
+  local start=$SECONDS status=ok left=$((BUDGET_S - 20 - SECONDS))
+  if (( left < 15 )); then
+    echo "== $name: skipped, the budget of ${BUDGET_S} s is spent"
+    printf '%s\t%s\t%s\t%s\n' "$name" "SKIPPED(budget)" 0 "-" >> "$SUMMARY"
+    FAILED=1
+    return
+  fi
+  (( limit > left )) && limit=$left
+  echo "== $name (limit ${limit} s): $*"
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || status="FAILED($?)"
   tail -n 5 "$OUT/$name.log" | sed 's/^/   /'
   [[ "$status" == ok ]] || FAILED=1
