@@ -35,6 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.launch import launch_ranks
+
 MODES = ("off", "on", "comm")
 
 
@@ -173,18 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_wgrad is None:
         args.run_wgrad = "backward_dw" if torch.cuda.is_available() else "dispatch_backward"
 
-    if "RANK" in os.environ:  # torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        args.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        result = _rank(dist.get_rank(), dist.get_world_size(), args)
-        dist.destroy_process_group()
-    else:
-        from moe_dispatch.launch import spawn_world
-
-        result = spawn_world(args.world_size, _rank, args, timeout_s=1800)[0]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun: the launched nodes decide
+        args.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    result = launch_ranks(args.world_size, _rank, args)
     if result is None:
         return 0
     m = result["step_ms"]

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_dispatch import Buffer, routing
-from moe_dispatch.launch import spawn_world
+from moe_dispatch.launch import launch_ranks
 
 GOAL_HIDDEN = 0.70
 
@@ -124,16 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/overlap.json"))
     args = parser.parse_args(argv)
 
-    if "RANK" in os.environ:  # torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        args.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        results = _rank(dist.get_rank(), dist.get_world_size(), args)
-        dist.destroy_process_group()
-    else:
-        results = spawn_world(args.world_size, _rank, args, timeout_s=1800)[0]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun: the launched nodes decide
+        args.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    results = launch_ranks(args.world_size, _rank, args)
     if results is None:
         return 0
 

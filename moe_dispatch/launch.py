@@ -116,3 +116,25 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def launch_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 1800.0) -> Any:
+    """Runs ``fn(rank, world_size, *args)`` on every rank and returns rank 0's value.
+
+    Under ``torchrun`` (``RANK`` set) this process is one rank of the launched world (NCCL when
+    CUDA is available, else gloo; ``world_size`` is ignored) and other ranks return their own
+    value (None by convention); otherwise a gloo world of ``world_size`` processes is spawned.
+    """
+    if "RANK" not in os.environ:
+        return spawn_world(world_size, fn, *args, timeout_s=timeout_s)[0]
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        return fn(dist.get_rank(), dist.get_world_size(), *args)
+    finally:
+        dist.destroy_process_group()
