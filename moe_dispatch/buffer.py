@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,9 @@ from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
 from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
 from .validation import check_hidden, check_topk_idx, check_topk_weights
+
+if TYPE_CHECKING:
+    from .overlap import DelayedWgrad
 
 _BUFFER_IDS = itertools.count()
 # dtypes as small ints, for the cross-rank argument check
@@ -90,14 +95,29 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-def _default_ranks_per_node(world_size: int) -> int:
+def default_ranks_per_node(group: dist.ProcessGroup) -> int:
+    """EP ranks per node of ``group``, from where its ranks run.
+
+    The node size is ``LOCAL_WORLD_SIZE`` (torchrun), else the visible GPU count; the group's
+    global ranks are mapped to nodes of that size and must sit in equal contiguous runs (a
+    Megatron EP group, strided by TP x CP, does on homogeneous nodes): the run length is the
+    answer. Without a known node size, or with uneven runs, the group is one "node" (a flat
+    exchange, still exact), with a warning in the latter case saying how to set it.
+    """
+    world_size = dist.get_world_size(group)
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
-        return int(local)
-    if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        if gpus > 0 and world_size % gpus == 0:
-            return gpus
+    node_size = int(local) if local is not None and local.isdigit() and int(local) > 0 else None
+    if node_size is None and torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        node_size = torch.cuda.device_count()
+    if node_size is None:
+        return world_size
+    nodes = [r // node_size for r in dist.get_process_group_ranks(group)]
+    runs = [len(list(run)) for _, run in itertools.groupby(nodes)]
+    if len(runs) == len(set(nodes)) and len(set(runs)) == 1:
+        return runs[0]
+    warnings.warn(f"the EP group's ranks sit on nodes {nodes} (node size {node_size}), not as equal contiguous runs: "
+                  "moe_dispatch treats the group as one node (exact, but no inter-node de-duplication); pass "
+                  "ranks_per_node= to set the hierarchy", stacklevel=3)
     return world_size
 
 
@@ -108,9 +128,9 @@ class Buffer:
         group: the EP process group (default: the world group). gloo groups use CPU tensors,
             NCCL groups CUDA tensors of the current device.
         ranks_per_node: L, ranks sharing a node (NVLink domain); must divide the group size.
-            Default: ``LOCAL_WORLD_SIZE`` (torchrun) when it divides W, else the visible GPU
-            count when it divides W, else W (one node). A CPU world may declare any divisor
-            (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
+            Default: :func:`default_ranks_per_node` (where the group's ranks run, from
+            ``LOCAL_WORLD_SIZE`` or the GPU count; else W, one node). A CPU world may declare
+            any divisor (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
         transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``), ``"torch_dist"``
             or ``"cuda"`` (the CUDA kernels; not available in this version).
         num_sms: SM budget of the CUDA kernels (positive int), None = chosen from the shape.
@@ -135,7 +155,7 @@ class Buffer:
         self.group = group if group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if ranks_per_node is None:
-            ranks_per_node = _default_ranks_per_node(world_size)
+            ranks_per_node = default_ranks_per_node(self.group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         self.topology = Topology(rank, world_size, ranks_per_node)

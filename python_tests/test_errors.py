@@ -196,3 +196,23 @@ def test_arguments_differ_across_ranks():
         for name, message in messages.items():
             assert f"dispatch arguments differ across ranks: {name} is" in message, message
             assert f"on EP rank {1 - rank}" in message, message
+
+
+def _ranks_per_node_entry(rank, world_size):
+    import torch.distributed as dist
+
+    from moe_dispatch.buffer import default_ranks_per_node
+
+    groups = {"all": [0, 1, 2, 3], "strided": [0, 2], "one node": [0, 1], "uneven": [0, 1, 2]}
+    made = {name: dist.new_group(ranks) for name, ranks in groups.items()}  # every rank creates every group
+    return {name: default_ranks_per_node(group) for name, group in made.items() if rank in groups[name]}
+
+
+def test_default_ranks_per_node_follows_where_ranks_run():
+    """LOCAL_WORLD_SIZE=2: 4 ranks are 2 nodes x 2; a strided EP group (Megatron with TP=2) has
+    one rank per node; uneven groups fall back to one node."""
+    from moe_dispatch.launch import spawn_world
+
+    results = spawn_world(4, _ranks_per_node_entry, env={"LOCAL_WORLD_SIZE": "2"}, timeout_s=120)
+    assert results[0] == {"all": 2, "strided": 1, "one node": 2, "uneven": 3}
+    assert results[3] == {"all": 2}

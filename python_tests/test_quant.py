@@ -16,8 +16,6 @@ from moe_dispatch.quant import (
 )
 
 
-from .conftest import KERNEL_DEVICE as DEVICE
-
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 

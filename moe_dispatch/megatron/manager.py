@@ -30,61 +30,30 @@ state is in the autograd contexts.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import os
-import warnings
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from ..buffer import Buffer, DispatchHandle
+from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
 from ..layout import routing_map_to_topk
 from ..permute import PermuteHandle, check_permute_overflow, permute, unpermute
 from .config import get_options, resolve_fuse_permute, resolve_pad_multiple, validate_config
-
-logger = logging.getLogger(__name__)
 
 _BUFFERS: dict[tuple, Buffer] = {}
 
 
 def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> int:
-    """EP ranks per node of ``group`` for the Buffer's hierarchy.
-
-    ``explicit`` when given; else the group's global ranks are mapped to nodes of
-    ``LOCAL_WORLD_SIZE`` ranks (torchrun; else the visible GPU count): the EP group must hold
-    the same number of ranks on every node, in contiguous runs of its own rank order. Megatron's
-    EP group (ranks strided by TP x CP) satisfies this on homogeneous nodes. When it does not,
-    or the node size is unknown, the group is one "node" (flat exchange, still exact) and a
-    warning says how to set it.
-    """
+    """EP ranks per node of ``group`` for the Buffer's hierarchy: ``explicit`` when given (it
+    must divide the group size), else :func:`moe_dispatch.buffer.default_ranks_per_node`."""
     world_size = dist.get_world_size(group)
     if explicit is not None:
         if world_size % explicit != 0:
             raise ValueError(f"ranks_per_node={explicit} does not divide the EP group size {world_size}: pass "
                              f"configure(config, ranks_per_node=...) with a divisor of {world_size}")
         return explicit
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    node_size = int(local) if local is not None and local.isdigit() and int(local) > 0 else None
-    if node_size is None and torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        node_size = torch.cuda.device_count()
-    if node_size is None:
-        return world_size
-    nodes = [r // node_size for r in dist.get_process_group_ranks(group)]
-    runs = [1]
-    for prev, cur in zip(nodes, nodes[1:]):
-        if cur == prev:
-            runs[-1] += 1
-        else:
-            runs.append(1)
-    contiguous = len(runs) == len(set(nodes))
-    if contiguous and len(set(runs)) == 1:
-        return runs[0]
-    warnings.warn(f"the EP group's ranks sit on nodes {nodes} (node size {node_size}), not as equal contiguous "
-                  "runs: moe_dispatch treats the group as one node (exact, but no inter-node de-duplication). Pass "
-                  "moe_dispatch.megatron.configure(config, ranks_per_node=...) to set the hierarchy", stacklevel=2)
-    return world_size
+    return default_ranks_per_node(group)
 
 
 def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
