@@ -4,6 +4,7 @@ never joins makes its peers fail within ``timeout_s`` with the operation named."
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -83,54 +84,55 @@ def _bad_input_cases(buf: Buffer) -> dict:
     }
 
 
-def _handle_cases(buf: Buffer) -> dict:
+def _handle_setup(buf: Buffer) -> types.SimpleNamespace:
+    """A dispatch's outputs and a second Buffer (collective: every rank builds it)."""
     x, idx, w = _inputs()
     recv_x, *_, handle, _ = buf.dispatch(x, idx, w, E)
-    other = Buffer(ranks_per_node=1, timeout_s=30)  # collective: every rank builds it
-    rows = handle.num_recv_tokens
+    return types.SimpleNamespace(recv_x=recv_x, handle=handle, rows=handle.num_recv_tokens,
+                                 other=Buffer(ranks_per_node=1, timeout_s=30))
+
+
+def _handle_cases(buf: Buffer, c: types.SimpleNamespace) -> dict:
+    """Cases that need a handle; ``c`` from :func:`_handle_setup` is read only when they run."""
+    x, idx, w = _inputs()
     return {
-        "combine-rows": lambda: _raises(ValueError, rf"y has shape \[{rows + 1}, 4\] but handle \(tokens received\) "
-                                                    rf"has {rows} rows",
-                                        lambda: buf.combine(torch.randn(rows + 1, 4), handle)),
+        "combine-rows": lambda: _raises(ValueError, rf"y has shape \[{c.rows + 1}, 4\] but handle \(tokens received\) "
+                                                    rf"has {c.rows} rows",
+                                        lambda: buf.combine(torch.randn(c.rows + 1, 4), c.handle)),
         "combine-weights-dtype": lambda: _raises(TypeError, r"topk_weights must be an fp32 tensor, got float64",
-                                                 lambda: buf.combine(recv_x, handle, torch.ones(rows, dtype=torch.float64))),
-        "combine-weights-shape": lambda: _raises(ValueError, rf"topk_weights must be \[{rows}\] or \[{rows}, 2\]",
-                                                 lambda: buf.combine(recv_x, handle, torch.ones(rows + 2))),
+                                                 lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows, dtype=torch.float64))),
+        "combine-weights-shape": lambda: _raises(ValueError, rf"topk_weights must be \[{c.rows}\] or \[{c.rows}, 2\]",
+                                                 lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows + 2))),
         "foreign-handle": lambda: _raises(ValueError, r"handle was made by another Buffer",
-                                          lambda: other.combine(recv_x, handle)),
-        "combine-weights-wrong-k": lambda: _raises(ValueError, rf"topk_weights must be \[{rows}\] or \[{rows}, 2\]",
-                                                   lambda: buf.combine(recv_x, handle, torch.ones(rows, 3))),
+                                          lambda: c.other.combine(c.recv_x, c.handle)),
+        "combine-weights-wrong-k": lambda: _raises(ValueError, rf"topk_weights must be \[{c.rows}\] or \[{c.rows}, 2\]",
+                                                   lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows, 3))),
         "combine-fp8": lambda: _raises(TypeError, r"fp8 \(x_fp8, scales\) is a dispatch-only format",
-                                       lambda: buf.combine((recv_x, recv_x), handle)),
+                                       lambda: buf.combine((c.recv_x, c.recv_x), c.handle)),
         "previous-event-type": lambda: _raises(TypeError, r"previous_event must be an EventOverlap .* got object",
-                                               lambda: buf.combine(recv_x, handle, previous_event=object())),
+                                               lambda: buf.combine(c.recv_x, c.handle, previous_event=object())),
         "num-experts-as-weights": lambda: _raises(TypeError, r"topk_weights got the int 8: pass num_experts after",
                                                   lambda: buf.dispatch(x, idx, E)),
         "not-a-handle": lambda: _raises(TypeError, r"handle must be a DispatchHandle .* got tuple",
-                                        lambda: buf.combine(recv_x, (1, 2))),
+                                        lambda: buf.combine(c.recv_x, (1, 2))),
         "cached-dispatch-with-routing": lambda: _raises(ValueError, r"a cached dispatch \(handle=...\) replays",
-                                                        lambda: buf.dispatch(x, idx, handle=handle)),
+                                                        lambda: buf.dispatch(x, idx, handle=c.handle)),
         "cached-dispatch-rows": lambda: _raises(ValueError, r"x has shape \[5, 4\] but handle \(tokens dispatched\) "
                                                             r"has 6 rows",
-                                                lambda: buf.dispatch(x[:5].contiguous(), handle=handle)),
+                                                lambda: buf.dispatch(x[:5].contiguous(), handle=c.handle)),
     }
 
 
 def _errors_entry(rank, world_size):
     buf = Buffer(ranks_per_node=1, timeout_s=30)
     results = run_cases(rank, world_size, {k: (lambda r, w, f=f: f()) for k, f in _bad_input_cases(buf).items()})
-    results.update(run_cases(rank, world_size, {k: (lambda r, w, f=f: f()) for k, f in _handle_cases(buf).items()}))
+    handle_cases = _handle_cases(buf, _handle_setup(buf))
+    results.update(run_cases(rank, world_size, {k: (lambda r, w, f=f: f()) for k, f in handle_cases.items()}))
     return results
 
 
 def _case_names():
-    return list(_bad_input_cases(None).keys()) + list(_handle_names())
-
-
-def _handle_names():
-    return ["combine-rows", "combine-weights-dtype", "combine-weights-shape", "combine-weights-wrong-k", "combine-fp8",
-            "previous-event-type", "num-experts-as-weights", "foreign-handle", "not-a-handle",
-            "cached-dispatch-with-routing", "cached-dispatch-rows"]
+    return list(_bad_input_cases(None)) + list(_handle_cases(None, None))
 
 
 @pytest.mark.parametrize("case", _case_names())
