@@ -44,6 +44,8 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
+from moe_dispatch.launch import launch_ranks
+
 DISPATCHERS = ("alltoall", "custom")
 
 
@@ -412,22 +414,11 @@ def main(argv=None) -> int:
                     corpus_bytes=int(args.corpus_mb * 1e6), data_dir=args.data_dir, pad_multiple=args.pad_multiple)
     rank_args = {"force_terminal": None}
     start = time.perf_counter()
-    if under_torchrun:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s))
-        try:
-            results = run_rank(dist.get_rank(), world, cfg, rank_args)
-        finally:
-            dist.destroy_process_group()
-        if dist.is_available() and int(os.environ["RANK"]) != 0:
-            return 0
-    else:
-        from moe_dispatch.launch import spawn_world
-
+    if not under_torchrun:
         rank_args["force_terminal"] = sys.stdout.isatty() or None
-        results = spawn_world(world, run_rank, cfg, rank_args, timeout_s=args.timeout_s)[0]
+    results = launch_ranks(world, run_rank, cfg, rank_args, timeout_s=args.timeout_s)
+    if results is None:  # a rank other than 0 under torchrun
+        return 0
     total = time.perf_counter() - start
     meta = {"ranks": world, "total_wall_s": total, "torch": torch.__version__, "device":
             "cuda" if torch.cuda.is_available() else "cpu", "date": datetime.date.today().isoformat()}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from . import reference, routing
 from .buffer import Buffer
-from .launch import spawn_world
+from .launch import launch_ranks, spawn_world
 from .layout import get_dispatch_layout_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -330,7 +330,7 @@ def _run_rank(config: BenchConfig) -> list[dict]:
 
 
 def _world_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict] | None:
-    """Entry point of each spawned CPU rank; rank 0 returns the figures."""
+    """Entry point of each rank (spawned or under torchrun); rank 0 returns the figures."""
     results = _run_rank(config)
     return results if rank == 0 else None
 
@@ -460,18 +460,13 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(k, None)
         return _report(results, config, "the CPU world (gloo)", json_path, {"malloc_env": malloc_env})
 
-    rank, world_size, _ = torchrun
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend, device = "nccl", f"{world_size} x {torch.cuda.get_device_name()} (NCCL)"
-    else:
-        backend, device = "gloo", f"torchrun CPU world of {world_size} (gloo)"
-    dist.init_process_group(backend)
-    try:
-        results = _run_rank(config)
-    finally:
-        dist.destroy_process_group()
-    return _report(results, config, device, json_path) if rank == 0 else 0
+    _, world_size, _ = torchrun
+    results = launch_ranks(world_size, _world_rank, config, timeout_s=3600.0)
+    if results is None:  # not rank 0
+        return 0
+    device = (f"{world_size} x {torch.cuda.get_device_name()} (NCCL)" if torch.cuda.is_available()
+              else f"torchrun CPU world of {world_size} (gloo)")
+    return _report(results, config, device, json_path)
 
 
 if __name__ == "__main__":

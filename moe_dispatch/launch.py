@@ -122,8 +122,9 @@ def launch_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
     """Runs ``fn(rank, world_size, *args)`` on every rank and returns rank 0's value.
 
     Under ``torchrun`` (``RANK`` set) this process is one rank of the launched world (NCCL when
-    CUDA is available, else gloo; ``world_size`` is ignored) and other ranks return their own
-    value (None by convention); otherwise a gloo world of ``world_size`` processes is spawned.
+    CUDA is available, else gloo; ``world_size`` is ignored; ``timeout_s`` bounds the process
+    group's collectives) and other ranks return their own value (None by convention); otherwise
+    a gloo world of ``world_size`` processes is spawned, bounded by ``timeout_s``.
     """
     if "RANK" not in os.environ:
         return spawn_world(world_size, fn, *args, timeout_s=timeout_s)[0]
@@ -133,7 +134,7 @@ def launch_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         return fn(dist.get_rank(), dist.get_world_size(), *args)
     finally:
