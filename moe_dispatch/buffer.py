@@ -218,10 +218,16 @@ class Buffer:
             ValueError/TypeError: bad topk_idx (shape, dtype, range, duplicates, device) or E.
         """
         check_topk_idx(topk_idx, num_experts, device=self.device)
+        self._check_num_experts(num_experts)
+        return self._layout(topk_idx, num_experts)
+
+    def _check_num_experts(self, num_experts: int) -> None:
         if num_experts % self.world_size != 0:
             raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, "
                              f"got {num_experts}")
-        # Triton kernels on CUDA, the torch reference on CPU; inputs were validated above.
+
+    def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
+        """The layout of validated inputs: Triton kernels on CUDA, the torch reference on CPU."""
         return tuple(get_dispatch_layout(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node,
                                          validate=False)[:4])
 
@@ -299,6 +305,7 @@ class Buffer:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if fp8 else x.shape[0]
         check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
+        self._check_num_experts(num_experts)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         x0 = x[0] if fp8 else x
@@ -307,7 +314,7 @@ class Buffer:
             "x dtype": _DTYPE_CODES.index(x0.dtype), "fp8 x": int(fp8),
             "topk_idx dtype": _DTYPE_CODES.index(topk_idx.dtype), "topk_weights given": int(topk_weights is not None),
         }, self.device, "dispatch")
-        layout = self.get_dispatch_layout(topk_idx, num_experts)
+        layout = self._layout(topk_idx, num_experts)  # inputs checked above, once
         # The metadata exchange runs on the caller's thread (its all-ranks group is used by no
         # other thread), so it does not queue behind payloads in flight on the comm thread.
         plan = drive(self._transport.plan(layout[2], layout[3]))
