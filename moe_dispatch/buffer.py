@@ -309,17 +309,19 @@ class Buffer:
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         x0 = x[0] if fp8 else x
-        self._transport.check_same_everywhere({
-            "num_experts": num_experts, "top-k": topk_idx.shape[1], "hidden": x0.shape[1],
-            "x dtype": _DTYPE_CODES.index(x0.dtype), "fp8 x": int(fp8),
-            "topk_idx dtype": _DTYPE_CODES.index(topk_idx.dtype), "topk_weights given": int(topk_weights is not None),
-        }, self.device, "dispatch")
+        fields = {"num_experts": num_experts, "top-k": topk_idx.shape[1], "hidden": x0.shape[1],
+                  "x dtype": _DTYPE_CODES.index(x0.dtype), "fp8 x": int(fp8),
+                  "topk_idx dtype": _DTYPE_CODES.index(topk_idx.dtype),
+                  "topk_weights given": int(topk_weights is not None)}
         layout = self._layout(topk_idx, num_experts)  # inputs checked above, once
-        # The metadata exchange runs on the caller's thread (its all-ranks group is used by no
-        # other thread), so it does not queue behind payloads in flight on the comm thread.
-        plan = drive(self._transport.plan(layout[2], layout[3]))
+        # The metadata exchange (which also compares the fields across ranks) runs on the
+        # caller's thread (its all-ranks group is used by no other thread), so it does not
+        # queue behind payloads in flight on the comm thread.
+        plan = drive(self._transport.plan(layout[3], fields))
         ctl.update(plan=plan, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
-                   recv_topk_idx=topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1])))
+                   recv_topk_idx=topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1])),
+                   num_recv_tokens_per_expert=torch.empty(num_experts // self.world_size, dtype=torch.int64,
+                                                          device=self.device))
         if fp8:  # fp8 is a forward-only format: no autograd
             *recv_x, recv_weights = self._move_dispatch(ctl, list(x), topk_weights)
             recv_x = tuple(recv_x)
@@ -328,9 +330,7 @@ class Buffer:
         handle = DispatchHandle(buffer_id=self._uid, num_tokens=num_tokens, num_experts=num_experts,
                                 num_recv_tokens=plan.num_recv_tokens, recv_topk_idx=ctl["recv_topk_idx"],
                                 is_token_in_rank=layout[3], plan=plan, _hook=ctl.get("hook"))
-        num_recv_tokens_per_expert = torch.tensor(plan.num_recv_tokens_per_expert, dtype=torch.int64,
-                                                  device=self.device)
-        return (recv_x, ctl["recv_topk_idx"], recv_weights, num_recv_tokens_per_expert, handle,
+        return (recv_x, ctl["recv_topk_idx"], recv_weights, ctl["num_recv_tokens_per_expert"], handle,
                 *self._completion(ctl))
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
@@ -497,6 +497,9 @@ class Buffer:
             recv_idx = out[len(xs)]
             mine = (recv_idx >= first) & (recv_idx < first + experts_per_rank)
             recv_idx.copy_(torch.where(mine, recv_idx - first, torch.full_like(recv_idx, -1)))
+            # Counted from the rows that arrived: the metadata carries no per-expert counts, so
+            # its size is the same on every rank whatever num_experts each one passed.
+            ctl["num_recv_tokens_per_expert"].copy_(torch.bincount(recv_idx[mine].long(), minlength=experts_per_rank))
             if topk_weights is not None:
                 out[-1].masked_fill_(~mine, 0.0)
 

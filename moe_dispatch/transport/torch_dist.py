@@ -84,7 +84,6 @@ class TorchDistPlan:
     num_recv_tokens: int
     chunks: list[TorchDistChunk]
     recv_perm: torch.Tensor  # [R] final row i is row recv_perm[i] of the chunks' stage-2 arrivals, concatenated
-    num_recv_tokens_per_expert: list[int]  # [E/W]
     internode_rows: int  # rows this rank sends to other nodes per dispatch (and receives back in combine)
     intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
 
@@ -278,43 +277,35 @@ class TorchDistTransport:
             raise CommError(describe(err)) from err
         return recv, Pending(work, describe)
 
-    def check_same_everywhere(self, fields: dict[str, int], device: torch.device, what: str) -> None:
-        """Compares ``fields`` (small ints) across all EP ranks (one all_gather on the caller's
-        thread): arguments that must agree, checked before any payload moves, since a size
-        mismatch inside a collective aborts the process instead of raising.
-
-        Raises:
-            ValueError: naming the first field and EP rank that differ from this rank.
-        """
-        group = self.groups[ALL]
-        if group is None:
-            return
-        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
-        try:
-            dist.all_gather(gathered, mine, group=group)
-        except RuntimeError as err:
-            raise CommError(self._describe(ALL, f"{what} argument check ({ALL} all_gather)", err)) from err
-        table = torch.stack(gathered).tolist()
-        for rank, row in enumerate(table):
-            for (name, value), theirs in zip(fields.items(), row):
-                if theirs != value:
+    def _check_fields(self, fields: dict[str, int], theirs: torch.Tensor, what: str) -> None:
+        """``theirs [W, len(fields)]``: every rank's fields, as received with the metadata."""
+        for rank, row in enumerate(theirs.tolist()):
+            for (name, value), other in zip(fields.items(), row):
+                if other != value:
                     raise ValueError(f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
-                                     f"{value} here but {theirs} on EP rank {rank}; every rank must pass the same "
+                                     f"{value} here but {other} on EP rank {rank}; every rank must pass the same "
                                      f"{', '.join(fields)}")
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(self, num_tokens_per_expert: torch.Tensor, is_token_in_rank: torch.Tensor,
-             what: str = "dispatch") -> Steps:
+    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, int], what: str = "dispatch") -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
-        (stage-2 send indices still unset). ``num_tokens_per_expert [E]`` and
-        ``is_token_in_rank [T, W]`` as from ``get_dispatch_layout``; the per-rank and per-node
-        counts are taken per chunk from ``is_token_in_rank``."""
+        (stage-2 send indices still unset); one all_to_all on the all-ranks group.
+
+        Args:
+            is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
+                per-node counts are taken per chunk from it.
+            fields: arguments that must agree on every rank (small ints, the same keys
+                everywhere). They ride in front of the counts, so they are compared before any
+                payload moves and the message has the same size on every rank whatever they
+                hold (a size mismatch inside a collective aborts the process instead of raising).
+
+        Raises (from the steps):
+            ValueError: naming the first field and EP rank that differ from this rank.
+        """
         topo = self.topology
         world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
         num_chunks, device = self.num_chunks, is_token_in_rank.device
         num_tokens = is_token_in_rank.shape[0]
-        experts_per_rank = num_tokens_per_expert.numel() // world
         bounds = [c * num_tokens // num_chunks for c in range(num_chunks + 1)]
         # My tokens per chunk for each rank and each node: running counts at the chunk bounds.
         in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
@@ -322,26 +313,26 @@ class TorchDistTransport:
         torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
         per_chunk = running[bounds[1:]] - running[bounds[:-1]]  # [C, W + N]
         to_rank, to_node = per_chunk[:, :world], per_chunk[:, world:]
-        # Row for destination d = (n_d, l_d): my counts for d's experts, then per chunk for
-        # d's node's ranks and d's node.
+        # Row for destination d = (n_d, l_d): the fields, then per chunk my counts for d's
+        # node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
         chunk_counts = torch.cat([to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node],
                                   to_node[:, dest_node].unsqueeze(2)], 2)  # [C, W, L + 1]
-        meta = torch.cat([num_tokens_per_expert.view(world, experts_per_rank).to(torch.int64),
-                          chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+        meta = torch.cat([mine.expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
         got, pending = self._all_to_all(meta, None, None, ALL, f"{what} metadata")
         yield pending
         got = got.view(world, -1)  # [source rank, row]
-        counts = got[:, experts_per_rank:].reshape(world, num_chunks, local_ranks + 1)
+        self._check_fields(fields, got[:, :len(fields)], what)
+        counts = got[:, len(fields):].reshape(world, num_chunks, local_ranks + 1)
         peers = counts[topo.local_rank::local_ranks]  # [N, C, L + 1]: my inter-node peers, one per node
         # Stage-2 arrivals [c, l, m]: tokens of source (m, l) in chunk c for me, in arrival order.
         arrivals = counts[:, :, topo.local_rank].reshape(num_nodes, local_ranks, num_chunks).permute(2, 1, 0)
         # Every split as host ints in one transfer (one host sync on GPU).
         host = iter(torch.cat([to_node.flatten(), peers[:, :, -1].t().flatten(), peers[:, :, :-1].sum(0).flatten(),
-                               arrivals.sum(2).flatten(), got[:, :experts_per_rank].sum(0)]).tolist())
+                               arrivals.sum(2).flatten()]).tolist())
         s1_send, s1_recv, s2_send, s2_recv = ([[next(host) for _ in range(n)] for _ in range(num_chunks)]
                                               for n in (num_nodes, num_nodes, local_ranks, local_ranks))
-        num_recv_tokens_per_expert = list(host)
         chunks = []
         for c in range(num_chunks):
             begin, end = bounds[c], bounds[c + 1]
@@ -354,7 +345,6 @@ class TorchDistTransport:
             num_recv_tokens=num_recv_tokens,
             chunks=chunks,
             recv_perm=_reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens),
-            num_recv_tokens_per_expert=num_recv_tokens_per_expert,
             internode_rows=sum(sum(s) - s[topo.node] for s in s1_send),
             intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
         )
