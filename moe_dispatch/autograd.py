@@ -13,9 +13,9 @@ import torch
 
 
 class DispatchFn(torch.autograd.Function):
-    """Dispatch of ``x`` (and ``topk_weights``) through ``ctl["plan"]``.
+    """Dispatch of ``x`` (and ``topk_weights``) through ``ctl["slot"]``'s plan.
 
-    ``ctl`` carries the plan, the layout, the output ``recv_topk_idx``, the launch mode and
+    ``ctl`` carries the plan slot, the layout, the output ``recv_topk_idx``, the launch mode and
     receives the event or hook. Gradients of ``recv_topk_weights`` flow back only where
     ``recv_topk_idx`` names a local expert (elsewhere the output is 0).
     """
@@ -35,7 +35,7 @@ class DispatchFn(torch.autograd.Function):
             tensors.append(torch.where(mine, grad_recv_weights, torch.zeros_like(grad_recv_weights)))
         store = ctl.get("wgrad_store")
         launch = {"mode": "async" if store is not None else "sync"}
-        grads = ctx.buffer._move_combine(ctl["plan"], tensors, [None] * len(tensors), launch,
+        grads = ctx.buffer._move_combine(ctl["slot"], tensors, [None] * len(tensors), launch,
                                          "dispatch backward (combine)")
         if store is not None:  # the experts' weight gradients overlap the combine in flight
             store.backward_dw()
@@ -44,34 +44,34 @@ class DispatchFn(torch.autograd.Function):
 
 
 class ReplayDispatchFn(torch.autograd.Function):
-    """Dispatch of ``x`` through an existing plan (cached dispatch); backward is a combine."""
+    """Dispatch of ``x`` through an existing plan slot (cached dispatch); backward is a combine."""
 
     @staticmethod
-    def forward(ctx, buffer, plan, ctl: dict, x):
-        ctx.buffer, ctx.plan = buffer, plan
-        return buffer._move_forward(plan, [x], ctl, "cached dispatch")[0]
+    def forward(ctx, buffer, slot, ctl: dict, x):
+        ctx.buffer, ctx.slot = buffer, slot
+        return buffer._move_forward(slot, [x], ctl, "cached dispatch")[0]
 
     @staticmethod
     def backward(ctx, grad):
-        out = ctx.buffer._move_combine(ctx.plan, [grad.contiguous()], [None], {"mode": "sync"},
+        out = ctx.buffer._move_combine(ctx.slot, [grad.contiguous()], [None], {"mode": "sync"},
                                        "cached dispatch backward (combine)")
         return None, None, None, out[0]
 
 
 class CombineFn(torch.autograd.Function):
     """Combine of ``y [R, H]`` (rows scaled by ``row_scale [R]`` fp32 when given); backward is a
-    dispatch of the gradient through the same plan."""
+    dispatch of the gradient through the same plan slot."""
 
     @staticmethod
-    def forward(ctx, buffer, plan, ctl: dict, y, row_scale):
-        ctx.buffer, ctx.plan = buffer, plan
+    def forward(ctx, buffer, slot, ctl: dict, y, row_scale):
+        ctx.buffer, ctx.slot = buffer, slot
         ctx.save_for_backward(y, row_scale)
-        return buffer._move_combine(plan, [y], [row_scale], ctl, "combine")[0]
+        return buffer._move_combine(slot, [y], [row_scale], ctl, "combine")[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         y, row_scale = ctx.saved_tensors
-        grad = ctx.buffer._move_forward(ctx.plan, [grad_out.contiguous()], {"mode": "sync"},
+        grad = ctx.buffer._move_forward(ctx.slot, [grad_out.contiguous()], {"mode": "sync"},
                                         "combine backward (dispatch)")[0]
         grad_y = grad_scale = None
         if row_scale is None:

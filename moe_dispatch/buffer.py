@@ -30,6 +30,25 @@ _DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3f
 
 
 @dataclasses.dataclass(eq=False)
+class PlanSlot:
+    """A dispatch's index plan and the row counts around it.
+
+    ``plan`` is set when the dispatch returns, except for a ``num_worst_tokens`` dispatch: that
+    one computes it on the communication thread/stream, where every later user of the slot
+    runs after it (one ordered queue per Buffer).
+
+    Attributes:
+        num_tokens: T, tokens the source sent.
+        num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
+        plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
+    """
+
+    num_tokens: int
+    num_rows: int
+    plan: TorchDistPlan | None = None
+
+
+@dataclasses.dataclass(eq=False)
 class DispatchHandle:
     """What combine (and a cached dispatch) needs to reverse or replay one dispatch.
 
@@ -39,10 +58,11 @@ class DispatchHandle:
         buffer_id: the creating Buffer (a handle is only valid with it).
         num_tokens: T, tokens this rank sent.
         num_experts: E.
-        num_recv_tokens: R, rows this rank received.
+        num_recv_tokens: R, rows of this rank's receive-side tensors (``num_worst_tokens``
+            when the dispatch was given it; then the received count is ``plan.num_recv_tokens``).
         recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
         is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
-        plan: the transport's index plan.
+        slot: the transport's index plan (see :class:`PlanSlot`).
     """
 
     buffer_id: int
@@ -51,8 +71,20 @@ class DispatchHandle:
     num_recv_tokens: int
     recv_topk_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
-    plan: TorchDistPlan
+    slot: PlanSlot
     _hook: "RecvHook | None" = None  # the dispatch's receive hook, when issued with one
+
+    @property
+    def plan(self) -> TorchDistPlan:
+        """The transport's index plan (for a ``num_worst_tokens`` dispatch: once it completed).
+
+        Raises:
+            RuntimeError: a ``num_worst_tokens`` dispatch that has not completed yet.
+        """
+        if self.slot.plan is None:
+            raise RuntimeError("this handle's dispatch (num_worst_tokens) has not completed: wait for its event "
+                               "(or call its hook) before reading the plan")
+        return self.slot.plan
 
     @property
     def num_internode_tokens(self) -> int:
@@ -236,13 +268,16 @@ class Buffer:
                  topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
                  handle: DispatchHandle | None = None, async_finish: bool = False,
                  previous_event: EventOverlap | None = None, allocate_on_comm_stream: bool = False,
-                 return_recv_hook: bool = False, wgrad_store: "DelayedWgrad | None" = None):
+                 return_recv_hook: bool = False, num_worst_tokens: int = 0,
+                 wgrad_store: "DelayedWgrad | None" = None):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
         Collective over the EP group. A fresh dispatch first exchanges the layout counts (a
         small collective the host waits for: receive sizes are host ints), then moves the
-        payload; a cached dispatch (``handle=``) skips the counts. Differentiable w.r.t. ``x``
-        and ``topk_weights`` (backward is a combine, run synchronously).
+        payload; a cached dispatch (``handle=``) skips the counts. With ``num_worst_tokens``
+        the outputs have a static size and the counts move with the payload, so the call
+        waits for nothing (DeepEP's ``num_worst_tokens``). Differentiable w.r.t. ``x`` and
+        ``topk_weights`` (backward is a combine, run synchronously).
 
         Args:
             x: ``[T, H]`` bf16/fp16/fp32, contiguous, on the Buffer's device; or the fp8 tuple
@@ -266,6 +301,17 @@ class Buffer:
                 ``hook`` as a 7th value; calling ``hook()`` completes the receive. Nothing is
                 held in between (the communication thread is free). Outputs must not be read,
                 nor the handle used, before the hook ran. Excludes ``async_finish``.
+            num_worst_tokens: 0 (default), or a static receive size: the outputs get that many
+                rows, of which the first ``handle.plan.num_recv_tokens`` are received (the rest:
+                ``recv_x`` 0, ``recv_topk_idx`` -1, ``recv_topk_weights`` 0), and no collective
+                runs on the caller's thread: the counts are exchanged by the transfer itself
+                (CPU: on the communication thread; with the torch_dist transport on CUDA the
+                host still waits inside the call, as NCCL's splits are host ints). Argument
+                mismatches across ranks and an overflow (more rows arrive than
+                ``num_worst_tokens``) raise where the operation completes: the event, the hook,
+                or the call itself when synchronous. ``T * W`` rows can never overflow. A
+                combine then takes ``y`` with ``num_worst_tokens`` rows (the padding rows are
+                ignored). Not with ``handle=``.
             wgrad_store: a :class:`moe_dispatch.overlap.DelayedWgrad`; in this dispatch's
                 backward the gradient combine is launched first and ``wgrad_store.backward_dw()``
                 runs while it is in flight (delayed weight gradients of the experts).
@@ -279,22 +325,27 @@ class Buffer:
 
         Raises:
             ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign or unfinished
-                handle; async_finish with return_recv_hook.
+                handle; async_finish with return_recv_hook; ranks that disagree on E, K, H,
+                dtypes or whether topk_weights are given (naming the rank).
+            RuntimeError: more rows arrived than ``num_worst_tokens`` (naming both counts).
             CommError: a peer failed or did not join within ``timeout_s``.
         """
+        if not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
+            raise ValueError(f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got "
+                             f"{num_worst_tokens!r}")
         ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         ctl["wgrad_store"] = wgrad_store
         fp8 = isinstance(x, tuple)
         if handle is not None:
             self._check_handle(handle)
             self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("a cached dispatch (handle=...) replays the handle's routing: "
-                                 "pass topk_idx=None and topk_weights=None")
+            if topk_idx is not None or topk_weights is not None or num_worst_tokens:
+                raise ValueError("a cached dispatch (handle=...) replays the handle's routing and row count: "
+                                 "pass topk_idx=None, topk_weights=None and no num_worst_tokens")
             if fp8:
-                recv_x = tuple(self._move_forward(handle.plan, list(x), ctl, "cached dispatch (fp8)"))
+                recv_x = tuple(self._move_forward(handle.slot, list(x), ctl, "cached dispatch (fp8)"))
             else:
-                recv_x = autograd.ReplayDispatchFn.apply(self, handle.plan, ctl, x)
+                recv_x = autograd.ReplayDispatchFn.apply(self, handle.slot, ctl, x)
             return (recv_x, None, None, None, handle, *self._completion(ctl))
 
         self._check_x(x)
@@ -314,12 +365,16 @@ class Buffer:
                   "topk_idx dtype": _DTYPE_CODES.index(topk_idx.dtype),
                   "topk_weights given": int(topk_weights is not None)}
         layout = self._layout(topk_idx, num_experts)  # inputs checked above, once
-        # The metadata exchange (which also compares the fields across ranks) runs on the
-        # caller's thread (its all-ranks group is used by no other thread), so it does not
-        # queue behind payloads in flight on the comm thread.
-        plan = drive(self._transport.plan(layout[3], fields))
-        ctl.update(plan=plan, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
-                   recv_topk_idx=topk_idx.new_empty((plan.num_recv_tokens, topk_idx.shape[1])),
+        if num_worst_tokens:  # the transfer exchanges the counts first (_move_dispatch)
+            slot = PlanSlot(num_tokens, num_worst_tokens)
+        else:
+            # The metadata exchange (which also compares the fields across ranks) runs on the
+            # caller's thread, on a group no other thread uses, so it does not queue behind
+            # payloads in flight on the comm thread.
+            plan = drive(self._transport.plan(layout[3], fields))
+            slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
+        ctl.update(slot=slot, fields=fields, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
+                   recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
                    num_recv_tokens_per_expert=torch.empty(num_experts // self.world_size, dtype=torch.int64,
                                                           device=self.device))
         if fp8:  # fp8 is a forward-only format: no autograd
@@ -328,8 +383,8 @@ class Buffer:
         else:
             recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
         handle = DispatchHandle(buffer_id=self._uid, num_tokens=num_tokens, num_experts=num_experts,
-                                num_recv_tokens=plan.num_recv_tokens, recv_topk_idx=ctl["recv_topk_idx"],
-                                is_token_in_rank=layout[3], plan=plan, _hook=ctl.get("hook"))
+                                num_recv_tokens=slot.num_rows, recv_topk_idx=ctl["recv_topk_idx"],
+                                is_token_in_rank=layout[3], slot=slot, _hook=ctl.get("hook"))
         return (recv_x, ctl["recv_topk_idx"], recv_weights, ctl["num_recv_tokens_per_expert"], handle,
                 *self._completion(ctl))
 
@@ -378,7 +433,7 @@ class Buffer:
                 raise ValueError(f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
                                  f"{list(topk_weights.shape)} on {topk_weights.device}")
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        out = autograd.CombineFn.apply(self, handle.plan, ctl, y, row_scale)
+        out = autograd.CombineFn.apply(self, handle.slot, ctl, y, row_scale)
         return (out, *self._completion(ctl))
 
     # -- helpers ---------------------------------------------------------------------------
@@ -483,18 +538,33 @@ class Buffer:
         """Allocates the dispatch outputs and moves x (a tensor, or a list of row tensors such
         as the fp8 pair), topk_idx and topk_weights into them; converts topk_idx to local
         numbering and zeroes the weights of other ranks' experts. Returns the received x
-        tensors followed by the received weights (or None)."""
-        plan, rows = ctl["plan"], ctl["plan"].num_recv_tokens
+        tensors followed by the received weights (or None). A slot without a plan (static
+        ``num_worst_tokens`` size) gets it here, first, and pads the outputs."""
+        slot = ctl["slot"]
         xs = x if isinstance(x, list) else [x]
         tensors = [*xs, ctl["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
-        out = self._alloc(ctl, [(t, (rows, *t.shape[1:])) for t in tensors])
+        out = self._alloc(ctl, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
         out[len(xs)] = ctl["recv_topk_idx"]
         experts_per_rank = ctl["num_experts"] // self.world_size
         first = self.rank * experts_per_rank
 
         def steps():
-            yield from self._transport.dispatch(tensors, ctl["is_token_in_rank"], plan, out)
+            if slot.plan is None:
+                slot.plan = yield from self._transport.plan(ctl["is_token_in_rank"], ctl["fields"],
+                                                            on_comm_thread=True)
+            rows = slot.plan.num_recv_tokens
+            # Past the static size the rows still arrive (peers send them regardless), into
+            # scratch, and the overflow is raised once the transfer is complete.
+            dst = [o[:rows] for o in out] if rows <= slot.num_rows else [o.new_empty((rows, *o.shape[1:])) for o in out]
+            yield from self._transport.dispatch(tensors, ctl["is_token_in_rank"], slot.plan, dst)
+            if rows > slot.num_rows:
+                raise RuntimeError(f"EP rank {self.rank}: dispatch received {rows} rows but num_worst_tokens="
+                                   f"{slot.num_rows}; raise num_worst_tokens to at least {rows} (T * W never "
+                                   "overflows)")
+            for o in out:  # the padding rows of a static size
+                o[rows:].zero_()
             recv_idx = out[len(xs)]
+            recv_idx[rows:] = -1
             mine = (recv_idx >= first) & (recv_idx < first + experts_per_rank)
             recv_idx.copy_(torch.where(mine, recv_idx - first, torch.full_like(recv_idx, -1)))
             # Counted from the rows that arrived: the metadata carries no per-expert counts, so
@@ -506,18 +576,34 @@ class Buffer:
         self._run(steps(), ctl, [*tensors, *out])
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
 
-    def _move_forward(self, plan, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
-        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[R, ...]`` outputs."""
-        out = self._alloc(ctl, [(t, (plan.num_recv_tokens, *t.shape[1:])) for t in tensors])
-        self._run(self._transport.forward(tensors, plan, out, what), ctl, [*tensors, *out])
+    def _move_forward(self, slot: PlanSlot, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
+        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
+        outputs (rows past the received ones zero)."""
+        out = self._alloc(ctl, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
+
+        def steps():
+            rows = slot.plan.num_recv_tokens
+            yield from self._transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
+            for o in out:
+                o[rows:].zero_()
+
+        self._run(steps(), ctl, [*tensors, *out])
         return out
 
-    def _move_combine(self, plan, tensors: list[torch.Tensor], scales: list, ctl: dict,
+    def _move_combine(self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list, ctl: dict,
                       what: str) -> list[torch.Tensor]:
-        """Combines row tensors ``[R, ...]`` onto their source tokens into new ``[T, ...]`` outputs."""
-        out = self._alloc(ctl, [(t, (plan.num_tokens, *t.shape[1:])) for t in tensors])
+        """Combines row tensors ``[num_rows, ...]`` (only the received rows are read) onto their
+        source tokens into new ``[T, ...]`` outputs."""
+        out = self._alloc(ctl, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
-        self._run(self._transport.combine(tensors, scales, plan, out, what), ctl, uses)
+
+        def steps():
+            rows = slot.plan.num_recv_tokens
+            yield from self._transport.combine([t[:rows] for t in tensors],
+                                               [None if sc is None else sc[:rows] for sc in scales], slot.plan, out,
+                                               what)
+
+        self._run(steps(), ctl, uses)
         return out
 
 

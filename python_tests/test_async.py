@@ -38,16 +38,21 @@ def _async_matches_sync(rank, world_size, buf):
 
 
 def _returns_before_late_peer(rank, world_size, buf):
-    """Combine and cached dispatch need no host-visible metadata: with the last rank joining
-    LATE_S seconds late, the others' calls return at once and complete after it joins."""
+    """Combine, cached dispatch and a num_worst_tokens dispatch need no host-visible metadata:
+    with the last rank joining LATE_S seconds late, the others' calls return at once and
+    complete after it joins."""
     x, idx, w, num_experts = _inputs(rank, world_size, seed=31)
     recv_x, *_, handle, _ = buf.dispatch(x, idx, w, num_experts)
     expected_out = buf.combine(recv_x, handle)[0]
     expected_cached = buf.dispatch(x, handle=handle)[0]
     late = rank == world_size - 1
+    worst = x.shape[0] * world_size
+    expected_worst = torch.cat([recv_x, recv_x.new_zeros((worst - recv_x.shape[0], recv_x.shape[1]))])
     for name, call, expected in (
             ("combine", lambda: buf.combine(recv_x, handle, async_finish=True), expected_out),
-            ("cached dispatch", lambda: buf.dispatch(x, handle=handle, async_finish=True)[::5], expected_cached)):
+            ("cached dispatch", lambda: buf.dispatch(x, handle=handle, async_finish=True)[::5], expected_cached),
+            ("num_worst_tokens dispatch", lambda: buf.dispatch(x, idx, w, num_experts, num_worst_tokens=worst,
+                                                               async_finish=True)[::5], expected_worst)):
         if late:
             time.sleep(LATE_S)
         start = time.monotonic()
@@ -59,6 +64,64 @@ def _returns_before_late_peer(rank, world_size, buf):
         if not late and world_size > 1:
             assert returned < LATE_S / 2, f"async {name} took {returned:.2f} s to return"
             assert completed > LATE_S / 2, f"async {name} completed in {completed:.2f} s, before the late rank joined"
+
+
+def _worst_tokens(rank, world_size, buf):
+    """num_worst_tokens: static-size outputs whose first rows equal the sized dispatch, padding
+    rows 0 / -1 / 0; combine ignores the padding; gradients equal the sized path's."""
+    x, idx, w, num_experts = _inputs(rank, world_size, seed=38)
+    worst = x.shape[0] * world_size
+    sync = buf.dispatch(x, idx, w, num_experts)
+    rows = sync[0].shape[0]
+    for async_finish in (False, True):
+        recv_x, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(
+            x, idx, w, num_experts, num_worst_tokens=worst, async_finish=async_finish)
+        assert recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == handle.num_recv_tokens == worst
+        event.current_stream_wait()
+        assert handle.plan.num_recv_tokens == rows
+        assert torch.equal(recv_x[:rows], sync[0]) and torch.equal(recv_idx[:rows], sync[1])
+        assert torch.equal(recv_w[:rows], sync[2]) and torch.equal(per_expert, sync[3])
+        assert not recv_x[rows:].any() and bool((recv_idx[rows:] == -1).all()) and not recv_w[rows:].any()
+        y = expert(recv_x, rank)
+        y[rows:] = 1e4  # padding rows must not reach any token
+        out, event = buf.combine(y, handle, recv_w, async_finish=async_finish)
+        event.current_stream_wait()
+        assert torch.equal(out, buf.combine(expert(sync[0], rank), sync[4], sync[2])[0])
+    grads = []
+    for worst_rows in (0, worst):
+        xg = x.float().requires_grad_()
+        recv_x, _, recv_w, *_, handle, _ = buf.dispatch(xg, idx, w, num_experts, num_worst_tokens=worst_rows)
+        out, _ = buf.combine(recv_x * 2, handle, recv_w)
+        (out * out).sum().backward()
+        grads.append(xg.grad)
+    assert torch.equal(*grads), "num_worst_tokens changed the gradient"
+
+
+def _worst_tokens_overflow(rank, world_size, buf):
+    """More rows than num_worst_tokens: every rank still completes the transfer (nobody hangs),
+    the overflowing ranks raise naming both counts, and the Buffer stays usable."""
+    x, idx, w, num_experts = _inputs(rank, world_size, seed=39)
+    rows = buf.dispatch(x, idx, w, num_experts)[0].shape[0]
+    *_, event = buf.dispatch(x, idx, w, num_experts, num_worst_tokens=1, async_finish=True)
+    if rows <= 1:
+        event.current_stream_wait()
+    else:
+        with pytest.raises(RuntimeError, match=f"received {rows} rows but num_worst_tokens=1"):
+            event.current_stream_wait()
+    assert buf.dispatch(x, idx, w, num_experts)[0].shape[0] == rows, "the Buffer must stay usable"
+
+
+def _worst_tokens_mismatch(rank, world_size, buf):
+    """Ranks that disagree on hidden, with num_worst_tokens: every rank raises the named
+    ValueError where the operation completes (the counts travel with the transfer)."""
+    if world_size == 1:
+        return
+    x, idx, w, num_experts = _inputs(rank, world_size, seed=40)
+    if rank == 0:
+        x = x[:, :32].contiguous()
+    *_, event = buf.dispatch(x, idx, w, num_experts, num_worst_tokens=64, async_finish=True)
+    with pytest.raises(ValueError, match="arguments differ across ranks: hidden is"):
+        event.current_stream_wait()
 
 
 def _autograd_after_async(rank, world_size, buf):
@@ -135,7 +198,9 @@ def _delayed_wgrad(rank, world_size, buf):
 
 CASES = {"async-matches-sync": _async_matches_sync, "returns-before-late-peer": _returns_before_late_peer,
          "autograd-after-async": _autograd_after_async, "recv-hook": _recv_hook,
-         "two-microbatch-hooks": _two_microbatch_hooks, "delayed-wgrad": _delayed_wgrad}
+         "two-microbatch-hooks": _two_microbatch_hooks, "delayed-wgrad": _delayed_wgrad,
+         "worst-tokens": _worst_tokens, "worst-tokens-overflow": _worst_tokens_overflow,
+         "worst-tokens-mismatch": _worst_tokens_mismatch}
 
 
 def _entry(rank, world_size, ranks_per_node):

@@ -209,6 +209,7 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
 
 
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
+ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whole on the comm thread
 
 
 class TorchDistTransport:
@@ -238,7 +239,7 @@ class TorchDistTransport:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.peers = {INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
                       INTRA: topology.node_ranks(topology.node),
-                      ALL: list(range(topology.world_size))}
+                      ALL: list(range(topology.world_size)), ALL_COMM: list(range(topology.world_size))}
         # Only members create a sub-group (use_local_synchronization), so EP groups that are
         # themselves sub-groups of the world (Megatron) need no world-wide agreement. Our own
         # groups carry our timeout, whatever the caller's group has.
@@ -287,7 +288,8 @@ class TorchDistTransport:
                                      f"{', '.join(fields)}")
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, int], what: str = "dispatch") -> Steps:
+    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, int], what: str = "dispatch",
+             on_comm_thread: bool = False) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
         (stage-2 send indices still unset); one all_to_all on the all-ranks group.
 
@@ -298,6 +300,9 @@ class TorchDistTransport:
                 everywhere). They ride in front of the counts, so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
                 hold (a size mismatch inside a collective aborts the process instead of raising).
+            on_comm_thread: the steps run on the communication thread (with the payloads), not
+                on the caller's: they use a group of their own, so that the two threads never
+                interleave collectives of one group in different orders on different ranks.
 
         Raises (from the steps):
             ValueError: naming the first field and EP rank that differ from this rank.
@@ -320,7 +325,7 @@ class TorchDistTransport:
                                   to_node[:, dest_node].unsqueeze(2)], 2)  # [C, W, L + 1]
         mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
         meta = torch.cat([mine.expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
-        got, pending = self._all_to_all(meta, None, None, ALL, f"{what} metadata")
+        got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
         yield pending
         got = got.view(world, -1)  # [source rank, row]
         self._check_fields(fields, got[:, :len(fields)], what)
