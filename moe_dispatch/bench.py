@@ -15,8 +15,11 @@ Per model it
      ``all_to_all_single`` moving the flat payload with precomputed splits, interleaved in the
      same iterations; each iteration's time is the max over ranks.
 
-Only rank 0 prints: one table per model, a summary line with the goal (ours / flat <= 1.2), and
-a JSON file with every figure, the configuration, torch version, date and git commit.
+Only rank 0 prints: where the ranks run (host of each node), one table per model (with the
+cross-node rate per rank, the analogue of a GPU's RDMA bandwidth), a summary line with the goal
+(ours / flat <= 1.2), and a JSON file with every figure, the configuration, the hosts, torch
+version, date and git commit. ``benchmarks/multinode/`` launches it on real clusters (torchrun,
+Slurm).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import os
 import pathlib
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +51,7 @@ GOAL_RATIO = 1.2  # goal figure: (ours dispatch + combine) / (flat dispatch + co
 # CPU defaults keep `make demo` (3 models, 8 processes on 2 cores) well under 3 minutes.
 CPU_HIDDEN_SCALE, CPU_ITERS, CPU_WARMUP = 0.125, 10, 2
 GPU_ITERS, GPU_WARMUP = 50, 10
+DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails the run after this
 # What the figures mean: printed under every table and stored in the JSON.
 DEFINITIONS = {
     "bytes": "rows x H x element size of hidden payload moved per direction (dispatch; combine moves the same "
@@ -57,6 +62,9 @@ DEFINITIONS = {
     "flat": "one bare all_to_all_single over all ranks moving each token once to each rank holding it "
             "(splits precomputed, send buffer prebuilt), and its reverse for combine; timed in the same iterations",
     "ratio_ours_over_flat": "median(ours) / median(flat); total = (dispatch + combine) medians",
+    "bandwidth_gbs_per_rank": "bytes (above) / world size / median latency, in GB/s (1e9 B/s): the average rate per "
+                              "rank (per GPU), cross-node (RDMA on a GPU cluster) and intra-node (NVLink); "
+                              "None where no bytes cross",
 }
 # glibc settings for the CPU world's processes (unless already set): freed buffers stay in the
 # heap, so the tens of MB each dispatch allocates do not page-fault afresh on every call (what
@@ -76,6 +84,8 @@ class BenchConfig:
         iters: timed iterations; warmup: untimed ones before.
         dtype: key of :data:`DTYPES`.
         seed: the shared seed every rank's inputs derive from.
+        timeout_s: bound, in seconds, on every collective (``Buffer(timeout_s=...)``; under
+            torchrun also the process group's timeout).
     """
 
     models: tuple[str, ...]
@@ -87,6 +97,7 @@ class BenchConfig:
     warmup: int
     dtype: str
     seed: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def _torchrun_env() -> tuple[int, int, int] | None:
@@ -120,6 +131,10 @@ def _parse_args(argv: list[str] | None, torchrun: tuple[int, int, int] | None) -
                         help=f"untimed warm-up iterations (default {CPU_WARMUP} on CPU, {GPU_WARMUP} on GPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="hidden payload dtype (default bf16)")
     parser.add_argument("--seed", type=int, default=0, help="shared seed of every rank's inputs (default 0)")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"bound in seconds on every collective: a rank that fails or never joins makes the others "
+                             f"raise CommError naming it (default {DEFAULT_TIMEOUT_S:g}; under torchrun also the "
+                             f"process group's timeout)")
     parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/bench.json"),
                         help="where to write the figures (default bench_results/bench.json)")
     args = parser.parse_args(argv)
@@ -149,9 +164,11 @@ def _parse_args(argv: list[str] | None, torchrun: tuple[int, int, int] | None) -
         parser.error(f"--ranks-per-node {ranks_per_node} must divide the world size {world_size}")
     if not hidden_scale > 0:
         parser.error(f"--hidden-scale must be positive, got {hidden_scale}")
+    if not args.timeout_s > 0:
+        parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
     config = BenchConfig(models=tuple(dict.fromkeys(args.models)), num_tokens=args.num_tokens,
                          hidden_scale=hidden_scale, world_size=world_size, ranks_per_node=ranks_per_node,
-                         iters=iters, warmup=warmup, dtype=args.dtype, seed=args.seed)
+                         iters=iters, warmup=warmup, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout_s)
     return config, args.json
 
 
@@ -308,15 +325,58 @@ def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, 
         "combine": ours["combine"] / flat["combine"],
         "total": (ours["dispatch"] + ours["combine"]) / (flat["dispatch"] + flat["combine"]),
     }
+    figures["bandwidth_gbs_per_rank"] = {
+        side: {op: {where: _gbs_per_rank(figures["bytes"][side][where], latency[side][op]["median"], world_size)
+                    for where in ("internode", "intranode")} for op in ("dispatch", "combine")}
+        for side in ("ours", "flat")}
     return figures
 
 
-def _run_rank(config: BenchConfig) -> list[dict]:
-    """Every model on this rank of an initialised world; returns the figures (all ranks agree).
-    Rank 0 prints one progress line per model."""
+def _gbs_per_rank(nbytes: int, median_ms: float, world_size: int) -> float | None:
+    """Average rate per rank in GB/s of ``nbytes`` (summed over ranks) moved in ``median_ms``."""
+    if nbytes <= 0 or median_ms <= 0:
+        return None
+    return nbytes / world_size / (median_ms * 1e-3) / 1e9
+
+
+def node_hosts(hosts: list[str], ranks_per_node: int) -> list[list[str]]:
+    """Per node (ranks ``[n*L, (n+1)*L)``), the distinct hosts its ranks run on, in rank order.
+
+    A node whose ranks run on more than one host means ``ranks_per_node`` (``LOCAL_WORLD_SIZE``
+    under torchrun) does not match the machines: the "intra-node" hop would cross the network.
+    Several nodes on one host is fine (a simulated cluster, or a CPU world).
+    """
+    return [list(dict.fromkeys(hosts[n:n + ranks_per_node])) for n in range(0, len(hosts), ranks_per_node)]
+
+
+def _layout(hosts: list[str], ranks_per_node: int) -> tuple[list[str], list[str]]:
+    """``(lines describing where each node runs, warnings)`` for rank 0 to print."""
+    per_node = node_hosts(hosts, ranks_per_node)
+    lines = [f"node {n}: {', '.join(h)} (ranks {n * ranks_per_node}-{(n + 1) * ranks_per_node - 1})"
+             for n, h in enumerate(per_node)]
+    if len(lines) > 8:  # 64 nodes need not fill the screen: first 4, last 2
+        lines = lines[:4] + [f"... ({len(lines) - 6} more)"] + lines[-2:]
+    warnings = [f"node {n} (ranks {n * ranks_per_node}-{(n + 1) * ranks_per_node - 1}) spans hosts {', '.join(h)}: "
+                f"ranks_per_node={ranks_per_node} does not match the ranks per host, so the hierarchy's intra-node "
+                f"hop crosses the network; set --ranks-per-node (torchrun: LOCAL_WORLD_SIZE = --nproc-per-node) "
+                f"to the GPUs per host" for n, h in enumerate(per_node) if len(h) > 1]
+    return lines, warnings
+
+
+def _run_rank(config: BenchConfig) -> tuple[list[dict], list[str]]:
+    """Every model on this rank of an initialised world; returns ``(figures, host of each rank)``
+    (all ranks agree). Rank 0 prints where the nodes run and one progress line per model."""
     device_is_cuda = dist.get_backend() == "nccl"
     sync = torch.cuda.synchronize if device_is_cuda else (lambda: None)
-    buf = Buffer(ranks_per_node=config.ranks_per_node)
+    buf = Buffer(ranks_per_node=config.ranks_per_node, timeout_s=config.timeout_s)
+    hosts: list = [None] * buf.world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=buf.group)
+    if buf.rank == 0:
+        lines, warnings = _layout(hosts, config.ranks_per_node)
+        print(f"[moe-dispatch-bench] {buf.world_size} ranks = {buf.num_nodes} nodes x {config.ranks_per_node} "
+              f"({dist.get_backend()}): " + "; ".join(lines), flush=True)
+        for line in warnings:
+            print(f"[moe-dispatch-bench] WARNING: {line}", flush=True)
     results = []
     for name in config.models:
         preset = routing.PRESETS[name].with_hidden_scale(config.hidden_scale)
@@ -326,13 +386,13 @@ def _run_rank(config: BenchConfig) -> list[dict]:
             state = figures.get("skipped") or f"oracle check {figures['oracle_check']}"
             print(f"[moe-dispatch-bench] {name}: {state} ({time.perf_counter() - start:.1f} s)", flush=True)
         results.append(figures)
-    return results
+    return results, hosts
 
 
-def _world_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict] | None:
-    """Entry point of each rank (spawned or under torchrun); rank 0 returns the figures."""
-    results = _run_rank(config)
-    return results if rank == 0 else None
+def _world_rank(rank: int, world_size: int, config: BenchConfig) -> tuple[list[dict], list[str]] | None:
+    """Entry point of each rank (spawned or under torchrun); rank 0 returns ``(figures, hosts)``."""
+    figures_and_hosts = _run_rank(config)
+    return figures_and_hosts if rank == 0 else None
 
 
 # -- reporting (rank 0) ---------------------------------------------------------------------------
@@ -348,15 +408,16 @@ def _git_commit() -> str | None:
 
 
 def _report(results: list[dict], config: BenchConfig, device: str, json_path: pathlib.Path,
-            environment: dict | None = None) -> int:
-    """Prints the tables and the goal line, writes the JSON; returns the exit status."""
+            environment: dict | None = None, hosts: list[str] | None = None) -> int:
+    """Prints the tables and the goal line, writes the JSON; returns the exit status.
+    ``hosts``: the host of each rank (stored per node in the JSON's ``layout``)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for a table row per line
-        console = Console(width=160)
+        console = Console(width=180)
     mb = 1e6
     nodes = config.world_size // config.ranks_per_node
     for fig in results:
@@ -371,7 +432,7 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
         b, lat, ratio = fig["bytes"], fig["latency_ms"], fig["ratio_ours_over_flat"]
         table = Table(title=title, title_justify="left")
         for col in ("", "intra-node MB", "cross-node MB", "cross / lower bound", "dispatch ms", "combine ms",
-                    "total ms"):
+                    "total ms", "cross-node GB/s/rank"):
             table.add_column(col, justify="left" if not col else "right")
 
         def ms(s: dict) -> str:
@@ -382,12 +443,17 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
         def over_lb(v: float | None) -> str:
             return "n/a" if v is None else f"{v:.2f}"
 
+        def gbs(rates_by_op: dict) -> str:  # dispatch / combine
+            rates = [rates_by_op[op]["internode"] for op in ("dispatch", "combine")]
+            return "n/a" if None in rates else " / ".join(f"{r:.{3 if r < 1 else 1}f}" for r in rates)
+
         for label, side in (("ours (hierarchical)", "ours"), ("flat all_to_all_single", "flat")):
             table.add_row(label, f"{b[side]['intranode'] / mb:.2f}", f"{b[side]['internode'] / mb:.2f}",
                           over_lb(b[side]["internode_over_lower_bound"]), ms(lat[side]["dispatch"]),
-                          ms(lat[side]["combine"]), ms(lat[side]["total"]))
+                          ms(lat[side]["combine"]), ms(lat[side]["total"]),
+                          gbs(fig["bandwidth_gbs_per_rank"][side]))
         table.add_row("ours / flat", "", "", "", f"{ratio['dispatch']:.2f}", f"{ratio['combine']:.2f}",
-                      f"{ratio['total']:.2f}", style="bold")
+                      f"{ratio['total']:.2f}", "", style="bold")
         check = ("[green]passed[/green]" if fig["oracle_check"] == "passed"
                  else f"[bold red]FAILED ({len(fig['mismatches'])} mismatches)[/bold red]")
         elem = b["row_bytes"] // fig["hidden"]
@@ -397,6 +463,7 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
             f"x H x {elem} B = {b['lower_bound_internode'] / mb:.2f} MB. ms = median (min-max) over {config.iters} "
             f"iterations of the max over ranks; ours = Buffer.dispatch/combine (layout included), flat = a bare "
             f"all_to_all_single of the flat payload (prebuilt send buffer), in the same iterations. "
+            f"GB/s/rank = cross-node MB / W / median ms, dispatch / combine (per GPU: the RDMA rate). "
             f"Oracle check (torch.equal, every rank): {check}")
         table.caption_justify = "left"
         console.print(table)
@@ -424,6 +491,8 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
         "torch_version": torch.__version__, "python_version": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
+        "layout": {"num_nodes": nodes, "ranks_per_node": config.ranks_per_node,
+                   "node_hosts": node_hosts(hosts, config.ranks_per_node) if hosts else None},
         "models": {f["model"]: f for f in results},
         "goal": goal,
         "definitions": DEFINITIONS,
@@ -443,31 +512,40 @@ def main(argv: list[str] | None = None) -> int:
     """
     torchrun = _torchrun_env()
     config, json_path = _parse_args(argv, torchrun)
+    run_desc = (f"{config.world_size // config.ranks_per_node} nodes x {config.ranks_per_node}), "
+                f"{config.num_tokens} tokens/rank, hidden x{config.hidden_scale:g}, {config.iters} iterations, "
+                f"collective timeout {config.timeout_s:g} s")
     if torchrun is None:
-        print(f"[moe-dispatch-bench] CPU world: {config.world_size} processes (gloo, "
-              f"{config.world_size // config.ranks_per_node} nodes x {config.ranks_per_node}), "
-              f"{config.num_tokens} tokens/rank, hidden x{config.hidden_scale:g}, {config.iters} iterations",
-              flush=True)
+        print(f"[moe-dispatch-bench] CPU world: {config.world_size} processes (gloo, {run_desc}", flush=True)
         # The ranks inherit the environment of the forkserver, which starts with the first world of
         # this process (a forkserver already running keeps its own).
         added = [k for k in CPU_MALLOC_ENV if k not in os.environ]
         os.environ.update({k: CPU_MALLOC_ENV[k] for k in added})
         malloc_env = {k: os.environ[k] for k in CPU_MALLOC_ENV}
         try:
-            results = spawn_world(config.world_size, _world_rank, config, timeout_s=3600.0)[0]
+            results, hosts = spawn_world(config.world_size, _world_rank, config, timeout_s=3600.0)[0]
         finally:
             for k in added:
                 os.environ.pop(k, None)
-        return _report(results, config, "the CPU world (gloo)", json_path, {"malloc_env": malloc_env})
+        return _report(results, config, "the CPU world (gloo)", json_path, {"malloc_env": malloc_env}, hosts)
 
-    _, world_size, _ = torchrun
-    results = launch_ranks(world_size, _world_rank, config, timeout_s=3600.0)
-    if results is None:  # not rank 0
+    rank, world_size, _ = torchrun
+    if rank == 0:
+        print(f"[moe-dispatch-bench] torchrun world: {world_size} ranks ({run_desc}", flush=True)
+    # The process group is bounded like the Buffer: a peer that never joins fails the run instead of hanging it.
+    out = launch_ranks(world_size, _world_rank, config, timeout_s=config.timeout_s)
+    if out is None:  # not rank 0
         return 0
-    device = (f"{world_size} x {torch.cuda.get_device_name()} (NCCL)" if torch.cuda.is_available()
-              else f"torchrun CPU world of {world_size} (gloo)")
-    return _report(results, config, device, json_path)
+    results, hosts = out
+    nodes = world_size // config.ranks_per_node
+    device = (f"{nodes} nodes x {config.ranks_per_node} x {torch.cuda.get_device_name()} (NCCL)"
+              if torch.cuda.is_available() else f"torchrun CPU world of {nodes} nodes x {config.ranks_per_node} (gloo)")
+    return _report(results, config, device, json_path, hosts=hosts)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under torchrun, record() puts a failing rank's traceback into torchrun's error summary
+    # (which names the rank and its host); elsewhere it changes nothing.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

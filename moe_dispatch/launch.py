@@ -118,6 +118,21 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
     return [out[r] for r in range(world_size)]
 
 
+def local_device(local_rank: int, device_count: int) -> int:
+    """The CUDA device of local rank ``local_rank`` (one process per GPU, ``LOCAL_RANK`` = GPU index).
+
+    Raises:
+        RuntimeError: more ranks on this host than visible GPUs (two ranks would share a GPU and
+            NCCL would fail later with a less helpful message), naming the host and the fix.
+    """
+    if not 0 <= local_rank < device_count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} on host {socket.gethostname()}, but only {device_count} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most one rank per "
+            f"GPU, e.g. torchrun --nproc-per-node {device_count}")
+    return local_rank
+
+
 def launch_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 1800.0) -> Any:
     """Runs ``fn(rank, world_size, *args)`` on every rank and returns rank 0's value.
 
@@ -133,7 +148,7 @@ def launch_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         return fn(dist.get_rank(), dist.get_world_size(), *args)

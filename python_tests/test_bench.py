@@ -117,13 +117,17 @@ def test_preset_validation_and_hidden_scale():
 def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
     out = tmp_path / "bench.json"
     status = bench.main(["--world-size", "4", "--ranks-per-node", "2", "--num-tokens", "128",
-                         "--hidden-scale", "0.01", "--iters", "2", "--warmup", "1", "--json", str(out)])
+                         "--hidden-scale", "0.01", "--iters", "2", "--warmup", "1", "--timeout-s", "120",
+                         "--json", str(out)])
     assert status == 0
     printed = capsys.readouterr().out
     assert "cross / lower bound" in printed and "goal:" in printed
     figures = json.loads(out.read_text())
     assert figures["oracle_check"] == "passed"
     assert figures["config"]["world_size"] == 4 and figures["config"]["ranks_per_node"] == 2
+    assert figures["config"]["timeout_s"] == 120
+    assert figures["layout"]["num_nodes"] == 2 and len(figures["layout"]["node_hosts"]) == 2
+    assert "2 nodes x 2" in printed and "cross-node GB/s/rank" in printed
     assert figures["torch_version"] == torch.__version__
     assert set(figures["models"]) == set(routing.PRESETS)
     for model in figures["models"].values():
@@ -136,6 +140,12 @@ def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
                 stats = model["latency_ms"][side][op]
                 assert 0 < stats["min"] <= stats["median"] <= stats["max"]
         assert model["ratio_ours_over_flat"]["total"] > 0
+        for side in ("ours", "flat"):
+            for op in ("dispatch", "combine"):
+                rates = model["bandwidth_gbs_per_rank"][side][op]
+                assert rates["internode"] > 0 and rates["intranode"] > 0
+        want = bytes_["ours"]["internode"] / 4 / (model["latency_ms"]["ours"]["dispatch"]["median"] * 1e-3) / 1e9
+        assert model["bandwidth_gbs_per_rank"]["ours"]["dispatch"]["internode"] == pytest.approx(want)
     assert isinstance(figures["goal"]["met"], bool)
 
 
@@ -152,3 +162,16 @@ def test_bench_reports_mismatches():
 def test_bench_rejects_bad_sizes():
     with pytest.raises(SystemExit):
         bench.main(["--world-size", "6", "--ranks-per-node", "4"])
+    with pytest.raises(SystemExit):
+        bench.main(["--timeout-s", "0"])
+
+
+def test_bench_layout_names_nodes_and_warns_when_a_node_spans_hosts():
+    lines, warnings = bench._layout(["a", "a", "b", "b"], 2)
+    assert lines == ["node 0: a (ranks 0-1)", "node 1: b (ranks 2-3)"] and warnings == []
+    assert bench._layout(["a"] * 4, 2)[1] == []  # several nodes on one host: a simulated cluster
+    lines, warnings = bench._layout(["a", "b", "a", "b"], 2)  # LOCAL_WORLD_SIZE larger than the GPUs per host
+    assert len(warnings) == 2 and warnings[0].startswith("node 0 (ranks 0-1) spans hosts a, b: ranks_per_node=2")
+    lines, _ = bench._layout([f"h{n}" for n in range(10)], 1)
+    assert len(lines) == 7 and lines[4] == "... (4 more)" and lines[-1] == "node 9: h9 (ranks 9-9)"
+    assert bench._gbs_per_rank(0, 1.0, 4) is None and bench._gbs_per_rank(4e9, 1000.0, 4) == pytest.approx(1.0)
