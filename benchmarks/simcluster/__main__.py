@@ -233,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     overlap.add_argument("--mtu", type=int, default=9000)
     overlap.add_argument("--models", nargs="+", choices=sorted(routing.PRESETS), default=list(routing.PRESETS))
     overlap.add_argument("--num-tokens", type=int, default=1024)
-    overlap.add_argument("--micro-batches", type=int, default=4)
+    overlap.add_argument("--micro-batches", type=int, default=8)
     overlap.add_argument("--hidden-scale", type=float, default=0.125)
     overlap.add_argument("--ffn-ratio", type=float, default=2.0)
     overlap.add_argument("--iters", type=int, default=5)
