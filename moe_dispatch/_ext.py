@@ -83,8 +83,12 @@ def _load() -> tuple[object | None, ExtensionStatus]:
         module = importlib.import_module("moe_dispatch._C")
     except ImportError as e:
         if isinstance(e, ModuleNotFoundError) and e.name == "moe_dispatch._C":
-            error = ("moe_dispatch._C is not compiled: reinstall with nvcc on PATH or CUDA_HOME set "
-                     "(MOE_DISPATCH_REQUIRE_CUDA=1 makes a missing nvcc an error)")
+            error = ("moe_dispatch._C is not compiled (a pure-Python install): reinstall with nvcc on PATH "
+                     "or CUDA_HOME set (MOE_DISPATCH_REQUIRE_CUDA=1 makes a missing nvcc an error)")
+        elif NVSHMEM_HOST_LIB in str(e):
+            where = "is not installed" if nvshmem_package_dir() is None else "lacks it"
+            error = (f"moe_dispatch._C failed to load: {e}; it needs {NVSHMEM_HOST_LIB} from the "
+                     f"nvidia-nvshmem-cu13 package, which {where} (pip install nvidia-nvshmem-cu13)")
         else:
             error = f"moe_dispatch._C failed to load: {e}"
         return None, ExtensionStatus(False, error + preload_error, False, None, None)

@@ -11,6 +11,8 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ def _load_setup_py():
     # setup.py calls setup() only under __main__, so importing it just defines its helpers.
     spec = importlib.util.spec_from_file_location("moe_dispatch_setup", ROOT / "setup.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -58,6 +61,21 @@ def test_status_when_missing_names_the_fix():
     if STATUS.built:
         pytest.skip("the extension is built here")
     assert "not built" in str(STATUS) and STATUS.error
+
+
+def test_missing_nvshmem_library_is_named_with_the_fix(monkeypatch):
+    # Simulated: wherever torch is a CUDA 13 build it loads libnvshmem_host.so.3 itself, so a
+    # real process with torch but without the library does not exist on this machine.
+    def import_fails(name):
+        raise ImportError(f"{_ext.NVSHMEM_HOST_LIB}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(_ext, "nvshmem_package_dir", lambda: None)
+    monkeypatch.setattr(_ext.importlib, "import_module", import_fails)
+    module, status = _ext._load()
+    assert module is None and not status.built and not status.with_nvshmem
+    assert status.error == ("moe_dispatch._C failed to load: libnvshmem_host.so.3: cannot open shared object file: "
+                            "No such file or directory; it needs libnvshmem_host.so.3 from the nvidia-nvshmem-cu13 "
+                            "package, which is not installed (pip install nvidia-nvshmem-cu13)")
 
 
 @built
@@ -114,30 +132,105 @@ def test_require_cuda_without_nvcc_fails(tmp_path):
         setup_py.plan_cuda_build(environ, default_cuda_home=str(tmp_path / "no-cuda"))
 
 
-def test_without_nvcc_prints_one_skip_line(tmp_path, capsys):
-    assert setup_py.plan_cuda_build({"PATH": str(tmp_path)}, default_cuda_home=str(tmp_path)) is None
+def test_without_nvcc_the_plan_skips_with_the_reason(tmp_path, capsys):
+    plan = setup_py.plan_cuda_build({"PATH": str(tmp_path)}, default_cuda_home=str(tmp_path))
+    assert plan.nvcc is None and plan.archs is None and plan.nvcc_version is None
+    assert plan.skip_reason == f"nvcc not found on PATH, in $CUDA_HOME/bin or in {tmp_path}/bin"
+    assert capsys.readouterr().err == ""  # setup.py runs once per build hook; the build announces it
+
+
+def test_announce_skip_prints_one_line(capsys):
+    setup_py.announce_skip(setup_py.CudaPlan(None, "MOE_DISPATCH_SKIP_CUDA=1"))
     captured = capsys.readouterr()
     assert captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1
-    assert re.match(r"moe_dispatch: CUDA extension moe_dispatch\._C skipped \(nvcc not found", lines[0])
+    assert captured.err == ("moe_dispatch: CUDA extension moe_dispatch._C skipped (MOE_DISPATCH_SKIP_CUDA=1); "
+                            "building the pure-Python package (py3-none-any)\n")
 
 
-def test_nvcc_found_in_cuda_home(tmp_path, capsys):
-    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
-    nvcc.parent.mkdir(parents=True)
-    nvcc.write_text("#!/bin/sh\n")
-    nvcc.chmod(0o755)
+def _fake_nvcc(path: Path, version: str, archs: list[str] | None) -> Path:
+    """An nvcc script answering --version and --list-gpu-arch (exit 1 for it when archs is None)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    listing = 'printf "%s\\n" ' + " ".join(f"compute_{a}" for a in archs) if archs is not None else "exit 1"
+    path.write_text(f"""#!/bin/sh
+case "$1" in
+  --version) echo "Cuda compilation tools, release {version.rsplit('.', 1)[0]}, V{version}" ;;
+  --list-gpu-arch) {listing} ;;
+  *) exit 2 ;;
+esac
+""")
+    path.chmod(0o755)
+    return path
+
+
+def test_nvcc_found_in_cuda_home_and_queried(tmp_path, capsys):
+    nvcc = _fake_nvcc(tmp_path / "cuda" / "bin" / "nvcc", "12.8.93", ["80", "90", "100", "120"])
     environ = {"PATH": str(tmp_path), "CUDA_HOME": str(tmp_path / "cuda")}
-    assert setup_py.plan_cuda_build(environ, default_cuda_home=str(tmp_path / "none")) == str(nvcc)
+    plan = setup_py.plan_cuda_build(environ, default_cuda_home=str(tmp_path / "none"))
+    assert plan == setup_py.CudaPlan(str(nvcc), None, "12.8.93", "90;100")
     assert capsys.readouterr().err == ""
 
 
-def test_skip_cuda_overrides_nvcc_and_contradicts_require(capsys):
-    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) is None
-    assert "skipped (MOE_DISPATCH_SKIP_CUDA=1)" in capsys.readouterr().err
+@pytest.mark.parametrize("archs, default", [(["75", "80", "86", "89", "90"], "90"), (None, "90"),
+                                            (["90", "100", "103", "110", "120"], "90;100")])
+def test_default_archs_follow_what_nvcc_supports(tmp_path, archs, default):
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "12.4.131", archs)
+    assert setup_py.nvcc_gpu_archs(str(nvcc)) == (None if archs is None else set(archs))
+    assert setup_py.cuda_archs({}, setup_py.nvcc_gpu_archs(str(nvcc))) == default
+    # The variable wins over the detection.
+    assert setup_py.cuda_archs({"MOE_DISPATCH_CUDA_ARCHS": "100a"}, setup_py.nvcc_gpu_archs(str(nvcc))) == "100a"
+
+
+def test_default_archs_fail_when_nvcc_supports_none():
+    with pytest.raises(SystemExit, match=r"nvcc supports none of sm_90, sm_100 \(it lists compute_70, compute_80\)"):
+        setup_py.cuda_archs({}, {"70", "80"})
+
+
+def test_real_nvcc_is_queried():
+    nvcc = setup_py.find_nvcc(os.environ)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", setup_py.nvcc_version(nvcc))
+    assert "90" in setup_py.nvcc_gpu_archs(nvcc)
+
+
+def test_nvcc_version_rejects_unknown_output(tmp_path):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho hello\n")
+    nvcc.chmod(0o755)
+    with pytest.raises(SystemExit, match=r"printed no version \(expected 'V<major>.<minor>.<patch>'\), got 'hello\\n'"):
+        setup_py.nvcc_version(str(nvcc))
+
+
+def test_skip_cuda_overrides_nvcc_and_contradicts_require():
+    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) == setup_py.CudaPlan(None, "MOE_DISPATCH_SKIP_CUDA=1")
     with pytest.raises(SystemExit, match="contradict"):
         setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1", "MOE_DISPATCH_REQUIRE_CUDA": "1"})
+
+
+def test_build_info_module_round_trips():
+    plan = setup_py.CudaPlan("/cuda/bin/nvcc", None, "13.0.88", "90;100")
+    values = {}
+    exec(setup_py.build_info_source(plan, "ab" * 20, True, "3.4.5"), values)
+    assert {k: v for k, v in values.items() if k.isupper()} == {
+        "COMMIT": "ab" * 20, "COMMIT_DIRTY": True, "NVCC_VERSION": "13.0.88", "CUDA_ARCHS": "90;100",
+        "NVSHMEM_VERSION": "3.4.5"}
+
+
+def test_git_commit_only_for_the_checkout_top_level(tmp_path):
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip(f"{ROOT} is not a git checkout")
+    commit, dirty = setup_py.git_commit(ROOT)
+    assert commit == head.stdout.strip() and isinstance(dirty, bool)
+    assert setup_py.git_commit(ROOT / "moe_dispatch") == (None, False)  # inside, but not the top level
+    assert setup_py.git_commit(tmp_path) == (None, False)
+
+
+def test_nvshmem_version_from_headers():
+    root = setup_py.find_nvshmem(os.environ)
+    if root is None:
+        pytest.skip("nvidia-nvshmem package not installed")
+    assert setup_py.nvshmem_version(root) == importlib.metadata.version("nvidia-nvshmem-cu13")
 
 
 def test_nvshmem_home_is_used_when_complete(tmp_path):
@@ -151,6 +244,7 @@ def test_nvshmem_home_is_used_when_complete(tmp_path):
 
 @pytest.mark.parametrize("raw, archs", [(None, "90"), ("90", "90"), ("90, 100a", "90;100a"), ("80;90a-real", "80;90a-real")])
 def test_cuda_archs(raw, archs):
+    # Without what nvcc supports (None), the default is sm_90 alone.
     assert setup_py.cuda_archs({} if raw is None else {"MOE_DISPATCH_CUDA_ARCHS": raw}) == archs
 
 
