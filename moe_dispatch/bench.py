@@ -33,7 +33,6 @@ import pathlib
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from . import reference, routing
 from .buffer import Buffer
+from .env import source_commit
 from .launch import launch_ranks, spawn_world
 from .layout import get_dispatch_layout_reference
 
@@ -396,17 +396,6 @@ def _world_rank(rank: int, world_size: int, config: BenchConfig) -> tuple[list[d
 
 
 # -- reporting (rank 0) ---------------------------------------------------------------------------
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
-
-
 def _report(results: list[dict], config: BenchConfig, device: str, json_path: pathlib.Path,
             environment: dict | None = None, hosts: list[str] | None = None) -> int:
     """Prints the tables and the goal line, writes the JSON; returns the exit status.
@@ -490,7 +479,7 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
         "config": dataclasses.asdict(config) | {"device": device, "environment": environment or {}},
         "torch_version": torch.__version__, "python_version": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
+        "git_commit": source_commit()["commit"],
         "layout": {"num_nodes": nodes, "ranks_per_node": config.ranks_per_node,
                    "node_hosts": node_hosts(hosts, config.ranks_per_node) if hosts else None},
         "models": {f["model"]: f for f in results},
