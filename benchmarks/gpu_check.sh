@@ -74,14 +74,18 @@ step env 60 "$PY" -m moe_dispatch.env
 
 if [[ "$DRY_RUN" == 1 ]]; then
   step tests 300 "$PY" -m pytest python_tests -q -x -p no:cacheprovider \
-       -k "extension or env or layout or quant or permute or intranode" --junitxml="$OUT/tests.xml"
-  # The CPU backend of the intranode protocol on a tiny shape: checks the benchmark script itself.
+       -k "extension or env or layout or quant or permute or intranode or internode" --junitxml="$OUT/tests.xml"
+  # The CPU backends of the intranode and internode protocols on tiny shapes: checks the benchmark scripts.
   step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  step bench_internode 120 "$PY" benchmarks/bench_internode.py --json "$OUT/bench_internode.json"
 else
   step tests 420 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --junitxml="$OUT/tests.xml"
   step bench_kernels 180 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
   # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, vs a d2d copy in the same run.
   step bench_intranode 150 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
+  # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
+  step bench_internode 120 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
   # Megatron's EP-overlap schedule needs EP >= 2, hence two GPUs.
   if [[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]]; then
     step bench_megatron_overlap 300 "$PY" -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \
@@ -97,6 +101,7 @@ fi
   column -t -s $'\t' "$SUMMARY"
   grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -n 1
   grep -h "^goal:" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
+  grep -h "^goal:" "$OUT/bench_internode.log" 2>/dev/null | sed 's/^/internode /'
   grep -h "hidden =" "$OUT/bench_megatron_overlap.log" 2>/dev/null | sed 's/^/megatron overlap /'
 } | tee "$OUT/summary.txt"
 exit "$FAILED"

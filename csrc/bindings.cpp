@@ -17,6 +17,8 @@ namespace py = pybind11;
 namespace moe_dispatch {
 // csrc/kernels/intranode_bindings.cpp: intranode dispatch/combine, CUDA IPC helpers.
 void register_intranode(py::module_& m);
+// csrc/kernels/internode_bindings.cpp: stage 1 of internode dispatch/combine, NVSHMEM host calls.
+void register_internode(py::module_& m);
 }  // namespace moe_dispatch
 
 namespace {
@@ -107,4 +109,5 @@ PYBIND11_MODULE(_C, m) {
       "launch failure.");
 
   moe_dispatch::register_intranode(m);
+  moe_dispatch::register_internode(m);
 }

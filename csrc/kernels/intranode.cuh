@@ -104,7 +104,7 @@ MOE_HD int channel_of_token(int num_tokens, int num_channels, int token) {
 //   [scale_offset, +scale_bytes)         fp8 scales fp32[H/128] (scale_bytes = 0 otherwise)
 //   [topk_idx_offset, +4K)               int32[K]: expert id local to the destination, -1 elsewhere
 //   [topk_weights_offset, +4K)           fp32[K]: gate weight, 0 where the id is -1
-//   [aux_offset, +4)                     int32 source token index
+//   [aux_offset, +4)                     int32 source token index (token_ids[t], or t)
 // Combine (num_topk = 0, scale_bytes = 0):
 //   [0, x_bytes)                         y row (bf16/fp16/fp32)
 //   [aux_offset, +4)                     fp32 row scale (1.0 without weights)
@@ -330,6 +330,7 @@ struct DispatchRank {
   const int64_t* topk_idx;        // [T, K] global ids, -1 = none
   const float* topk_weights;      // [T, K] or null
   const bool* is_token_in_rank;   // [T, W]
+  const int32_t* token_ids;       // [T] or null: what receivers record as a row's source token (null: t)
   const int32_t* recv_prefix;     // [W * C + 1] from notify
   char* recv_x;                   // [rows, x_bytes]
   float* recv_scales;             // [rows, H/128] or null

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/bind_args.h"
 #include "kernels/intranode.h"
 #include "kernels/intranode_cpu.h"
 
@@ -23,27 +24,16 @@ namespace moe_dispatch {
 namespace intranode {
 namespace {
 
-py::object field(const py::dict& d, const char* key, const char* what) {
-  if (!d.contains(key)) throw std::invalid_argument(std::string(what) + " is missing '" + key + "'");
-  return d[key];
-}
-
-template <typename T>
-T* pointer(const py::dict& d, const char* key, const char* what) {
-  py::object v = field(d, key, what);
-  if (v.is_none()) return nullptr;
-  return reinterpret_cast<T*>(v.cast<std::uintptr_t>());
-}
-
-int64_t integer(const py::dict& d, const char* key, const char* what) {
-  return field(d, key, what).cast<int64_t>();
-}
-
-int32_t int32(const py::dict& d, const char* key, const char* what) {
-  const int64_t v = integer(d, key, what);
-  MOE_HOST_CHECK(v >= INT32_MIN && v <= INT32_MAX, what << "['" << key << "'] = " << v << " does not fit int32");
-  return static_cast<int32_t>(v);
-}
+using bind::as_stream;
+using bind::check_backend;
+using bind::field;
+using bind::int32;
+using bind::integer;
+using bind::parse_combine_rank;
+using bind::parse_cpu_options;
+using bind::parse_dispatch_rank;
+using bind::parse_notify_rank;
+using bind::pointer;
 
 Common parse_common(const py::dict& d, int64_t num_launch_ranks) {
   const char* what = "common";
@@ -77,20 +67,7 @@ NotifyArgs parse_notify(const py::dict& common, const py::list& ranks, int64_t n
   NotifyArgs a{};
   a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
   a.num_topk = static_cast<int32_t>(num_topk);
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    const py::dict r = ranks[i].cast<py::dict>();
-    const char* what = "notify rank";
-    NotifyRank& n = a.ranks[i];
-    n.is_token_in_rank = pointer<const bool>(r, "is_token_in_rank", what);
-    n.recv_prefix = pointer<int32_t>(r, "recv_prefix", what);
-    n.num_recv_tokens = pointer<int32_t>(r, "num_recv_tokens", what);
-    n.overflow = pointer<int32_t>(r, "overflow", what);
-    n.recv_topk_idx = pointer<int64_t>(r, "recv_topk_idx", what);
-    n.recv_topk_weights = pointer<float>(r, "recv_topk_weights", what);
-    n.recv_src_idx = pointer<int32_t>(r, "recv_src_idx", what);
-    n.num_tokens = int32(r, "num_tokens", what);
-    n.budget = int32(r, "budget", what);
-  }
+  for (size_t i = 0; i < ranks.size(); ++i) a.ranks[i] = parse_notify_rank(ranks[i].cast<py::dict>());
   return a;
 }
 
@@ -104,26 +81,7 @@ DispatchArgs parse_dispatch(const py::dict& common, const py::list& ranks, int64
   a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
   a.slot = make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
   a.experts_per_rank = static_cast<int32_t>(experts_per_rank);
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    const py::dict r = ranks[i].cast<py::dict>();
-    const char* what = "dispatch rank";
-    DispatchRank& d = a.ranks[i];
-    d.x = pointer<const char>(r, "x", what);
-    d.x_scales = pointer<const float>(r, "x_scales", what);
-    d.topk_idx = pointer<const int64_t>(r, "topk_idx", what);
-    d.topk_weights = pointer<const float>(r, "topk_weights", what);
-    d.is_token_in_rank = pointer<const bool>(r, "is_token_in_rank", what);
-    d.recv_prefix = pointer<const int32_t>(r, "recv_prefix", what);
-    d.recv_x = pointer<char>(r, "recv_x", what);
-    d.recv_scales = pointer<float>(r, "recv_scales", what);
-    d.recv_topk_idx = pointer<int64_t>(r, "recv_topk_idx", what);
-    d.recv_topk_weights = pointer<float>(r, "recv_topk_weights", what);
-    d.recv_src_idx = pointer<int32_t>(r, "recv_src_idx", what);
-    d.num_recv_per_expert = pointer<int64_t>(r, "num_recv_per_expert", what);
-    d.overflow = pointer<int32_t>(r, "overflow", what);
-    d.num_tokens = int32(r, "num_tokens", what);
-    d.num_rows = int32(r, "num_rows", what);
-  }
+  for (size_t i = 0; i < ranks.size(); ++i) a.ranks[i] = parse_dispatch_rank(ranks[i].cast<py::dict>());
   return a;
 }
 
@@ -133,33 +91,9 @@ CombineArgs parse_combine(const py::dict& common, const py::list& ranks, int64_t
   CombineArgs a{};
   a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
   a.slot = make_slot_layout(static_cast<int>(y_bytes), 0, 0);
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    const py::dict r = ranks[i].cast<py::dict>();
-    const char* what = "combine rank";
-    CombineRank& c = a.ranks[i];
-    c.y = pointer<const char>(r, "y", what);
-    c.row_scale = pointer<const float>(r, "row_scale", what);
-    c.is_token_in_rank = pointer<const bool>(r, "is_token_in_rank", what);
-    c.recv_prefix = pointer<const int32_t>(r, "recv_prefix", what);
-    c.out = pointer<char>(r, "out", what);
-    c.num_tokens = int32(r, "num_tokens", what);
-    c.num_rows = int32(r, "num_rows", what);
-  }
+  for (size_t i = 0; i < ranks.size(); ++i) a.ranks[i] = parse_combine_rank(ranks[i].cast<py::dict>());
   return a;
 }
-
-CpuOptions parse_cpu_options(const py::dict& d) {
-  CpuOptions o;
-  if (d.contains("group_warps")) o.group_warps = d["group_warps"].cast<int>();
-  if (d.contains("num_workers")) o.num_workers = d["num_workers"].cast<int>();
-  return o;
-}
-
-void check_backend(const std::string& backend) {
-  MOE_HOST_CHECK(backend == "cuda" || backend == "cpu", "backend must be 'cuda' or 'cpu', got '" << backend << "'");
-}
-
-cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
 py::dict buffer_layout_dict(const BufferLayout& l) {
   py::dict d;

@@ -132,8 +132,11 @@ struct Vec<F32Tag> {
 
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per lane before the first store
 
-struct DeviceCtx {
-  const Common* common;
+// CommonT: a launch's shared arguments with timeout_cycles, error and error_host (intranode
+// Common, or internode::Common for the RDMA stage, whose context extends this one).
+template <class CommonT>
+struct DeviceCtxT {
+  const CommonT* common;
   int group_barrier;  // named barrier of this warp's group (1..15); unused for one-warp groups
   int group_threads;
 
@@ -190,28 +193,35 @@ struct DeviceCtx {
     atomicExch(&e->lock, 0);
   }
 
-  // Polls until *p >= target. -1 after timeout_cycles, or once another wait of the launch timed
-  // out (offering this wait too if it had waited half the bound).
-  __device__ int32_t wait_ge_lane(const int32_t* p, int32_t target, const WaitSite& site) const {
-    int32_t v = ld_acquire_sys(p);
+  // Polls load() until it is >= target. -1 after timeout_cycles, or once another wait of the
+  // launch timed out (offering this wait too if it had waited half the bound). `load` is an
+  // acquire load of the awaited counter (int32 here, uint64 RDMA signals in internode).
+  template <class Load>
+  __device__ int64_t bounded_wait(Load load, int64_t target, const WaitSite& site) const {
+    int64_t v = load();
     if (v >= target) return v;
     const long long start = clock64();
     for (uint32_t spin = 1;; ++spin) {
-      v = ld_acquire_sys(p);
+      v = load();
       if (v >= target) return v;
       if ((spin & 63u) == 0) {
         const long long waited = clock64() - start;
         if (ld_volatile(&common->error->flag) != 0) {
-          if (2 * waited > common->timeout_cycles) offer_timeout(site, target, v);
+          if (2 * waited > common->timeout_cycles)
+            offer_timeout(site, static_cast<int32_t>(target), static_cast<int32_t>(v));
           return -1;
         }
         if (waited > common->timeout_cycles) {
           atomicExch(&common->error->flag, 1);
-          offer_timeout(site, target, v);
+          offer_timeout(site, static_cast<int32_t>(target), static_cast<int32_t>(v));
           return -1;
         }
       }
     }
+  }
+
+  __device__ int32_t wait_ge_lane(const int32_t* p, int32_t target, const WaitSite& site) const {
+    return static_cast<int32_t>(bounded_wait([p]() { return static_cast<int64_t>(ld_acquire_sys(p)); }, target, site));
   }
 
   __device__ int32_t wait_ge(const int32_t* p, int32_t target, const WaitSite& site) const {
@@ -298,6 +308,8 @@ struct DeviceCtx {
     }
   }
 };
+
+using DeviceCtx = DeviceCtxT<Common>;
 
 }  // namespace intranode
 }  // namespace moe_dispatch

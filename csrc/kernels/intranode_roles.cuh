@@ -2,7 +2,7 @@
 // kernels does, written once against a context `Ctx` so that the same code runs
 //   - on the GPU (DeviceCtx in intranode_device.cuh: lanes, named barriers, PTX
 //     acquire/release, bounded clock64 waits, 16-byte vector copies), and
-//   - on the CPU (HostCtx in intranode_cpu_harness.cpp: one thread per warp, width 1,
+//   - on the CPU (HostCtx in intranode_host.h: one thread per warp, width 1,
 //     std atomics, steady_clock waits), where tests compare it with moe_dispatch.reference.
 // See intranode.cuh for the layout and the protocol in prose.
 //
@@ -138,11 +138,12 @@ MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* st) {
 
 // ---- dispatch ---------------------------------------------------------------------------------
 
-// Token `token` of `me` into a queue slot bound for `dst` (warp-cooperative).
+// Token `token` of `me` into a queue slot bound for `dst` (warp-cooperative): top-k ids become
+// dst's local ids (experts [dst * experts_per_rank, +experts_per_rank)), -1 elsewhere. The RDMA
+// stage of internode_roles.cuh passes nodes as `dst` and experts per node.
 template <class Ctx>
-MOE_ROLE void write_dispatch_slot(Ctx& ctx, const DispatchArgs& a, const DispatchRank& me, int dst,
-                                  int token, char* slot) {
-  const SlotLayout& s = a.slot;
+MOE_ROLE void write_dispatch_slot(Ctx& ctx, const SlotLayout& s, int experts_per_rank, const DispatchRank& me,
+                                  int dst, int token, char* slot) {
   ctx.copy_in(slot, me.x + static_cast<int64_t>(token) * s.x_bytes, s.x_bytes);
   if (s.scale_bytes > 0)
     ctx.copy_in(slot + s.scale_offset,
@@ -150,20 +151,19 @@ MOE_ROLE void write_dispatch_slot(Ctx& ctx, const DispatchArgs& a, const Dispatc
                 s.scale_bytes);
   for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
     const int64_t entry = static_cast<int64_t>(token) * s.num_topk + k;
-    const int32_t local = local_expert(me.topk_idx[entry], dst, a.experts_per_rank);
+    const int32_t local = local_expert(me.topk_idx[entry], dst, experts_per_rank);
     reinterpret_cast<int32_t*>(slot + s.topk_idx_offset)[k] = local;
     reinterpret_cast<float*>(slot + s.topk_weights_offset)[k] =
         (local >= 0 && me.topk_weights != nullptr) ? me.topk_weights[entry] : 0.0f;
   }
-  if (ctx.lane() == 0) *reinterpret_cast<int32_t*>(slot + s.aux_offset) = token;
+  if (ctx.lane() == 0)
+    *reinterpret_cast<int32_t*>(slot + s.aux_offset) = me.token_ids != nullptr ? me.token_ids[token] : token;
 }
 
 // A received slot into output row `row` (warp-cooperative); rows past the allocation are
 // dropped and flagged.
 template <class Ctx>
-MOE_ROLE void read_dispatch_slot(Ctx& ctx, const DispatchArgs& a, const DispatchRank& me,
-                                 const char* slot, int row) {
-  const SlotLayout& s = a.slot;
+MOE_ROLE void read_dispatch_slot(Ctx& ctx, const SlotLayout& s, const DispatchRank& me, const char* slot, int row) {
   if (row >= me.num_rows) {
     if (ctx.lane() == 0) ctx.store_relaxed(me.overflow, 1);
     return;
@@ -208,7 +208,8 @@ MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int chann
     for (; token < range.end && count < cm.chunk_tokens; ++token) {
       if (!me.is_token_in_rank[static_cast<int64_t>(token) * cm.num_ranks + dst]) continue;
       if ((sent + count) % group_warps == warp)
-        write_dispatch_slot(ctx, a, me, dst, token, l.slot(dst_buffer, rank, channel, sent + count));
+        write_dispatch_slot(ctx, a.slot, a.experts_per_rank, me, dst, token,
+                            l.slot(dst_buffer, rank, channel, sent + count));
       ++count;
     }
     ctx.group_sync();
@@ -248,7 +249,7 @@ MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int chann
     if (ctx.shared_load(&gs->stop)) return;
     const int available = ctx.shared_load(&gs->value);
     for (int i = consumed + warp; i < available; i += group_warps)
-      read_dispatch_slot(ctx, a, me, l.slot(my_buffer, src, channel, i), first_row + i);
+      read_dispatch_slot(ctx, a.slot, me, l.slot(my_buffer, src, channel, i), first_row + i);
     ctx.group_sync();
     if (warp == 0 && ctx.lane() == 0) {
       if (available == num_entries) ctx.store_relaxed(tail, 0);  // before the final head

@@ -118,6 +118,17 @@ def default_timeout_s(timeout_s: float | None) -> float:
     return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
+def timeout_cycles(backend: str, device: torch.device, timeout_s: float) -> int:
+    """``timeout_s`` as the kernels' wait bound: clock64 cycles of ``device`` ("cuda"), or
+    nanoseconds (the CPU backend)."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if backend == "cuda":
+        clock_khz = _ext().device_clock_khz(device.index if device.index is not None else torch.cuda.current_device())
+        return max(1, int(timeout_s * clock_khz * 1000))
+    return max(1, int(timeout_s * 1e9))
+
+
 def _ext():
     from .._ext import require_extension
 
@@ -220,15 +231,8 @@ class _Engine:
 
     def set_timeout(self, timeout_s: float) -> None:
         """Bound of every wait from the next launch on (clock64 cycles on the GPU, ns on CPU)."""
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_cycles = timeout_cycles(self.backend, self.device, timeout_s)
         self.timeout_s = float(timeout_s)
-        if self.backend == "cuda":
-            clock_khz = _ext().device_clock_khz(self.device.index if self.device.index is not None
-                                                else torch.cuda.current_device())
-            self.timeout_cycles = max(1, int(timeout_s * clock_khz * 1000))
-        else:
-            self.timeout_cycles = max(1, int(timeout_s * 1e9))  # the CPU backend counts nanoseconds
 
     def common(self, num_channels: int, rank_begin: int, skip_rank: int | None) -> dict:
         return {"num_ranks": self.world_size, "num_channels": num_channels, "rank_begin": rank_begin,

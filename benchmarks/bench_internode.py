@@ -1,0 +1,173 @@
+"""Loopback benchmark of the CUDA internode (hierarchical) kernels: N x L simulated ranks on one GPU.
+
+Stage 1's RDMA puts are peer stores inside the GPU here, so the times measure the kernels'
+efficiency (and the hierarchy's bytes), not a network. For each shape, world (``NxL``) and
+``num_sms`` (SMs per simulated rank and stage) it times with CUDA events:
+
+- ``dispatch bf16`` / ``dispatch fp8``: a cached dispatch (stage 1 + the per-node stage 2);
+- ``combine bf16``: in-node pre-reduction on the forwarders, then the node partials back;
+- ``d2d copy``: a torch device-to-device copy of the bf16 dispatch payload, in the same run.
+
+Columns: payload GB/s = rows delivered x H x bytes / time; ``xnode GB/s/rank`` = bytes that
+crossed a node boundary in stage 1 / W / time (what each GPU's NIC would carry);
+``xnode/bound`` = cross-node payload bytes over the de-duplicated lower bound
+``sum_t |nodes(t) minus own node| x H x bytes`` (goal: exactly 1.00); ``sms`` = SMs per rank.
+
+Usage:
+  python benchmarks/bench_internode.py                       # GPU: 2x4 and 4x2, DeepSeek-V3 + gpt-oss shapes
+  python benchmarks/bench_internode.py --worlds 2x4 --num-sms 8 16 --json out.json
+Without a GPU it runs the CPU backend on a tiny shape, to check the script (no goal measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+
+import torch
+from bench_intranode import SHAPES, Shape, make_inputs, time_gpu, time_host
+
+from moe_dispatch import _ext
+from moe_dispatch.config import Config
+from moe_dispatch.quant import per_token_cast_to_fp8
+from moe_dispatch.transport.internode import InternodeLoopback, cross_node_bytes
+
+GOAL_BOUND = 1.00
+
+
+@dataclasses.dataclass
+class Row:
+    shape: str
+    world: str
+    num_sms: int
+    op: str
+    median_us: float
+    p20_us: float
+    p80_us: float
+    bytes: int
+    gbps: float
+    vs_copy: float | None
+    xnode_gbps_per_rank: float | None
+    xnode_vs_bound: float | None
+
+
+def lower_bound_rows(handles, num_nodes: int, ranks_per_node: int) -> int:
+    """sum over every rank's tokens of the nodes they reach other than their own."""
+    total = 0
+    for rank, h in enumerate(handles):
+        in_node = h.is_token_in_node.clone()
+        in_node[:, rank // ranks_per_node] = False
+        total += int(in_node.sum())
+    return total
+
+
+def bench_world(shape: Shape, num_nodes: int, ranks_per_node: int, num_sms_list: list[int], args,
+                device: torch.device) -> list[Row]:
+    on_gpu = device.type == "cuda"
+    world = f"{num_nodes}x{ranks_per_node}"
+    W = num_nodes * ranks_per_node
+    config = Config(num_sms=max(num_sms_list), num_slots=args.slots, chunk_tokens=args.chunk)
+    lb = InternodeLoopback(num_nodes, ranks_per_node, shape.hidden, shape.topk, config=config, device=device,
+                           timeout_s=args.timeout_s)
+    xs, idxs, ws = make_inputs(shape, W, device)
+    xs8 = [per_token_cast_to_fp8(x) for x in xs] if shape.hidden % 128 == 0 else None
+    timer = (lambda fn: time_gpu(fn, args.warmup, args.iters)) if on_gpu else (lambda fn: time_host(fn, 1, 3, device))
+    rows: list[Row] = []
+    copy_rate = None
+    for num_sms in num_sms_list:
+        first = lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms)
+        handles = [r.handle for r in first]
+        received = sum(h.num_rows for h in handles)
+        bytes_bf16 = received * shape.hidden * 2
+        xnode_rows = cross_node_bytes(handles, ranks_per_node, 1)
+        bound = lower_bound_rows(handles, num_nodes, ranks_per_node)
+        ratio = xnode_rows / bound if bound else 1.0
+        if on_gpu and copy_rate is None:
+            src = torch.empty(bytes_bf16, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            med, p20, p80 = time_gpu(lambda: dst.copy_(src), args.warmup, args.iters)
+            copy_rate = bytes_bf16 / (med * 1e-6) / 1e9
+            rows.append(Row(shape.name, world, 0, "d2d copy (torch)", med, p20, p80, bytes_bf16, copy_rate, 1.0,
+                            None, None))
+            del src, dst
+        ys = [r.recv_x for r in first]
+        cases = [("dispatch bf16", bytes_bf16, xnode_rows * shape.hidden * 2,
+                  lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, handles=handles, check=False, validate=False)),
+                 ("combine bf16", bytes_bf16, xnode_rows * shape.hidden * 2,
+                  lambda: lb.combine(ys, handles, check=False))]
+        if xs8 is not None:
+            row8 = shape.hidden + 4 * (shape.hidden // 128)
+            cases.insert(1, ("dispatch fp8", received * row8, xnode_rows * row8,
+                             lambda: lb.dispatch(xs8, idxs, ws, shape.num_experts, handles=handles, check=False,
+                                                 validate=False)))
+        for op, nbytes, xbytes, fn in cases:
+            med, p20, p80 = timer(fn)
+            rate = nbytes / (med * 1e-6) / 1e9
+            rows.append(Row(shape.name, world, num_sms, op, med, p20, p80, nbytes, rate,
+                            rate / copy_rate if copy_rate else None, xbytes / W / (med * 1e-6) / 1e9, ratio))
+    lb.transport.check()  # a wait that timed out during the timings fails the benchmark here
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    header = (f"{'shape':<12} {'world':>5} {'sms':>4} {'op':<18} {'median us':>10} {'p20-p80 us':>17} {'GB/s':>8} "
+              f"{'vs copy':>7} {'xnode GB/s/rank':>15} {'xnode/bound':>11}")
+    print(header)
+    print("-" * len(header))
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        print(f"{r.shape:<12} {r.world:>5} {r.num_sms:>4} {r.op:<18} {r.median_us:>10.1f} {r.p20_us:>8.1f}-"
+              f"{r.p80_us:<8.1f} {r.gbps:>8.1f} {fmt(r.vs_copy, '.2f'):>7} {fmt(r.xnode_gbps_per_rank, '.1f'):>15} "
+              f"{fmt(r.xnode_vs_bound, '.2f'):>11}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
+                        help="default: deepseek-v3 gpt-oss on GPU, tiny on CPU")
+    parser.add_argument("--worlds", nargs="+", default=None, help="NxL worlds (default: 2x4 4x2 on GPU, 2x2 on CPU)")
+    parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 8 16 24 on GPU, 2 on CPU")
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--json", default=None, help="write the rows and the environment here")
+    args = parser.parse_args(argv)
+
+    if not _ext.extension_status().built:
+        print(f"bench_internode: the extension is not built ({_ext.extension_status().error})", file=sys.stderr)
+        return 1
+    on_gpu = _ext.cuda_available() and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    shapes = [SHAPES[s] for s in (args.shapes or (["deepseek-v3", "gpt-oss"] if on_gpu else ["tiny"]))]
+    worlds = [tuple(int(v) for v in w.split("x")) for w in (args.worlds or (["2x4", "4x2"] if on_gpu else ["2x2"]))]
+    num_sms_list = args.num_sms or ([8, 16, 24] if on_gpu else [2])
+    if not on_gpu:
+        print("bench_internode: no GPU: running the CPU backend on a tiny shape to check the script; "
+              "GPU figures not measured")
+        args.slots, args.chunk = min(args.slots, 4), min(args.chunk, 2)
+    rows: list[Row] = []
+    for shape in shapes:
+        for num_nodes, ranks_per_node in worlds:
+            rows += bench_world(shape, num_nodes, ranks_per_node, num_sms_list, args, device)
+    print_table(rows)
+    bounds = [r.xnode_vs_bound for r in rows if r.xnode_vs_bound is not None]
+    worst = max(abs(b - GOAL_BOUND) for b in bounds)
+    print(f"\ngoal: cross-node bytes = the de-dup lower bound (1.00): "
+          f"{'met' if worst < 1e-9 else 'MISSED'} ({min(bounds):.2f}..{max(bounds):.2f} over {len(bounds)} rows)")
+    if args.json:
+        env = {"device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
+               "torch": torch.__version__, "gpu": on_gpu, "slots": args.slots, "chunk": args.chunk,
+               "byte_formula": "payload rows delivered x row bytes; xnode = stage-1 rows from other nodes"}
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+// Python bindings of stage 1 of the internode kernels and of the NVSHMEM host calls
+// (registered into moe_dispatch._C by bindings.cpp; moe_dispatch/transport/internode.py and
+// nvshmem.py drive them).
+//
+// Launches take `common` (a dict: world shape, RDMA buffer shape, buffers or the symmetric
+// buffer, error record) and `ranks` (one dict per launched rank, the intranode rank fields with
+// is_token_in_rank meaning is_token_in_node [T, N]). backend="cuda" launches on `stream` in
+// `mode` "loopback" or "nvshmem"; backend="cpu" runs the same role code on threads over host
+// memory (loopback buffers) and returns when done.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/bind_args.h"
+#include "kernels/internode.h"
+#include "kernels/internode_cpu.h"
+
+#ifdef MOE_DISPATCH_WITH_NVSHMEM
+#include <nvshmem_host.h>
+#endif
+
+namespace py = pybind11;
+
+namespace moe_dispatch {
+namespace internode {
+namespace {
+
+using bind::field;
+using bind::int32;
+using bind::integer;
+using bind::pointer;
+
+Mode parse_mode(const std::string& mode) {
+  MOE_HOST_CHECK(mode == "loopback" || mode == "nvshmem", "mode must be 'loopback' or 'nvshmem', got '" << mode << "'");
+  return mode == "nvshmem" ? kNvshmem : kLoopback;
+}
+
+RdmaLayout checked_layout(int64_t num_nodes, int64_t num_channels, int64_t num_slots, int64_t slot_bytes) {
+  MOE_HOST_CHECK(num_nodes >= 1 && num_nodes <= kMaxNodes, "num_nodes must be in [1, " << kMaxNodes << "], got " << num_nodes);
+  MOE_HOST_CHECK(num_channels >= 1 && num_channels <= kMaxChannels,
+                 "num_channels must be in [1, " << kMaxChannels << "], got " << num_channels);
+  MOE_HOST_CHECK(num_slots >= 1 && num_slots <= (1 << 20), "num_slots must be in [1, 2^20], got " << num_slots);
+  MOE_HOST_CHECK(slot_bytes > 0 && slot_bytes % intranode::kFieldAlign == 0 && slot_bytes <= INT32_MAX / 2,
+                 "slot_bytes must be a positive multiple of " << intranode::kFieldAlign << ", got " << slot_bytes);
+  return make_rdma_layout(static_cast<int>(num_nodes), static_cast<int>(num_channels), static_cast<int>(num_slots),
+                          static_cast<int>(slot_bytes));
+}
+
+Common parse_common(const py::dict& d, const py::list& ranks) {
+  const char* what = "common";
+  MOE_HOST_CHECK(ranks.size() >= 1 && ranks.size() <= kMaxLaunchRanks,
+                 "ranks must list 1 to " << kMaxLaunchRanks << " launched ranks, got " << ranks.size());
+  Common c{};
+  c.num_nodes = int32(d, "num_nodes", what);
+  c.ranks_per_node = int32(d, "ranks_per_node", what);
+  c.num_channels = int32(d, "num_channels", what);
+  c.rank_begin = int32(d, "rank_begin", what);
+  c.num_launch_ranks = static_cast<int32_t>(ranks.size());
+  c.skip_rank = int32(d, "skip_rank", what);
+  c.chunk_tokens = int32(d, "chunk_tokens", what);
+  c.timeout_cycles = integer(d, "timeout_cycles", what);
+  c.layout = checked_layout(c.num_nodes, integer(d, "buffer_channels", what), integer(d, "num_slots", what),
+                            integer(d, "slot_bytes", what));
+  c.symmetric = pointer<char>(d, "symmetric", what);
+  const auto buffers = field(d, "buffers", what).cast<std::vector<std::uintptr_t>>();
+  MOE_HOST_CHECK(buffers.size() <= static_cast<size_t>(kMaxLaunchRanks),
+                 "common['buffers'] lists at most " << kMaxLaunchRanks << " buffers, got " << buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) c.buffers[i] = reinterpret_cast<char*>(buffers[i]);
+  c.error = pointer<intranode::ErrorRecord>(d, "error", what);
+  c.error_host = pointer<intranode::ErrorRecord>(d, "error_host", what);
+  return c;
+}
+
+py::dict layout_dict(const RdmaLayout& l) {
+  py::dict d;
+  d["num_nodes"] = l.num_nodes;
+  d["num_channels"] = l.num_channels;
+  d["num_slots"] = l.num_slots;
+  d["slot_bytes"] = l.slot_bytes;
+  d["arrive_offset"] = l.arrive_offset;
+  d["meta_offset"] = l.meta_offset;
+  d["meta_out_offset"] = l.meta_out_offset;
+  d["tail_offset"] = l.tail_offset;
+  d["head_offset"] = l.head_offset;
+  d["recv_offset"] = l.recv_offset;
+  d["send_offset"] = l.send_offset;
+  d["total_bytes"] = l.total_bytes;
+  return d;
+}
+
+// Runs `cpu` on the CPU backend, or launches `cuda(mode)`; the GIL is released either way.
+template <class Cpu, class Cuda>
+void run(const std::string& backend, const std::string& mode, const Common& common, Cpu cpu, Cuda cuda) {
+  bind::check_backend(backend);
+  const Mode m = parse_mode(mode);
+  if (backend == "cpu") {
+    MOE_HOST_CHECK(m == kLoopback, "the CPU backend runs loopback mode only, got mode '" << mode << "'");
+    check_common(common, kLoopback);
+  }
+  py::gil_scoped_release release;
+  if (backend == "cpu") {
+    cpu();
+  } else {
+    cuda(m);
+  }
+}
+
+}  // namespace
+}  // namespace internode
+
+void register_internode(py::module_& m) {
+  using namespace internode;
+  py::dict limits;
+  limits["max_nodes"] = kMaxNodes;
+  limits["max_channels"] = kMaxChannels;
+  limits["max_launch_ranks"] = kMaxLaunchRanks;
+  limits["notify_threads"] = kNotifyThreads;
+  m.attr("internode_limits") = limits;
+
+  m.def(
+      "internode_rdma_layout",
+      [](int64_t num_nodes, int64_t num_channels, int64_t num_slots, int64_t slot_bytes) {
+        return layout_dict(checked_layout(num_nodes, num_channels, num_slots, slot_bytes));
+      },
+      py::arg("num_nodes"), py::arg("num_channels"), py::arg("num_slots"), py::arg("slot_bytes"),
+      "Byte offsets of one rank's RDMA buffer (csrc/kernels/internode.cuh draws it).");
+
+  m.def(
+      "internode_node_notify",
+      [](const py::dict& common, const py::list& ranks, const std::string& backend, const std::string& mode,
+         std::uintptr_t stream, bool cooperative) {
+        NotifyArgs args{};
+        args.common = parse_common(common, ranks);
+        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_notify_rank(ranks[i].cast<py::dict>());
+        run(backend, mode, args.common, [&]() { run_node_notify_cpu(args); },
+            [&](Mode md) { launch_node_notify(args, md, cooperative, bind::as_stream(stream)); });
+      },
+      py::arg("common"), py::arg("ranks"), py::arg("backend") = "cuda", py::arg("mode") = "loopback",
+      py::arg("stream") = 0, py::arg("cooperative") = true,
+      "Stage-1 counts along each rail: writes recv_prefix [N*C+1] (rows by source node, channel) and\n"
+      "num_recv_tokens. Collective along the rail (the ranks of the same local index).");
+
+  m.def(
+      "internode_node_dispatch",
+      [](const py::dict& common, const py::list& ranks, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk,
+         int64_t experts_per_node, const std::string& backend, const std::string& mode, std::uintptr_t stream,
+         bool cooperative, const py::dict& cpu_options) {
+        MOE_HOST_CHECK(x_bytes > 0 && x_bytes <= INT32_MAX / 2, "x_bytes must be in (0, 2^30), got " << x_bytes);
+        MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2,
+                       "scale_bytes must be in [0, 2^30), got " << scale_bytes);
+        MOE_HOST_CHECK(num_topk >= 0 && num_topk <= intranode::kMaxTopk,
+                       "num_topk must be in [0, " << intranode::kMaxTopk << "], got " << num_topk);
+        DispatchArgs args{};
+        args.common = parse_common(common, ranks);
+        args.slot = intranode::make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes),
+                                                static_cast<int>(num_topk));
+        args.experts_per_node = static_cast<int32_t>(experts_per_node);
+        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_dispatch_rank(ranks[i].cast<py::dict>());
+        const CpuOptions options = bind::parse_cpu_options(cpu_options);
+        run(backend, mode, args.common, [&]() { run_node_dispatch_cpu(args, options); },
+            [&](Mode md) { launch_node_dispatch(args, md, cooperative, bind::as_stream(stream)); });
+      },
+      py::arg("common"), py::arg("ranks"), py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
+      py::arg("experts_per_node"), py::arg("backend") = "cuda", py::arg("mode") = "loopback", py::arg("stream") = 0,
+      py::arg("cooperative") = true, py::arg("cpu_options") = py::dict(),
+      "Stage 1: each token once to each node holding it (the forwarder of the same local index);\n"
+      "rows by (source node, source token), top-k ids node-local.");
+
+  m.def(
+      "internode_node_combine",
+      [](const py::dict& common, const py::list& ranks, int64_t y_bytes, int64_t dtype, const std::string& backend,
+         const std::string& mode, std::uintptr_t stream, bool cooperative, const py::dict& cpu_options) {
+        MOE_HOST_CHECK(y_bytes > 0 && y_bytes <= INT32_MAX / 2, "y_bytes must be in (0, 2^30), got " << y_bytes);
+        CombineArgs args{};
+        args.common = parse_common(common, ranks);
+        args.slot = intranode::make_slot_layout(static_cast<int>(y_bytes), 0, 0);
+        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_combine_rank(ranks[i].cast<py::dict>());
+        const CpuOptions options = bind::parse_cpu_options(cpu_options);
+        const auto dt = static_cast<intranode::DType>(dtype);
+        run(backend, mode, args.common, [&]() { run_node_combine_cpu(args, dt, options); },
+            [&](Mode md) { launch_node_combine(args, dt, md, cooperative, bind::as_stream(stream)); });
+      },
+      py::arg("common"), py::arg("ranks"), py::arg("y_bytes"), py::arg("dtype"), py::arg("backend") = "cuda",
+      py::arg("mode") = "loopback", py::arg("stream") = 0, py::arg("cooperative") = true,
+      py::arg("cpu_options") = py::dict(),
+      "Stage 1 backwards: each node partial once back to its source, summed there over nodes in\n"
+      "ascending order (fp32, rounded once).");
+
+#ifdef MOE_DISPATCH_WITH_NVSHMEM
+  m.def(
+      "nvshmem_unique_id",
+      []() {
+        nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+        const int status = nvshmemx_get_uniqueid(&id);
+        MOE_HOST_CHECK(status == 0, "nvshmemx_get_uniqueid failed with status " << status);
+        return py::bytes(reinterpret_cast<const char*>(&id), sizeof(id));
+      },
+      "A fresh NVSHMEM unique id (bytes) for nvshmem_init; made on one rank and broadcast.");
+
+  m.def(
+      "nvshmem_init",
+      [](const py::bytes& unique_id, int rank, int world_size, int device) {
+        const std::string raw = unique_id;
+        MOE_HOST_CHECK(raw.size() == sizeof(nvshmemx_uniqueid_t),
+                       "an NVSHMEM unique id has " << sizeof(nvshmemx_uniqueid_t) << " bytes, got " << raw.size());
+        MOE_HOST_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
+                       "need 0 <= rank < world_size, got rank " << rank << " of " << world_size);
+        MOE_CUDA_CHECK(cudaSetDevice(device));
+        nvshmemx_uniqueid_t id;
+        std::memcpy(&id, raw.data(), sizeof(id));
+        nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+        int status = nvshmemx_set_attr_uniqueid_args(rank, world_size, &id, &attr);
+        MOE_HOST_CHECK(status == 0, "nvshmemx_set_attr_uniqueid_args failed with status " << status);
+        py::gil_scoped_release release;  // collective: waits for every rank
+        status = nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+        MOE_HOST_CHECK(status == 0, "nvshmemx_init_attr failed with status " << status);
+      },
+      py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
+      "Initialises NVSHMEM on `device` as PE `rank` of `world_size` (collective; transports from\n"
+      "NVSHMEM's environment: IBGDA, IBRC, UCX, libfabric).");
+
+  m.def("nvshmem_my_pe", []() { return nvshmem_my_pe(); });
+  m.def("nvshmem_n_pes", []() { return nvshmem_n_pes(); });
+  m.def(
+      "nvshmem_malloc",
+      [](int64_t bytes) {
+        MOE_HOST_CHECK(bytes > 0, "bytes must be > 0, got " << bytes);
+        void* ptr = nullptr;
+        {
+          py::gil_scoped_release release;  // collective
+          ptr = nvshmem_malloc(static_cast<size_t>(bytes));
+        }
+        MOE_HOST_CHECK(ptr != nullptr, "nvshmem_malloc(" << bytes << ") failed: the symmetric heap is too small "
+                                                            "(NVSHMEM_SYMMETRIC_SIZE)");
+        MOE_CUDA_CHECK(cudaMemset(ptr, 0, static_cast<size_t>(bytes)));
+        MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        return reinterpret_cast<std::uintptr_t>(ptr);
+      },
+      py::arg("bytes"), "Zeroed symmetric allocation (collective: same size on every PE); returns its address.");
+  m.def(
+      "nvshmem_free",
+      [](std::uintptr_t ptr) {
+        py::gil_scoped_release release;
+        nvshmem_free(reinterpret_cast<void*>(ptr));
+      },
+      py::arg("ptr"), "Frees a symmetric allocation (collective).");
+  m.def(
+      "nvshmem_barrier_all",
+      []() {
+        py::gil_scoped_release release;
+        nvshmem_barrier_all();
+      },
+      "Host barrier of all PEs (unbounded: only around setup and teardown).");
+  m.def(
+      "nvshmem_finalize",
+      []() {
+        py::gil_scoped_release release;
+        nvshmem_finalize();
+      },
+      "Tears NVSHMEM down (collective; after the last free).");
+#endif
+}
+
+}  // namespace moe_dispatch

@@ -1,0 +1,179 @@
+"""NVSHMEM from torch.distributed, and the internode transport for one rank per GPU.
+
+- :class:`NvshmemWorld`: NVSHMEM initialised over a torch.distributed group with a unique id
+  (rank 0 makes it with ``nvshmemx_get_uniqueid``, ``broadcast_object_list`` hands it to the
+  others, every rank calls ``nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID)`` with PE = group
+  rank). The symmetric heap is sized from the buffers asked for (``NVSHMEM_SYMMETRIC_SIZE``,
+  unless already set); the transport (IBGDA, IBRC, UCX, libfabric) is NVSHMEM's choice from its
+  own environment (``NVSHMEM_REMOTE_TRANSPORT``, ``NVSHMEM_IB_ENABLE_IBGDA``, ...). One per
+  process; :meth:`NvshmemWorld.close` frees and finalizes.
+- :class:`InternodeTransport`: stage 1 of :mod:`moe_dispatch.transport.internode` in NVSHMEM
+  mode (put-with-signal to the PE of the same local index) and stage 2 on an
+  :class:`~moe_dispatch.transport.cuda.IntranodeTransport` over the node's ranks.
+
+Status: compiled for sm_90 and linked against NVSHMEM; the protocol is the one the loopback
+harness and the CPU backend check against the oracle, but this multi-process path has not run
+on GPUs yet, and ``Buffer`` does not use it yet.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..config import ERROR_RECORD_INTS, Config, max_slot_bytes
+from .cuda import IntranodeTransport, _ext, _prepare, default_timeout_s
+from .internode import (
+    InternodeDispatch,
+    InternodeHandle,
+    InternodeTimeoutError,
+    _combine,
+    _dispatch,
+    _RdmaEngine,
+    _Transport,
+    check_rdma_config,
+    describe_timeout,
+    rdma_layout,
+)
+
+HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
+HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (signals, collectives' scratch)
+
+
+def symmetric_heap_bytes(buffer_bytes: int) -> int:
+    """Heap size for one buffer of ``buffer_bytes``: the buffer plus NVSHMEM's own margin,
+    rounded up to 2 MiB (its allocation granularity)."""
+    granule = 2 << 20
+    return -(-(buffer_bytes + HEAP_MARGIN) // granule) * granule
+
+
+class NvshmemWorld:
+    """NVSHMEM over the ranks of ``group`` (collective: every rank constructs it together).
+
+    Args:
+        group: the process group whose ranks become PEs 0..W-1 (PE = group rank).
+        device: this rank's CUDA device.
+        heap_bytes: symmetric heap to ask for (sets ``NVSHMEM_SYMMETRIC_SIZE`` unless set).
+
+    Raises:
+        RuntimeError: the extension lacks NVSHMEM, NVSHMEM is already initialised in this
+            process, or the PEs do not match the group's ranks.
+    """
+
+    _active: NvshmemWorld | None = None
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, heap_bytes: int):
+        C = _ext()
+        if not C.with_nvshmem:
+            raise RuntimeError("moe_dispatch._C was built without NVSHMEM: reinstall with nvidia-nvshmem-cu13 present "
+                               "(or NVSHMEM_HOME set)")
+        if NvshmemWorld._active is not None:
+            raise RuntimeError("NVSHMEM is already initialised in this process (one NvshmemWorld per process; close() "
+                               "the other first)")
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        os.environ.setdefault(HEAP_ENV, str(heap_bytes))
+        unique_id = [C.nvshmem_unique_id() if self.rank == 0 else None]
+        dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
+        C.nvshmem_init(unique_id[0], self.rank, self.world_size, device.index)
+        if (C.nvshmem_my_pe(), C.nvshmem_n_pes()) != (self.rank, self.world_size):
+            raise RuntimeError(f"NVSHMEM made this rank PE {C.nvshmem_my_pe()} of {C.nvshmem_n_pes()}, expected PE "
+                               f"{self.rank} of {self.world_size} (the group's rank)")
+        self._allocations: list[int] = []
+        NvshmemWorld._active = self
+
+    def malloc(self, num_bytes: int) -> int:
+        """A zeroed symmetric allocation (collective: the same size on every PE); its address."""
+        ptr = _ext().nvshmem_malloc(num_bytes)
+        self._allocations.append(ptr)
+        return ptr
+
+    def close(self) -> None:
+        """Frees every allocation and finalizes NVSHMEM (collective; after the last kernel)."""
+        C = _ext()
+        torch.cuda.synchronize()
+        for ptr in self._allocations:
+            C.nvshmem_free(ptr)
+        self._allocations = []
+        C.nvshmem_finalize()
+        NvshmemWorld._active = None
+
+
+class InternodeTransport:
+    """The internode kernels for an EP group of W = N x L ranks, one GPU each, PE = group rank.
+
+    Args:
+        group: the EP process group (NCCL); ranks ``[n L, (n+1) L)`` form node n.
+        rank: this rank's index in the group.
+        ranks_per_node: L (<= 16, the NVLink domain of stage 2).
+        hidden, num_topk, element_bytes: the largest rows moved (sizes slots).
+        config: :class:`Config` (``num_slots % chunk_tokens == 0``); every rank passes the same.
+        timeout_s: bound of every wait inside the kernels.
+
+    Collective: every rank constructs it together (NVSHMEM init, symmetric allocation, the
+    node groups, CUDA IPC handles). :meth:`close` tears it down, also collectively.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, ranks_per_node: int, hidden: int, num_topk: int, *,
+                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None):
+        world_size = dist.get_world_size(group)
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
+        self.config = config or Config()
+        check_rdma_config(self.config)
+        C = _ext()
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.num_nodes, self.ranks_per_node = world_size // ranks_per_node, ranks_per_node
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        timeout = default_timeout_s(timeout_s)
+        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
+        layout = rdma_layout(self.num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
+        # Every rank creates every node group, in the same order (new_group is collective).
+        node = rank // ranks_per_node
+        node_groups = [dist.new_group([group_rank(group, n * ranks_per_node + i) for i in range(ranks_per_node)])
+                       for n in range(self.num_nodes)]
+        self.intranode = IntranodeTransport(node_groups[node], rank % ranks_per_node, hidden, num_topk,
+                                            config=self.config, element_bytes=element_bytes, timeout_s=timeout)
+        self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
+        symmetric = self.nvshmem.malloc(layout.total_bytes)
+        error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
+        self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
+        rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, [], symmetric, error,
+                           C.host_device_pointer(self._error_host.data_ptr()), "cuda", "nvshmem", timeout)
+        self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
+        dist.barrier(group=group)
+
+    def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
+                 num_sms: int | None = None, handle: InternodeHandle | None = None) -> InternodeDispatch:
+        """This rank's dispatch (collective). A fresh dispatch synchronises the host twice (the
+        stage-1 and stage-2 receive counts); a cached one (``handle=``) never."""
+        self.check_errors()
+        inp = _prepare(self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device,
+                       handle=handle)
+        return _dispatch(self.transport, [inp], num_experts, num_sms=num_sms or self.config.num_sms,
+                         handles=[handle] if handle is not None else None, skip_rank=None, skip_phase=None,
+                         check=handle is None)[0]
+
+    def combine(self, y: torch.Tensor, handle: InternodeHandle, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's combine (collective; no host sync)."""
+        self.check_errors()
+        return _combine(self.transport, self.rank, [y], [handle], [row_scale], None, None, check=False)[0]
+
+    def check_errors(self) -> None:
+        """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out (reads the
+        pinned mirrors: does not wait for running kernels)."""
+        record = self._error_host.tolist()
+        if record[0]:
+            raise InternodeTimeoutError(*describe_timeout(record, self.transport.rdma.timeout_s, self.ranks_per_node))
+        self.intranode.check_errors()
+
+    def close(self) -> None:
+        """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
+        self.nvshmem.close()
+        self.intranode.close()
+
+
+def group_rank(group: dist.ProcessGroup, index: int) -> int:
+    """The global rank of ``group``'s rank ``index`` (new_group takes global ranks)."""
+    return dist.get_global_rank(group, index)
