@@ -1,5 +1,7 @@
 """How bytes move. ``torch_dist``: the hierarchy on torch.distributed sub-group collectives
-(NCCL on GPU, gloo on CPU). ``cuda``: the ``moe_dispatch._C`` kernels (not yet available)."""
+(NCCL on GPU, gloo on CPU). ``cuda``: the ``moe_dispatch._C`` kernels (intranode over CUDA IPC,
+internode over NVSHMEM: ``cuda.py``, ``internode.py``, ``nvshmem.py``); written and checked on
+CPU and in a single-GPU loopback, not yet selectable in ``Buffer`` until they have run on GPUs."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ def choose_transport(device: torch.device) -> tuple[str, str]:
         ``(name, reason)``, e.g. ``("torch_dist", "CPU tensors: gloo collectives ...")``.
     """
     if device.type == "cuda":
-        return ("torch_dist", "CUDA tensors: the CUDA kernel transport is not implemented yet, "
+        return ("torch_dist", "CUDA tensors: the CUDA kernel transport is not validated on GPUs yet, "
                               "so the hierarchy runs on NCCL sub-group all_to_all")
     return ("torch_dist", f"{device.type} tensors: the hierarchy runs on torch.distributed "
                           "sub-group all_to_all (gloo)")
