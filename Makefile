@@ -1,17 +1,40 @@
 # moe_dispatch: `make demo` runs the main job, `make test` runs the test suite.
 # Both build the Python 3.12 virtual environment first (reused while requirements/dev.txt
 # is unchanged) and install this package into it (compiling csrc/ when nvcc is present).
+# `make test` then runs `test-compat`: this package's wheel installed into a Python 3.11
+# environment with megatron-core 0.16.1 and torch 2.13 (.venv-compat, requirements/compat.txt).
 
 VENV        ?= .venv
 # pyenv machines need PYENV_VERSION to expose python3.12; elsewhere it is ignored.
 PYTHON312   ?= $(shell PYENV_VERSION=3.12.1 python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null)
 PY          := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The compatibility environment: Python 3.11, requirements/compat.txt, this package from its wheel.
+VENV_COMPAT ?= .venv-compat
+PYTHON311   ?= $(shell PYENV_VERSION=3.11.7 python3.11 -c 'import sys; print(sys.executable)' 2>/dev/null || python3.11 -c 'import sys; print(sys.executable)' 2>/dev/null)
+CPY         := $(abspath $(VENV_COMPAT))/bin/python
+COMPAT_DIR  := build/compat
+# What test-compat runs from the installed wheel: every Megatron test, the install guard and a core
+# subset (oracle, Buffer dispatch/combine in gloo worlds, Triton kernels under the interpreter, errors);
+# COMPAT_K leaves out the 8-rank dispatch worlds (the Megatron worlds and the 2- and 4-rank ones cover it).
+COMPAT_TESTS ?= test_installed_wheel.py test_megatron.py test_megatron_config.py test_megatron_overlap.py \
+                test_reference.py test_dispatch.py test_permute.py test_layout.py test_errors.py test_env.py
+COMPAT_K    ?= not w8
+COMPAT_PYTEST_ARGS ?=
+# One line saying what a test run runs against (versions from the metadata: importing megatron is slow and loud).
+define VERSIONS_PY
+import importlib.metadata as md, platform, sys
+import moe_dispatch
+print(f"== {sys.argv[1]}: Python {platform.python_version()}, torch {md.version('torch')}, "
+      f"megatron-core {md.version('megatron-core')}, moe_dispatch {moe_dispatch.__version__} from {moe_dispatch.__file__} ==",
+      flush=True)
+endef
+export VERSIONS_PY
 DEMO_ARGS   ?=
 TRAIN_ARGS  ?=
 SIMCLUSTER_ARGS ?=
 
-.PHONY: venv install demo test train simcluster gpu-wheels gpu-check-dry clean
+.PHONY: venv install demo test test-main test-compat venv-compat train simcluster gpu-wheels gpu-check-dry clean
 
 $(VENV)/.deps: requirements/dev.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install python3.12, or pyenv 3.12.x)"; exit 1; }
@@ -35,8 +58,46 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/moe-dispatch-bench $(DEMO_ARGS)
 
-test: install
+# Both parts; `make test-main` / `make test-compat` run one. PYTEST_ARGS goes to the main part only,
+# COMPAT_PYTEST_ARGS to the compatibility part.
+test: test-main test-compat
+
+test-main: install
+	@$(PY) -c "$$VERSIONS_PY" "make test-main: the whole suite, moe_dispatch editable from the source tree"
 	$(PY) -m pytest python_tests -rs $(PYTEST_ARGS)
+
+$(VENV_COMPAT)/.deps: requirements/compat.txt
+	@test -n "$(PYTHON311)" || { echo "error: Python 3.11 not found (install python3.11, or pyenv 3.11.x)"; exit 1; }
+	rm -rf $(VENV_COMPAT)
+	$(PYTHON311) -m venv $(VENV_COMPAT)
+	$(CPY) -m pip install -q --upgrade pip
+	$(CPY) -m pip install -q -r requirements/compat.txt
+	touch $@
+
+venv-compat: $(VENV_COMPAT)/.deps
+
+# The wheel is built by the compatibility environment's Python (the extension is per Python version) and
+# installed like a user's (not editable) each run; the tests run from a copy of python_tests/ outside the
+# source tree, so `import moe_dispatch` can only find the installed wheel (MOE_DISPATCH_EXPECT_INSTALLED=1
+# makes python_tests/conftest.py check that).
+test-compat: venv-compat
+	rm -rf $(COMPAT_DIR)
+	mkdir -p $(COMPAT_DIR)/stage
+	@# setuptools' staging folders under build/compat (not the build/ that other builds share); CMake's tree stays
+	@# in build/cmake-<python>-<key>, so rebuilds of csrc/ are incremental
+	printf '[build]\nbuild_base = %s\n[egg_info]\negg_base = %s\n' $(abspath $(COMPAT_DIR)/stage) \
+	    $(abspath $(COMPAT_DIR)/stage) > $(COMPAT_DIR)/staging.cfg
+	DIST_EXTRA_CONFIG=$(abspath $(COMPAT_DIR)/staging.cfg) \
+	    $(CPY) -m pip wheel -q --no-deps --no-build-isolation -w $(COMPAT_DIR)/wheel .
+	$(CPY) -m pip install -q --no-deps --force-reinstall $(COMPAT_DIR)/wheel/moe_dispatch-*.whl
+	mkdir -p $(COMPAT_DIR)/tests
+	cp -r python_tests $(COMPAT_DIR)/tests/
+	find $(COMPAT_DIR)/tests -name __pycache__ -prune -exec rm -rf {} +
+	printf '[pytest]\n' > $(COMPAT_DIR)/tests/pytest.ini  # its own rootdir: no settings from the source tree
+	@cd $(COMPAT_DIR)/tests && $(CPY) -c "$$VERSIONS_PY" "make test-compat: Megatron tests and a core subset, moe_dispatch from its wheel"
+	cd $(COMPAT_DIR)/tests && $(CPY) -m moe_dispatch.env
+	cd $(COMPAT_DIR)/tests && MOE_DISPATCH_EXPECT_INSTALLED=1 $(CPY) -m pytest -rs -p no:cacheprovider \
+	    $(addprefix python_tests/,$(COMPAT_TESTS)) -k "$(COMPAT_K)" $(COMPAT_PYTEST_ARGS)
 
 # Megatron-Core GPT with MoE layers on CPU (2 nodes x 2): alltoall vs custom from one seed.
 train: install
@@ -59,4 +120,11 @@ gpu-check-dry: install
 	benchmarks/gpu_check.sh --dry-run --out bench_results/gpu_check_dry
 
 clean:
-	rm -rf build dist *.egg-info $(VENV) moe_dispatch/_C*.so
+	rm -rf build dist *.egg-info $(VENV) $(VENV_COMPAT) moe_dispatch/_C*.so
+
+# The wheel into dist/, built with the dev environment's tools (no build isolation), so the CMake tree
+# under build/ is reused and rebuilds are incremental. MOE_DISPATCH_SKIP_CUDA=1 makes it pure Python.
+.PHONY: wheel
+wheel: venv
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	@ls -t dist/moe_dispatch-*.whl | head -n 1

@@ -5,6 +5,7 @@ knob, the reason and the fix), the patch points ``install()`` wraps, Megatron-Br
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import types
@@ -17,6 +18,11 @@ pytest.importorskip("megatron.core")
 
 import moe_dispatch.megatron as mdm  # noqa: E402
 from moe_dispatch.megatron import compat  # noqa: E402
+from moe_dispatch.megatron.config import resolve_num_sms  # noqa: E402
+
+# TransformerConfig fields that some supported megatron-core version lacks (configure() names the version)
+VERSION_DEPENDENT_FIELDS = sorted({name for points in compat._PATCH_POINTS.values()
+                                   for name, _ in points.missing_config_fields})
 
 
 def _config(**fields):
@@ -39,7 +45,9 @@ def test_configure_selects_the_backend():
     out = mdm.configure(cfg, ranks_per_node=2, num_sms=24, pad_multiple=16, expert_rank_capacity_factor=1.5)
     assert out is cfg
     assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend) == ("flex", "custom")
-    assert cfg.moe_shared_expert_overlap is False and cfg.moe_flex_dispatcher_num_sms == 24
+    # the SM budget: Megatron's moe_flex_dispatcher_num_sms (0.19), the backend's own attribute where there is none
+    assert cfg.moe_shared_expert_overlap is False and getattr(cfg, compat.num_sms_attr()) == 24
+    assert resolve_num_sms(cfg) == 24 and resolve_num_sms(_config()) is None
     assert mdm.get_options(cfg) == mdm.CustomBackendOptions(ranks_per_node=2, pad_multiple=16,
                                                             expert_rank_capacity_factor=1.5)
     assert mdm.is_custom_backend(cfg)
@@ -82,8 +90,62 @@ def test_resolved_layout():
     (dict(moe_expert_rank_capacity_factor=1.5), r"HybridEP's/NCCL EP's knob.*expert_rank_capacity_factor=\.\.\."),
 ])
 def test_configure_rejects_with_the_fix(fields, match):
+    lacking = [name for name in fields if compat.missing_config_field(name) is not None]
+    if lacking:
+        pytest.skip(f"megatron-core {compat.version_string()} has no TransformerConfig field {lacking[0]} "
+                    "(test_configure_names_the_version_of_a_missing_field covers it there)")
     with pytest.raises(ValueError, match=match):
         mdm.configure(_config(), **fields)
+
+
+@pytest.mark.parametrize("field", VERSION_DEPENDENT_FIELDS)
+def test_configure_names_the_version_of_a_missing_field(field):
+    cfg = _config()
+    if hasattr(cfg, field):
+        pytest.skip(f"megatron-core {compat.version_string()} has the TransformerConfig field {field}")
+    fix = compat.missing_config_field(field)
+    assert fix, f"{field} is missing in megatron-core {compat.version_string()} but its entry names no fix"
+    with pytest.raises(ValueError, match=rf"configure\(\) got {field}, but megatron-core "
+                                         rf"{re.escape(compat.version_string())} has no TransformerConfig field "
+                                         rf"{field} \(newer supported versions do\): {re.escape(fix)}, or upgrade"):
+        mdm.configure(cfg, **{field: 1})
+    assert cfg.moe_token_dispatcher_type != "flex", "a rejected configure() must leave the config alone"
+
+
+def test_version_entries_differ_where_megatron_does():
+    """The patch points of both supported versions (checked on whichever is installed)."""
+    old, new = compat.patch_points((0, 16, 1)), compat.patch_points((0, 19, 2))
+    assert old.free_input_module == old.callables_module == "megatron.core.models.gpt.fine_grained_callables"
+    assert new.free_input_module == "megatron.core.models.common.utils"
+    assert old.free_input_params == ("name", "is_moe", "config")
+    assert new.free_input_params == ("name", "is_moe", "config", "num_local_experts")
+    assert old.callables_importers == () and new.callables_importers
+    assert (old.num_sms_field, new.num_sms_field) == (None, "moe_flex_dispatcher_num_sms")
+    assert (compat.num_sms_attr((0, 16, 1)), compat.num_sms_attr((0, 19, 2))) == (
+        "moe_dispatch_num_sms", "moe_flex_dispatcher_num_sms")
+    assert not old.dispatcher_has_over_budget and new.dispatcher_has_over_budget
+    assert old.align_size_needs_quantization and not new.align_size_needs_quantization
+    assert not old.row_parallel_has_backward_dw and new.row_parallel_has_backward_dw
+    assert compat.missing_config_field("moe_expert_rank_capacity_factor", (0, 16, 1)).endswith(
+        "configure(config, expert_rank_capacity_factor=...)")
+    assert compat.missing_config_field("moe_expert_rank_capacity_factor", (0, 19, 2)) is None
+    for points in (old, new):  # a version that lacks a field has no field name pointing at it
+        assert points.num_sms_field not in dict(points.missing_config_fields)
+
+
+def test_default_pad_multiple_follows_quantization():
+    """No fp8/fp4: no padding by default on every version (0.16's get_align_size_for_quantization
+    answers 16 there, which is only its router-padding size)."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    from moe_dispatch.megatron.config import resolve_pad_multiple
+
+    cfg = mdm.configure(_config())
+    assert compat.quantization_align_size(cfg) in (0, 1) and resolve_pad_multiple(cfg) == 1
+    if compat.patch_points().align_size_needs_quantization:
+        assert get_align_size_for_quantization(cfg) > 1  # the difference the entry exists for
+    cfg.fp8 = "e4m3"  # the recipe's alignment, as Megatron's HybridEP uses it
+    assert resolve_pad_multiple(cfg) == get_align_size_for_quantization(cfg) > 1
 
 
 def test_validate_config_catches_a_hand_set_backend():
@@ -139,50 +201,93 @@ def test_foreign_options_object():
 # install() and its patch points
 # ---------------------------------------------------------------------------------------------
 
-def test_install_is_idempotent():
-    from megatron.core.models.common import fine_grained_callables as common_callables
-    from megatron.core.models.common import utils as common_utils
-    from megatron.core.models.gpt import fine_grained_callables as gpt_callables
+def _patched_functions():
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
-    before = (MoEFlexTokenDispatcher.__init__, common_utils.should_free_input,
-              gpt_callables.build_transformer_layer_callables)
+    points = compat.patch_points()
+    free_input = importlib.import_module(points.free_input_module)
+    callables = importlib.import_module(points.callables_module)
+    return (MoEFlexTokenDispatcher.__init__, free_input.should_free_input, callables.build_transformer_layer_callables)
+
+
+def test_install_is_idempotent():
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    points = compat.patch_points()
+    before = _patched_functions()
+    budget_api = (MoEFlexTokenDispatcher.check_over_budget, MoEFlexTokenDispatcher.reset_over_budget)
     mdm.install()
     mdm.install()
     assert mdm.installed()
-    after = (MoEFlexTokenDispatcher.__init__, common_utils.should_free_input,
-             gpt_callables.build_transformer_layer_callables)
+    after = _patched_functions()
     assert before == after
     for fn in after:
         assert getattr(fn, "_moe_dispatch_patched", False)
         assert not getattr(fn.__wrapped_original__, "_moe_dispatch_patched", False)  # wrapped once
-    assert common_callables.build_transformer_layer_callables is gpt_callables.build_transformer_layer_callables
+    for name in points.callables_importers:
+        assert importlib.import_module(name).build_transformer_layer_callables is after[2], name
+    # Megatron's own over-budget API, or ours (same behaviour) where the version has none
+    assert budget_api == (MoEFlexTokenDispatcher.check_over_budget, MoEFlexTokenDispatcher.reset_over_budget)
+    for fn in budget_api:
+        assert getattr(fn, "_moe_dispatch_patched", False) is (not points.dispatcher_has_over_budget)
+
+
+def test_row_parallel_linear_has_a_no_op_backward_dw():
+    """delay_wgrad_compute makes the EP-overlap schedule call backward_dw() on the local spec's
+    linears; Megatron's own compute their wgrads at once, so it must exist and do nothing."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    backward_dw = RowParallelLinear.backward_dw
+    ours = not compat.patch_points().row_parallel_has_backward_dw
+    assert getattr(backward_dw, "_moe_dispatch_patched", False) is ours
+    assert callable(ColumnParallelLinear.backward_dw)
+    linear = types.SimpleNamespace(weight=torch.ones(2, 2, requires_grad=True))
+    assert backward_dw(linear) is None and linear.weight.grad is None
+
+
+def test_over_budget_api_reads_the_managers_flag():
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    dispatcher = types.SimpleNamespace(_comm_manager=types.SimpleNamespace(over_budget=torch.ones(1, dtype=torch.bool)))
+    flag = MoEFlexTokenDispatcher.check_over_budget(dispatcher)
+    assert flag is dispatcher._comm_manager.over_budget and bool(flag)
+    MoEFlexTokenDispatcher.reset_over_budget(dispatcher)
+    assert not bool(dispatcher._comm_manager.over_budget)
+    no_flag = types.SimpleNamespace(_comm_manager=types.SimpleNamespace())  # deepep: keeps none
+    assert MoEFlexTokenDispatcher.check_over_budget(no_flag) is None
+    MoEFlexTokenDispatcher.reset_over_budget(no_flag)
 
 
 def test_unsupported_version_names_it():
-    with pytest.raises(compat.UnsupportedMegatronVersionError,
-                       match=r"supports megatron-core 0\.19\.x.*found 0\.16\.0.*moe_dispatch/megatron/compat\.py"):
-        compat.patch_points((0, 16, 0))
-    assert compat.patch_points((0, 19, 2)).free_input_module == "megatron.core.models.common.utils"
+    for version in ((0, 15, 0), (0, 17, 0), (1, 0, 0)):
+        with pytest.raises(compat.UnsupportedMegatronVersionError,
+                           match=rf"supports megatron-core 0\.16\.x, 0\.19\.x \(tested: 0\.16\.1, 0\.19\.2\), found "
+                                 rf"{re.escape(compat.version_string(version))}\. .*moe_dispatch/megatron/compat\.py"):
+            compat.patch_points(version)
+    assert compat.patch_points((0, 19, 0)) is compat.patch_points((0, 19, 2))
 
 
 def test_should_free_input_for_custom():
-    from megatron.core.models.common import utils as common_utils
+    points = compat.patch_points()
+    module = importlib.import_module(points.free_input_module)
+    extra = (4,) if "num_local_experts" in points.free_input_params else ()  # 0.16: no num_local_experts
 
-    original = common_utils.should_free_input.__wrapped_original__
+    def free(name, is_moe, cfg, fn=module.should_free_input):
+        return fn(name, is_moe, cfg, *extra)
+
     unfused = mdm.configure(_config())
     fused = mdm.configure(_config(), pad_multiple=8)
     for cfg in (unfused, fused):
-        assert common_utils.should_free_input("moe_dispatch", True, cfg, 4) is False  # the router saved it
-        assert common_utils.should_free_input("moe_combine", True, cfg, 4) is True
-        assert common_utils.should_free_input("pre_dispatch_computation", True, cfg, 4) is False
-        assert common_utils.should_free_input("moe_dispatch", False, cfg, None) is False  # dense layers
-    assert common_utils.should_free_input("mlp", True, unfused, 4) is True  # permute copies: free
-    assert common_utils.should_free_input("mlp", True, fused, 4) is False  # experts saved the permuted rows
+        assert free("moe_dispatch", True, cfg) is False  # the router saved it
+        assert free("moe_combine", True, cfg) is True
+        assert free("pre_dispatch_computation", True, cfg) is False
+        assert free("moe_dispatch", False, cfg) is False  # dense layers
+    assert free("mlp", True, unfused) is True  # permute copies: free
+    assert free("mlp", True, fused) is False  # experts saved the permuted rows
     for backend in ("deepep", "hybridep"):
         cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
         for name in ("moe_dispatch", "mlp", "moe_combine"):
-            assert common_utils.should_free_input(name, True, cfg, 4) == original(name, True, cfg, 4)
+            assert free(name, True, cfg) == free(name, True, cfg, fn=module.should_free_input.__wrapped_original__)
 
 
 def test_setup_metadata_compiles_without_graph_breaks():

@@ -21,9 +21,13 @@ without Transformer Engine.
 ``moe_dispatch.megatron.cpu`` (explicit opt-in) lets Megatron's MoELayer run under gloo on a
 machine without a GPU, for tests and debugging; it is not a training path.
 
+Supported megatron-core versions: 0.16.x (tested 0.16.1, Python 3.11) and 0.19.x (tested 0.19.2);
+what differs between them is handled in ``moe_dispatch.megatron.compat``.
+
 Raises (on import):
     ImportError: megatron-core is not installed (``pip install 'moe-dispatch[megatron]'``).
-    UnsupportedMegatronVersionError: an unsupported megatron-core version.
+    UnsupportedMegatronVersionError: an unsupported megatron-core version (the message lists
+        the supported ones).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ import os
 import warnings
 from typing import Any
 
+from . import compat
+
 BACKEND_NAME = "custom"
 OPTIONS_ATTR = "moe_dispatch_options"
 
@@ -108,18 +110,24 @@ def get_options(config) -> CustomBackendOptions:
     return options
 
 
+def resolve_num_sms(config) -> int | None:
+    """SM budget of the backend's CUDA kernels for ``config`` (None: the Buffer's default):
+    Megatron's ``moe_flex_dispatcher_num_sms``, or on megatron-core 0.16 (no such field) the
+    attribute ``moe_dispatch_num_sms`` that :func:`configure` sets."""
+    return getattr(config, compat.num_sms_attr(), None)
+
+
 def resolve_pad_multiple(config) -> int:
     """Rows of each local expert block are padded to a multiple of this (>= 1).
 
     ``options.pad_multiple`` when set, else Megatron's ``get_align_size_for_quantization``
-    (256 with the TE op fuser, the fp8/fp4 recipe's alignment, 0 otherwise; 0 means 1).
+    (256 with the TE op fuser, the fp8/fp4 recipe's alignment, 0 otherwise; 0 means 1;
+    see ``compat.quantization_align_size``).
     """
     options = get_options(config)
     if options.pad_multiple is not None:
         return options.pad_multiple
-    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
-
-    return max(1, int(get_align_size_for_quantization(config)))
+    return max(1, compat.quantization_align_size(config))
 
 
 def resolve_fuse_permute(config) -> bool:
@@ -238,7 +246,9 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
         ranks_per_node, pad_multiple, num_permuted_tokens, expert_rank_capacity_factor,
             fuse_permute, raise_on_overflow, timeout_s: see :class:`CustomBackendOptions`.
         num_sms: SM budget of the CUDA kernels; stored in Megatron's
-            ``moe_flex_dispatcher_num_sms`` (None keeps the config's value).
+            ``moe_flex_dispatcher_num_sms`` (megatron-core 0.16, which lacks that field: in the
+            attribute ``moe_dispatch_num_sms``); None keeps the config's value. See
+            :func:`resolve_num_sms`.
         **config_fields: ``TransformerConfig`` fields to set before validation.
 
     Returns:
@@ -246,8 +256,10 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
 
     Raises:
         TypeError: ``config`` is not a TransformerConfig.
-        ValueError: an unknown field name, a bad knob, another dispatcher or backend asked for
-            through the keywords, or a check of :func:`validate_config`.
+        ValueError: an unknown field name (one that only other megatron-core versions have:
+            the message names the installed version and the replacement), a bad knob, another
+            dispatcher or backend asked for through the keywords, or a check of
+            :func:`validate_config`.
     """
     if not hasattr(config, "moe_token_dispatcher_type"):
         raise TypeError(f"configure() takes a megatron.core.transformer.TransformerConfig, got "
@@ -259,6 +271,12 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
                          f", moe_flex_dispatcher_backend={config_fields.get('moe_flex_dispatcher_backend')!r}. Drop "
                          "those keywords (for another backend, set the config fields without configure())")
     unknown = sorted(name for name in config_fields if not hasattr(config, name))
+    for name in unknown:
+        fix = compat.missing_config_field(name)
+        if fix is not None:
+            raise ValueError(f"configure() got {name}, but megatron-core {compat.version_string()} has no "
+                             f"TransformerConfig field {name} (newer supported versions do): {fix}, or upgrade "
+                             "megatron-core")
     if unknown:
         raise ValueError(f"configure() got {unknown}, which are neither TransformerConfig fields nor backend knobs "
                          f"(backend knobs: {[f.name for f in dataclasses.fields(CustomBackendOptions)] + ['num_sms']})")
@@ -275,7 +293,7 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
     for name, value in config_fields.items():
         setattr(config, name, value)
     if num_sms is not None:
-        config.moe_flex_dispatcher_num_sms = num_sms
+        setattr(config, compat.num_sms_attr(), num_sms)
     setattr(config, OPTIONS_ATTR, options)
     validate_config(config)
     return config

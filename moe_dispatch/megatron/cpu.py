@@ -5,7 +5,7 @@ training path**: everything runs in fp32/bf16 on CPU cores, orders of magnitude 
 GPUs, and the CUDA streams Megatron uses to overlap communication become no-ops (the
 schedule's order is kept, nothing runs concurrently).
 
-``enable()`` installs the minimal shims megatron-core 0.19 needs for an alltoall or flex
+``enable()`` installs the minimal shims megatron-core (0.16, 0.19) needs for an alltoall or flex
 ``MoELayer`` (and a small ``GPTModel`` built from the local, non-Transformer-Engine spec) on
 CPU tensors and gloo process groups:
 
@@ -25,6 +25,9 @@ CPU tensors and gloo process groups:
    defined as None when TE is absent (already so in 0.19; older versions left them undefined).
 5. Host split sizes of Megatron's ``all_to_all`` reach gloo as Python lists (Megatron passes
    numpy arrays or tensors, which NCCL's binding accepts and gloo's does not).
+6. On a CPU-only torch build (e.g. ``torch==2.13.0+cpu``), whose ``torch.cuda.nvtx`` functions
+   raise "NVTX functions not installed", NVTX ranges and marks become no-ops (the EP-overlap
+   schedule's nodes open one around every forward and backward). CUDA builds keep theirs.
 
 Call it in every rank before building the model; it refuses to run where a GPU is visible.
 The changes are process-wide and stay until the process exits (spawned ranks are the place).
@@ -171,6 +174,43 @@ def _shim_cuda_rng() -> None:
     megatron_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: rng.set_state(new_state)
 
 
+class _NoNvtx:
+    """Stand-in for ``torch._C._nvtx`` where torch was built without it: ranges of depth 0."""
+
+    @staticmethod
+    def rangePushA(msg) -> int:  # noqa: N802 - torch's names
+        return 0
+
+    @staticmethod
+    def rangePop() -> int:  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeStartA(msg) -> int:  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeEnd(range_id) -> None:  # noqa: N802
+        return None
+
+    @staticmethod
+    def markA(msg) -> None:  # noqa: N802
+        return None
+
+    @staticmethod
+    def deviceRangeStart(msg, stream=0) -> None:  # noqa: N802
+        return None
+
+    @staticmethod
+    def deviceRangeEnd(range_handle, stream=0) -> None:  # noqa: N802
+        return None
+
+
+def _shim_nvtx() -> None:
+    if not hasattr(torch._C, "_nvtx"):  # a CPU-only build: torch.cuda.nvtx's stub raises on every call
+        torch.cuda.nvtx._nvtx = _NoNvtx()
+
+
 def _shim_te_symbols() -> None:
     from megatron.core.transformer.moe import moe_utils
 
@@ -220,6 +260,7 @@ def enable(*, redirect_cuda_tensors: bool = True) -> None:
                                "instead, or hide it with CUDA_VISIBLE_DEVICES=''")
         if not _ENABLED:
             _shim_cuda_runtime()
+            _shim_nvtx()
             _shim_cuda_rng()
             _shim_te_symbols()
             _shim_all_to_all_splits()

@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
 from ..layout import routing_map_to_topk
 from ..permute import PermuteHandle, check_permute_overflow, permute, unpermute
-from .config import get_options, resolve_fuse_permute, resolve_pad_multiple, validate_config
+from .config import get_options, resolve_fuse_permute, resolve_num_sms, resolve_pad_multiple, validate_config
 
 _BUFFERS: dict[tuple, Buffer] = {}
 
@@ -142,7 +142,7 @@ class CustomDispatchManager(_DispatchManager):
                              "make num_moe_experts divisible by expert_model_parallel_size")
         self.pad_multiple = resolve_pad_multiple(config)
         self.fused = resolve_fuse_permute(config)
-        self.num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
+        self.num_sms = resolve_num_sms(config)
         self.router_dtype = getattr(config, "moe_router_dtype", None)
         backend = str(dist.get_backend(group))
         self._device = (torch.device("cuda", torch.cuda.current_device())
