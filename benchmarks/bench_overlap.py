@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_dispatch import Buffer, routing
+from moe_dispatch.env import source_commit
 from moe_dispatch.launch import launch_ranks
 
 GOAL_HIDDEN = 0.70
@@ -151,19 +152,21 @@ def main(argv: list[str] | None = None) -> int:
         m = r["median_ms"]
         table.add_row(r["model"], *(f"{m[k]:.1f}" for k in MODES), f"{r['compute_over_comm']:.2f}",
                       f"{r['hidden_fraction']:.2f}", f"{r['hidden_fraction_static']:.2f}")
-    console = Console()
+    console = Console(width=max(120, Console().width))  # the table is wider than a default 80-column log
     console.print(table)
     eligible = [r for r in results if r["compute_over_comm"] >= 1]
     if not eligible:
         verdict = "not measured (no shape has compute >= comm: raise --ffn-ratio)"
     else:
-        met = all(r["hidden_fraction_static"] >= GOAL_HIDDEN for r in eligible)
-        verdict = f"{'met' if met else 'not met'} on {len(eligible)} of {len(results)} shapes"
+        met = sum(r["hidden_fraction_static"] >= GOAL_HIDDEN for r in eligible)
+        verdict = (f"{'met' if met == len(eligible) else 'not met'}: met on {met} of the {len(eligible)} shapes "
+                   f"with compute >= comm ({len(results)} shapes in all)")
     console.print(f"goal: hidden (static) >= {GOAL_HIDDEN} where compute >= comm: {verdict}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, pathlib.Path) else v)
                                                 for k, v in vars(args).items()},
-                                     "torch": torch.__version__, "results": results}, indent=2))
+                                     "torch": torch.__version__, "git_commit": source_commit()["commit"],
+                                     "results": results}, indent=2))
     console.print(f"figures written to {args.json}")
     return 0
 
