@@ -34,15 +34,21 @@ DEMO_ARGS   ?=
 TRAIN_ARGS  ?=
 SIMCLUSTER_ARGS ?=
 
+# A virtual environment's recipe: $(call make_venv,DIR,PYTHON,VERSION,VENV_PYTHON) makes DIR with PYTHON
+# (Python VERSION) and installs the target's prerequisite (a requirements file) with DIR's VENV_PYTHON.
+define make_venv
+	@test -n "$(2)" || { echo "error: Python $(3) not found (install python$(3), or pyenv $(3).x)"; exit 1; }
+	rm -rf $(1)
+	$(2) -m venv $(1)
+	$(4) -m pip install -q --upgrade pip
+	$(4) -m pip install -q -r $<
+	touch $@
+endef
+
 .PHONY: venv install demo test test-main test-compat venv-compat train simcluster gpu-wheels gpu-check-dry clean
 
 $(VENV)/.deps: requirements/dev.txt
-	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install python3.12, or pyenv 3.12.x)"; exit 1; }
-	rm -rf $(VENV)
-	$(PYTHON312) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/dev.txt
-	touch $@
+	$(call make_venv,$(VENV),$(PYTHON312),3.12,$(PY))
 
 venv: $(VENV)/.deps
 
@@ -67,12 +73,7 @@ test-main: install
 	$(PY) -m pytest python_tests -rs $(PYTEST_ARGS)
 
 $(VENV_COMPAT)/.deps: requirements/compat.txt
-	@test -n "$(PYTHON311)" || { echo "error: Python 3.11 not found (install python3.11, or pyenv 3.11.x)"; exit 1; }
-	rm -rf $(VENV_COMPAT)
-	$(PYTHON311) -m venv $(VENV_COMPAT)
-	$(CPY) -m pip install -q --upgrade pip
-	$(CPY) -m pip install -q -r requirements/compat.txt
-	touch $@
+	$(call make_venv,$(VENV_COMPAT),$(PYTHON311),3.11,$(CPY))
 
 venv-compat: $(VENV_COMPAT)/.deps
 

@@ -23,16 +23,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import sys
 
 import torch
-from bench_intranode import SHAPES, Shape, make_inputs, time_gpu, time_host
+from loopback_bench import (
+    Shape,
+    add_run_args,
+    add_shapes_arg,
+    cached_cases,
+    launch_device,
+    make_inputs,
+    shapes_for,
+    time_copy,
+    timer,
+    write_json,
+)
 
-from moe_dispatch import _ext
 from moe_dispatch.config import Config
-from moe_dispatch.quant import per_token_cast_to_fp8
 from moe_dispatch.transport.internode import InternodeLoopback, cross_node_bytes
 
 GOAL_BOUND = 1.00
@@ -72,42 +79,26 @@ def bench_world(shape: Shape, num_nodes: int, ranks_per_node: int, num_sms_list:
     config = Config(num_sms=max(num_sms_list), num_slots=args.slots, chunk_tokens=args.chunk)
     lb = InternodeLoopback(num_nodes, ranks_per_node, shape.hidden, shape.topk, config=config, device=device,
                            timeout_s=args.timeout_s)
-    xs, idxs, ws = make_inputs(shape, W, device)
-    xs8 = [per_token_cast_to_fp8(x) for x in xs] if shape.hidden % 128 == 0 else None
-    timer = (lambda fn: time_gpu(fn, args.warmup, args.iters)) if on_gpu else (lambda fn: time_host(fn, 1, 3, device))
+    xs, xs8, idxs, ws = make_inputs(shape, W, device)
+    time_case = timer(args, device)
     rows: list[Row] = []
     copy_rate = None
     for num_sms in num_sms_list:
-        first = lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms)
-        handles = [r.handle for r in first]
-        received = sum(h.num_rows for h in handles)
+        handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
         xnode_rows = cross_node_bytes(handles, ranks_per_node, 1)
         bound = lower_bound_rows(handles, num_nodes, ranks_per_node)
         ratio = xnode_rows / bound if bound else 1.0
         if on_gpu and copy_rate is None:
-            src = torch.empty(bytes_bf16, dtype=torch.uint8, device=device)
-            dst = torch.empty_like(src)
-            med, p20, p80 = time_gpu(lambda: dst.copy_(src), args.warmup, args.iters)
-            copy_rate = bytes_bf16 / (med * 1e-6) / 1e9
+            med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
             rows.append(Row(shape.name, world, 0, "d2d copy (torch)", med, p20, p80, bytes_bf16, copy_rate, 1.0,
                             None, None))
-            del src, dst
-        ys = [r.recv_x for r in first]
-        cases = [("dispatch bf16", bytes_bf16, xnode_rows * shape.hidden * 2,
-                  lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, handles=handles, check=False, validate=False)),
-                 ("combine bf16", bytes_bf16, xnode_rows * shape.hidden * 2,
-                  lambda: lb.combine(ys, handles, check=False))]
-        if xs8 is not None:
-            row8 = shape.hidden + 4 * (shape.hidden // 128)
-            cases.insert(1, ("dispatch fp8", received * row8, xnode_rows * row8,
-                             lambda: lb.dispatch(xs8, idxs, ws, shape.num_experts, handles=handles, check=False,
-                                                 validate=False)))
-        for op, nbytes, xbytes, fn in cases:
-            med, p20, p80 = timer(fn)
+        for op, nbytes, row_bytes, fn in cases:
+            med, p20, p80 = time_case(fn)
             rate = nbytes / (med * 1e-6) / 1e9
             rows.append(Row(shape.name, world, num_sms, op, med, p20, p80, nbytes, rate,
-                            rate / copy_rate if copy_rate else None, xbytes / W / (med * 1e-6) / 1e9, ratio))
+                            rate / copy_rate if copy_rate else None,
+                            xnode_rows * row_bytes / W / (med * 1e-6) / 1e9, ratio))
     lb.transport.check()  # a wait that timed out during the timings fails the benchmark here
     return rows
 
@@ -127,24 +118,19 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
-                        help="default: deepseek-v3 gpt-oss on GPU, tiny on CPU")
+    add_shapes_arg(parser)
     parser.add_argument("--worlds", nargs="+", default=None, help="NxL worlds (default: 2x4 4x2 on GPU, 2x2 on CPU)")
     parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 8 16 24 on GPU, 2 on CPU")
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--timeout-s", type=float, default=30.0)
-    parser.add_argument("--json", default=None, help="write the rows and the environment here")
+    add_run_args(parser, warmup=2, iters=10)
     args = parser.parse_args(argv)
 
-    if not _ext.extension_status().built:
-        print(f"bench_internode: the extension is not built ({_ext.extension_status().error})", file=sys.stderr)
+    device = launch_device("bench_internode")
+    if device is None:
         return 1
-    on_gpu = _ext.cuda_available() and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    shapes = [SHAPES[s] for s in (args.shapes or (["deepseek-v3", "gpt-oss"] if on_gpu else ["tiny"]))]
+    on_gpu = device.type == "cuda"
+    shapes = shapes_for(args, device)
     worlds = [tuple(int(v) for v in w.split("x")) for w in (args.worlds or (["2x4", "4x2"] if on_gpu else ["2x2"]))]
     num_sms_list = args.num_sms or ([8, 16, 24] if on_gpu else [2])
     if not on_gpu:
@@ -161,11 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngoal: cross-node bytes = the de-dup lower bound (1.00): "
           f"{'met' if worst < 1e-9 else 'MISSED'} ({min(bounds):.2f}..{max(bounds):.2f} over {len(bounds)} rows)")
     if args.json:
-        env = {"device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
-               "torch": torch.__version__, "gpu": on_gpu, "slots": args.slots, "chunk": args.chunk,
-               "byte_formula": "payload rows delivered x row bytes; xnode = stage-1 rows from other nodes"}
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.json, device, rows, slots=args.slots, chunk=args.chunk,
+                   byte_formula="payload rows delivered x row bytes; xnode = stage-1 rows from other nodes")
     return 0
 
 

@@ -32,37 +32,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
-import statistics
 import sys
-import time
 
 import torch
+from loopback_bench import (
+    Shape,
+    add_run_args,
+    add_shapes_arg,
+    cached_cases,
+    launch_device,
+    make_inputs,
+    shapes_for,
+    time_copy,
+    time_host,
+    timer,
+    write_json,
+)
 
-from moe_dispatch import _ext
 from moe_dispatch.config import Config
-from moe_dispatch.quant import per_token_cast_to_fp8
 from moe_dispatch.transport.cuda import Loopback
 
 GOAL_VS_COPY = 0.85
 GOAL_MAX_SMS = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int       # per simulated rank
-    hidden: int
-    topk: int
-    num_experts: int
-
-
-SHAPES = {
-    "deepseek-v3": Shape("deepseek-v3", 4096, 7168, 8, 256),
-    "gpt-oss": Shape("gpt-oss", 4096, 2880, 4, 128),
-    "tiny": Shape("tiny", 64, 256, 4, 32),
-}
 
 
 @dataclasses.dataclass
@@ -81,93 +72,25 @@ class Row:
     goal: str
 
 
-def time_gpu(fn, warmup: int, iters: int) -> tuple[float, float, float]:
-    """(median, p20, p80) microseconds of fn() by CUDA events, one pair per call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return _quantiles(times)
-
-
-def time_host(fn, warmup: int, iters: int, device: torch.device) -> tuple[float, float, float]:
-    """Wall-clock microseconds (the call synchronises, or runs on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return _quantiles(times)
-
-
-def _quantiles(times: list[float]) -> tuple[float, float, float]:
-    times = sorted(times)
-    pick = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-    return statistics.median(times), pick(0.2), pick(0.8)
-
-
-def make_inputs(shape: Shape, world_size: int, device: torch.device, seed: int = 0):
-    """Per rank bf16 x, top-k over all experts without repeats (DeepSeek-V3-like uniform
-    routing), fp32 weights."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    xs, idxs, ws = [], [], []
-    for _ in range(world_size):
-        xs.append(torch.randn(shape.tokens, shape.hidden, device=device, generator=gen).to(torch.bfloat16))
-        scores = torch.rand(shape.tokens, shape.num_experts, device=device, generator=gen)
-        idxs.append(scores.topk(shape.topk, dim=1).indices)
-        ws.append(torch.rand(shape.tokens, shape.topk, device=device, generator=gen))
-    return xs, idxs, ws
-
-
 def bench_shape(shape: Shape, world_size: int, rings: str, num_sms_list: list[int], args,
                 device: torch.device) -> list[Row]:
     on_gpu = device.type == "cuda"
     num_slots, chunk_tokens = (int(v) for v in rings.split("x"))
     config = Config(num_sms=max(num_sms_list), num_slots=num_slots, chunk_tokens=chunk_tokens)
     lb = Loopback(world_size, shape.hidden, shape.topk, config=config, device=device, timeout_s=args.timeout_s)
-    xs, idxs, ws = make_inputs(shape, world_size, device)
-    xs8 = [per_token_cast_to_fp8(x) for x in xs] if shape.hidden % 128 == 0 else None
+    xs, xs8, idxs, ws = make_inputs(shape, world_size, device)
+    time_case = timer(args, device)
     rows: list[Row] = []
     copy_rate = None
     for num_sms in num_sms_list:
-        first = lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms)
-        handles = [r.handle for r in first]
-        received = sum(h.num_rows for h in handles)
+        handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
         if on_gpu and copy_rate is None:  # the baseline, once per shape: same byte count
-            src = torch.empty(bytes_bf16, dtype=torch.uint8, device=device)
-            dst = torch.empty_like(src)
-            med, p20, p80 = time_gpu(lambda: dst.copy_(src), args.warmup, args.iters)
-            copy_rate = bytes_bf16 / (med * 1e-6) / 1e9
+            med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
             rows.append(Row(shape.name, world_size, "-", 0, "d2d copy (torch)", med, p20, p80, bytes_bf16, copy_rate,
                             1.0, ""))
-            del src, dst
-        ys = [r.recv_x for r in first]
-        timer = (lambda fn: time_gpu(fn, args.warmup, args.iters)) if on_gpu else \
-            (lambda fn: time_host(fn, 1, 3, device))
-        cases = [("dispatch bf16", bytes_bf16,
-                  lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, handles=handles, check=False, validate=False)),
-                 ("combine bf16", bytes_bf16, lambda: lb.combine(ys, handles, check=False))]
-        if xs8 is not None:
-            bytes_fp8 = received * (shape.hidden + 4 * (shape.hidden // 128))
-            cases.insert(1, ("dispatch fp8", bytes_fp8,
-                             lambda: lb.dispatch(xs8, idxs, ws, shape.num_experts, handles=handles, check=False,
-                                                 validate=False)))
-        for op, nbytes, fn in cases:
-            med, p20, p80 = timer(fn)
+        for op, nbytes, _, fn in cases:
+            med, p20, p80 = time_case(fn)
             rate = nbytes / (med * 1e-6) / 1e9
             ratio = rate / copy_rate if copy_rate else None
             goal = ""
@@ -178,7 +101,7 @@ def bench_shape(shape: Shape, world_size: int, rings: str, num_sms_list: list[in
                                                       validate=False), 1, max(3, args.iters // 4), device)
         rows.append(Row(shape.name, world_size, rings, num_sms, "dispatch+notify bf16 (fresh, host sync)", med, p20, p80,
                         bytes_bf16, bytes_bf16 / (med * 1e-6) / 1e9, None, ""))
-        del first, handles, ys
+        del handles, cases
     lb.check()  # a wait that timed out during the timings fails the benchmark here
     return rows
 
@@ -197,24 +120,19 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
-                        help="default: deepseek-v3 gpt-oss on GPU, tiny on CPU")
+    add_shapes_arg(parser)
     parser.add_argument("--world-sizes", nargs="+", type=int, default=None, help="default: 8 on GPU, 4 on CPU")
     parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 4 8 16 24 on GPU, 2 4 on CPU")
     parser.add_argument("--rings", nargs="+", default=["32x8", "4x2"],
                         help="ring depth x chunk tokens per configuration (default: 32x8 4x2)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--timeout-s", type=float, default=30.0)
-    parser.add_argument("--json", default=None, help="write the rows and the environment here")
+    add_run_args(parser, warmup=3, iters=20)
     args = parser.parse_args(argv)
 
-    on_gpu = _ext.cuda_available() and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    if not _ext.extension_status().built:
-        print(f"bench_intranode: the extension is not built ({_ext.extension_status().error})", file=sys.stderr)
+    device = launch_device("bench_intranode")
+    if device is None:
         return 1
-    shapes = [SHAPES[s] for s in (args.shapes or (["deepseek-v3", "gpt-oss"] if on_gpu else ["tiny"]))]
+    on_gpu = device.type == "cuda"
+    shapes = shapes_for(args, device)
     world_sizes = args.world_sizes or ([8] if on_gpu else [4])
     num_sms_list = args.num_sms or ([4, 8, 16, 24] if on_gpu else [2, 4])
     if not on_gpu:
@@ -232,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ngoal: >= {GOAL_VS_COPY:.0%} of the d2d copy rate with num_sms <= {GOAL_MAX_SMS}: "
               f"{met}/{len(goals)} rows met")
     if args.json:
-        env = {"device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
-               "torch": torch.__version__, "gpu": on_gpu, "rings": args.rings,
-               "byte_formula": "payload rows delivered x row bytes"}
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.json, device, rows, rings=args.rings, byte_formula="payload rows delivered x row bytes")
     return 0
 
 

@@ -20,122 +20,57 @@ namespace moe_dispatch {
 namespace intranode {
 namespace {
 
-void check_cpu_options(const CpuOptions& o, int num_ranks) {
-  if (o.group_warps < 1 || o.group_warps > 8)
-    throw std::invalid_argument("cpu group_warps must be in [1, 8], got " + std::to_string(o.group_warps));
-  if (o.num_workers < 1 || o.num_workers > kNumWarps - 1)
-    throw std::invalid_argument("cpu num_workers must be in [1, " + std::to_string(kNumWarps - 1) + "], got " +
-                                std::to_string(o.num_workers));
+void check_cpu(const CpuOptions& o, int num_ranks) {
+  check_cpu_options(o);
   if (num_ranks > kMaxRanks) throw std::invalid_argument("num_ranks must be <= " + std::to_string(kMaxRanks));
-}
-
-// Threads of the group-structured blocks (dispatch send/recv, combine send): W groups of
-// group_warps threads per (rank, channel, role).
-template <class Role>
-void run_groups(const Common& c, const CpuOptions& o, int num_roles, Role role) {
-  struct Block {
-    GroupState groups[kMaxRanks];
-    std::vector<std::unique_ptr<ThreadBarrier>> barriers;
-  };
-  std::vector<std::unique_ptr<Block>> blocks;
-  Threads threads;
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const int rank = c.rank_begin + i;
-    if (rank == c.skip_rank) continue;
-    for (int channel = 0; channel < c.num_channels; ++channel) {
-      for (int r = 0; r < num_roles; ++r) {
-        blocks.push_back(std::make_unique<Block>());
-        Block* block = blocks.back().get();
-        std::memset(block->groups, 0, sizeof(block->groups));
-        for (int peer = 0; peer < c.num_ranks; ++peer) {
-          block->barriers.push_back(o.group_warps > 1 ? std::make_unique<ThreadBarrier>(o.group_warps) : nullptr);
-          for (int w = 0; w < o.group_warps; ++w) {
-            ThreadBarrier* barrier = block->barriers.back().get();
-            threads.spawn([&c, &o, role, rank, channel, r, peer, w, block, barrier]() {
-              HostCtx ctx{&c, barrier};
-              role(ctx, r, rank, channel, peer, w, o.group_warps, &block->groups[peer]);
-            });
-          }
-        }
-      }
-    }
-  }
-  threads.join();
 }
 
 }  // namespace
 
 void run_notify_cpu(const NotifyArgs& args) {
-  const Common& c = args.common;
-  std::vector<std::unique_ptr<NotifyState>> states;
-  Threads threads;
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const int rank = c.rank_begin + i;
-    if (rank == c.skip_rank) continue;
-    states.push_back(std::make_unique<NotifyState>());
-    NotifyState* st = states.back().get();
-    threads.spawn([&args, rank, st]() {
-      HostCtx ctx{&args.common, nullptr};
-      notify(ctx, args, rank, st);
-    });
-  }
-  threads.join();
+  run_notify_threads<HostCtx, NotifyState>(
+      args, [](HostCtx& ctx, const NotifyArgs& a, int rank, NotifyState* st) { notify(ctx, a, rank, st); });
 }
 
+// The group-structured blocks have one group per peer rank.
 void run_dispatch_cpu(const DispatchArgs& args, const CpuOptions& options) {
-  check_cpu_options(options, args.common.num_ranks);
-  run_groups(args.common, options, 2,
-             [&args](HostCtx& ctx, int role, int rank, int channel, int peer, int warp, int group_warps, GroupState* gs) {
-               if (role == 0) {
-                 dispatch_send(ctx, args, rank, channel, peer, warp, group_warps, gs);
-               } else {
-                 dispatch_recv(ctx, args, rank, channel, peer, warp, group_warps, gs);
-               }
-             });
+  check_cpu(options, args.common.num_ranks);
+  run_groups<HostCtx, kMaxRanks>(
+      args.common, options, args.common.num_ranks, 2,
+      [&args](HostCtx& ctx, int role, int rank, int channel, int peer, int warp, int group_warps, GroupState* gs) {
+        if (role == 0) {
+          dispatch_send(ctx, args, rank, channel, peer, warp, group_warps, gs);
+        } else {
+          dispatch_recv(ctx, args, rank, channel, peer, warp, group_warps, gs);
+        }
+      });
 }
 
 void run_combine_cpu(const CombineArgs& args, DType dtype, const CpuOptions& options) {
   const Common& c = args.common;
-  check_cpu_options(options, c.num_ranks);
+  check_cpu(options, c.num_ranks);
   if (dtype != kBf16 && dtype != kF32)
     throw std::invalid_argument("the CPU combine supports bf16 (0) and fp32 (2), got dtype " + std::to_string(dtype));
-  // Receivers: a coordinator and num_workers workers per (rank, channel), on their own threads.
-  std::vector<std::unique_ptr<CombineRecvState>> states;
-  Threads receivers;
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const int rank = c.rank_begin + i;
-    if (rank == c.skip_rank) continue;
-    for (int channel = 0; channel < c.num_channels; ++channel) {
-      states.push_back(std::make_unique<CombineRecvState>());
-      CombineRecvState* st = states.back().get();
-      std::memset(st, 0, sizeof(*st));
-      receivers.spawn([&args, &options, rank, channel, st]() {
-        HostCtx ctx{&args.common, nullptr};
-        combine_recv_coordinator(ctx, args, rank, channel, options.num_workers, st);
+  const int workers = options.num_workers;
+  run_combine_threads<HostCtx, CombineRecvState>(
+      c, workers,
+      [&args, workers](HostCtx& ctx, int rank, int channel, CombineRecvState* st) {
+        combine_recv_coordinator(ctx, args, rank, channel, workers, st);
+      },
+      [&args, workers, dtype](HostCtx& ctx, int rank, int channel, int w, CombineRecvState* st) {
+        if (dtype == kBf16) {
+          combine_recv_worker<Bf16Tag>(ctx, args, rank, channel, w, workers, st);
+        } else {
+          combine_recv_worker<F32Tag>(ctx, args, rank, channel, w, workers, st);
+        }
+      },
+      [&]() {
+        run_groups<HostCtx, kMaxRanks>(
+            c, options, c.num_ranks, 1,
+            [&args](HostCtx& ctx, int, int rank, int channel, int peer, int warp, int group_warps, GroupState* gs) {
+              combine_send(ctx, args, rank, channel, peer, warp, group_warps, gs);
+            });
       });
-      for (int w = 0; w < options.num_workers; ++w) {
-        receivers.spawn([&args, &options, dtype, rank, channel, w, st]() {
-          HostCtx ctx{&args.common, nullptr};
-          if (dtype == kBf16) {
-            combine_recv_worker<Bf16Tag>(ctx, args, rank, channel, w, options.num_workers, st);
-          } else {
-            combine_recv_worker<F32Tag>(ctx, args, rank, channel, w, options.num_workers, st);
-          }
-        });
-      }
-    }
-  }
-  std::exception_ptr send_error;
-  try {
-    run_groups(c, options, 1,
-               [&args](HostCtx& ctx, int, int rank, int channel, int peer, int warp, int group_warps, GroupState* gs) {
-                 combine_send(ctx, args, rank, channel, peer, warp, group_warps, gs);
-               });
-  } catch (...) {
-    send_error = std::current_exception();
-  }
-  receivers.join();
-  if (send_error) std::rethrow_exception(send_error);
 }
 
 }  // namespace intranode

@@ -1,6 +1,6 @@
 // HostCtx: the CPU side of the Ctx contract of intranode_roles.cuh (one std::thread per warp,
 // width 1, std atomics, steady_clock bounded waits; timeouts count nanoseconds), plus the thread
-// helpers of the CPU backends (intranode_cpu.cpp, internode_cpu.cpp).
+// helpers and launch scaffolding of the CPU backends (intranode_cpu.cpp, internode_cpu.cpp).
 #pragma once
 
 #include <atomic>
@@ -8,10 +8,14 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "kernels/intranode_cpu.h"
 #include "kernels/intranode_roles.cuh"
 
 namespace moe_dispatch {
@@ -211,6 +215,112 @@ class Threads {
   std::mutex mutex_;
   std::exception_ptr error_;
 };
+
+// The launch scaffolding both CPU backends share. Ctx is HostCtx or a context derived from
+// HostCtxT (brace elision fills its base: Ctx{common, barrier}); CommonT has the launch fields
+// num_launch_ranks, rank_begin, skip_rank and num_channels.
+
+inline void check_cpu_options(const CpuOptions& o) {
+  if (o.group_warps < 1 || o.group_warps > 8)
+    throw std::invalid_argument("cpu group_warps must be in [1, 8], got " + std::to_string(o.group_warps));
+  if (o.num_workers < 1 || o.num_workers > kNumWarps - 1)
+    throw std::invalid_argument("cpu num_workers must be in [1, " + std::to_string(kNumWarps - 1) + "], got " +
+                                std::to_string(o.num_workers));
+}
+
+// fn(rank) for every launched rank but the withheld one (the tests' skip_rank).
+template <class CommonT, class Fn>
+void for_each_launched_rank(const CommonT& c, Fn fn) {
+  for (int i = 0; i < c.num_launch_ranks; ++i) {
+    const int rank = c.rank_begin + i;
+    if (rank != c.skip_rank) fn(rank);
+  }
+}
+
+// The notify launch: one thread per launched rank, notify(ctx, args, rank, state).
+template <class Ctx, class State, class Args, class Notify>
+void run_notify_threads(const Args& args, Notify notify) {
+  std::vector<std::unique_ptr<State>> states;
+  Threads threads;
+  for_each_launched_rank(args.common, [&](int rank) {
+    states.push_back(std::make_unique<State>());
+    State* st = states.back().get();
+    threads.spawn([&args, notify, rank, st]() {
+      Ctx ctx{&args.common, nullptr};
+      notify(ctx, args, rank, st);
+    });
+  });
+  threads.join();
+}
+
+// Threads of the group-structured blocks: per (launched rank, channel, role) num_groups groups
+// (one per peer rank, or per node) of group_warps threads, each group with its GroupState and,
+// when it has several threads, its barrier; role(ctx, role, rank, channel, group, warp,
+// group_warps, state).
+template <class Ctx, int kMaxGroups, class CommonT, class Role>
+void run_groups(const CommonT& c, const CpuOptions& o, int num_groups, int num_roles, Role role) {
+  struct Block {
+    GroupState groups[kMaxGroups];
+    std::vector<std::unique_ptr<ThreadBarrier>> barriers;
+  };
+  std::vector<std::unique_ptr<Block>> blocks;
+  Threads threads;
+  for_each_launched_rank(c, [&](int rank) {
+    for (int channel = 0; channel < c.num_channels; ++channel) {
+      for (int r = 0; r < num_roles; ++r) {
+        blocks.push_back(std::make_unique<Block>());
+        Block* block = blocks.back().get();
+        std::memset(block->groups, 0, sizeof(block->groups));
+        for (int g = 0; g < num_groups; ++g) {
+          block->barriers.push_back(o.group_warps > 1 ? std::make_unique<ThreadBarrier>(o.group_warps) : nullptr);
+          ThreadBarrier* barrier = block->barriers.back().get();
+          for (int w = 0; w < o.group_warps; ++w) {
+            threads.spawn([&c, &o, role, rank, channel, r, g, w, block, barrier]() {
+              Ctx ctx{&c, barrier};
+              role(ctx, r, rank, channel, g, w, o.group_warps, &block->groups[g]);
+            });
+          }
+        }
+      }
+    }
+  });
+  threads.join();
+}
+
+// The combine launch: per (launched rank, channel) a receiver coordinator and num_workers
+// workers on their own threads (coordinator(ctx, rank, channel, state), worker(ctx, rank,
+// channel, w, state)), while send() runs the senders; the receivers are joined even when
+// send() throws, then its error is rethrown.
+template <class Ctx, class RecvState, class CommonT, class Coordinator, class Worker, class Send>
+void run_combine_threads(const CommonT& c, int num_workers, Coordinator coordinator, Worker worker, Send send) {
+  std::vector<std::unique_ptr<RecvState>> states;
+  Threads receivers;
+  for_each_launched_rank(c, [&](int rank) {
+    for (int channel = 0; channel < c.num_channels; ++channel) {
+      states.push_back(std::make_unique<RecvState>());
+      RecvState* st = states.back().get();
+      std::memset(st, 0, sizeof(*st));
+      receivers.spawn([&c, coordinator, rank, channel, st]() {
+        Ctx ctx{&c, nullptr};
+        coordinator(ctx, rank, channel, st);
+      });
+      for (int w = 0; w < num_workers; ++w) {
+        receivers.spawn([&c, worker, rank, channel, w, st]() {
+          Ctx ctx{&c, nullptr};
+          worker(ctx, rank, channel, w, st);
+        });
+      }
+    }
+  });
+  std::exception_ptr send_error;
+  try {
+    send();
+  } catch (...) {
+    send_error = std::current_exception();
+  }
+  receivers.join();
+  if (send_error) std::rethrow_exception(send_error);
+}
 
 }  // namespace intranode
 }  // namespace moe_dispatch

@@ -129,6 +129,14 @@ def timeout_cycles(backend: str, device: torch.device, timeout_s: float) -> int:
     return max(1, int(timeout_s * 1e9))
 
 
+def _loopback_device(device: torch.device | str) -> tuple[torch.device, str]:
+    """A loopback harness's device (a CUDA one with its index) and the backend that serves it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, "cuda" if device.type == "cuda" else "cpu"
+
+
 def _ext():
     from .._ext import require_extension
 
@@ -204,7 +212,43 @@ class _Input:
     topk_dtype: torch.dtype | None  # the caller's; None: no topk_idx given
 
 
-class _Engine:
+class _Launcher:
+    """What every engine's launches share: device and backend, stream, cooperative launch, the
+    wait bound and the error record (``int32[16]`` on the launch device, ``error_host_ptr``: a
+    pinned mirror's device address, or None)."""
+
+    def __init__(self, error: torch.Tensor, error_host_ptr: int | None, backend: str, timeout_s: float,
+                 cpu_options: dict | None):
+        self.error, self.error_host_ptr = error, error_host_ptr
+        self.backend, self.cpu_options = backend, dict(cpu_options or {})
+        self.device = error.device
+        self.cooperative = os.environ.get(COOPERATIVE_ENV, "1") != "0"
+        self.set_timeout(timeout_s)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound of every wait from the next launch on (clock64 cycles on the GPU, ns on CPU)."""
+        self.timeout_cycles = timeout_cycles(self.backend, self.device, timeout_s)
+        self.timeout_s = float(timeout_s)
+
+    def _common(self, config: Config, slot_bytes: int, buffers: list[int], num_channels: int, rank_begin: int,
+                skip_rank: int | None) -> dict:
+        """The launch fields both engines' ``common`` dicts carry."""
+        return {"num_channels": num_channels, "rank_begin": rank_begin,
+                "skip_rank": -1 if skip_rank is None else skip_rank, "chunk_tokens": config.chunk_tokens,
+                "timeout_cycles": self.timeout_cycles, "buffer_channels": config.num_channels,
+                "num_slots": config.num_slots, "slot_bytes": slot_bytes, "buffers": buffers,
+                "error": self.error.data_ptr(), "error_host": self.error_host_ptr}
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.backend == "cuda" else 0
+
+    def read_error(self) -> list[int] | None:
+        """The error record if a wait timed out (reads the device: a host sync)."""
+        record = self.error.tolist()
+        return record if record[0] or record[1] else None
+
+
+class _Engine(_Launcher):
     """Launches notify / dispatch / combine for a list of ranks over a set of W buffers.
 
     Args:
@@ -220,29 +264,13 @@ class _Engine:
 
     def __init__(self, world_size: int, config: Config, slot_bytes: int, buffers: list[int], error: torch.Tensor,
                  error_host_ptr: int | None, backend: str, timeout_s: float, cpu_options: dict | None = None):
-        self.world_size, self.config, self.slot_bytes = world_size, config, slot_bytes
-        self.buffers, self.error, self.error_host_ptr = buffers, error, error_host_ptr
-        self.backend, self.timeout_s = backend, timeout_s
-        self.cpu_options = dict(cpu_options or {})
+        self.world_size, self.config, self.slot_bytes, self.buffers = world_size, config, slot_bytes, buffers
         self.layout = buffer_layout(world_size, config.num_channels, config.num_slots, slot_bytes)
-        self.device = error.device
-        self.cooperative = os.environ.get(COOPERATIVE_ENV, "1") != "0"
-        self.set_timeout(timeout_s)
-
-    def set_timeout(self, timeout_s: float) -> None:
-        """Bound of every wait from the next launch on (clock64 cycles on the GPU, ns on CPU)."""
-        self.timeout_cycles = timeout_cycles(self.backend, self.device, timeout_s)
-        self.timeout_s = float(timeout_s)
+        super().__init__(error, error_host_ptr, backend, timeout_s, cpu_options)
 
     def common(self, num_channels: int, rank_begin: int, skip_rank: int | None) -> dict:
-        return {"num_ranks": self.world_size, "num_channels": num_channels, "rank_begin": rank_begin,
-                "skip_rank": -1 if skip_rank is None else skip_rank, "chunk_tokens": self.config.chunk_tokens,
-                "timeout_cycles": self.timeout_cycles, "buffer_channels": self.config.num_channels,
-                "num_slots": self.config.num_slots, "slot_bytes": self.slot_bytes, "buffers": self.buffers,
-                "error": self.error.data_ptr(), "error_host": self.error_host_ptr}
-
-    def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream if self.backend == "cuda" else 0
+        return {"num_ranks": self.world_size,
+                **self._common(self.config, self.slot_bytes, self.buffers, num_channels, rank_begin, skip_rank)}
 
     def notify(self, common: dict, ranks: list[dict], num_topk: int) -> None:
         _ext().intranode_notify(common, ranks, num_topk, self.backend, self._stream(), self.cooperative)
@@ -255,11 +283,6 @@ class _Engine:
     def combine(self, common: dict, ranks: list[dict], y_bytes: int, dtype: torch.dtype) -> None:
         _ext().intranode_combine(common, ranks, y_bytes, COMBINE_DTYPES[dtype], self.backend, self._stream(),
                                  self.cooperative, self.cpu_options)
-
-    def read_error(self) -> list[int] | None:
-        """The error record if a wait timed out (reads the device: a host sync)."""
-        record = self.error.tolist()
-        return record if record[0] or record[1] else None
 
     def raise_if_timed_out(self, record: list[int] | None = None) -> None:
         record = record if record is not None else self.read_error()
@@ -321,11 +344,29 @@ def _prepare(rank: int, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor | 
                   is_token_in_rank.contiguous(), topk_idx.dtype)
 
 
-def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sms: int,
-              handles: list[IntranodeHandle] | None, num_worst_tokens: int | None, skip_rank: int | None,
-              skip_phase: str | None) -> list[RankDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and dispatch."""
-    world_size, device = engine.world_size, engine.device
+def _check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:
+    """A loopback call's per-rank lists and E; returns ``topk_idxs`` (one None per rank when None)."""
+    if topk_idxs is None:
+        topk_idxs = [None] * world_size
+    if len(xs) != world_size or len(topk_idxs) != world_size:
+        raise ValueError(f"pass one x and one topk_idx per rank ({world_size}), got {len(xs)} and {len(topk_idxs)}")
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size:
+        raise ValueError(f"num_experts must be a positive multiple of {world_size}, got {num_experts!r}")
+    return topk_idxs
+
+
+def _prepare_world(xs: list, topk_idxs: list, topk_weights: list | None, num_experts: int, device: torch.device,
+                   validate: bool, handles: list | None) -> list[_Input]:
+    """:func:`_prepare` for every rank of a loopback call (lists already checked)."""
+    weights = topk_weights if topk_weights is not None else [None] * len(xs)
+    return [_prepare(r, xs[r], topk_idxs[r], weights[r], num_experts, len(xs), device, validate,
+                     handles[r] if handles is not None else None) for r in range(len(xs))]
+
+
+def _dispatch_shape(inputs: list[_Input], slot_bytes: int, slots: str = "the buffer's slots",
+                    fix: str = "size the Buffer") -> tuple[int, int, int, int]:
+    """``(hidden, num_topk, x_bytes, scale_bytes)`` of a dispatch launch: every rank must move the
+    same rows, and a slot (of ``slot_bytes``) must hold one."""
     first = inputs[0]
     hidden, dtype = first.x.shape[1], first.x.dtype
     num_topk = first.topk_idx.shape[1]
@@ -338,9 +379,34 @@ def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sm
     x_bytes = hidden * first.x.element_size()
     scale_bytes = 4 * (hidden // FP8_BLOCK) if first.scales is not None else 0
     need = slot_layout(x_bytes, scale_bytes, num_topk).slot_bytes
-    if need > engine.slot_bytes:
+    if need > slot_bytes:
         raise ValueError(f"a dispatch slot for hidden {hidden} x {first.x.element_size()} bytes, top-{num_topk} needs "
-                         f"{need} bytes but the buffer's slots hold {engine.slot_bytes}; size the Buffer for it")
+                         f"{need} bytes but {slots} hold {slot_bytes}; {fix} for it")
+    return hidden, num_topk, x_bytes, scale_bytes
+
+
+def _rank_results(result_type: type, inputs: list[_Input], handles: list, outs: list[dict]) -> list:
+    """Per rank a ``result_type`` (:class:`RankDispatch` or the internode one) from its outputs:
+    top-k ids back in the caller's dtype, None for what did not travel."""
+    results = []
+    for inp, h, o in zip(inputs, handles, outs):
+        recv_x = (o["x"], o["scales"]) if inp.scales is not None else o["x"]
+        if inp.topk_dtype is None:
+            topk = None
+        else:
+            topk = o["topk_idx"] if inp.topk_dtype == torch.int64 else o["topk_idx"].to(inp.topk_dtype)
+        results.append(result_type(recv_x, topk, o["topk_weights"] if inp.topk_weights is not None else None,
+                                   o["src_idx"], o["per_expert"], h))
+    return results
+
+
+def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sms: int,
+              handles: list[IntranodeHandle] | None, num_worst_tokens: int | None, skip_rank: int | None,
+              skip_phase: str | None) -> list[RankDispatch]:
+    """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and dispatch."""
+    world_size, device = engine.world_size, engine.device
+    first = inputs[0]
+    _, num_topk, x_bytes, scale_bytes = _dispatch_shape(inputs, engine.slot_bytes)
     experts_per_rank = num_experts // world_size
     rank_begin = first.rank
     skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
@@ -388,16 +454,7 @@ def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sm
              for inp, h, o in zip(inputs, handles, outs)]
     engine.dispatch(engine.common(num_channels, rank_begin, skip("dispatch")), ranks, x_bytes, scale_bytes,
                     num_topk, experts_per_rank)
-    results = []
-    for inp, h, o in zip(inputs, handles, outs):
-        recv_x = (o["x"], o["scales"]) if inp.scales is not None else o["x"]
-        if inp.topk_dtype is None:
-            topk = None
-        else:
-            topk = o["topk_idx"] if inp.topk_dtype == torch.int64 else o["topk_idx"].to(inp.topk_dtype)
-        results.append(RankDispatch(recv_x, topk, o["topk_weights"] if inp.topk_weights is not None else None,
-                                    o["src_idx"], o["per_expert"], h))
-    return results
+    return _rank_results(RankDispatch, inputs, handles, outs)
 
 
 def _alloc_outputs(inp: _Input, rows: int, experts_per_rank: int, device: torch.device) -> dict:
@@ -411,30 +468,38 @@ def _alloc_outputs(inp: _Input, rows: int, experts_per_rank: int, device: torch.
             "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=device)}
 
 
-def _combine(engine: _Engine, rank_begin: int, ys: list[torch.Tensor], handles: list[IntranodeHandle],
-             row_scales: list[torch.Tensor | None] | None, skip_rank: int | None) -> list[torch.Tensor]:
+def _check_combine(ys: list[torch.Tensor], handles: list, row_scales: list[torch.Tensor | None], rank_begin: int,
+                   device: torch.device, slot_bytes: int, slots: str = "the buffer's slots") -> tuple[int, torch.dtype, int]:
+    """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
+    handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
     from ..validation import check_hidden
 
-    device = engine.device
     if len(ys) != len(handles):
         raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
-    row_scales = row_scales or [None] * len(ys)
     hidden, dtype = ys[0].shape[1], ys[0].dtype
     for i, (y, h, s) in enumerate(zip(ys, handles, row_scales)):
         check_hidden(f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows, rows_what="the handle (rows received)")
         if y.shape[1] != hidden or y.dtype != dtype:
             raise ValueError(f"every rank must combine the same hidden size and dtype: rank {rank_begin + i} has "
                              f"[{y.shape[1]}] {y.dtype}, rank {rank_begin} has [{hidden}] {dtype}")
-        _check_aligned(f"y (rank {rank_begin + i})", y, 16)
+        _check_aligned(f"y (rank {rank_begin + i})", y, 16)  # the kernels read rows with 16-byte vectors
         if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != (h.num_rows,) or s.device != device):
             raise ValueError(f"row_scale of rank {rank_begin + i} must be [{h.num_rows}] fp32 on {device}, got "
                              f"{list(s.shape)} {s.dtype} on {s.device}")
     y_bytes = hidden * ys[0].element_size()
     if y_bytes % 16:
         raise ValueError(f"rows of y must be a multiple of 16 bytes, got {hidden} x {ys[0].element_size()} bytes")
-    if slot_layout(y_bytes).slot_bytes > engine.slot_bytes:
+    if slot_layout(y_bytes).slot_bytes > slot_bytes:
         raise ValueError(f"a combine slot for hidden {hidden} x {ys[0].element_size()} bytes needs "
-                         f"{slot_layout(y_bytes).slot_bytes} bytes but the buffer's slots hold {engine.slot_bytes}")
+                         f"{slot_layout(y_bytes).slot_bytes} bytes but {slots} hold {slot_bytes}")
+    return hidden, dtype, y_bytes
+
+
+def _combine(engine: _Engine, rank_begin: int, ys: list[torch.Tensor], handles: list[IntranodeHandle],
+             row_scales: list[torch.Tensor | None] | None, skip_rank: int | None) -> list[torch.Tensor]:
+    device = engine.device
+    row_scales = row_scales or [None] * len(ys)
+    hidden, dtype, y_bytes = _check_combine(ys, handles, row_scales, rank_begin, device, engine.slot_bytes)
     outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
     ranks = [{"y": _ptr(y), "row_scale": _ptr(s.contiguous()) if s is not None else None,
               "is_token_in_rank": _ptr(h.is_token_in_rank), "recv_prefix": h.recv_prefix.data_ptr(),
@@ -475,10 +540,7 @@ class Loopback:
             raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size!r}")
         self.world_size = world_size
         self.config = config or Config()
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        backend = "cuda" if self.device.type == "cuda" else "cpu"
+        self.device, backend = _loopback_device(device)
         slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
         self._buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
@@ -523,19 +585,10 @@ class Loopback:
         Returns:
             per rank a :class:`RankDispatch`; rows ordered by source rank, then source token.
         """
-        if topk_idxs is None:
-            topk_idxs = [None] * self.world_size
-        if len(xs) != self.world_size or len(topk_idxs) != self.world_size:
-            raise ValueError(f"pass one x and one topk_idx per rank ({self.world_size}), got {len(xs)} and "
-                             f"{len(topk_idxs)}")
-        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.world_size:
-            raise ValueError(f"num_experts must be a positive multiple of {self.world_size}, got {num_experts!r}")
-        weights = topk_weights if topk_weights is not None else [None] * self.world_size
+        topk_idxs = _check_world_args(self.world_size, xs, topk_idxs, num_experts)
         if handles is not None and len(handles) != self.world_size:
             raise ValueError(f"pass one handle per rank ({self.world_size}), got {len(handles)}")
-        inputs = [_prepare(r, xs[r], topk_idxs[r], weights[r], num_experts, self.world_size, self.device, validate,
-                           handles[r] if handles is not None else None)
-                  for r in range(self.world_size)]
+        inputs = _prepare_world(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles)
         try:
             results = _dispatch(self.engine, inputs, num_experts, num_sms=num_sms or self.config.num_sms,
                                 handles=handles, num_worst_tokens=num_worst_tokens, skip_rank=withhold_rank,

@@ -29,24 +29,26 @@ process (``moe_dispatch.transport.nvshmem``).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from ..config import ERROR_RECORD_INTS, MAX_TOPK, Config, buffer_layout, max_slot_bytes, slot_layout
+from ..config import ERROR_RECORD_INTS, MAX_TOPK, Config, buffer_layout, max_slot_bytes
 from ..validation import CommError
 from .cuda import (
     COMBINE_DTYPES,
-    COOPERATIVE_ENV,
-    FP8_BLOCK,
     _alloc_outputs,
+    _check_combine,
     _check_num_sms,
+    _check_world_args,
+    _dispatch_shape,
     _Engine,
     _ext,
-    _prepare,
+    _Launcher,
+    _loopback_device,
+    _prepare_world,
     _ptr,
+    _rank_results,
     default_timeout_s,
-    timeout_cycles,
 )
 
 MAX_LOOPBACK_RANKS = 16  # internode_limits["max_launch_ranks"]
@@ -148,7 +150,7 @@ def check_rdma_config(config: Config) -> None:
                          f"contiguous RDMA put), got chunk_tokens={config.chunk_tokens}, num_slots={config.num_slots}")
 
 
-class _RdmaEngine:
+class _RdmaEngine(_Launcher):
     """Launches the stage-1 kernels for a list of ranks over their RDMA buffers.
 
     Args:
@@ -166,28 +168,14 @@ class _RdmaEngine:
                  timeout_s: float, cpu_options: dict | None = None):
         check_rdma_config(config)
         self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
-        self.config, self.slot_bytes = config, slot_bytes
-        self.buffers, self.symmetric, self.error, self.error_host_ptr = buffers, symmetric, error, error_host_ptr
-        self.backend, self.mode, self.cpu_options = backend, mode, dict(cpu_options or {})
+        self.config, self.slot_bytes, self.buffers, self.symmetric = config, slot_bytes, buffers, symmetric
+        self.mode = mode
         self.layout = rdma_layout(num_nodes, config.num_channels, config.num_slots, slot_bytes)
-        self.device = error.device
-        self.cooperative = os.environ.get(COOPERATIVE_ENV, "1") != "0"
-        self.set_timeout(timeout_s)
-
-    def set_timeout(self, timeout_s: float) -> None:
-        self.timeout_cycles = timeout_cycles(self.backend, self.device, timeout_s)
-        self.timeout_s = float(timeout_s)
+        super().__init__(error, error_host_ptr, backend, timeout_s, cpu_options)
 
     def common(self, num_channels: int, rank_begin: int, skip_rank: int | None) -> dict:
-        return {"num_nodes": self.num_nodes, "ranks_per_node": self.ranks_per_node, "num_channels": num_channels,
-                "rank_begin": rank_begin, "skip_rank": -1 if skip_rank is None else skip_rank,
-                "chunk_tokens": self.config.chunk_tokens, "timeout_cycles": self.timeout_cycles,
-                "buffer_channels": self.config.num_channels, "num_slots": self.config.num_slots,
-                "slot_bytes": self.slot_bytes, "symmetric": self.symmetric, "buffers": self.buffers,
-                "error": self.error.data_ptr(), "error_host": self.error_host_ptr}
-
-    def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream if self.backend == "cuda" else 0
+        return {"num_nodes": self.num_nodes, "ranks_per_node": self.ranks_per_node, "symmetric": self.symmetric,
+                **self._common(self.config, self.slot_bytes, self.buffers, num_channels, rank_begin, skip_rank)}
 
     def notify(self, common: dict, ranks: list[dict]) -> None:
         _ext().internode_node_notify(common, ranks, self.backend, self.mode, self._stream(), self.cooperative)
@@ -271,8 +259,8 @@ class _Transport:
     def check(self) -> None:
         """Raises :class:`InternodeTimeoutError` for the first engine whose record is set (a host sync)."""
         L = self.ranks_per_node
-        record = self.rdma.error.tolist()
-        if record[0] or record[1]:
+        record = self.rdma.read_error()
+        if record:
             raise InternodeTimeoutError(*describe_timeout(record, self.rdma.timeout_s, L))
         for node, engine in self.nodes.items():
             record = engine.read_error()
@@ -280,12 +268,18 @@ class _Transport:
                 raise InternodeTimeoutError(*describe_timeout(record, engine.timeout_s, L, node=node))
 
 
-def _rank_groups(transport: _Transport, ranks: list[int]) -> dict[int, list[int]]:
-    """Launched ranks (consecutive) by node."""
+def _node_launches(t: _Transport, ranks: list[int], num_channels: int, skip_rank: int | None):
+    """Per node with launched ranks (consecutive, global ``ranks``): its intranode engine, the
+    launch fields for its first launched local rank (``skip_rank`` withheld when on this node)
+    and the indices into ``ranks`` of its members."""
+    L = t.ranks_per_node
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(ranks):
-        groups.setdefault(r // transport.ranks_per_node, []).append(i)
-    return groups
+        groups.setdefault(r // L, []).append(i)
+    for node, members in groups.items():
+        engine = t.nodes[node]
+        local_skip = skip_rank - node * L if skip_rank is not None and skip_rank // L == node else None
+        yield engine, engine.common(num_channels, ranks[members[0]] % L, local_skip), members
 
 
 def _dispatch(t: _Transport, inputs: list, num_experts: int, *, num_sms: int, handles: list[InternodeHandle] | None,
@@ -293,20 +287,8 @@ def _dispatch(t: _Transport, inputs: list, num_experts: int, *, num_sms: int, ha
     """Dispatch for ranks ``inputs[i].rank`` (consecutive): stage 1 in one launch per step, stage
     2 one intranode launch per (node, source node)."""
     N, L, device = t.num_nodes, t.ranks_per_node, t.rdma.device
-    first = inputs[0]
-    hidden, num_topk = first.x.shape[1], first.topk_idx.shape[1]
-    for inp in inputs:
-        if inp.x.shape[1] != hidden or inp.x.dtype != first.x.dtype or inp.topk_idx.shape[1] != num_topk \
-                or (inp.scales is None) != (first.scales is None):
-            raise ValueError(f"every rank must dispatch the same hidden size, dtype and top-k: rank {inp.rank} has "
-                             f"[{inp.x.shape[1]}] {inp.x.dtype} top-{inp.topk_idx.shape[1]}, rank {first.rank} has "
-                             f"[{hidden}] {first.x.dtype} top-{num_topk}")
-    x_bytes = hidden * first.x.element_size()
-    scale_bytes = 4 * (hidden // FP8_BLOCK) if first.scales is not None else 0
-    need = slot_layout(x_bytes, scale_bytes, num_topk).slot_bytes
-    if need > t.rdma.slot_bytes:
-        raise ValueError(f"a dispatch slot for hidden {hidden} x {first.x.element_size()} bytes, top-{num_topk} needs "
-                         f"{need} bytes but the buffers' slots hold {t.rdma.slot_bytes}; size the transport for it")
+    _, num_topk, x_bytes, scale_bytes = _dispatch_shape(inputs, t.rdma.slot_bytes, slots="the buffers' slots",
+                                                        fix="size the transport")
     experts_per_node, experts_per_rank = num_experts // N, num_experts // t.world_size
     ranks = [inp.rank for inp in inputs]
     skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
@@ -356,12 +338,9 @@ def _dispatch(t: _Transport, inputs: list, num_experts: int, *, num_sms: int, ha
                            for s in staged]
         local_prefix = [[torch.zeros(L * C + 1, dtype=torch.int32, device=device) for _ in range(N)] for _ in inputs]
         local_counts = [[scratch() for _ in range(N)] for _ in inputs]
-        for node, members in _rank_groups(t, ranks).items():
-            engine = t.nodes[node]
-            local_skip = skip("notify") - node * L if skip("notify") is not None and skip("notify") // L == node \
-                else None
+        for engine, common, members in _node_launches(t, ranks, C, skip("notify")):
             for m in range(N):
-                engine.notify(engine.common(C, ranks[members[0]] % L, local_skip),
+                engine.notify(common,
                               [{"is_token_in_rank": _ptr(forward_in_rank[i][segments[i][m]:segments[i][m + 1]]),
                                 "recv_prefix": local_prefix[i][m].data_ptr(),
                                 "num_recv_tokens": local_counts[i][m].data_ptr(), "overflow": overflow[i].data_ptr(),
@@ -378,10 +357,7 @@ def _dispatch(t: _Transport, inputs: list, num_experts: int, *, num_sms: int, ha
                    for inp, itn, p, seg, fir, lp, lr in zip(inputs, in_node, node_prefix, segments, forward_in_rank,
                                                             local_prefix, local_rows)]
     outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
-    for node, members in _rank_groups(t, ranks).items():
-        engine = t.nodes[node]
-        local_skip = skip("dispatch") - node * L if skip("dispatch") is not None and skip("dispatch") // L == node \
-            else None
+    for engine, common, members in _node_launches(t, ranks, C, skip("dispatch")):
         for m in range(N):
             launch = []
             for i in members:
@@ -400,54 +376,23 @@ def _dispatch(t: _Transport, inputs: list, num_experts: int, *, num_sms: int, ha
                     "recv_src_idx": _ptr(o["src_idx"][rows]), "num_recv_per_expert": o["per_expert"].data_ptr(),
                     "overflow": overflow[i].data_ptr(), "num_tokens": seg.stop - seg.start,
                     "num_rows": h.local_rows[m]})
-            engine.dispatch(engine.common(C, ranks[members[0]] % L, local_skip), launch, x_bytes, scale_bytes,
-                            num_topk, experts_per_rank)
-    results = []
-    for inp, h, o in zip(inputs, handles, outs):
-        recv_x = (o["x"], o["scales"]) if inp.scales is not None else o["x"]
-        if inp.topk_dtype is None:
-            topk = None
-        else:
-            topk = o["topk_idx"] if inp.topk_dtype == torch.int64 else o["topk_idx"].to(inp.topk_dtype)
-        results.append(InternodeDispatch(recv_x, topk, o["topk_weights"] if inp.topk_weights is not None else None,
-                                         o["src_idx"], o["per_expert"], h))
-    return results
+            engine.dispatch(common, launch, x_bytes, scale_bytes, num_topk, experts_per_rank)
+    return _rank_results(InternodeDispatch, inputs, handles, outs)
 
 
 def _combine(t: _Transport, rank_begin: int, ys: list[torch.Tensor], handles: list[InternodeHandle],
              row_scales: list[torch.Tensor | None] | None, skip_rank: int | None, skip_phase: str | None,
              check: bool) -> list[torch.Tensor]:
-    from ..validation import check_hidden
-
-    N, L, device = t.num_nodes, t.ranks_per_node, t.rdma.device
-    if len(ys) != len(handles):
-        raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
+    N, device = t.num_nodes, t.rdma.device
     row_scales = row_scales or [None] * len(ys)
-    hidden, dtype = ys[0].shape[1], ys[0].dtype
-    for i, (y, h, s) in enumerate(zip(ys, handles, row_scales)):
-        check_hidden(f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows,
-                     rows_what="the handle (rows received)")
-        if y.shape[1] != hidden or y.dtype != dtype:
-            raise ValueError(f"every rank must combine the same hidden size and dtype: rank {rank_begin + i} has "
-                             f"[{y.shape[1]}] {y.dtype}, rank {rank_begin} has [{hidden}] {dtype}")
-        if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != (h.num_rows,) or s.device != device):
-            raise ValueError(f"row_scale of rank {rank_begin + i} must be [{h.num_rows}] fp32 on {device}, got "
-                             f"{list(s.shape)} {s.dtype} on {s.device}")
-    y_bytes = hidden * ys[0].element_size()
-    if y_bytes % 16:
-        raise ValueError(f"rows of y must be a multiple of 16 bytes, got {hidden} x {ys[0].element_size()} bytes")
-    if slot_layout(y_bytes).slot_bytes > t.rdma.slot_bytes:
-        raise ValueError(f"a combine slot for hidden {hidden} x {ys[0].element_size()} bytes needs "
-                         f"{slot_layout(y_bytes).slot_bytes} bytes but the buffers' slots hold {t.rdma.slot_bytes}")
+    hidden, dtype, y_bytes = _check_combine(ys, handles, row_scales, rank_begin, device, t.rdma.slot_bytes,
+                                            slots="the buffers' slots")
     C = handles[0].num_channels
     ranks = list(range(rank_begin, rank_begin + len(ys)))
     skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
     # Stage 2 backwards: node partials [R1, H] on every forwarder, one intranode combine per m.
     partials = [torch.empty(h.num_forward_rows, hidden, dtype=dtype, device=device) for h in handles]
-    for node, members in _rank_groups(t, ranks).items():
-        engine = t.nodes[node]
-        local_skip = skip("combine") - node * L if skip("combine") is not None and skip("combine") // L == node \
-            else None
+    for engine, common, members in _node_launches(t, ranks, C, skip("combine")):
         for m in range(N):
             launch = []
             for i in members:
@@ -459,7 +404,7 @@ def _combine(t: _Transport, rank_begin: int, ys: list[torch.Tensor], handles: li
                                else None, "is_token_in_rank": _ptr(h.forward_in_rank[seg]),
                                "recv_prefix": h.local_prefix[m].data_ptr(), "out": _ptr(partials[i][seg]),
                                "num_tokens": seg.stop - seg.start, "num_rows": h.local_rows[m]})
-            engine.combine(engine.common(C, ranks[members[0]] % L, local_skip), launch, y_bytes, dtype)
+            engine.combine(common, launch, y_bytes, dtype)
     if check and t.rdma.backend == "cpu":
         t.check()
     # Stage 1 backwards: each partial once to its source, summed there by ascending node.
@@ -522,10 +467,7 @@ class InternodeLoopback:
         self.world_size = num_nodes * ranks_per_node
         self.config = config or Config()
         check_rdma_config(self.config)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        backend = "cuda" if self.device.type == "cuda" else "cpu"
+        self.device, backend = _loopback_device(device)
         timeout = default_timeout_s(timeout_s)
         slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         self.rdma_layout = rdma_layout(num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
@@ -581,17 +523,10 @@ class InternodeLoopback:
             per rank an :class:`InternodeDispatch`; rows by source rank, then source token.
         """
         W = self.world_size
-        if topk_idxs is None:
-            topk_idxs = [None] * W
-        if len(xs) != W or len(topk_idxs) != W:
-            raise ValueError(f"pass one x and one topk_idx per rank ({W}), got {len(xs)} and {len(topk_idxs)}")
-        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % W:
-            raise ValueError(f"num_experts must be a positive multiple of {W}, got {num_experts!r}")
+        topk_idxs = _check_world_args(W, xs, topk_idxs, num_experts)
         if handles is not None and (len(handles) != W or not all(isinstance(h, InternodeHandle) for h in handles)):
             raise ValueError(f"handles must be one InternodeHandle per rank ({W})")
-        weights = topk_weights if topk_weights is not None else [None] * W
-        inputs = [_prepare(r, xs[r], topk_idxs[r], weights[r], num_experts, W, self.device, validate,
-                           handles[r] if handles is not None else None) for r in range(W)]
+        inputs = _prepare_world(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles)
         return self._guard(lambda: _dispatch(self.transport, inputs, num_experts,
                                              num_sms=num_sms or self.config.num_sms, handles=handles,
                                              skip_rank=withhold_rank, skip_phase=withhold_phase, check=check), check)
