@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from .overlap import DelayedWgrad
 
 _BUFFER_IDS = itertools.count()
-# dtypes as small ints, for the cross-rank argument check
-_DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64)
 
 
 @dataclasses.dataclass(eq=False)
@@ -361,9 +360,8 @@ class Buffer:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         x0 = x[0] if fp8 else x
         fields = {"num_experts": num_experts, "top-k": topk_idx.shape[1], "hidden": x0.shape[1],
-                  "x dtype": _DTYPE_CODES.index(x0.dtype), "fp8 x": int(fp8),
-                  "topk_idx dtype": _DTYPE_CODES.index(topk_idx.dtype),
-                  "topk_weights given": int(topk_weights is not None)}
+                  "x dtype": x0.dtype, "fp8 x": fp8, "topk_idx dtype": topk_idx.dtype,
+                  "topk_weights given": topk_weights is not None}
         layout = self._layout(topk_idx, num_experts)  # inputs checked above, once
         if num_worst_tokens:  # the transfer exchanges the counts first (_move_dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
@@ -576,12 +574,23 @@ class Buffer:
         self._run(steps(), ctl, [*tensors, *out])
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
 
+    def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
+        """Steps checking that every rank runs the same kind of operation on rows of the same
+        width and dtype: combine and cached dispatch exchange no sizes, and gloo aborts the
+        process on a size mismatch. CPU (gloo) only; on CUDA the check would cost a host sync
+        per call."""
+        if self.device.type == "cpu":
+            t = tensors[0]
+            yield from self._transport.agree({"operation": operation, "hidden": math.prod(t.shape[1:]), "dtype": t.dtype,
+                                              "tensors": len(tensors), "row scales": num_scales}, what)
+
     def _move_forward(self, slot: PlanSlot, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
         outputs (rows past the received ones zero)."""
         out = self._alloc(ctl, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
 
         def steps():
+            yield from self._agree("dispatch", tensors, 0, what)
             rows = slot.plan.num_recv_tokens
             yield from self._transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
             for o in out:
@@ -598,6 +607,7 @@ class Buffer:
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
 
         def steps():
+            yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
             yield from self._transport.combine([t[:rows] for t in tensors],
                                                [None if sc is None else sc[:rows] for sc in scales], slot.plan, out,

@@ -211,7 +211,9 @@ def _sections(info: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     if ext["built"]:
         extension += [("CUDA archs", ext["cuda_archs"]),
                       ("built with nvcc", ext["nvcc_version"] or "not recorded (source checkout)"),
-                      ("with NVSHMEM", str(ext["with_nvshmem"])),
+                      ("with NVSHMEM", str(ext["with_nvshmem"]) if ext["with_nvshmem"] else
+                       "False: the build found neither NVSHMEM_HOME nor the nvidia-nvshmem-cu13 package (no "
+                       "internode kernels); rebuild where it is installed, e.g. pip wheel --no-build-isolation"),
                       ("GPUs seen by extension", str(ext["device_count"]))]
     on_path = ext["nvcc_on_path"]
     extension.append(("nvcc for a rebuild", f"{on_path['path']} ({on_path['version']})" if on_path["path"] else "not found"))
@@ -222,6 +224,10 @@ def _sections(info: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     ]
     if nvs["build_version"]:
         nvshmem.append(("NVSHMEM at build", nvs["build_version"]))
+        if nvs["package_version"] and nvs["package_version"] != nvs["build_version"]:
+            nvshmem.append(("NVSHMEM mismatch", f"_C was built against {nvs['build_version']} but this environment "
+                            f"has {nvs['package_version']}: _C needs the same version (rebuild here with "
+                            "pip wheel --no-build-isolation, or install that nvidia-nvshmem-cu13)"))
     gpu_rows = [("GPUs seen by torch", str(gpus["count"])), ("torch CUDA", str(gpus["torch_cuda"]))]
     gpu_rows += [(f"GPU {d['index']}", f"{d['name']} (sm {d['capability']})") for d in gpus["devices"]]
     topo = info["nvlink_topology"]

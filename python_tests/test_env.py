@@ -146,3 +146,17 @@ def test_topology_none_without_nvidia_smi(tmp_path, monkeypatch, capsys):
 def test_nvcc_for_a_rebuild(tmp_path, monkeypatch):
     _fake_tool(tmp_path, monkeypatch, "nvcc", 'echo "Cuda compilation tools, release 12.8, V12.8.93"\n')
     assert env._nvcc_on_path() == {"path": str(tmp_path / "nvcc"), "version": "12.8.93"}
+
+
+def test_report_flags_an_nvshmem_version_mismatch():
+    """_C only loads with the NVSHMEM it was built against: the report says so when they differ."""
+    from moe_dispatch import env
+
+    info = env.collect()
+    info["nvshmem"]["package_version"] = "3.4.5"
+    for built, flagged in (("3.8.0", True), ("3.4.5", False)):
+        info["nvshmem"]["build_version"] = built
+        rows = dict(dict(env._sections(info))["Extension"])
+        assert ("NVSHMEM mismatch" in rows) == flagged, rows
+        if flagged:
+            assert "built against 3.8.0 but this environment has 3.4.5" in rows["NVSHMEM mismatch"]

@@ -183,21 +183,42 @@ def _inconsistent_entry(rank, world_size):
         "top-k": lambda: buf.dispatch(x, idx[:, :2 - rank].contiguous(), w[:, :2 - rank].contiguous(), E),
         "topk_weights given": lambda: buf.dispatch(x, idx, w if rank else None, E),
     }
+    recv_x, *_, handle, _ = buf.dispatch(x, idx, w, E)
+    # Operations that exchange no sizes: a mismatch would abort inside gloo without the check.
+    later = {
+        "combine hidden": lambda: buf.combine(torch.cat([recv_x] * (1 + rank), 1), handle),
+        "combine dtype": lambda: buf.combine(recv_x.half() if rank else recv_x, handle),
+        "cached dispatch dtype": lambda: buf.dispatch(x.half() if rank else x, handle=handle),
+        "operation": lambda: buf.combine(recv_x, handle) if rank else buf.dispatch(x, handle=handle),
+    }
     messages = {}
-    for name, call in variants.items():
+    for name, call in {**variants, **later}.items():
         try:
             call()
             messages[name] = "no error"
         except ValueError as err:
             messages[name] = str(err)
+    assert buf.combine(recv_x, handle)[0].shape == x.shape, "the Buffer must stay usable"
     return messages
 
 
 def test_arguments_differ_across_ranks():
+    """Every rank raises, naming the field, the other rank and both values readably."""
+    # case -> (the field the message names, (rank 0's value, rank 1's value) where pinned)
+    expect = {"num_experts": ("num_experts", ("8", "16")), "hidden": ("hidden", ("4", "5")),
+              "x dtype": ("x dtype", ("float32", "bfloat16")), "top-k": ("top-k", ("2", "1")),
+              "topk_weights given": ("topk_weights given", ("False", "True")),
+              "combine hidden": ("hidden", None), "combine dtype": ("dtype", ("float32", "float16")),
+              "cached dispatch dtype": ("dtype", ("float32", "float16")),
+              "operation": ("operation", ("dispatch", "combine"))}
     for rank, messages in enumerate(world_results(_inconsistent_entry, 2)):
-        for name, message in messages.items():
-            assert f"dispatch arguments differ across ranks: {name} is" in message, message
-            assert f"on EP rank {1 - rank}" in message, message
+        assert set(messages) == set(expect)
+        for case, message in messages.items():
+            field, values = expect[case]
+            assert "arguments differ across ranks" in message and f"on EP rank {1 - rank}" in message, message
+            assert f": {field} is " in message, message
+            if values is not None:
+                assert f"{field} is {values[rank]} here but {values[1 - rank]} on" in message, message
 
 
 def _ranks_per_node_entry(rank, world_size):

@@ -209,6 +209,32 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
 
 
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
+
+# Arguments compared across ranks travel as int64: dtypes and words by their index here.
+Field = int | bool | str | torch.dtype
+_FIELD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64,
+                 torch.float64, torch.float8_e5m2, torch.int8, torch.uint8, torch.bool)
+_FIELD_WORDS = ("dispatch", "combine")
+
+
+def _encode(value: Field) -> int:
+    if isinstance(value, torch.dtype):
+        return _FIELD_DTYPES.index(value)
+    if isinstance(value, str):
+        return _FIELD_WORDS.index(value)
+    return int(value)
+
+
+def _decode(like: Field, code: int) -> Field:
+    """A peer's ``code`` as a value of ``like``'s kind (the local value of the same field)."""
+    table = _FIELD_DTYPES if isinstance(like, torch.dtype) else _FIELD_WORDS if isinstance(like, str) else None
+    if table is not None:
+        return table[code] if 0 <= code < len(table) else f"<code {code}>"
+    return bool(code) if isinstance(like, bool) else code
+
+
+def _show(value: Field) -> str:
+    return str(value).removeprefix("torch.")
 ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whole on the comm thread
 
 
@@ -282,14 +308,38 @@ class TorchDistTransport:
             raise CommError(describe(err)) from err
         return recv, Pending(work, describe)
 
-    def _check_fields(self, fields: dict[str, int], theirs: torch.Tensor, what: str) -> None:
-        """``theirs [W, len(fields)]``: every rank's fields, as received with the metadata."""
+    def _check_fields(self, fields: dict[str, "Field"], theirs: torch.Tensor, what: str) -> None:
+        """``theirs [W, len(fields)]``: every rank's encoded fields (:func:`encode_fields`)."""
         for rank, row in enumerate(theirs.tolist()):
             for (name, value), other in zip(fields.items(), row):
-                if other != value:
+                if other != _encode(value):
                     raise ValueError(f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
-                                     f"{value} here but {other} on EP rank {rank}; every rank must pass the same "
-                                     f"{', '.join(fields)}")
+                                     f"{_show(value)} here but {_show(_decode(value, other))} on EP rank {rank}; "
+                                     f"every rank must pass the same {', '.join(fields)}")
+
+    def agree(self, fields: dict[str, "Field"], what: str) -> Steps:
+        """Steps comparing ``fields`` across all EP ranks (one small all_gather on the comm
+        thread's group): run before the payload of an operation whose sizes are not exchanged
+        (combine, cached dispatch), since ranks that disagree on them would abort inside gloo.
+
+        Raises (from the steps):
+            ValueError: naming the first field and EP rank that differ from this rank.
+        """
+        group = self.groups[ALL_COMM]
+        if group is None:
+            return
+        mine = torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
+
+        def describe(err):
+            return self._describe(ALL_COMM, f"{what} argument check ({ALL_COMM} all_gather)", err)
+
+        try:
+            work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        except RuntimeError as err:
+            raise CommError(describe(err)) from err
+        yield Pending(work, describe)
+        self._check_fields(fields, torch.stack(gathered), what)
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, int], what: str = "dispatch",
@@ -300,7 +350,7 @@ class TorchDistTransport:
         Args:
             is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
                 per-node counts are taken per chunk from it.
-            fields: arguments that must agree on every rank (small ints, the same keys
+            fields: arguments that must agree on every rank (ints, bools, dtypes, the same keys
                 everywhere). They ride in front of the counts, so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
                 hold (a size mismatch inside a collective aborts the process instead of raising).
@@ -327,7 +377,7 @@ class TorchDistTransport:
         dest_node = torch.arange(world, device=device) // local_ranks
         chunk_counts = torch.cat([to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node],
                                   to_node[:, dest_node].unsqueeze(2)], 2)  # [C, W, L + 1]
-        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+        mine = torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64, device=device)
         meta = torch.cat([mine.expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
         got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
         yield pending
