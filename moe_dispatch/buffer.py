@@ -20,7 +20,7 @@ from .quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
 from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
-from .validation import check_hidden, check_topk_idx, check_topk_weights
+from .validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 
 if TYPE_CHECKING:
     from .overlap import DelayedWgrad
@@ -194,8 +194,7 @@ class Buffer:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         backend = str(dist.get_backend(self.group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
                        else torch.device("cpu"))

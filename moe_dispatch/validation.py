@@ -3,6 +3,8 @@ what came (never a bare assert)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -80,3 +82,16 @@ def check_hidden(name: str, x, device: torch.device | None = None, *, num_rows: 
         raise ValueError(f"{name} must have a hidden size >= 1, got shape {_shape(x)}")
     if num_rows is not None and x.shape[0] != num_rows:
         raise ValueError(f"{name} has shape {_shape(x)} but {rows_what} has {num_rows} rows")
+
+
+def check_timeout_s(timeout_s) -> float:
+    """``timeout_s`` as a float: a positive, finite number of seconds (every wait is bounded).
+
+    Raises:
+        ValueError: not a number, a bool, <= 0, inf or NaN.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive, finite number of seconds (every wait is bounded), "
+                         f"got {timeout_s!r}")
+    return float(timeout_s)

@@ -79,8 +79,10 @@ def _bad_input_cases(buf: Buffer) -> dict:
                                                       lambda: Buffer(ranks_per_node=3)),
         "num-sms": lambda: _raises(ValueError, r"num_sms must be a positive int or None, got 0",
                                    lambda: Buffer(num_sms=0)),
-        "timeout": lambda: _raises(ValueError, r"timeout_s must be a positive number of seconds, got -1",
+        "timeout": lambda: _raises(ValueError, r"timeout_s must be a positive, finite number of seconds .*got -1",
                                    lambda: Buffer(timeout_s=-1)),
+        "timeout-inf": lambda: _raises(ValueError, r"timeout_s must be a positive, finite number .*got inf",
+                                       lambda: Buffer(timeout_s=float("inf"))),
     }
 
 

@@ -181,7 +181,8 @@ def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     (dict(expert_rank_capacity_factor=-1.0), r"expert_rank_capacity_factor must be a positive number"),
     (dict(num_permuted_tokens=64, expert_rank_capacity_factor=1.0), r"both set a static budget: pass only one"),
     (dict(fuse_permute="yes"), r"fuse_permute must be True, False or None"),
-    (dict(timeout_s=0), r"timeout_s must be a positive number"),
+    (dict(timeout_s=0), r"timeout_s must be a positive, finite number"),
+    (dict(timeout_s=float("inf")), r"timeout_s must be a positive, finite number"),
     (dict(num_sms=0), r"num_sms must be a positive int"),
     (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
 ])

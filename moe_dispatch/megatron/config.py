@@ -20,6 +20,7 @@ import os
 import warnings
 from typing import Any
 
+from ..validation import check_timeout_s
 from . import compat
 
 BACKEND_NAME = "custom"
@@ -90,8 +91,7 @@ class CustomBackendOptions:
             raise ValueError(f"fuse_permute must be True, False or None (auto), got {self.fuse_permute!r}")
         if not isinstance(self.raise_on_overflow, bool):
             raise ValueError(f"raise_on_overflow must be a bool, got {self.raise_on_overflow!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        check_timeout_s(self.timeout_s)
 
     @property
     def has_budget(self) -> bool:
