@@ -209,7 +209,8 @@ class Buffer:
         self.num_sms = num_sms
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
-        self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
+        self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s, buffer_index=self._uid)
+        self._seq = 0  # operations issued, the same count on every rank (they are collective)
         # One ordered queue for every transfer of this Buffer, so asynchronous calls overlap the
         # caller's compute: a high-priority CUDA stream, or on CPU a thread (the same role).
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{self.rank}")
@@ -368,6 +369,8 @@ class Buffer:
             # The metadata exchange (which also compares the fields across ranks) runs on the
             # caller's thread, on a group no other thread uses, so it does not queue behind
             # payloads in flight on the comm thread.
+            ctl["seq"] = self._next_seq()
+            self._transport.progress.mark("caller", ctl["seq"], "dispatch (metadata)")
             plan = drive(self._transport.plan(layout[3], fields))
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
         ctl.update(slot=slot, fields=fields, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
@@ -465,7 +468,16 @@ class Buffer:
         event = ctl.get("event", EventOverlap())
         return (event, ctl["hook"]) if ctl["mode"] == "hook" else (event,)
 
-    def _run(self, steps, ctl: dict, uses: list[torch.Tensor]):
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _marked(self, steps, seq: int, what: str):
+        """``steps``, first recording on the thread that runs them that operation ``seq`` began."""
+        self._transport.progress.mark("comm", seq, what)
+        return (yield from steps)
+
+    def _run(self, steps, ctl: dict, uses: list[torch.Tensor], what: str):
         """Runs transport steps per ``ctl["mode"]``: "sync" waits and returns the result;
         "async" records an event in ``ctl``; "hook" issues up to the first collective and puts
         a :class:`RecvHook` in ``ctl``. CPU steps run on this Buffer's communication thread and
@@ -473,6 +485,7 @@ class Buffer:
         ``uses``: tensors of the caller's stream that the transfer reads or writes (on CUDA the
         caching allocator is told, so an early free cannot hand their memory to other work)."""
         mode = ctl["mode"]
+        steps = self._marked(steps, ctl.get("seq") or self._next_seq(), what)
         if mode == "hook":
             first = self._submit(start, steps).result()
             ctl["hook"] = RecvHook(self, steps, first)
@@ -570,7 +583,7 @@ class Buffer:
             if topk_weights is not None:
                 out[-1].masked_fill_(~mine, 0.0)
 
-        self._run(steps(), ctl, [*tensors, *out])
+        self._run(steps(), ctl, [*tensors, *out], "dispatch")
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
 
     def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
@@ -595,7 +608,7 @@ class Buffer:
             for o in out:
                 o[rows:].zero_()
 
-        self._run(steps(), ctl, [*tensors, *out])
+        self._run(steps(), ctl, [*tensors, *out], what)
         return out
 
     def _move_combine(self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list, ctl: dict,
@@ -612,7 +625,7 @@ class Buffer:
                                                [None if sc is None else sc[:rows] for sc in scales], slot.plan, out,
                                                what)
 
-        self._run(steps(), ctl, uses)
+        self._run(steps(), ctl, uses, what)
         return out
 
 

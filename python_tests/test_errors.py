@@ -171,6 +171,9 @@ def test_withheld_rank_times_out(world_size, ranks_per_node):
         elapsed, message = res
         assert message.startswith(f"EP rank {rank} (node {rank // ranks_per_node}): dispatch"), message
         assert "timed out after timeout_s=3 waiting for EP ranks [" in message, message
+        # the waiting rank names the one that never reached the operation, from the store
+        assert f"not yet at this operation (#1 dispatch (metadata)): EP rank {absent} (no operation of this Buffer yet)" \
+            in message, message
         assert elapsed < 2 * TIMEOUT_S + 2, f"rank {rank} took {elapsed:.1f} s to fail: {message}"
 
 

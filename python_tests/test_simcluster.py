@@ -74,7 +74,8 @@ def test_rank_kill_during_combine(cluster_support):
     assert len(outcome.survivors) == 3
     # The victim's peers in the stage in flight fail in the combine, at once (the kernel closed
     # its sockets); a rank whose part was done fails in the next dispatch (checked by problems()).
-    assert any(r["op"] == "combine" and "combine stage" in r["message"] for r in outcome.survivors)
+    assert any(r["op"] == "combine" and f"EP rank {r['rank']} (node {r['node']}): combine " in r["message"]
+               for r in outcome.survivors)
 
 
 def test_intra_node_traffic_stays_off_the_uplinks(cluster_support, tmp_path):

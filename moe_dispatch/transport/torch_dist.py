@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from ..topology import Topology
 from ..validation import CommError
+from .progress import Progress
 
 NUM_CHUNKS = 4  # default pipeline depth: enough to hide stage 2 behind stage 1, few collectives
 
@@ -235,6 +236,8 @@ def _decode(like: Field, code: int) -> Field:
 
 def _show(value: Field) -> str:
     return str(value).removeprefix("torch.")
+
+
 ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whole on the comm thread
 
 
@@ -246,6 +249,8 @@ class TorchDistTransport:
         topology: this rank's place in the group.
         timeout_s: bound on every collective; a peer that never joins makes it raise
             :class:`CommError` naming the operation and the peers.
+        buffer_index: the owning Buffer's creation index in this process (names its
+            :class:`~moe_dispatch.transport.progress.Progress` keys).
         num_chunks: pipeline depth (module docstring), the same on every rank; 1 runs the
             stages one after the other. Default: :data:`NUM_CHUNKS` where both stages cross
             processes, else 1 (with one node, or one rank per node, one stage is a local copy,
@@ -255,7 +260,7 @@ class TorchDistTransport:
     ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
     """
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float,
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, buffer_index: int = 0,
                  num_chunks: int | None = None):
         if num_chunks is None:
             num_chunks = NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
@@ -265,6 +270,7 @@ class TorchDistTransport:
         self.timeout_s = timeout_s
         self.num_chunks = num_chunks
         group_ranks = dist.get_process_group_ranks(group)
+        self.progress = Progress(group_ranks, buffer_index, topology.rank)
         backend = dist.get_backend(group)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.peers = {INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
@@ -279,13 +285,14 @@ class TorchDistTransport:
 
     # -- collectives -------------------------------------------------------------------------
     def _describe(self, kind: str, what: str, err: Exception) -> str:
-        """The CommError text: this rank and node, the operation, timeout or failure, and the
-        peers it waited for with their nodes (gloo does not say which one it missed)."""
+        """The CommError text: this rank and node, the operation, timeout or failure, the peers
+        it waited for with their nodes, and which of them had not reached the operation (gloo
+        does not say which one it missed; :class:`Progress` knows)."""
         topo = self.topology
         others = [r for r in self.peers[kind] if r != topo.rank]
         how = f"timed out after timeout_s={self.timeout_s:g}" if "timed out" in str(err).lower() else "failed"
         return (f"EP rank {topo.rank} (node {topo.node}): {what} {how} waiting for EP ranks {others} "
-                f"(nodes {[r // topo.ranks_per_node for r in others]}): {err}")
+                f"(nodes {[r // topo.ranks_per_node for r in others]}){self.progress.describe_peers(others)}: {err}")
 
     def _all_to_all(self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
                     kind: str, what: str, recv: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending | None]:
