@@ -162,6 +162,8 @@ def test_torchrun_dry_run_flags_beat_environment_and_c10d(fake_slurm, tmp_path):
     (["--nproc-per-node", "0"], {}, "nproc-per-node must be an integer >= 1, got '0'"),
     (["--rdzv", "etcd"], {}, "--rdzv must be static or c10d"),
     (["--bogus"], {}, "unknown option '--bogus'"),
+    (["--master-port", "70000"], {}, "master-port must be a TCP port (1..65535), got '70000'"),
+    (["--nnodes", "--rdzv", "c10d"], {}, "--nnodes needs a value"),
     ([], {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "PATH": "/usr/bin:/bin"},
      "SLURM_JOB_NODELIST is set but scontrol is not on PATH"),
 ])

@@ -15,7 +15,8 @@
 #   --master-port PORT  rendezvous port on node 0 (else $MASTER_PORT; 20000 + SLURM_JOB_ID % 10000
 #                       in a Slurm job, so two jobs sharing a node do not collide; else 29500)
 #   --rdzv static|c10d  static (default): node rank = --node-rank, as Megatron-LM's examples
-#                       launch; c10d: nodes join in any order (torchrun assigns the ranks)
+#                       launch; c10d: nodes join in any order and torchrun assigns the ranks
+#                       (the node rank still names this node's log and layout lines)
 #   --rdzv-timeout-s S  how long the nodes wait for each other at start (default 300)
 #   --wall-s S          bound on this node's whole run: SIGTERM, SIGKILL 30 s later (default 3600)
 #   --log-dir DIR       node<R>-<host>.log, and bench.json unless --json is given (default
@@ -49,7 +50,7 @@ fail() {
   exit "$1"
 }
 
-need_value() { [[ $# -ge 2 && -n "$2" ]] || fail 2 "$1 needs a value (see --help)"; }
+need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || fail 2 "$1 needs a value (see --help)"; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -127,6 +128,7 @@ elif [[ -n "${SLURM_JOB_ID:-}" ]]; then
 else MASTER_PORT=29500 MASTER_PORT_SRC="default"
 fi
 positive_int master-port "$MASTER_PORT" 1
+(( 10#$MASTER_PORT <= 65535 )) || fail 2 "master-port must be a TCP port (1..65535), got '$MASTER_PORT'"
 positive_int rdzv-timeout-s "$RDZV_TIMEOUT_S" 1
 positive_int wall-s "$WALL_S" 1
 [[ "$RDZV" == static || "$RDZV" == c10d ]] || fail 2 "--rdzv must be static or c10d, got '$RDZV'"
