@@ -287,7 +287,8 @@ class Buffer:
             topk_weights: ``[T, K]`` fp32 gate weights, or None.
             num_experts: E, divisible by W.
             handle: a previous dispatch's handle to replay its routing (cached dispatch);
-                then pass only ``x`` (same T) and the topk outputs are None.
+                then pass only ``x`` (same T); ``recv_topk_idx``, ``recv_topk_weights`` and
+                ``num_recv_tokens_per_expert`` come back as None (the handle has them).
             async_finish: return as soon as the payload is in flight, with an
                 :class:`EventOverlap` that marks its completion: outputs are allocated but must
                 not be read before ``event.current_stream_wait()`` (CPU: the Buffer's
@@ -442,7 +443,7 @@ class Buffer:
             raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
         if handle.buffer_id != self._uid:
             raise ValueError(f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
-                             "combine with the Buffer that dispatched")
+                             "use it with the Buffer that dispatched")
         if handle._hook is not None and not handle._hook.called:
             raise RuntimeError("the dispatch that made this handle was issued with return_recv_hook=True and its "
                                "hook() has not been called: call hook() before using the handle or its outputs")
