@@ -584,7 +584,7 @@ class Buffer:
             if topk_weights is not None:
                 out[-1].masked_fill_(~mine, 0.0)
 
-        self._run(steps(), ctl, [*tensors, *out], "dispatch")
+        self._run(steps(), ctl, [*tensors, *out], "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)")
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
 
     def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):

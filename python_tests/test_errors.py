@@ -177,6 +177,29 @@ def test_withheld_rank_times_out(world_size, ranks_per_node):
         assert elapsed < 2 * TIMEOUT_S + 2, f"rank {rank} took {elapsed:.1f} s to fail: {message}"
 
 
+def _mode_mismatch_entry(rank, world_size):
+    """Rank 0 sizes its dispatch, rank 1 passes num_worst_tokens: their counts travel on
+    different groups, so both time out; each message says the other runs it differently."""
+    buf = Buffer(ranks_per_node=1, timeout_s=TIMEOUT_S)
+    x, idx, w = _inputs()
+    try:
+        if rank == 0:
+            buf.dispatch(x, idx, w, E)
+        else:
+            buf.dispatch(x, idx, w, E, num_worst_tokens=64, async_finish=True)[-1].current_stream_wait()
+    except CommError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_num_worst_tokens_are_named():
+    first, second = world_results(_mode_mismatch_entry, 2)
+    assert "at this operation (#1 dispatch (metadata)) but running it differently: EP rank 1 " \
+           "(dispatch (num_worst_tokens))" in first, first
+    assert "at this operation (#1 dispatch (num_worst_tokens)) but running it differently: EP rank 0 " \
+           "(dispatch (metadata))" in second, second
+
+
 def _inconsistent_entry(rank, world_size):
     """Ranks that disagree on an argument get a ValueError naming it (not a process abort)."""
     buf = Buffer(ranks_per_node=1, timeout_s=30)

@@ -95,7 +95,7 @@ class Progress:
         return answer[0]
 
     def _read(self, peers: list[int], seq: int, what: str) -> str:
-        behind = []
+        behind, elsewhere = [], []
         try:
             for peer in peers:
                 latest = None
@@ -109,9 +109,20 @@ class Progress:
                     behind.append(f"{peer} (no operation of this Buffer yet)")
                 elif latest[0] < seq:
                     behind.append(f"{peer} (last at #{latest[0]} {latest[1]})")
+                elif latest[0] == seq and _kind(latest[1]) != _kind(what):
+                    elsewhere.append(f"{peer} ({latest[1]})")
         except Exception:  # noqa: BLE001 - the store's host may be the rank that died
             return ""
         if behind:
             return f"; not yet at this operation (#{seq} {what}): EP rank {', EP rank '.join(behind)}"
+        if elsewhere:
+            return (f"; at this operation (#{seq} {what}) but running it differently: EP rank "
+                    f"{', EP rank '.join(elsewhere)} (every rank must pass the same arguments, num_worst_tokens "
+                    f"given or not included)")
         return (f"; every peer reached this operation (#{seq} {what}), so one failed or was cut off "
                 f"inside it")
+
+
+def _kind(what: str) -> str:
+    """The operation without the sized dispatch's metadata step, which its payload continues."""
+    return what.removesuffix(" (metadata)")
