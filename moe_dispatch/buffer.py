@@ -209,7 +209,7 @@ class Buffer:
         self.num_sms = num_sms
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
-        self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s, buffer_index=self._uid)
+        self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
         self._seq = 0  # operations issued, the same count on every rank (they are collective)
         # One ordered queue for every transfer of this Buffer, so asynchronous calls overlap the
         # caller's compute: a high-priority CUDA stream, or on CPU a thread (the same role).

@@ -267,3 +267,16 @@ def test_default_ranks_per_node_follows_where_ranks_run():
     results = spawn_world(4, _ranks_per_node_entry, env={"LOCAL_WORLD_SIZE": "2"}, timeout_s=120)
     assert results[0] == {"all": 2, "strided": 1, "one node": 2, "uneven": 3}
     assert results[3] == {"all": 2}
+
+
+def test_progress_keys_follow_each_group_not_the_process():
+    """A rank in two EP groups numbers each group's Buffers on its own, so ranks that made
+    Buffers for other groups first still agree on the keys of a shared group."""
+    from moe_dispatch.transport.progress import Progress
+
+    def index(p):
+        return int(p._prefix.rsplit("/", 1)[1])
+
+    first_a, other, second_a = Progress([5, 7], 0), Progress([5, 9], 0), Progress([5, 7], 0)
+    assert index(second_a) == index(first_a) + 1, "the other group's Progress must not count"
+    assert first_a._prefix.rsplit("/", 2)[1] != other._prefix.rsplit("/", 2)[1]

@@ -17,12 +17,17 @@ an answer at most :data:`READ_TIMEOUT_S`.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import threading
 
 import torch.distributed as dist
 
 READ_TIMEOUT_S = 2.0
+# Progress objects made in this process per group: the n-th on a group is the n-th on every rank
+# of it (Buffers are created collectively), whatever Buffers of other groups came before.
+_MADE_PER_GROUP: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
 
 class Progress:
@@ -30,22 +35,21 @@ class Progress:
 
     Args:
         group_ranks: the group's global ranks (names the group in the store, so Buffers of
-            different EP groups never share keys).
-        buffer_index: the Buffer's creation index in this process (equal on every rank of the
-            group, Buffers being created collectively).
+            different EP groups never share keys; Buffers of one group are told apart by
+            their creation order on it).
         rank: this rank's index in the group.
 
     Recording never raises: without a reachable store (a custom process group, or the store's
     host gone) it stops and failures are described without it.
     """
 
-    def __init__(self, group_ranks: list[int], buffer_index: int, rank: int):
+    def __init__(self, group_ranks: list[int], rank: int):
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError, AttributeError):
             self._store = None
         group = hashlib.sha1(",".join(map(str, group_ranks)).encode()).hexdigest()[:12]
-        self._prefix = f"moe_dispatch/progress/{group}/{buffer_index}"
+        self._prefix = f"moe_dispatch/progress/{group}/{next(_MADE_PER_GROUP[group])}"
         self._rank = rank
         self._current = threading.local()  # per thread: the operation it is in
         self._unsent: dict[str, str] = {}  # key -> latest value, for the writer thread

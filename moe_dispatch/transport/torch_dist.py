@@ -249,8 +249,6 @@ class TorchDistTransport:
         topology: this rank's place in the group.
         timeout_s: bound on every collective; a peer that never joins makes it raise
             :class:`CommError` naming the operation and the peers.
-        buffer_index: the owning Buffer's creation index in this process (names its
-            :class:`~moe_dispatch.transport.progress.Progress` keys).
         num_chunks: pipeline depth (module docstring), the same on every rank; 1 runs the
             stages one after the other. Default: :data:`NUM_CHUNKS` where both stages cross
             processes, else 1 (with one node, or one rank per node, one stage is a local copy,
@@ -260,7 +258,7 @@ class TorchDistTransport:
     ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
     """
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, buffer_index: int = 0,
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float,
                  num_chunks: int | None = None):
         if num_chunks is None:
             num_chunks = NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
@@ -270,7 +268,7 @@ class TorchDistTransport:
         self.timeout_s = timeout_s
         self.num_chunks = num_chunks
         group_ranks = dist.get_process_group_ranks(group)
-        self.progress = Progress(group_ranks, buffer_index, topology.rank)
+        self.progress = Progress(group_ranks, topology.rank)
         backend = dist.get_backend(group)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.peers = {INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
