@@ -11,8 +11,11 @@ that operation (absent, hung, dead before it, or busy elsewhere).
 
 The store may be unreachable exactly when this matters (a cut link, its host dead), and its
 calls block until the store's own timeout, so no store call runs on a thread that moves data:
-a daemon writer thread sends the latest value of each key, and the read on failure waits for
-an answer at most :data:`READ_TIMEOUT_S`.
+a daemon writer thread sends the latest value of each key, at most every
+:data:`FLUSH_INTERVAL_S` (a store round trip per operation would cost more than small
+operations themselves), and the read on failure waits for an answer at most
+:data:`READ_TIMEOUT_S`. A failure within that interval of a peer's last operation may see its
+previous one.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import collections
 import hashlib
 import itertools
 import threading
+import time
 
 import torch.distributed as dist
 
 READ_TIMEOUT_S = 2.0
+FLUSH_INTERVAL_S = 0.05
 # Progress objects made in this process per group: the n-th on a group is the n-th on every rank
 # of it (Buffers are created collectively), whatever Buffers of other groups came before.
 _MADE_PER_GROUP: dict[str, itertools.count] = collections.defaultdict(itertools.count)
@@ -83,6 +88,7 @@ class Progress:
             except Exception:  # noqa: BLE001 - a lost store only costs the diagnostic
                 self._store = None
                 return
+            time.sleep(FLUSH_INTERVAL_S)  # later marks meanwhile coalesce into one write per key
 
     def describe_peers(self, peers: list[int]) -> str:
         """For the operation the calling thread is in: which of ``peers`` have not reached it,
