@@ -55,23 +55,29 @@ class DispatchHandle:
 
     Attributes:
         buffer_id: the creating Buffer (a handle is only valid with it).
-        num_tokens: T, tokens this rank sent.
         num_experts: E.
-        num_recv_tokens: R, rows of this rank's receive-side tensors (``num_worst_tokens``
-            when the dispatch was given it; then the received count is ``plan.num_recv_tokens``).
         recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
         is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
-        slot: the transport's index plan (see :class:`PlanSlot`).
+        slot: the transport's index plan and row counts (see :class:`PlanSlot`).
     """
 
     buffer_id: int
-    num_tokens: int
     num_experts: int
-    num_recv_tokens: int
     recv_topk_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
     slot: PlanSlot
     _hook: "RecvHook | None" = None  # the dispatch's receive hook, when issued with one
+
+    @property
+    def num_tokens(self) -> int:
+        """T, tokens this rank sent."""
+        return self.slot.num_tokens
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """R, rows of this rank's receive-side tensors (``num_worst_tokens`` when the dispatch
+        was given it; then the received count is ``plan.num_recv_tokens``)."""
+        return self.slot.num_rows
 
     @property
     def plan(self) -> TorchDistPlan:
@@ -383,8 +389,7 @@ class Buffer:
             recv_x = tuple(recv_x)
         else:
             recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
-        handle = DispatchHandle(buffer_id=self._uid, num_tokens=num_tokens, num_experts=num_experts,
-                                num_recv_tokens=slot.num_rows, recv_topk_idx=ctl["recv_topk_idx"],
+        handle = DispatchHandle(buffer_id=self._uid, num_experts=num_experts, recv_topk_idx=ctl["recv_topk_idx"],
                                 is_token_in_rank=layout[3], slot=slot, _hook=ctl.get("hook"))
         return (recv_x, ctl["recv_topk_idx"], recv_weights, ctl["num_recv_tokens_per_expert"], handle,
                 *self._completion(ctl))

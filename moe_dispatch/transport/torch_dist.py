@@ -226,6 +226,11 @@ def _encode(value: Field) -> int:
     return int(value)
 
 
+def _field_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
+    """``[len(fields)]`` int64: the fields as they travel."""
+    return torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64, device=device)
+
+
 def _decode(like: Field, code: int) -> Field:
     """A peer's ``code`` as a value of ``like``'s kind (the local value of the same field)."""
     table = _FIELD_DTYPES if isinstance(like, torch.dtype) else _FIELD_WORDS if isinstance(like, str) else None
@@ -313,16 +318,17 @@ class TorchDistTransport:
             raise CommError(describe(err)) from err
         return recv, Pending(work, describe)
 
-    def _check_fields(self, fields: dict[str, "Field"], theirs: torch.Tensor, what: str) -> None:
-        """``theirs [W, len(fields)]``: every rank's encoded fields (:func:`encode_fields`)."""
+    def _check_fields(self, fields: dict[str, Field], theirs: torch.Tensor, what: str) -> None:
+        """``theirs [W, len(fields)]``: every rank's fields as :func:`_field_codes` sent them."""
+        mine = _field_codes(fields).tolist()
         for rank, row in enumerate(theirs.tolist()):
-            for (name, value), other in zip(fields.items(), row):
-                if other != _encode(value):
+            for (name, value), code, other in zip(fields.items(), mine, row):
+                if other != code:
                     raise ValueError(f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
                                      f"{_show(value)} here but {_show(_decode(value, other))} on EP rank {rank}; "
                                      f"every rank must pass the same {', '.join(fields)}")
 
-    def agree(self, fields: dict[str, "Field"], what: str) -> Steps:
+    def agree(self, fields: dict[str, Field], what: str) -> Steps:
         """Steps comparing ``fields`` across all EP ranks (one small all_gather on the comm
         thread's group): run before the payload of an operation whose sizes are not exchanged
         (combine, cached dispatch), since ranks that disagree on them would abort inside gloo.
@@ -333,7 +339,7 @@ class TorchDistTransport:
         group = self.groups[ALL_COMM]
         if group is None:
             return
-        mine = torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64)
+        mine = _field_codes(fields)
         gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
 
         def describe(err):
@@ -347,7 +353,7 @@ class TorchDistTransport:
         self._check_fields(fields, torch.stack(gathered), what)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, int], what: str = "dispatch",
+    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
              on_comm_thread: bool = False) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
         (stage-2 send indices still unset); one all_to_all on the all-ranks group.
@@ -382,8 +388,7 @@ class TorchDistTransport:
         dest_node = torch.arange(world, device=device) // local_ranks
         chunk_counts = torch.cat([to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node],
                                   to_node[:, dest_node].unsqueeze(2)], 2)  # [C, W, L + 1]
-        mine = torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64, device=device)
-        meta = torch.cat([mine.expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
+        meta = torch.cat([_field_codes(fields, device).expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
         got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
         yield pending
         got = got.view(world, -1)  # [source rank, row]
