@@ -594,13 +594,11 @@ class Buffer:
 
     def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
         """Steps checking that every rank runs the same kind of operation on rows of the same
-        width and dtype: combine and cached dispatch exchange no sizes, and gloo aborts the
-        process on a size mismatch. CPU (gloo) only; on CUDA the check would cost a host sync
-        per call."""
-        if self.device.type == "cpu":
-            t = tensors[0]
-            yield from self._transport.agree({"operation": operation, "hidden": math.prod(t.shape[1:]), "dtype": t.dtype,
-                                              "tensors": len(tensors), "row scales": num_scales}, what)
+        width and dtype: combine and cached dispatch exchange no sizes (see
+        ``TorchDistTransport.agree`` for where the check runs)."""
+        t = tensors[0]
+        return self._transport.agree({"operation": operation, "hidden": math.prod(t.shape[1:]), "dtype": t.dtype,
+                                      "tensors": len(tensors), "row scales": num_scales}, what)
 
     def _move_forward(self, slot: PlanSlot, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``

@@ -275,6 +275,7 @@ class TorchDistTransport:
         group_ranks = dist.get_process_group_ranks(group)
         self.progress = Progress(group_ranks, topology.rank)
         backend = dist.get_backend(group)
+        self._gloo = str(backend) == "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         self.peers = {INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
                       INTRA: topology.node_ranks(topology.node),
@@ -332,12 +333,13 @@ class TorchDistTransport:
         """Steps comparing ``fields`` across all EP ranks (one small all_gather on the comm
         thread's group): run before the payload of an operation whose sizes are not exchanged
         (combine, cached dispatch), since ranks that disagree on them would abort inside gloo.
+        On gloo only: elsewhere (NCCL) it would cost a host synchronisation per call.
 
         Raises (from the steps):
             ValueError: naming the first field and EP rank that differ from this rank.
         """
         group = self.groups[ALL_COMM]
-        if group is None:
+        if group is None or not self._gloo:
             return
         mine = _field_codes(fields)
         gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
