@@ -82,17 +82,29 @@ if [[ "$DRY_RUN" == 1 ]]; then
   step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
   step bench_internode 120 "$PY" benchmarks/bench_internode.py --json "$OUT/bench_internode.json"
 else
-  # What only a GPU can check comes first (kernels, their tests, their benchmarks); the CPU-world
-  # rest of the suite, already run by CI, takes what is left of the budget.
-  step tests 240 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs -k "$GPU_TESTS" --junitxml="$OUT/tests.xml"
+  # What only a GPU can check comes first, one process per kernel family: a kernel fault poisons
+  # its CUDA context, and the next family still runs in a fresh one. -v names a test that hangs;
+  # --timeout bounds each test. The CPU-world rest of the suite, already run by CI, comes last.
+  PYTEST=("$PY" -m pytest -v -p no:cacheprovider -rs --timeout 60)
+  # A machine without InfiniBand devices: NVSHMEM stays on NVLink / the local GPU instead of
+  # failing to open a NIC (a cluster's own setting, when exported, wins).
+  if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"; fi
+  step tests_intranode 120 "${PYTEST[@]}" python_tests/test_intranode_cuda.py -k gpu --junitxml="$OUT/tests_intranode.xml"
   # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, vs a d2d copy in the same run.
-  step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  step bench_intranode 75 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -k gpu --junitxml="$OUT/tests_internode.xml"
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
-  step bench_internode 90 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
-  step bench_kernels 90 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
-  step tests_rest 300 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs -k "not ($GPU_TESTS)" \
-       --junitxml="$OUT/tests_rest.xml"
+  step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
+  # The routing-layout CUDA kernel and the Triton kernels (layout, permute, fp8 quantisation) natively.
+  step tests_kernels 120 "${PYTEST[@]}" python_tests/test_extension.py python_tests/test_layout.py \
+       python_tests/test_permute.py python_tests/test_quant.py --junitxml="$OUT/tests_kernels.xml"
+  step bench_kernels 60 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
+  # torch_dist on NCCL with the communication stream; Megatron's GPU tests (EP >= 2 ones skip on one GPU).
+  step tests_torch_dist 120 "${PYTEST[@]}" python_tests/test_gpu_torch_dist.py python_tests/test_megatron_overlap.py \
+       -k gpu --junitxml="$OUT/tests_torch_dist.xml"
+  step tests_rest 300 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --timeout 120 \
+       -k "not ($GPU_TESTS)" --junitxml="$OUT/tests_rest.xml"
   # Megatron's EP-overlap schedule needs EP >= 2, hence two GPUs.
   if [[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]]; then
     step bench_megatron_overlap 300 "$PY" -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \
@@ -106,7 +118,7 @@ fi
   echo "== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), dry_run=$DRY_RUN)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU visible"
   column -t -s $'\t' "$SUMMARY"
-  for log in tests tests_rest; do grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"; done
+  for log in tests tests_intranode tests_internode tests_kernels tests_torch_dist tests_rest; do grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"; done
   grep -h "^goal:" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
   grep -h "^goal:" "$OUT/bench_internode.log" 2>/dev/null | sed 's/^/internode /'
   grep -h "hidden =" "$OUT/bench_megatron_overlap.log" 2>/dev/null | sed 's/^/megatron overlap /'

@@ -28,10 +28,17 @@ def _roundtrip(rank, world_size, buf, **launch):
         outs[-1].current_stream_wait()
     recv_x, recv_idx, recv_w, per_expert, handle = outs[:5]
     refs = reference.dispatch(xs, idxs, ws, num_experts, buf.topology.ranks_per_node)
-    assert torch.equal(recv_x.cpu(), refs[rank].recv_x) and torch.equal(recv_idx.cpu(), refs[rank].recv_topk_idx)
-    assert torch.equal(recv_w.cpu(), refs[rank].recv_topk_weights)
+    rows = refs[rank].recv_x.shape[0]
+    if launch.get("num_worst_tokens"):  # static size: the received rows first, then padding 0 / -1 / 0
+        assert recv_x.shape[0] == launch["num_worst_tokens"]
+        assert not recv_x[rows:].any() and bool((recv_idx[rows:] == -1).all()) and not recv_w[rows:].any()
+    assert torch.equal(recv_x[:rows].cpu(), refs[rank].recv_x)
+    assert torch.equal(recv_idx[:rows].cpu(), refs[rank].recv_topk_idx)
+    assert torch.equal(recv_w[:rows].cpu(), refs[rank].recv_topk_weights)
     ys = [expert(r.recv_x, i) for i, r in enumerate(refs)]
-    out, event, *hook = buf.combine(expert(recv_x, rank), handle, **launch)
+    y = expert(recv_x, rank)
+    y[rows:] = 1e4  # padding rows must not reach any token
+    out, event, *hook = buf.combine(y, handle, **{k: v for k, v in launch.items() if k != "num_worst_tokens"})
     if hook:
         hook[0]()
     event.current_stream_wait()
@@ -45,6 +52,8 @@ CASES = {
     "async-alloc-on-comm-stream": lambda r, w, buf: _roundtrip(r, w, buf, async_finish=True,
                                                                 allocate_on_comm_stream=True),
     "hook": lambda r, w, buf: _roundtrip(r, w, buf, return_recv_hook=True),
+    # No host sync at all: the counts travel with the transfer on the communication stream.
+    "static-async": lambda r, w, buf: _roundtrip(r, w, buf, async_finish=True, num_worst_tokens=512 * w),
 }
 
 

@@ -41,6 +41,7 @@ from python_tests.test_intranode_cuda import (
     make_world,
     seed_of,
 )
+from python_tests.worlds import assert_case, run_cases, world_results
 
 STATUS = _ext.extension_status()
 built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not available: {STATUS.error}")
@@ -317,3 +318,40 @@ def test_gpu_withheld_rank_times_out_with_its_name(phase):
     assert info.value.peer == withheld and info.value.rank != withheld and "(node 1, local 1)" in str(info.value)
     lb.timeout_s = 20
     roundtrip(lb, xs, idxs, None, 32)
+
+
+# --- the multi-process NVSHMEM path (one rank per GPU; a single GPU is one PE) ------------------
+
+def _nvshmem_world_roundtrip(rank, world_size):
+    """NVSHMEM bootstrap (unique id over torch.distributed), symmetric allocation, the NVSHMEM-mode
+    kernels and teardown, each rank its own node (ranks_per_node=1), against the oracle."""
+    import torch.distributed as dist
+
+    from moe_dispatch.transport.nvshmem import InternodeTransport
+
+    hidden, num_topk, num_experts = 2880, 4, 8 * world_size
+    xs, idxs, ws = make_world(43, world_size, 256, hidden, num_topk, num_experts)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, 1)
+    transport = InternodeTransport(dist.group.WORLD, rank, 1, hidden, num_topk,
+                                   config=Config(num_sms=8, num_slots=16, chunk_tokens=4), timeout_s=20)
+    try:
+        for _ in range(2):  # the second round reuses the rings
+            got = transport.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), num_experts)
+            assert_dispatch_equal([got], [refs[rank]])
+            ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+                  for r, ref in enumerate(refs)]
+            out = transport.combine(ys[rank].cuda(), got.handle)
+            want = reference.combine(ys, idxs, num_experts, 1, ranks=[rank])[0]
+            assert torch.equal(out.cpu(), want), f"combine of rank {rank}"
+    finally:
+        transport.close()
+
+
+def _nvshmem_entry(rank, world_size):
+    return run_cases(rank, world_size, {"roundtrip": _nvshmem_world_roundtrip})
+
+
+@needs_gpu
+@pytest.mark.skipif(not STATUS.with_nvshmem, reason="moe_dispatch._C was built without NVSHMEM")
+def test_gpu_nvshmem_world_matches_oracle():
+    assert_case(world_results(_nvshmem_entry, torch.cuda.device_count(), backend="nccl"), "roundtrip")
