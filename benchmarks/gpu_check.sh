@@ -10,6 +10,8 @@
 #                 `make gpu-wheels` fills .whl with what the GPU image lacks (megatron-core)
 #   --dry-run     build + the CPU-quick tests only: checks the script itself on a CPU machine
 #   --budget-s S  whole-script bound in seconds (default 540, inside the device tool's 600 s per call)
+#   --steps LIST  only these steps, comma-separated (wheels, build and env always run): a short
+#                 rerun of what failed, e.g. --steps tests_kernels,tests_rest
 #
 # Every step is bounded by its own limit and by what is left of the budget; a failing or
 # skipped step is recorded and the script goes on, so one call always ends with the summary.
@@ -17,14 +19,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-OUT="" WHEELS="" DRY_RUN=0 BUDGET_S=540
+OUT="" WHEELS="" DRY_RUN=0 BUDGET_S=540 STEPS=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --wheels) WHEELS="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --budget-s) BUDGET_S="$2"; shift 2 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (expected --out DIR, --wheels DIR, --dry-run, --budget-s S)" >&2
+    --steps) STEPS="$2"; shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (expected --out DIR, --wheels DIR, --dry-run, --budget-s S, --steps LIST)" >&2
        exit 2 ;;
   esac
 done
@@ -44,6 +47,7 @@ FAILED=0
 step() {
   local name="$1" limit="$2"; shift 2
   local start=$SECONDS status=ok left=$((BUDGET_S - 20 - SECONDS))
+  case "$name" in wheels|build|env) ;; *) [[ -z "$STEPS" || ",$STEPS," == *",$name,"* ]] || return 0 ;; esac
   if (( left < 15 )); then
     echo "== $name: skipped, the budget of ${BUDGET_S} s is spent"
     printf '%s\t%s\t%s\t%s\n' "$name" "SKIPPED(budget)" 0 "-" >> "$SUMMARY"
@@ -92,6 +96,15 @@ else
   step tests_intranode 120 "${PYTEST[@]}" python_tests/test_intranode_cuda.py -k gpu --junitxml="$OUT/tests_intranode.xml"
   # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, vs a d2d copy in the same run.
   step bench_intranode 75 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  # Where the time goes: Nsight Compute on one dispatch and one combine launch (DeepSeek-V3, EP8,
+  # 16 SMs per rank): memory throughput against the peak, stall reasons, occupancy.
+  if command -v ncu > /dev/null; then
+    for kernel in dispatch combine; do
+      step "ncu_$kernel" 60 ncu -k "regex:${kernel}_kernel" --launch-skip 2 --launch-count 1 \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+           "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 --warmup 1 --iters 3
+    done
+  fi
   step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -k gpu --junitxml="$OUT/tests_internode.xml"
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
@@ -117,9 +130,9 @@ fi
   echo
   echo "== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), dry_run=$DRY_RUN)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU visible"
-  column -t -s $'\t' "$SUMMARY"
+  column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"  # no column(1) on some images
   for log in tests tests_intranode tests_internode tests_kernels tests_torch_dist tests_rest; do grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"; done
-  grep -h "^goal:" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
+  grep -h -E "^(goal:|best )" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
   grep -h "^goal:" "$OUT/bench_internode.log" 2>/dev/null | sed 's/^/internode /'
   grep -h "hidden =" "$OUT/bench_megatron_overlap.log" 2>/dev/null | sed 's/^/megatron overlap /'
 } | tee "$OUT/summary.txt"

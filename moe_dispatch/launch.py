@@ -64,9 +64,10 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
     Args:
         world_size: number of ranks.
         fn: a module-level (picklable) function.
-        backend: "gloo" (CPU) or "nccl".
+        backend: "gloo" (CPU) or "nccl". A gloo world is a CPU world: its ranks see no GPU
+            (``CUDA_VISIBLE_DEVICES=''``), so it behaves the same on a machine with GPUs.
         timeout_s: wall-clock bound for the whole world; ranks still running then are killed.
-        env: extra environment variables for the ranks.
+        env: extra environment variables for the ranks (``CUDA_VISIBLE_DEVICES`` here wins).
 
     Returns:
         the ranks' return values, indexed by rank.
@@ -78,8 +79,9 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     results = ctx.Queue()
     port = free_port()
+    env = ({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}) | (env or {})
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, backend, results, fn, args, env or {}, timeout_s))
+                         args=(r, world_size, port, backend, results, fn, args, env, timeout_s))
              for r in range(world_size)]
     for p in procs:
         p.start()

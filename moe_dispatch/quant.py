@@ -88,7 +88,9 @@ def per_token_cast_to_fp8_reference(x: torch.Tensor, block_size: int = 128, use_
     xf = x.float().view(num_tokens, hidden // block_size, block_size)
     finite = torch.isfinite(xf)
     amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scales = amax / FP8_MAX
+    # A tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal,
+    # which is not the correctly rounded quotient the kernel (and torch on CPU) computes.
+    scales = amax / torch.full_like(amax, FP8_MAX)
     if use_ue8m0:
         scales = _round_up_pow2_reference(scales)
     q = torch.where(finite, xf / scales.unsqueeze(-1), float("nan"))

@@ -72,6 +72,7 @@ def _env(extra: dict[str, str], bin_dir: pathlib.Path | None = None, log: pathli
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith(("SLURM_", "NCCL_", "NVSHMEM_", "GLOO_")) or k in _LAYOUT_VARS)}
     env["PYTHON"] = sys.executable
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU worlds (gloo), also on a machine with a GPU
     if bin_dir is not None:
         env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
         env["FAKE_SLURM_LOG"] = str(log)

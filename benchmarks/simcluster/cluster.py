@@ -289,7 +289,8 @@ class SimCluster:
         leaves ``rank<r>.pid`` and, once reaped, ``rank<r>.exit`` there.
         """
         self.run_dir = run_dir
-        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(self.world_size),
+        # A CPU cluster: the ranks see no GPU, also on a machine with one (env may say otherwise).
+        base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {}), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "MASTER_ADDR": self.node_addr(0),
                 "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "SIMCLUSTER_RUN_DIR": str(run_dir)}
