@@ -109,6 +109,11 @@ else
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
   step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
+  if command -v ncu > /dev/null; then  # stage 1 (the node hop) of the hierarchical dispatch, 2x4, 16 SMs
+    step ncu_node_dispatch 60 ncu -k "regex:node_dispatch_kernel" --launch-skip 2 --launch-count 1 \
+         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+         "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 --num-sms 16 --warmup 1 --iters 3
+  fi
   # The routing-layout CUDA kernel and the Triton kernels (layout, permute, fp8 quantisation) natively.
   step tests_kernels 120 "${PYTEST[@]}" python_tests/test_extension.py python_tests/test_layout.py \
        python_tests/test_permute.py python_tests/test_quant.py --junitxml="$OUT/tests_kernels.xml"
