@@ -8,10 +8,12 @@ parent with that rank's traceback; the whole world is bounded by ``timeout_s``.
 from __future__ import annotations
 
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -24,11 +26,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn, args, env, timeout_s) -> None:
+def _resolve(fn_ref: tuple[str, str]) -> Callable[..., Any]:
+    module, qualname = fn_ref
+    obj = sys.modules.get(module) or importlib.import_module(module)
+    for name in qualname.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_ref, args, env, timeout_s) -> None:
+    # The environment first, then fn's module: importing it may already ask CUDA for its devices
+    # (Megatron's import does), and CUDA reads CUDA_VISIBLE_DEVICES only once.
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
-    os.environ.update(env)
     torch.set_num_threads(1)  # W processes share the machine's cores
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -36,7 +48,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn,
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, _resolve(fn_ref)(rank, world_size, *args)))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
@@ -63,7 +75,8 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
 
     Args:
         world_size: number of ranks.
-        fn: a module-level (picklable) function.
+        fn: a module-level function (resolved by module and name in each rank, after ``env``
+            is applied).
         backend: "gloo" (CPU) or "nccl". A gloo world is a CPU world: its ranks see no GPU
             (``CUDA_VISIBLE_DEVICES=''``), so it behaves the same on a machine with GPUs.
         timeout_s: wall-clock bound for the whole world; ranks still running then are killed.
@@ -73,15 +86,23 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
         the ranks' return values, indexed by rank.
 
     Raises:
+        ValueError: ``fn`` is not a module-level function.
         RuntimeError: a rank raised (its traceback in the message), died, or the world timed out.
     """
+    fn_ref = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+    try:
+        found = _resolve(fn_ref) is fn
+    except (AttributeError, ImportError, TypeError):
+        found = False
+    if not found:
+        raise ValueError(f"fn must be a module-level function (the ranks import it by name), got {fn!r}")
     ctx = mp.get_context("forkserver")  # fast (no re-import of torch per rank) yet fork-safe
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     results = ctx.Queue()
     port = free_port()
     env = ({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}) | (env or {})
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, backend, results, fn, args, env, timeout_s))
+                         args=(r, world_size, port, backend, results, fn_ref, args, env, timeout_s))
              for r in range(world_size)]
     for p in procs:
         p.start()

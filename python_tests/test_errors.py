@@ -3,6 +3,7 @@ never joins makes its peers fail within ``timeout_s`` with the operation named."
 
 from __future__ import annotations
 
+import os
 import time
 import types
 
@@ -267,6 +268,26 @@ def test_default_ranks_per_node_follows_where_ranks_run():
     results = spawn_world(4, _ranks_per_node_entry, env={"LOCAL_WORLD_SIZE": "2"}, timeout_s=120)
     assert results[0] == {"all": 2, "strided": 1, "one node": 2, "uneven": 3}
     assert results[3] == {"all": 2}
+
+
+# Read when a rank imports this module: spawn_world applies its environment before that.
+_PROBE_AT_IMPORT = os.environ.get("MOE_DISPATCH_TEST_PROBE")
+
+
+def _environment_entry(rank, world_size):
+    return _PROBE_AT_IMPORT, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
+
+
+def test_gloo_world_sees_its_environment_and_no_gpu_from_the_first_import():
+    """A gloo world is a CPU world also where a GPU is visible: CUDA_VISIBLE_DEVICES='' and any
+    env= value hold before fn's module is imported (Megatron's import already asks CUDA for its
+    devices, and CUDA reads the variable once)."""
+    from moe_dispatch.launch import spawn_world
+
+    for probe in spawn_world(2, _environment_entry, env={"MOE_DISPATCH_TEST_PROBE": "set"}, timeout_s=120):
+        assert probe == ("set", "", False)
+    with pytest.raises(ValueError, match="module-level function"):
+        spawn_world(2, lambda rank, world_size: None)
 
 
 def test_progress_keys_follow_each_group_not_the_process():
