@@ -27,8 +27,16 @@ import torch
 
 from moe_dispatch import _ext, reference
 from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layout
+from moe_dispatch.launch import spawn_world
 from moe_dispatch.quant import per_token_cast_to_fp8_reference
-from moe_dispatch.transport.cuda import IntranodeHandle, IntranodeTimeoutError, Loopback, describe_timeout
+from moe_dispatch.transport.cuda import (
+    IntranodeHandle,
+    IntranodeTimeoutError,
+    IntranodeTransport,
+    Loopback,
+    describe_timeout,
+)
+from python_tests.worlds import assert_case, run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = _ext.extension_status()
@@ -413,3 +421,44 @@ def test_gpu_withheld_rank_times_out_with_its_name(phase):
 def test_handle_is_a_named_dataclass():
     fields = {f for f in IntranodeHandle.__dataclass_fields__}
     assert {"is_token_in_rank", "recv_prefix", "num_rows", "overflow", "num_channels"} <= fields
+
+
+# --- one process per rank, buffers shared through CUDA IPC ---------------------------------------
+
+def _ipc_world_roundtrip(rank, world_size):
+    """IntranodeTransport as Buffer would use it: each process allocates its buffer, the IPC
+    handles travel over torch.distributed, every rank launches its own kernels. On a machine
+    with one GPU all ranks share it (IPC across processes of one device is allowed; the driver
+    time-slices their kernels, so the bounded waits see slow but steady progress)."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    hidden, num_topk, num_experts = 2880, 4, 8 * world_size
+    xs, idxs, ws = make_world(44, world_size, [256, 0, 384, 128][:world_size], hidden, num_topk, num_experts)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
+    transport = IntranodeTransport(dist.group.WORLD, rank, hidden, num_topk,
+                                   config=Config(num_sms=4, num_slots=16, chunk_tokens=4), timeout_s=30)
+    try:
+        for _ in range(2):  # the second round reuses the rings
+            got = transport.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), num_experts)
+            assert_dispatch_equal([got], [refs[rank]])
+            ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+                  for r, ref in enumerate(refs)]
+            out = transport.combine(ys[rank].cuda(), got.handle)
+            want = reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0]
+            assert torch.equal(out.cpu(), want), f"combine of rank {rank}"
+    finally:
+        transport.close()
+
+
+def _ipc_entry(rank, world_size):
+    return run_cases(rank, world_size, {"roundtrip": _ipc_world_roundtrip})
+
+
+@needs_gpu
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpu_ipc_world_matches_oracle(world_size):
+    # gloo carries the handles; the ranks keep the GPUs this process sees (a gloo world hides them by default).
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+    results = spawn_world(world_size, _ipc_entry, env={"CUDA_VISIBLE_DEVICES": visible}, timeout_s=120)
+    assert_case(results, "roundtrip")
