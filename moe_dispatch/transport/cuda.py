@@ -27,7 +27,8 @@ Two front ends share one launcher (:class:`_Engine`):
   their "peer" buffers are W allocations of the same GPU; on CPU (``backend="cpu"``) the same
   protocol code runs on threads over host memory. Tests and benchmarks use it.
 - :class:`IntranodeTransport`: one rank per process and GPU; buffers shared through CUDA IPC
-  handles exchanged over torch.distributed (written, not yet run on a multi-GPU node).
+  handles exchanged over torch.distributed (the loopback harness passes its tests on an H200;
+  this multi-process path has not run on a GPU yet).
 
 How ``Buffer(transport="cuda")`` drives it (one node: W == ranks_per_node <= 16):
 
@@ -632,9 +633,9 @@ class Loopback:
 class IntranodeTransport:
     """The intranode kernels for one EP group of W <= 16 ranks on one node, one GPU each.
 
-    Status: written against the same launcher the loopback harness validates, but not yet run
-    on a multi-GPU node (the CUDA IPC exchange and cross-GPU visibility are what remains to
-    check there).
+    Status: the launcher and kernels are the ones the loopback harness runs, which pass their
+    tests on an H200. This multi-process path (the CUDA IPC exchange, cross-GPU visibility) has
+    not run yet; its test shares one GPU among the processes.
 
     Args:
         group: the EP process group (NCCL); W = its size, all ranks on this node.

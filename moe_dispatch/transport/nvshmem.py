@@ -11,9 +11,9 @@
   mode (put-with-signal to the PE of the same local index) and stage 2 on an
   :class:`~moe_dispatch.transport.cuda.IntranodeTransport` over the node's ranks.
 
-Status: compiled for sm_90 and linked against NVSHMEM; the protocol is the one the loopback
-harness and the CPU backend check against the oracle, but this multi-process path has not run
-on GPUs yet, and ``Buffer`` does not use it yet.
+Status: on one H200 the NVSHMEM path ran with one PE (unique-id bootstrap, symmetric heap,
+the NVSHMEM-mode kernels, teardown) and equals the oracle; several PEs (GPUs or nodes) have not
+run yet, and ``Buffer`` does not use it yet.
 """
 
 from __future__ import annotations
