@@ -109,6 +109,10 @@ else
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
   step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
+  # Deeper rings and bigger chunks for the node stage: ncu found its warps waiting at the per-chunk
+  # group barriers (chunk 8 = one token per warp of a 2-node group between two barriers).
+  step bench_internode_chunks 45 "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 4x2 \
+       --num-sms 16 --slots 128 --chunk 32
   if command -v ncu > /dev/null; then  # stage 1 (the node hop) of the hierarchical dispatch, 2x4, 16 SMs
     step ncu_node_dispatch 60 ncu -k "regex:node_dispatch_kernel" --launch-skip 2 --launch-count 1 \
          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
