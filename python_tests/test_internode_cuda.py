@@ -39,6 +39,7 @@ from python_tests.test_intranode_cuda import (
     cpu,
     fp8_reference_dispatch,
     make_world,
+    rank_roundtrips,
     seed_of,
 )
 from python_tests.worlds import assert_case, run_cases, world_results
@@ -331,18 +332,10 @@ def _nvshmem_world_roundtrip(rank, world_size):
 
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(43, world_size, 256, hidden, num_topk, num_experts)
-    refs = reference.dispatch(xs, idxs, ws, num_experts, 1)
     transport = InternodeTransport(dist.group.WORLD, rank, 1, hidden, num_topk,
                                    config=Config(num_sms=8, num_slots=16, chunk_tokens=4), timeout_s=20)
     try:
-        for _ in range(2):  # the second round reuses the rings
-            got = transport.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), num_experts)
-            assert_dispatch_equal([got], [refs[rank]])
-            ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-                  for r, ref in enumerate(refs)]
-            out = transport.combine(ys[rank].cuda(), got.handle)
-            want = reference.combine(ys, idxs, num_experts, 1, ranks=[rank])[0]
-            assert torch.equal(out.cpu(), want), f"combine of rank {rank}"
+        rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, 1)
     finally:
         transport.close()
 

@@ -435,20 +435,27 @@ def _ipc_world_roundtrip(rank, world_size):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(44, world_size, [256, 0, 384, 128][:world_size], hidden, num_topk, num_experts)
-    refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
     transport = IntranodeTransport(dist.group.WORLD, rank, hidden, num_topk,
                                    config=Config(num_sms=4, num_slots=16, chunk_tokens=4), timeout_s=30)
     try:
-        for _ in range(2):  # the second round reuses the rings
-            got = transport.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), num_experts)
-            assert_dispatch_equal([got], [refs[rank]])
-            ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-                  for r, ref in enumerate(refs)]
-            out = transport.combine(ys[rank].cuda(), got.handle)
-            want = reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0]
-            assert torch.equal(out.cpu(), want), f"combine of rank {rank}"
+        rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size)
     finally:
         transport.close()
+
+
+def rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, ranks_per_node, rounds=2):
+    """This rank's dispatch and combine through a one-rank-per-process transport, each checked
+    against the oracle, ``rounds`` times (later rounds reuse the rings)."""
+    refs = reference.dispatch(xs, idxs, ws, num_experts, ranks_per_node)
+    hidden = xs[0].shape[1]
+    for _ in range(rounds):
+        got = transport.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), num_experts)
+        assert_dispatch_equal([got], [refs[rank]])
+        ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+              for r, ref in enumerate(refs)]
+        out = transport.combine(ys[rank].cuda(), got.handle)
+        want = reference.combine(ys, idxs, num_experts, ranks_per_node, ranks=[rank])[0]
+        assert torch.equal(out.cpu(), want), f"combine of rank {rank}"
 
 
 def _ipc_entry(rank, world_size):
