@@ -36,7 +36,7 @@ from moe_dispatch.transport.cuda import (
     Loopback,
     describe_timeout,
 )
-from python_tests.worlds import assert_case, run_cases
+from python_tests.worlds import assert_case, run_cases, world_results
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = _ext.extension_status()
@@ -425,6 +425,52 @@ def test_handle_is_a_named_dataclass():
 
 # --- one process per rank, buffers shared through CUDA IPC ---------------------------------------
 
+def _shm_world_roundtrip(rank, world_size):
+    """The CPU path of IntranodeTransport: each process's buffer is a shared-memory segment
+    its peers map by name; the kernels' CPU backend runs this rank's blocks on threads."""
+    import torch.distributed as dist
+
+    hidden, num_topk, num_experts = 256, 4, 4 * world_size
+    xs, idxs, ws = make_world(45, world_size, [96, 0, 64, 40][:world_size], hidden, num_topk, num_experts)
+    transport = IntranodeTransport(dist.group.WORLD, rank, hidden, num_topk, device="cpu",
+                                   config=Config(num_sms=4, num_slots=8, chunk_tokens=2), timeout_s=30)
+    try:
+        rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size)
+        first = transport.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+        cached = transport.dispatch(xs[rank] * 2, None, None, num_experts, handle=first.handle)
+        assert torch.equal(cached.recv_x, first.recv_x * 2) and cached.recv_topk_idx is None
+    finally:
+        transport.close()
+
+
+def _shm_world_withheld_rank(rank, world_size):
+    """A rank that never dispatches: the others' bounded waits end in an error naming it."""
+    import torch.distributed as dist
+
+    withheld = world_size - 1
+    xs, idxs, ws = make_world(46, world_size, 32, 128, 2, 2 * world_size, drop=0.0)
+    transport = IntranodeTransport(dist.group.WORLD, rank, 128, 2, device="cpu",
+                                   config=Config(num_sms=2, num_slots=4, chunk_tokens=2), timeout_s=0.5)
+    try:
+        if rank != withheld:
+            with pytest.raises(IntranodeTimeoutError, match=f"rank {withheld}") as info:
+                transport.dispatch(xs[rank], idxs[rank], ws[rank], 2 * world_size)
+            assert info.value.peer == withheld
+        dist.barrier()
+    finally:
+        transport.close()
+
+
+def _shm_entry(rank, world_size):
+    return run_cases(rank, world_size, {"roundtrip": _shm_world_roundtrip, "withheld rank": _shm_world_withheld_rank})
+
+
+@built
+@pytest.mark.parametrize("case", ["roundtrip", "withheld rank"])
+def test_cpu_shared_memory_world_matches_oracle(case):
+    assert_case(world_results(_shm_entry, 3), case)
+
+
 def _ipc_world_roundtrip(rank, world_size):
     """IntranodeTransport as Buffer would use it: each process allocates its buffer, the IPC
     handles travel over torch.distributed, every rank launches its own kernels. On a machine
@@ -447,13 +493,13 @@ def rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, ranks_per_node, 
     """This rank's dispatch and combine through a one-rank-per-process transport, each checked
     against the oracle, ``rounds`` times (later rounds reuse the rings)."""
     refs = reference.dispatch(xs, idxs, ws, num_experts, ranks_per_node)
-    hidden = xs[0].shape[1]
+    hidden, device = xs[0].shape[1], transport.device
     for _ in range(rounds):
-        got = transport.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), num_experts)
+        got = transport.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device), num_experts)
         assert_dispatch_equal([got], [refs[rank]])
         ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
               for r, ref in enumerate(refs)]
-        out = transport.combine(ys[rank].cuda(), got.handle)
+        out = transport.combine(ys[rank].to(device), got.handle)
         want = reference.combine(ys, idxs, num_experts, ranks_per_node, ranks=[rank])[0]
         assert torch.equal(out.cpu(), want), f"combine of rank {rank}"
 

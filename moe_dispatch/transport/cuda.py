@@ -26,9 +26,10 @@ Two front ends share one launcher (:class:`_Engine`):
 - :class:`Loopback`: W simulated ranks on one device, one launch for all of them: on a GPU
   their "peer" buffers are W allocations of the same GPU; on CPU (``backend="cpu"``) the same
   protocol code runs on threads over host memory. Tests and benchmarks use it.
-- :class:`IntranodeTransport`: one rank per process and GPU; buffers shared through CUDA IPC
-  handles exchanged over torch.distributed (the loopback harness passes its tests on an H200;
-  this multi-process path has not run on a GPU yet).
+- :class:`IntranodeTransport`: one rank per process; buffers shared through CUDA IPC handles
+  exchanged over torch.distributed (one GPU per rank; not yet run on a GPU), or on CPU through
+  shared memory with the CPU backend (tested in gloo worlds: the same wrapper, handle exchange
+  and per-rank launches, with peers in other processes).
 
 How ``Buffer(transport="cuda")`` drives it (one node: W == ranks_per_node <= 16):
 
@@ -54,7 +55,9 @@ How ``Buffer(transport="cuda")`` drives it (one node: W == ranks_per_node <= 16)
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -631,53 +634,61 @@ class Loopback:
 # ---------------------------------------------------------------------------------------------
 
 class IntranodeTransport:
-    """The intranode kernels for one EP group of W <= 16 ranks on one node, one GPU each.
+    """The intranode kernels for one EP group of W <= 16 ranks on one node, one process each.
+
+    On a GPU (``device`` CUDA, the default) each rank's buffer is a ``cudaMalloc`` shared
+    through CUDA IPC handles. On CPU (``device="cpu"``, CPU tensors) it is a POSIX shared-memory
+    segment that every rank maps, and the same role code runs on this process's threads (the
+    kernels' CPU backend), so the multi-process path is tested without a GPU.
 
     Status: the launcher and kernels are the ones the loopback harness runs, which pass their
-    tests on an H200. This multi-process path (the CUDA IPC exchange, cross-GPU visibility) has
-    not run yet; its test shares one GPU among the processes.
+    tests on an H200, and the CPU path runs in ``make test``. The CUDA IPC exchange and
+    cross-GPU visibility have not run yet; their test shares one GPU among the processes.
 
     Args:
-        group: the EP process group (NCCL); W = its size, all ranks on this node.
+        group: the EP process group (NCCL or gloo: it only carries the handles); W = its size,
+            all ranks on this node.
         rank: this rank's index in the group.
         hidden, num_topk, element_bytes: the largest rows this transport moves (sizes slots).
         config: :class:`Config`; every rank must pass the same.
         timeout_s: bound of every wait inside the kernels.
+        device: where buffers, inputs and outputs live: None (the current CUDA device), a
+            CUDA device, or ``"cpu"``.
 
-    Collective: every rank constructs it together (allocation, IPC handle exchange).
+    Raises:
+        ValueError: more than 16 ranks, or a device that is neither CUDA nor CPU.
+
+    Collective: every rank constructs it together (allocation, handle exchange).
     """
 
     def __init__(self, group: dist.ProcessGroup, rank: int, hidden: int, num_topk: int, *,
-                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None):
+                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None,
+                 device: torch.device | str | None = None):
         C = _ext()
         world_size = dist.get_world_size(group)
         if world_size > MAX_RANKS:
             raise ValueError(f"the intranode kernels serve at most {MAX_RANKS} ranks, the group has {world_size}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
         self.group, self.rank, self.world_size = group, rank, world_size
         self.config = config or Config()
-        self.device = torch.device("cuda", torch.cuda.current_device())
         slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
-        # cudaMalloc'ed (a base pointer, as cudaIpcGetMemHandle needs), zeroed before peers map it.
-        self._own = C.cuda_malloc(self.layout.total_bytes)
-        zero = torch.zeros(min(self.layout.total_bytes, self.layout.queue_offset), dtype=torch.uint8,
-                           device=self.device)
-        torch.cuda.synchronize(self.device)
-        _copy_to_raw(self._own, zero)
-        torch.cuda.synchronize(self.device)
+        on_gpu = self.device.type == "cuda"
+        self._own = _CudaIpcBuffer(self.layout, self.device) if on_gpu else _SharedMemoryBuffer(self.layout)
         handles: list = [None] * world_size
-        dist.all_gather_object(handles, C.ipc_get_handle(self._own), group=group)
-        self._opened = {}
-        for r, h in enumerate(handles):
-            if r != rank:
-                self._opened[r] = C.ipc_open_handle(h)
-        buffers = [self._own if r == rank else self._opened[r] for r in range(world_size)]
+        dist.all_gather_object(handles, self._own.handle, group=group)
+        self._opened = {r: self._own.open(h) for r, h in enumerate(handles) if r != rank}
+        buffers = [self._own.address if r == rank else self._opened[r] for r in range(world_size)]
         error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
-        self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
-        error_host_ptr = C.host_device_pointer(self._error_host.data_ptr())
-        self.engine = _Engine(world_size, self.config, slot_bytes, buffers, error, error_host_ptr, "cuda",
-                              default_timeout_s(timeout_s))
-        dist.barrier(group=group)
+        # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
+        self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
+        error_host_ptr = C.host_device_pointer(self._error_host.data_ptr()) if on_gpu else None
+        self.engine = _Engine(world_size, self.config, slot_bytes, buffers, error, error_host_ptr,
+                              "cuda" if on_gpu else "cpu", default_timeout_s(timeout_s))
+        dist.barrier(group=group)  # every peer has mapped every buffer
+        self._own.mapped()
 
     def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
                  num_sms: int | None = None, handle: IntranodeHandle | None = None,
@@ -696,22 +707,92 @@ class IntranodeTransport:
         return _combine(self.engine, self.rank, [y], [handle], [row_scale], None)[0]
 
     def check_errors(self) -> None:
-        """Raises :class:`IntranodeTimeoutError` if a kernel of this rank timed out; reads the
-        pinned mirror of the record, so it does not wait for running kernels."""
-        record = self._error_host.tolist()
-        if record[0]:  # the mirror's flag is set once its fields are written
+        """Raises :class:`IntranodeTimeoutError` if a launch of this rank timed out. On a GPU it
+        reads the pinned mirror of the record, so it does not wait for running kernels."""
+        record = self._error_host.tolist() if self._error_host is not None else self.engine.read_error()
+        if record and record[0]:  # the mirror's flag is set once its fields are written
             self.engine.raise_if_timed_out(record)
 
     def close(self) -> None:
         """Unmaps the peers' buffers and frees this rank's (call on every rank, after the last op)."""
-        C = _ext()
-        torch.cuda.synchronize(self.device)
-        for ptr in self._opened.values():
-            C.ipc_close(ptr)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for address in self._opened.values():
+            self._own.close_peer(address)
         self._opened = {}
-        if self._own:
-            C.cuda_free(self._own)
-            self._own = 0
+        self._own.free()
+
+
+class _CudaIpcBuffer:
+    """A rank's buffer in device memory: ``cudaMalloc``'ed (a base pointer, as
+    ``cudaIpcGetMemHandle`` needs), its control part zeroed before peers map it."""
+
+    def __init__(self, layout, device: torch.device):
+        C = _ext()
+        self.address = C.cuda_malloc(layout.total_bytes)
+        zero = torch.zeros(min(layout.total_bytes, layout.queue_offset), dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        _copy_to_raw(self.address, zero)
+        torch.cuda.synchronize(device)
+        self.handle = C.ipc_get_handle(self.address)
+
+    @staticmethod
+    def open(handle) -> int:
+        return _ext().ipc_open_handle(handle)
+
+    def mapped(self) -> None:
+        pass  # an IPC handle names nothing that outlives the allocation
+
+    @staticmethod
+    def close_peer(address: int) -> None:
+        _ext().ipc_close(address)
+
+    def free(self) -> None:
+        if self.address:
+            _ext().cuda_free(self.address)
+            self.address = 0
+
+
+class _SharedMemoryBuffer:
+    """A rank's buffer in shared memory (a ``/dev/shm`` file, zero-filled when created) that
+    peers map by path. The file is unlinked once every peer has mapped it, so nothing is left
+    behind if a process dies; the mappings live until :meth:`free` / :meth:`close_peer`."""
+
+    def __init__(self, layout):
+        self.handle = f"/dev/shm/moe_dispatch-{os.getpid()}-{uuid.uuid4().hex}"
+        fd = os.open(self.handle, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, layout.total_bytes)
+            self._map = mmap.mmap(fd, layout.total_bytes)
+        finally:
+            os.close(fd)
+        self._peers: dict[int, mmap.mmap] = {}
+        self.address = self._address(self._map)
+
+    @staticmethod
+    def _address(mapping: mmap.mmap) -> int:
+        return torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()  # the view is dropped at once
+
+    def open(self, path: str) -> int:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        address = self._address(mapping)
+        self._peers[address] = mapping
+        return address
+
+    def mapped(self) -> None:
+        os.unlink(self.handle)
+
+    def close_peer(self, address: int) -> None:
+        self._peers.pop(address).close()
+
+    def free(self) -> None:
+        if self.address:
+            self._map.close()
+            self.address = 0
 
 
 def _copy_to_raw(address: int, src: torch.Tensor) -> None:
