@@ -19,6 +19,7 @@ from .layout import get_dispatch_layout
 from .quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
+from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
 from .validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 
@@ -169,15 +170,19 @@ class Buffer:
             ``LOCAL_WORLD_SIZE`` or the GPU count; else W, one node). A CPU world may declare
             any divisor (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
         transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``), ``"torch_dist"``
-            or ``"cuda"`` (the CUDA kernels; not available in this version).
-        num_sms: SM budget of the CUDA kernels (positive int), None = chosen from the shape.
-            The torch_dist transport launches no kernels of its own and ignores it.
+            or ``"cuda"``: the intranode kernels (``moe_dispatch.transport.kernels``), for an
+            EP group on one node; with a gloo group they run on CPU tensors through the
+            kernels' CPU backend (the same protocol code; how the tests check it). Opt-in:
+            its multi-process GPU path has not run on GPUs yet.
+        num_sms: SM budget of the CUDA kernels (an even int, two per channel), None = the
+            default ``Config``. The torch_dist transport launches no kernels and ignores it.
         timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
             others raise ``CommError`` naming the operation and the peers instead of hanging.
 
     Raises:
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
-            num_sms/timeout_s. NotImplementedError: transport="cuda".
+            num_sms/timeout_s, transport="cuda" for a group spanning nodes.
+        RuntimeError: transport="cuda" without the built extension.
 
     Collective: every rank of ``group`` must construct its Buffer together.
     """
@@ -208,14 +213,14 @@ class Buffer:
             transport, self.transport_reason = choose_transport(self.device)
         else:
             self.transport_reason = "requested"
-        if transport == "cuda":
-            raise NotImplementedError("transport='cuda' is not available in this version of moe_dispatch: "
-                                      "the CUDA kernels are not implemented yet; use transport='auto' or 'torch_dist'")
         self.transport_name = transport
         self.num_sms = num_sms
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
-        self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
+        if transport == "cuda":
+            self._transport = KernelTransport(self.group, self.topology, self.timeout_s, num_sms, self.device)
+        else:
+            self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
         self._seq = 0  # operations issued, the same count on every rank (they are collective)
         # One ordered queue for every transfer of this Buffer, so asynchronous calls overlap the
         # caller's compute: a high-priority CUDA stream, or on CPU a thread (the same role).
@@ -378,7 +383,11 @@ class Buffer:
             # payloads in flight on the comm thread.
             ctl["seq"] = self._next_seq()
             self._transport.progress.mark("caller", ctl["seq"], "dispatch (metadata)")
-            plan = drive(self._transport.plan(layout[3], fields))
+            if getattr(self._transport, "plans_on_comm_thread", False):  # the kernels: one queue for every launch
+                plan = self._submit(drive, self._transport.plan(layout[3], fields, on_comm_thread=True)).result()
+                self._join()
+            else:
+                plan = drive(self._transport.plan(layout[3], fields))
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
         ctl.update(slot=slot, fields=fields, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
                    recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from moe_dispatch import Buffer
+from moe_dispatch import Buffer, _ext
 
 from .test_dispatch import expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
@@ -203,8 +203,8 @@ CASES = {"async-matches-sync": _async_matches_sync, "returns-before-late-peer": 
          "worst-tokens-mismatch": _worst_tokens_mismatch}
 
 
-def _entry(rank, world_size, ranks_per_node):
-    buf = Buffer(ranks_per_node=ranks_per_node, timeout_s=60)
+def _entry(rank, world_size, ranks_per_node, transport="auto"):
+    buf = Buffer(ranks_per_node=ranks_per_node, transport=transport, timeout_s=60)
     return run_cases(rank, world_size, CASES, buf)
 
 
@@ -212,3 +212,10 @@ def _entry(rank, world_size, ranks_per_node):
 @pytest.mark.parametrize("world_size,ranks_per_node", [(1, 1), (2, 1), (4, 2)])
 def test_async(world_size, ranks_per_node, case):
     assert_case(world_results(_entry, world_size, ranks_per_node), case)
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")
+@pytest.mark.parametrize("case", list(CASES))
+def test_async_kernel_transport(case):
+    """The same cases through Buffer(transport="cuda"): 3 ranks on one node, CPU backend."""
+    assert_case(world_results(_entry, 3, 3, "cuda"), case)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_dispatch import Buffer, reference
+from moe_dispatch import Buffer, _ext, reference
 
 from .worlds import assert_case, run_cases, world_results
 
@@ -238,8 +238,8 @@ def _backward_empty_rank(rank, world_size, buf):
     assert torch.equal(x.grad, holders.expand_as(x)), "grad of sum(combine(dispatch(x))) must count the holders"
 
 
-def _world_entry(rank, world_size, ranks_per_node):
-    buf = Buffer(ranks_per_node=ranks_per_node, timeout_s=60)
+def _world_entry(rank, world_size, ranks_per_node, transport="auto"):
+    buf = Buffer(ranks_per_node=ranks_per_node, transport=transport, timeout_s=60)
     return run_cases(rank, world_size, _cases(ranks_per_node), buf)
 
 
@@ -250,3 +250,15 @@ CASE_NAMES = list(_cases(1))
 @pytest.mark.parametrize("world_size,ranks_per_node", WORLDS, ids=[f"w{w}-l{l}" for w, l in WORLDS])
 def test_world(world_size, ranks_per_node, case):
     assert_case(world_results(_world_entry, world_size, ranks_per_node), case)
+
+
+KERNEL_WORLDS = [1, 3, 4]
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")
+@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("world_size", KERNEL_WORLDS, ids=[f"w{w}" for w in KERNEL_WORLDS])
+def test_world_kernel_transport(world_size, case):
+    """The same cases through Buffer(transport="cuda") (one node): on CPU tensors the
+    kernels' CPU backend in every process, over shared memory."""
+    assert_case(world_results(_world_entry, world_size, world_size, "cuda"), case)

@@ -69,8 +69,9 @@ def _bad_input_cases(buf: Buffer) -> dict:
                                            lambda: buf.dispatch(x)),
         "bad-transport": lambda: _raises(ValueError, r"transport must be one of .* got 'nvlink'",
                                          lambda: Buffer(transport="nvlink")),
-        "cuda-transport-not-built": lambda: _raises(NotImplementedError, r"transport='cuda' is not available",
-                                                    lambda: Buffer(transport="cuda")),
+        "cuda-transport-across-nodes": lambda: _raises(ValueError, r"transport='cuda' runs the intranode kernels, for "
+                                                                   r"an EP group on one node, but this one spans 2 nodes",
+                                                       lambda: Buffer(ranks_per_node=1, transport="cuda")),
         "group-type": lambda: _raises(TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str",
                                       lambda: Buffer("world")),
         "ranks-per-node-zero": lambda: _raises(ValueError, r"ranks_per_node must be a positive int, got 0",

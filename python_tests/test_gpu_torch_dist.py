@@ -1,4 +1,4 @@
-"""GPU: the torch_dist transport on CUDA tensors (NCCL world of one rank per visible GPU, which
+"""GPU: the torch_dist and kernel transports on CUDA tensors (NCCL world of one rank per visible GPU, which
 on a single-GPU machine is one rank): layout through the Triton kernels, transfers on the
 Buffer's communication stream, events, hooks, comm-stream allocation. Skips without a GPU."""
 
@@ -57,11 +57,19 @@ CASES = {
 }
 
 
-def _entry(rank, world_size):
-    return run_cases(rank, world_size, CASES, Buffer(timeout_s=60))
+def _entry(rank, world_size, transport="auto"):
+    return run_cases(rank, world_size, CASES, Buffer(transport=transport, timeout_s=60))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_torch_dist(case):
     world_size = torch.cuda.device_count()
     assert_case(world_results(_entry, world_size, backend="nccl"), case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_kernel_transport(case):
+    """The same cases through Buffer(transport="cuda"): the intranode kernels on CUDA IPC
+    buffers, launched on the Buffer's communication stream (one rank per visible GPU)."""
+    world_size = torch.cuda.device_count()
+    assert_case(world_results(_entry, world_size, "cuda", backend="nccl"), case)

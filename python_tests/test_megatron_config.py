@@ -184,6 +184,7 @@ def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     (dict(timeout_s=0), r"timeout_s must be a positive, finite number"),
     (dict(timeout_s=float("inf")), r"timeout_s must be a positive, finite number"),
     (dict(num_sms=0), r"num_sms must be a positive int"),
+    (dict(transport="nvlink"), r"transport must be one of \('auto', 'torch_dist', 'cuda'\) \(the Buffer's\), got 'nvlink'"),
     (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
 ])
 def test_bad_knobs(knobs, match):

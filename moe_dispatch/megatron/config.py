@@ -55,6 +55,9 @@ class CustomBackendOptions:
             raise ``moe_dispatch.permute.PermuteOverflowError`` (a host synchronisation; for
             debugging). Default: only accumulate the device flag ``over_budget``.
         timeout_s: bound on every collective of the backend's ``Buffer``.
+        transport: the ``Buffer``'s transport: ``"auto"`` (torch.distributed), ``"torch_dist"``
+            or ``"cuda"`` (the intranode kernels; an EP group on one node, opt-in: see
+            ``moe_dispatch.Buffer``).
 
     Raises:
         ValueError: a knob out of range (the message names it and the fix).
@@ -67,8 +70,13 @@ class CustomBackendOptions:
     fuse_permute: bool | None = None
     raise_on_overflow: bool = False
     timeout_s: float = 300.0
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
+        from ..transport import TRANSPORTS
+
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive int (EP ranks per node) or None to derive it "
                              f"from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}")
@@ -232,7 +240,8 @@ def validate_config(config) -> None:
 def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None = None,
               pad_multiple: int | None = None, num_permuted_tokens: int | None = None,
               expert_rank_capacity_factor: float | None = None, fuse_permute: bool | None = None,
-              raise_on_overflow: bool = False, timeout_s: float = 300.0, **config_fields: Any):
+              raise_on_overflow: bool = False, timeout_s: float = 300.0, transport: str = "auto",
+              **config_fields: Any):
     """Selects the "custom" backend on a Megatron-Core ``TransformerConfig`` and validates it.
 
     Sets ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend="custom"`` and
@@ -244,7 +253,7 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
     Args:
         config: a ``megatron.core.transformer.TransformerConfig`` (changed in place).
         ranks_per_node, pad_multiple, num_permuted_tokens, expert_rank_capacity_factor,
-            fuse_permute, raise_on_overflow, timeout_s: see :class:`CustomBackendOptions`.
+            fuse_permute, raise_on_overflow, timeout_s, transport: see :class:`CustomBackendOptions`.
         num_sms: SM budget of the CUDA kernels; stored in Megatron's
             ``moe_flex_dispatcher_num_sms`` (megatron-core 0.16, which lacks that field: in the
             attribute ``moe_dispatch_num_sms``); None keeps the config's value. See
@@ -286,7 +295,7 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
                                    num_permuted_tokens=num_permuted_tokens,
                                    expert_rank_capacity_factor=expert_rank_capacity_factor,
                                    fuse_permute=fuse_permute, raise_on_overflow=raise_on_overflow,
-                                   timeout_s=timeout_s)
+                                   timeout_s=timeout_s, transport=transport)
     config.moe_token_dispatcher_type = "flex"
     config.moe_flex_dispatcher_backend = BACKEND_NAME
     config.moe_shared_expert_overlap = False

@@ -57,17 +57,18 @@ def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> 
 
 
 def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-               timeout_s: float = 300.0) -> Buffer:
-    """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, SM budget).
+               timeout_s: float = 300.0, transport: str = "auto") -> Buffer:
+    """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, SM
+    budget, timeout, transport).
 
     Collective on first use for a group (every rank of ``group`` must reach it together, which
     Megatron's identical layer order on all EP ranks guarantees).
     """
     rpn = ep_ranks_per_node(group, ranks_per_node)
-    key = (group, rpn, num_sms, float(timeout_s))
+    key = (group, rpn, num_sms, float(timeout_s), transport)
     buf = _BUFFERS.get(key)
     if buf is None:
-        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, timeout_s=timeout_s)
+        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, timeout_s=timeout_s, transport=transport)
         _BUFFERS[key] = buf
     return buf
 
@@ -161,7 +162,8 @@ class CustomDispatchManager(_DispatchManager):
         """The EP group's Buffer (created on first use; collective then)."""
         if self._buffer is None:
             self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
-                                      num_sms=self.num_sms, timeout_s=self.options.timeout_s)
+                                      num_sms=self.num_sms, timeout_s=self.options.timeout_s,
+                                      transport=self.options.transport)
         return self._buffer
 
     def budget(self, num_tokens: int) -> int | None:

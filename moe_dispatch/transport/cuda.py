@@ -408,46 +408,64 @@ def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sm
               handles: list[IntranodeHandle] | None, num_worst_tokens: int | None, skip_rank: int | None,
               skip_phase: str | None) -> list[RankDispatch]:
     """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and dispatch."""
-    world_size, device = engine.world_size, engine.device
-    first = inputs[0]
-    _, num_topk, x_bytes, scale_bytes = _dispatch_shape(inputs, engine.slot_bytes)
-    experts_per_rank = num_experts // world_size
-    rank_begin = first.rank
     skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
+    experts_per_rank = num_experts // engine.world_size
+    _dispatch_shape(inputs, engine.slot_bytes)
     if handles is None:
-        num_channels = _check_num_sms(num_sms, engine.config)
-        budget = -1 if num_worst_tokens is None else int(num_worst_tokens)
-        prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
-        counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
-        overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
-        outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs] if budget >= 0 else None
-        ranks = [{"is_token_in_rank": _ptr(inp.is_token_in_rank), "recv_prefix": p.data_ptr(),
-                  "num_recv_tokens": n.data_ptr(), "overflow": o.data_ptr(),
-                  "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
-                  "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
-                  "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
-                  "num_tokens": inp.x.shape[0], "budget": budget}
-                 for i, (inp, p, n, o) in enumerate(zip(inputs, prefixes, counts, overflows))]
-        engine.notify(engine.common(num_channels, rank_begin, skip("notify")), ranks, num_topk)
-        if budget < 0:  # the host learns R: one sync for all launched ranks
-            totals = torch.cat(counts).tolist()
-            engine.raise_if_timed_out()
-            outs = [_alloc_outputs(inp, total, experts_per_rank, device) for inp, total in zip(inputs, totals)]
-        else:
-            totals = [None] * len(inputs)
-        handles = [IntranodeHandle(num_tokens=inp.x.shape[0], num_channels=num_channels,
-                                   is_token_in_rank=inp.is_token_in_rank, recv_prefix=p, num_recv_tokens=total,
-                                   num_recv_tokens_dev=n, overflow=o, num_rows=budget if budget >= 0 else total,
-                                   topk_dtype=inp.topk_dtype or torch.int64)
-                   for inp, p, n, o, total in zip(inputs, prefixes, counts, overflows, totals)]
+        handles, outs = _notify(engine, inputs, experts_per_rank, num_sms=num_sms, num_worst_tokens=num_worst_tokens,
+                                skip_rank=skip("notify"))
     else:
         if len(handles) != len(inputs):
             raise ValueError(f"pass one handle per rank: {len(inputs)} inputs, {len(handles)} handles")
         for inp, h in zip(inputs, handles):
             if not isinstance(h, IntranodeHandle) or h.num_tokens != inp.x.shape[0]:
                 raise ValueError(f"rank {inp.rank}: the handle is not an IntranodeHandle for {inp.x.shape[0]} tokens")
-        num_channels = handles[0].num_channels
-        outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
+        outs = None
+    if outs is None:
+        outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, engine.device) for inp, h in zip(inputs, handles)]
+    _launch_dispatch(engine, inputs, handles, outs, experts_per_rank, skip_rank=skip("dispatch"))
+    return _rank_results(RankDispatch, inputs, handles, outs)
+
+
+def _notify(engine: _Engine, inputs: list[_Input], experts_per_rank: int, *, num_sms: int,
+            num_worst_tokens: int | None, skip_rank: int | None) -> tuple[list[IntranodeHandle], list[dict] | None]:
+    """The notify launch: per rank a handle (receive prefix, counts). Without a budget the host
+    reads the receive counts (one sync for all launched ranks) and no outputs are allocated;
+    with one, the outputs are allocated first (notify fills their padding rows)."""
+    world_size, device = engine.world_size, engine.device
+    num_topk = inputs[0].topk_idx.shape[1]
+    num_channels = _check_num_sms(num_sms, engine.config)
+    budget = -1 if num_worst_tokens is None else int(num_worst_tokens)
+    prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
+    counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
+    overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
+    outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs] if budget >= 0 else None
+    ranks = [{"is_token_in_rank": _ptr(inp.is_token_in_rank), "recv_prefix": p.data_ptr(),
+              "num_recv_tokens": n.data_ptr(), "overflow": o.data_ptr(),
+              "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
+              "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
+              "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
+              "num_tokens": inp.x.shape[0], "budget": budget}
+             for i, (inp, p, n, o) in enumerate(zip(inputs, prefixes, counts, overflows))]
+    engine.notify(engine.common(num_channels, inputs[0].rank, skip_rank), ranks, num_topk)
+    if budget < 0:
+        totals = torch.cat(counts).tolist()
+        engine.raise_if_timed_out()
+    else:
+        totals = [None] * len(inputs)
+    handles = [IntranodeHandle(num_tokens=inp.x.shape[0], num_channels=num_channels,
+                               is_token_in_rank=inp.is_token_in_rank, recv_prefix=p, num_recv_tokens=total,
+                               num_recv_tokens_dev=n, overflow=o, num_rows=budget if budget >= 0 else total,
+                               topk_dtype=inp.topk_dtype or torch.int64)
+               for inp, p, n, o, total in zip(inputs, prefixes, counts, overflows, totals)]
+    return handles, outs
+
+
+def _launch_dispatch(engine: _Engine, inputs: list[_Input], handles: list[IntranodeHandle], outs: list[dict],
+                     experts_per_rank: int, *, skip_rank: int | None) -> None:
+    """The dispatch launch into ``outs`` (per rank the dict :func:`_alloc_outputs` makes, whose
+    tensors may be views of the caller's: rows ``[handle.num_rows, ...]``)."""
+    _, num_topk, x_bytes, scale_bytes = _dispatch_shape(inputs, engine.slot_bytes)
     ranks = [{"x": _ptr(inp.x), "x_scales": _ptr(inp.scales), "topk_idx": _ptr(inp.topk_idx),
               "topk_weights": _ptr(inp.topk_weights), "is_token_in_rank": _ptr(h.is_token_in_rank),
               "recv_prefix": h.recv_prefix.data_ptr(), "recv_x": _ptr(o["x"]), "recv_scales": _ptr(o["scales"]),
@@ -456,9 +474,8 @@ def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sm
               "recv_src_idx": _ptr(o["src_idx"]), "num_recv_per_expert": o["per_expert"].data_ptr(),
               "overflow": h.overflow.data_ptr(), "num_tokens": inp.x.shape[0], "num_rows": h.num_rows}
              for inp, h, o in zip(inputs, handles, outs)]
-    engine.dispatch(engine.common(num_channels, rank_begin, skip("dispatch")), ranks, x_bytes, scale_bytes,
+    engine.dispatch(engine.common(handles[0].num_channels, inputs[0].rank, skip_rank), ranks, x_bytes, scale_bytes,
                     num_topk, experts_per_rank)
-    return _rank_results(RankDispatch, inputs, handles, outs)
 
 
 def _alloc_outputs(inp: _Input, rows: int, experts_per_rank: int, device: torch.device) -> dict:

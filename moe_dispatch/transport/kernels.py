@@ -1,0 +1,255 @@
+"""``Buffer(transport="cuda")``: the Buffer's transport interface served by the intranode kernels.
+
+The interface is the torch_dist transport's (``plan`` / ``dispatch`` / ``forward`` /
+``combine`` / ``agree`` and ``progress``, each operation a generator of steps that the Buffer
+drives on its communication thread or stream), so everything the Buffer builds on it (autograd,
+``async_finish``, receive hooks, ``num_worst_tokens``, cached dispatch, fp8, delayed weight
+gradients) works unchanged. Underneath is one
+:class:`~moe_dispatch.transport.cuda.IntranodeTransport`: CUDA IPC buffers and the kernels on
+GPUs; on CPU tensors, shared memory and the kernels' CPU backend (the same protocol code on
+threads), which is how the tests run this path without a GPU.
+
+- One node: every rank of the EP group on one node (the internode kernels are not wired yet).
+- Every launch goes through the Buffer's one ordered queue (``plans_on_comm_thread``): the
+  launches share one set of rings, so a fresh dispatch's notify must not run beside another
+  operation's kernels.
+- ``plan`` compares the arguments across ranks (on gloo, as the torch_dist transport does),
+  sizes the buffers for the rows (fp32 rows of the dispatch's hidden size, so gradients and
+  fp32 combines fit; a later, wider dispatch re-sizes them on every rank), runs notify and
+  reads the receive count. ``dispatch`` then runs the dispatch kernel into the Buffer's
+  outputs (top-k ids handed back in global numbering, which the Buffer converts as it does
+  for torch_dist); ``forward`` replays a plan for any row tensors; ``combine`` sums rows in
+  fp32 in ascending rank order, as ``moe_dispatch.reference.combine`` does for one node.
+- Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
+  zero-padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..topology import Topology
+from .cuda import (
+    COMBINE_DTYPES,
+    IntranodeHandle,
+    IntranodeTransport,
+    _combine,
+    _Input,
+    _launch_dispatch,
+    _notify,
+)
+from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport
+
+_VECTOR = 16  # bytes the kernels move per access
+
+
+@dataclasses.dataclass
+class KernelPlan:
+    """A dispatch's routing as the kernels keep it.
+
+    Attributes:
+        handle: the kernels' :class:`~moe_dispatch.transport.cuda.IntranodeHandle` (receive
+            prefix per source and channel).
+        experts_per_rank: E / W.
+    """
+
+    handle: IntranodeHandle
+    experts_per_rank: int
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """R, the rows this rank received."""
+        return self.handle.num_recv_tokens
+
+
+class KernelTransport:
+    """The intranode kernels behind a Buffer (see the module docstring).
+
+    Args:
+        group: the EP process group (NCCL with CUDA tensors, gloo with CPU tensors).
+        topology: this rank's place; must be one node.
+        timeout_s: bound of every wait (kernels and the argument checks).
+        num_sms: SMs per launch (``Config.num_sms``; None: the default).
+        device: the Buffer's device.
+
+    Raises:
+        ValueError: more than one node, or a bad ``num_sms``.
+        RuntimeError: the extension is not built.
+
+    Collective: every rank of ``group`` constructs it together.
+    """
+
+    plans_on_comm_thread = True
+
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_sms: int | None,
+                 device: torch.device):
+        if topology.num_nodes != 1:
+            raise ValueError(f"transport='cuda' runs the intranode kernels, for an EP group on one node, but this one "
+                             f"spans {topology.num_nodes} nodes ({topology.ranks_per_node} ranks per node); use "
+                             "transport='torch_dist' across nodes (the internode kernels are not wired into Buffer "
+                             "yet)")
+        from .. import _ext
+
+        status = _ext.extension_status()
+        if not status.built:
+            raise RuntimeError(f"transport='cuda' needs the built extension moe_dispatch._C: {status.error}")
+        self.config = Config(num_sms=num_sms) if num_sms is not None else Config()
+        self.topology, self.timeout_s, self.device = topology, timeout_s, device
+        # The argument checks and progress records are the torch_dist transport's; its
+        # comm-thread group also carries the kernels' handle exchange.
+        self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
+        self.progress = self._dist.progress
+        self._group = self._dist.groups[ALL_COMM] or group
+        self._kernels: IntranodeTransport | None = None
+        self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
+
+    def agree(self, fields: dict[str, Field], what: str) -> Steps:
+        """Steps comparing ``fields`` across ranks (gloo only; see ``TorchDistTransport.agree``)."""
+        return self._dist.agree(fields, what)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
+             on_comm_thread: bool = True) -> Steps:
+        """Steps that check the arguments across ranks, size the buffers and run notify;
+        returns the :class:`KernelPlan` (a host sync: R is read back)."""
+        yield from self._dist.agree(fields, what)
+        kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
+        num_tokens = is_token_in_rank.shape[0]
+        inp = _Input(self.topology.rank, torch.empty(num_tokens, 0, device=self.device), None,
+                     torch.empty(num_tokens, fields["top-k"], dtype=torch.int64, device=self.device), None,
+                     is_token_in_rank.contiguous(), torch.int64)
+        experts_per_rank = fields["num_experts"] // self.topology.world_size
+        (handle,), _ = _notify(kernels.engine, [inp], experts_per_rank, num_sms=self.config.num_sms,
+                               num_worst_tokens=None, skip_rank=None)
+        return KernelPlan(handle, experts_per_rank)
+
+    def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: KernelPlan,
+                 dst: list[torch.Tensor]) -> Steps:
+        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``dst``
+        (the same list, ``[R, ...]``); top-k ids arrive in global numbering (-1 where the expert
+        is another rank's), weights 0 there."""
+        k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
+        x, scales = tensors[0], (tensors[1] if k == 2 else None)
+        topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
+        rows, num_topk = plan.num_recv_tokens, topk_idx.shape[1]
+        inp = _Input(self.topology.rank, _rows16(x), scales.contiguous() if scales is not None else None,
+                     topk_idx.to(torch.int64).contiguous(),
+                     weights.contiguous() if weights is not None else None, is_token_in_rank.contiguous(),
+                     topk_idx.dtype)
+        recv_x = _landing(dst[0], inp.x.shape[1])
+        out = {"x": recv_x, "scales": dst[1] if scales is not None else None,
+               "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=self.device),
+               "topk_weights": dst[-1] if weights is not None else None,
+               "src_idx": torch.empty(rows, dtype=torch.int32, device=self.device),
+               "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=self.device)}
+        self._launch(inp, plan, out)
+        _land(dst[0], recv_x)
+        first = self.topology.rank * plan.experts_per_rank
+        local = out["topk_idx"]
+        dst[k].copy_(torch.where(local >= 0, local + first, torch.full_like(local, -1)))
+        return
+        yield  # a generator like the other transport's steps; the kernels wait for nothing on the host
+
+    def forward(self, tensors: list[torch.Tensor], plan: KernelPlan, out: list[torch.Tensor], what: str) -> Steps:
+        """Steps replaying ``plan`` for row tensors ``[T, ...]`` into ``out`` ``[R, ...]`` (an fp8
+        pair travels as one row)."""
+        fp8 = len(tensors) == 2 and tensors[0].dtype == torch.float8_e4m3fn
+        groups = [(tensors, out)] if fp8 else [([t], [o]) for t, o in zip(tensors, out)]
+        for (x, *scales), (dst, *dst_scales) in groups:
+            x2d = _rows16(_flat(x))
+            inp = _Input(self.topology.rank, x2d, scales[0].contiguous() if scales else None,
+                         torch.empty(x.shape[0], 0, dtype=torch.int64, device=self.device), None,
+                         plan.handle.is_token_in_rank, None)
+            dst2d = _flat(dst)
+            recv_x = _landing(dst2d, x2d.shape[1])
+            self._launch(inp, plan, {"x": recv_x, "scales": dst_scales[0] if scales else None,
+                                     "topk_idx": torch.empty(plan.num_recv_tokens, 0, dtype=torch.int64,
+                                                             device=self.device),
+                                     "topk_weights": None,
+                                     "src_idx": torch.empty(plan.num_recv_tokens, dtype=torch.int32,
+                                                            device=self.device),
+                                     "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64,
+                                                               device=self.device)})
+            _land(dst2d, recv_x)
+        return
+        yield
+
+    def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: KernelPlan,
+                out: list[torch.Tensor], what: str) -> Steps:
+        """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any)
+        onto their source tokens in ``out`` ``[T, ...]``."""
+        for y, scale, dst in zip(tensors, scales, out):
+            if y.dtype not in COMBINE_DTYPES:
+                raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
+            y2d = _rows16(_flat(y))
+            self._kernels.check_errors()
+            summed = _combine(self._kernels.engine, self.topology.rank, [y2d], [plan.handle],
+                              [scale.contiguous() if scale is not None else None], None)[0]
+            self._kernels.check_errors()
+            dst2d = _flat(dst)
+            dst2d.copy_(summed[:, :dst2d.shape[1]])
+        return
+        yield
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _sized(self, row_elements: int, num_topk: int) -> IntranodeTransport:
+        """The kernels' buffers, (re)made when a dispatch needs wider rows or more top-k
+        (collective: every rank's plan sees the same, checked fields)."""
+        held_rows, held_topk = self._capacity
+        if self._kernels is None or row_elements > held_rows or num_topk > held_topk:
+            if self._kernels is not None:
+                self._kernels.close()
+            self._capacity = (max(row_elements, held_rows), max(num_topk, held_topk))
+            self._kernels = IntranodeTransport(self._group, self.topology.rank, self._capacity[0], self._capacity[1],
+                                               config=self.config, element_bytes=4, timeout_s=self.timeout_s,
+                                               device=self.device)
+        return self._kernels
+
+    def _launch(self, inp: _Input, plan: KernelPlan, out: dict) -> None:
+        self._kernels.check_errors()
+        _launch_dispatch(self._kernels.engine, [inp], [plan.handle], [out], plan.experts_per_rank, skip_rank=None)
+        self._kernels.check_errors()
+
+    def close(self) -> None:
+        """Frees the kernels' buffers (every rank, after its last operation)."""
+        if self._kernels is not None:
+            self._kernels.close()
+            self._kernels = None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t [N, ...]`` as ``[N, prod(...)]`` (a view where ``t`` allows one)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
+def _padded_width(width: int, element_bytes: int) -> int:
+    """``width`` elements rounded up to a multiple of 16 bytes."""
+    per = _VECTOR // element_bytes
+    return -(-width // per) * per
+
+
+def _rows16(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H]`` contiguous, 16-byte aligned, rows zero-padded to a multiple of 16 bytes."""
+    width = _padded_width(x.shape[1], x.element_size())
+    if width == x.shape[1] and x.is_contiguous() and x.data_ptr() % _VECTOR == 0:
+        return x
+    padded = x.new_zeros(x.shape[0], width)
+    padded[:, :x.shape[1]] = x
+    return padded
+
+
+def _landing(dst: torch.Tensor, width: int) -> torch.Tensor:
+    """Where the kernel writes rows of ``width`` for ``dst``: dst itself when it fits as is."""
+    if width == dst.shape[1] and dst.is_contiguous() and (dst.numel() == 0 or dst.data_ptr() % _VECTOR == 0):
+        return dst
+    return dst.new_empty(dst.shape[0], width)
+
+
+def _land(dst: torch.Tensor, landed: torch.Tensor) -> None:
+    if landed is not dst:
+        dst.copy_(landed[:, :dst.shape[1]])
