@@ -31,25 +31,8 @@ Two front ends share one launcher (:class:`_Engine`):
   shared memory with the CPU backend (tested in gloo worlds: the same wrapper, handle exchange
   and per-rank launches, with peers in other processes).
 
-How ``Buffer(transport="cuda")`` drives it (one node: W == ranks_per_node <= 16):
-
-- ``__init__``: keep ``Config(num_sms=num_sms or 16)`` (it must be equal on every rank) and no
-  transport yet; reject ``num_nodes > 1`` (the internode kernels are a separate issue).
-- ``dispatch``: on the first call, or when a call needs bigger slots than the current
-  transport has, (re)create ``IntranodeTransport(group, rank, hidden=H, num_topk=K,
-  element_bytes=max(2, x.element_size()), config=..., timeout_s=self.timeout_s)`` (collective,
-  like the dispatch itself: every rank sees the same H and K). Then
-  ``res = t.dispatch(x, topk_idx, topk_weights, E, num_worst_tokens=...)`` gives ``recv_x``
-  (a tensor, or the fp8 pair), ``recv_topk_idx`` (topk_idx's dtype), ``recv_topk_weights``,
-  ``num_recv_tokens_per_expert`` (int64 [E/W]) and ``res.handle`` (an :class:`IntranodeHandle`,
-  to keep in ``DispatchHandle.plan``; ``num_recv_tokens = handle.num_rows``).
-  Cached: ``t.dispatch(x, None, None, E, handle=plan)`` (topk outputs None).
-- ``combine``: ``t.combine(y, plan, row_scale)`` with ``row_scale`` = None, the ``[R]`` weights,
-  or ``[R, K]`` weights summed over K (fp32 multiply before the sum, as the oracle).
-- autograd: dispatch backward = ``combine(grad_recv_x, plan)``; combine backward = the cached
-  dispatch of ``grad_out`` (times ``row_scale``); both on the caller's stream, no host sync.
-- ``num_worst_tokens`` makes dispatch host-sync-free (CUDA-graph capturable); expose
-  ``plan.check_overflow()`` (or raise after the step) for the overflow flag.
+``Buffer(transport="cuda")`` drives an :class:`IntranodeTransport` through
+:mod:`moe_dispatch.transport.kernels` (one node).
 """
 
 from __future__ import annotations
