@@ -384,7 +384,9 @@ class Buffer:
             ctl["seq"] = self._next_seq()
             self._transport.progress.mark("caller", ctl["seq"], "dispatch (metadata)")
             if getattr(self._transport, "plans_on_comm_thread", False):  # the kernels: one queue for every launch
-                plan = self._submit(drive, self._transport.plan(layout[3], fields, on_comm_thread=True)).result()
+                steps = self._marked(self._transport.plan(layout[3], fields, on_comm_thread=True), ctl["seq"],
+                                     "dispatch (metadata)")
+                plan = self._submit(drive, steps).result()
                 self._join()
             else:
                 plan = drive(self._transport.plan(layout[3], fields))

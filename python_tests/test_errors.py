@@ -147,9 +147,9 @@ def test_bad_input(case):
 TIMEOUT_S = 3.0
 
 
-def _withheld_rank_entry(rank, world_size, ranks_per_node, absent):
+def _withheld_rank_entry(rank, world_size, ranks_per_node, absent, transport="auto"):
     """Rank ``absent`` never joins the dispatch; every other rank must raise CommError in time."""
-    buf = Buffer(ranks_per_node=ranks_per_node, timeout_s=TIMEOUT_S)
+    buf = Buffer(ranks_per_node=ranks_per_node, transport=transport, timeout_s=TIMEOUT_S)
     x, idx, w = _inputs()
     idx = torch.where(idx >= 0, idx % (4 * world_size), idx)
     if rank == absent:
@@ -163,10 +163,10 @@ def _withheld_rank_entry(rank, world_size, ranks_per_node, absent):
     return time.monotonic() - start, "no error"
 
 
-@pytest.mark.parametrize("world_size,ranks_per_node", [(2, 1), (4, 2)])
-def test_withheld_rank_times_out(world_size, ranks_per_node):
+@pytest.mark.parametrize("world_size,ranks_per_node,transport", [(2, 1, "auto"), (4, 2, "auto"), (3, 3, "cuda")])
+def test_withheld_rank_times_out(world_size, ranks_per_node, transport):
     absent = world_size - 1
-    results = world_results(_withheld_rank_entry, world_size, ranks_per_node, absent)
+    results = world_results(_withheld_rank_entry, world_size, ranks_per_node, absent, transport)
     for rank, res in enumerate(results):
         if rank == absent:
             continue
