@@ -340,6 +340,33 @@ def _nvshmem_world_roundtrip(rank, world_size):
         transport.close()
 
 
+def _shm_world_roundtrip(rank, world_size, ranks_per_node):
+    """The CPU path of InternodeTransport: stage-1 buffers in shared memory mapped by every
+    rank, copies for the puts, stage 2 on the intranode CPU path; each process its own rank."""
+    import torch.distributed as dist
+
+    from moe_dispatch.transport.nvshmem import InternodeTransport
+
+    hidden, num_topk, num_experts = 256, 4, 4 * world_size
+    xs, idxs, ws = make_world(47, world_size, [48, 0, 64, 40, 24, 56][:world_size], hidden, num_topk, num_experts)
+    transport = InternodeTransport(dist.group.WORLD, rank, ranks_per_node, hidden, num_topk, device="cpu",
+                                   config=Config(num_sms=4, num_slots=8, chunk_tokens=2), timeout_s=30)
+    try:
+        rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, ranks_per_node)
+    finally:
+        transport.close()
+
+
+def _shm_entry(rank, world_size, ranks_per_node):
+    return run_cases(rank, world_size, {"roundtrip": lambda r, w: _shm_world_roundtrip(r, w, ranks_per_node)})
+
+
+@built
+@pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (3, 1), (6, 3)])
+def test_cpu_shared_memory_world_matches_oracle(world_size, ranks_per_node):
+    assert_case(world_results(_shm_entry, world_size, ranks_per_node), "roundtrip")
+
+
 def _nvshmem_entry(rank, world_size):
     return run_cases(rank, world_size, {"roundtrip": _nvshmem_world_roundtrip})
 

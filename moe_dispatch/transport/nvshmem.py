@@ -13,7 +13,8 @@
 
 Status: on one H200 the NVSHMEM path ran with one PE (unique-id bootstrap, symmetric heap,
 the NVSHMEM-mode kernels, teardown) and equals the oracle; several PEs (GPUs or nodes) have not
-run yet, and ``Buffer`` does not use it yet.
+run yet. The CPU path (shared memory, one process per rank) runs in ``make test``. ``Buffer``
+does not use this transport yet.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ERROR_RECORD_INTS, Config, max_slot_bytes
-from .cuda import IntranodeTransport, _ext, _prepare, default_timeout_s
+from .cuda import IntranodeTransport, _ext, _prepare, _SharedMemoryBuffer, default_timeout_s
 from .internode import (
     InternodeDispatch,
     InternodeHandle,
@@ -101,22 +102,31 @@ class NvshmemWorld:
 
 
 class InternodeTransport:
-    """The internode kernels for an EP group of W = N x L ranks, one GPU each, PE = group rank.
+    """The internode kernels for an EP group of W = N x L ranks, one process each, PE = group rank.
+
+    On GPUs (one each) stage 1 puts over NVSHMEM and stage 2 runs on CUDA IPC buffers. On CPU
+    (``device="cpu"``) every rank's stage-1 buffer is shared memory that every rank maps, the
+    puts are copies (the kernels' CPU backend in loopback mode) and stage 2 is the CPU path of
+    :class:`~moe_dispatch.transport.cuda.IntranodeTransport`: the multi-process wrapper is
+    tested without GPUs.
 
     Args:
-        group: the EP process group (NCCL); ranks ``[n L, (n+1) L)`` form node n.
+        group: the EP process group (NCCL on GPUs, gloo on CPU); ranks ``[n L, (n+1) L)`` form
+            node n.
         rank: this rank's index in the group.
         ranks_per_node: L (<= 16, the NVLink domain of stage 2).
         hidden, num_topk, element_bytes: the largest rows moved (sizes slots).
         config: :class:`Config` (``num_slots % chunk_tokens == 0``); every rank passes the same.
         timeout_s: bound of every wait inside the kernels.
+        device: None (the current CUDA device), a CUDA device, or ``"cpu"``.
 
-    Collective: every rank constructs it together (NVSHMEM init, symmetric allocation, the
-    node groups, CUDA IPC handles). :meth:`close` tears it down, also collectively.
+    Collective: every rank constructs it together (NVSHMEM init or shared memory, the node
+    groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
     """
 
     def __init__(self, group: dist.ProcessGroup, rank: int, ranks_per_node: int, hidden: int, num_topk: int, *,
-                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None):
+                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None,
+                 device: torch.device | str | None = None):
         world_size = dist.get_world_size(group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
@@ -125,7 +135,8 @@ class InternodeTransport:
         C = _ext()
         self.group, self.rank, self.world_size = group, rank, world_size
         self.num_nodes, self.ranks_per_node = world_size // ranks_per_node, ranks_per_node
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        on_gpu = self.device.type == "cuda"
         timeout = default_timeout_s(timeout_s)
         slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         layout = rdma_layout(self.num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
@@ -134,15 +145,28 @@ class InternodeTransport:
         node_groups = [dist.new_group([group_rank(group, n * ranks_per_node + i) for i in range(ranks_per_node)])
                        for n in range(self.num_nodes)]
         self.intranode = IntranodeTransport(node_groups[node], rank % ranks_per_node, hidden, num_topk,
-                                            config=self.config, element_bytes=element_bytes, timeout_s=timeout)
-        self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
-        symmetric = self.nvshmem.malloc(layout.total_bytes)
+                                            config=self.config, element_bytes=element_bytes, timeout_s=timeout,
+                                            device=self.device)
         error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
-        self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
-        rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, [], symmetric, error,
-                           C.host_device_pointer(self._error_host.data_ptr()), "cuda", "nvshmem", timeout)
+        self.nvshmem, self._rdma_own, self._rdma_peers, self._error_host = None, None, {}, None
+        if on_gpu:
+            self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
+            symmetric = self.nvshmem.malloc(layout.total_bytes)
+            self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
+            rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, [], symmetric, error,
+                               C.host_device_pointer(self._error_host.data_ptr()), "cuda", "nvshmem", timeout)
+        else:
+            self._rdma_own = _SharedMemoryBuffer(layout)
+            names: list = [None] * world_size
+            dist.all_gather_object(names, self._rdma_own.handle, group=group)
+            self._rdma_peers = {r: self._rdma_own.open(n) for r, n in enumerate(names) if r != rank}
+            buffers = [self._rdma_own.address if r == rank else self._rdma_peers[r] for r in range(world_size)]
+            rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, buffers, None, error, None,
+                               "cpu", "loopback", timeout)
         self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
-        dist.barrier(group=group)
+        dist.barrier(group=group)  # every rank has mapped every buffer
+        if self._rdma_own is not None:
+            self._rdma_own.mapped()
 
     def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
                  num_sms: int | None = None, handle: InternodeHandle | None = None) -> InternodeDispatch:
@@ -163,14 +187,20 @@ class InternodeTransport:
     def check_errors(self) -> None:
         """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out (reads the
         pinned mirrors: does not wait for running kernels)."""
-        record = self._error_host.tolist()
-        if record[0]:
+        record = self._error_host.tolist() if self._error_host is not None else self.transport.rdma.read_error()
+        if record and record[0]:
             raise InternodeTimeoutError(*describe_timeout(record, self.transport.rdma.timeout_s, self.ranks_per_node))
         self.intranode.check_errors()
 
     def close(self) -> None:
         """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
-        self.nvshmem.close()
+        if self.nvshmem is not None:
+            self.nvshmem.close()
+        else:
+            for address in self._rdma_peers.values():
+                self._rdma_own.close_peer(address)
+            self._rdma_peers = {}
+            self._rdma_own.free()
         self.intranode.close()
 
 
