@@ -226,6 +226,22 @@ class Buffer:
         # caller's compute: a high-priority CUDA stream, or on CPU a thread (the same role).
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{self.rank}")
         self._comm_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None)
+        self._closed = False
+
+    def close(self) -> None:
+        """Waits for this Buffer's queued operations, then frees what its transport holds (the
+        kernels' communication buffers with ``transport="cuda"``; nothing with torch_dist).
+        Collective: every rank of the group, after its last operation. Later calls raise
+        RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._comm.shutdown(wait=True)
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()
+        close = getattr(self._transport, "close", None)
+        if close is not None:
+            close()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -341,6 +357,7 @@ class Buffer:
             RuntimeError: more rows arrived than ``num_worst_tokens`` (naming both counts).
             CommError: a peer failed or did not join within ``timeout_s``.
         """
+        self._check_open()
         if not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
             raise ValueError(f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got "
                              f"{num_worst_tokens!r}")
@@ -432,6 +449,7 @@ class Buffer:
             ValueError/TypeError: shapes, dtypes, devices; a foreign or unfinished handle.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
+        self._check_open()
         ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         self._check_handle(handle)
         if isinstance(y, tuple):
@@ -454,6 +472,10 @@ class Buffer:
         return (out, *self._completion(ctl))
 
     # -- helpers ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"EP rank {self.rank}: this Buffer was closed; make a new one")
+
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
@@ -524,6 +546,7 @@ class Buffer:
     def _submit(self, fn, *args) -> Future:
         """CPU: queues ``fn`` on the communication thread. CUDA: runs it now with the
         communication stream current, after the work already queued on the caller's stream."""
+        self._check_open()
         if self.device.type != "cuda":
             return self._comm.submit(fn, *args)
         future: Future = Future()

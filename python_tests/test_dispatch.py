@@ -101,6 +101,7 @@ def _cases(ranks_per_node: int) -> dict:
     cases["no-topk-weights"] = _no_weights
     cases["fp8-tuple"] = _fp8
     cases["backward-with-empty-rank"] = _backward_empty_rank
+    cases["close"] = _close  # last: the Buffer is done afterwards
     return cases
 
 
@@ -238,6 +239,16 @@ def _backward_empty_rank(rank, world_size, buf):
     assert torch.equal(x.grad, holders.expand_as(x)), "grad of sum(combine(dispatch(x))) must count the holders"
 
 
+def _close(rank, world_size, buf):
+    """close() frees the transport (collectively); a later call says the Buffer was closed."""
+    buf.close()
+    buf.close()  # idempotent
+    x = torch.zeros(4, 16)
+    idx = torch.zeros(4, 1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=f"EP rank {rank}: this Buffer was closed"):
+        buf.dispatch(x, idx, None, world_size)
+
+
 def _world_entry(rank, world_size, ranks_per_node, transport="auto"):
     buf = Buffer(ranks_per_node=ranks_per_node, transport=transport, timeout_s=60)
     return run_cases(rank, world_size, _cases(ranks_per_node), buf)
@@ -253,6 +264,52 @@ def test_world(world_size, ranks_per_node, case):
 
 
 KERNEL_WORLDS = [1, 3, 4]
+
+
+def _wider_rows_later(rank, world_size, buf):
+    """A combine (fp16) and a cached dispatch wider than the dispatch that made the plan: the
+    kernels' buffers grow on every rank, and the old handle still works."""
+    num_tokens = [6 + r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=30)
+    xs = make_x(num_tokens, 8, torch.bfloat16, seed=30)
+    *_, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
+    ys = [torch.randn(r.recv_x.shape[0], 64, generator=torch.Generator().manual_seed(i)).half()
+          for i, r in enumerate(refs)]
+    out, _ = buf.combine(ys[rank], handle)
+    assert torch.equal(out, reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0])
+    wide = make_x(num_tokens, 96, torch.float32, seed=31)
+    recv = buf.dispatch(wide[rank], handle=handle)[0]
+    assert torch.equal(recv, reference.dispatch(wide, idxs, None, num_experts, world_size)[rank].recv_x)
+
+
+def _mismatch_named_without_gloo_check(rank, world_size, buf):
+    """On NCCL the torch_dist check is skipped; the kernels' plan compares the arguments with
+    one all_gather on any backend (here forced onto that path on gloo)."""
+    dist_transport = buf._transport._dist
+    dist_transport._gloo = False
+    try:
+        num_tokens = [5] * world_size
+        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32)
+        x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
+        other = 1 - rank
+        with pytest.raises(ValueError, match=f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"):
+            buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+    finally:
+        dist_transport._gloo = True
+
+
+KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check}
+
+
+def _kernel_entry(rank, world_size):
+    return run_cases(rank, world_size, KERNEL_CASES, Buffer(transport="cuda", timeout_s=60))
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_transport_only(case):
+    assert_case(world_results(_kernel_entry, 2), case)
 
 
 @pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")

@@ -677,17 +677,22 @@ class IntranodeTransport:
         self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
         on_gpu = self.device.type == "cuda"
         self._own = _CudaIpcBuffer(self.layout, self.device) if on_gpu else _SharedMemoryBuffer(self.layout)
-        handles: list = [None] * world_size
-        dist.all_gather_object(handles, self._own.handle, group=group)
-        self._opened = {r: self._own.open(h) for r, h in enumerate(handles) if r != rank}
-        buffers = [self._own.address if r == rank else self._opened[r] for r in range(world_size)]
-        error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
-        # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
-        self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
-        error_host_ptr = C.host_device_pointer(self._error_host.data_ptr()) if on_gpu else None
-        self.engine = _Engine(world_size, self.config, slot_bytes, buffers, error, error_host_ptr,
-                              "cuda" if on_gpu else "cpu", default_timeout_s(timeout_s))
-        dist.barrier(group=group)  # every peer has mapped every buffer
+        self._opened: dict[int, int] = {}
+        try:
+            handles: list = [None] * world_size
+            dist.all_gather_object(handles, self._own.handle, group=group)
+            self._opened = {r: self._own.open(h) for r, h in enumerate(handles) if r != rank}
+            buffers = [self._own.address if r == rank else self._opened[r] for r in range(world_size)]
+            error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
+            # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
+            self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
+            error_host_ptr = C.host_device_pointer(self._error_host.data_ptr()) if on_gpu else None
+            self.engine = _Engine(world_size, self.config, slot_bytes, buffers, error, error_host_ptr,
+                                  "cuda" if on_gpu else "cpu", default_timeout_s(timeout_s))
+            dist.barrier(group=group)  # every peer has mapped every buffer
+        except BaseException:
+            self.close()  # a peer that failed or never came: leave no mapping or shared-memory file behind
+            raise
         self._own.mapped()
 
     def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
@@ -784,12 +789,15 @@ class _SharedMemoryBuffer:
         return address
 
     def mapped(self) -> None:
-        os.unlink(self.handle)
+        if self.handle is not None:
+            os.unlink(self.handle)
+            self.handle = None
 
     def close_peer(self, address: int) -> None:
         self._peers.pop(address).close()
 
     def free(self) -> None:
+        self.mapped()  # unlinked already, unless the peers never mapped it
         if self.address:
             self._map.close()
             self.address = 0

@@ -21,7 +21,13 @@ threads), which is how the tests run this path without a GPU.
   for torch_dist); ``forward`` replays a plan for any row tensors; ``combine`` sums rows in
   fp32 in ascending rank order, as ``moe_dispatch.reference.combine`` does for one node.
 - Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
-  zero-padded.
+  zero-padded; fp16 combines on CPU run as fp32 rows (the same fp32 sum, rounded once).
+- The buffers grow, on every rank, when an operation needs wider rows than they hold (the
+  Buffer's argument checks keep the ranks in step on gloo; on NCCL every rank must pass the
+  same shapes, as for any collective). ``Buffer.close()`` frees them.
+- Host synchronisation: a fresh dispatch reads its receive count (also with
+  ``num_worst_tokens``, unlike the kernels' own budget mode); combine and cached dispatch do
+  not. On a GPU, a kernel that timed out is reported by the next call on this Buffer.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from .cuda import (
     _launch_dispatch,
     _notify,
 )
-from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport
+from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport, _field_codes
 
 _VECTOR = 16  # bytes the kernels move per access
 
@@ -117,7 +123,10 @@ class KernelTransport:
              on_comm_thread: bool = True) -> Steps:
         """Steps that check the arguments across ranks, size the buffers and run notify;
         returns the :class:`KernelPlan` (a host sync: R is read back)."""
-        yield from self._dist.agree(fields, what)
+        if self._dist._gloo:
+            yield from self._dist.agree(fields, what)
+        else:  # NCCL: the torch_dist check would cost a host sync per call; this plan syncs anyway
+            self._check_fields(fields, what)
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens = is_token_in_rank.shape[0]
         inp = _Input(self.topology.rank, torch.empty(num_tokens, 0, device=self.device), None,
@@ -186,11 +195,14 @@ class KernelTransport:
         for y, scale, dst in zip(tensors, scales, out):
             if y.dtype not in COMBINE_DTYPES:
                 raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
+            if y.dtype == torch.float16 and self.device.type == "cpu":
+                y = y.float()  # the CPU backend sums fp16 as fp32 rows: the same fp32 sum, rounded once below
             y2d = _rows16(_flat(y))
-            self._kernels.check_errors()
-            summed = _combine(self._kernels.engine, self.topology.rank, [y2d], [plan.handle],
+            kernels = self._sized(_row_elements(y2d), 0)
+            kernels.check_errors()
+            summed = _combine(kernels.engine, self.topology.rank, [y2d], [plan.handle],
                               [scale.contiguous() if scale is not None else None], None)[0]
-            self._kernels.check_errors()
+            kernels.check_errors()
             dst2d = _flat(dst)
             dst2d.copy_(summed[:, :dst2d.shape[1]])
         return
@@ -202,22 +214,37 @@ class KernelTransport:
         (collective: every rank's plan sees the same, checked fields)."""
         held_rows, held_topk = self._capacity
         if self._kernels is None or row_elements > held_rows or num_topk > held_topk:
-            if self._kernels is not None:
-                self._kernels.close()
-            self._capacity = (max(row_elements, held_rows), max(num_topk, held_topk))
-            self._kernels = IntranodeTransport(self._group, self.topology.rank, self._capacity[0], self._capacity[1],
-                                               config=self.config, element_bytes=4, timeout_s=self.timeout_s,
-                                               device=self.device)
+            capacity = (max(row_elements, held_rows), max(num_topk, held_topk))
+            # Made before the old one is freed: if a peer fails here, the old buffers stay valid.
+            # Its collective setup also means every rank's earlier launches have finished.
+            kernels = IntranodeTransport(self._group, self.topology.rank, *capacity, config=self.config,
+                                         element_bytes=4, timeout_s=self.timeout_s, device=self.device)
+            old, self._kernels, self._capacity = self._kernels, kernels, capacity
+            if old is not None:
+                old.close()
         return self._kernels
 
     def _launch(self, inp: _Input, plan: KernelPlan, out: dict) -> None:
-        self._kernels.check_errors()
-        _launch_dispatch(self._kernels.engine, [inp], [plan.handle], [out], plan.experts_per_rank, skip_rank=None)
-        self._kernels.check_errors()
+        # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
+        # checked by the Buffer's agree on gloo).
+        row_bytes = inp.x.shape[1] * inp.x.element_size() + (inp.scales.shape[1] * 4 if inp.scales is not None else 0)
+        kernels = self._sized(_padded_width(-(-row_bytes // 4), 4), inp.topk_idx.shape[1])
+        kernels.check_errors()
+        _launch_dispatch(kernels.engine, [inp], [plan.handle], [out], plan.experts_per_rank, skip_rank=None)
+        kernels.check_errors()
+
+    def _check_fields(self, fields: dict[str, Field], what: str) -> None:
+        """The dispatch arguments compared across ranks with one all_gather (any backend)."""
+        codes = _field_codes(fields, device=self.device)
+        gathered = [torch.empty_like(codes) for _ in range(self.topology.world_size)]
+        dist.all_gather(gathered, codes, group=self._group)
+        self._dist._check_fields(fields, torch.stack(gathered).cpu(), what)
 
     def close(self) -> None:
-        """Frees the kernels' buffers (every rank, after its last operation)."""
+        """Frees the kernels' buffers (collective: every rank, after its last operation; the
+        barrier first keeps a peer's last kernel from writing into freed memory)."""
         if self._kernels is not None:
+            dist.barrier(group=self._group)
             self._kernels.close()
             self._kernels = None
 
@@ -225,6 +252,11 @@ class KernelTransport:
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t [N, ...]`` as ``[N, prod(...)]`` (a view where ``t`` allows one)."""
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
+def _row_elements(rows: torch.Tensor) -> int:
+    """Row width of ``rows [R, W]`` counted in 4-byte elements (what the buffers are sized in)."""
+    return -(-rows.shape[1] * rows.element_size() // 4)
 
 
 def _padded_width(width: int, element_bytes: int) -> int:
