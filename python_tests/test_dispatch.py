@@ -7,6 +7,8 @@ reductions are compared bit for bit: no tolerances.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -299,7 +301,25 @@ def _mismatch_named_without_gloo_check(rank, world_size, buf):
         dist_transport._gloo = True
 
 
-KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check}
+def _mixed_operations(rank, world_size, buf):
+    """Rank 0 combines while rank 1 starts a fresh dispatch: both checks run on one group, so
+    both ranks raise a ValueError naming the other's operation (not a gloo abort)."""
+    num_tokens = [5] * world_size
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=33)
+    x = make_x(num_tokens, 16, torch.float32, seed=33)[rank]
+    recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+    theirs = "dispatch (metadata)" if rank == 0 else "combine"
+    with pytest.raises(ValueError, match=rf"operation is .* here but {re.escape(theirs)} on EP rank {1 - rank}"):
+        if rank == 0:
+            buf.combine(recv_x, handle)
+        else:
+            buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+    out, _ = buf.combine(recv_x, handle)  # still in step afterwards
+    assert out.shape == x.shape
+
+
+KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
+                "mixed-operations": _mixed_operations}
 
 
 def _kernel_entry(rank, world_size):

@@ -69,6 +69,9 @@ def _bad_input_cases(buf: Buffer) -> dict:
                                            lambda: buf.dispatch(x)),
         "bad-transport": lambda: _raises(ValueError, r"transport must be one of .* got 'nvlink'",
                                          lambda: Buffer(transport="nvlink")),
+        "cuda-transport-odd-num-sms": lambda: _raises(ValueError, r"num_sms=3 with transport='cuda': Config.num_sms must "
+                                                                  r"be even",
+                                                      lambda: Buffer(transport="cuda", num_sms=3)),
         "cuda-transport-across-nodes": lambda: _raises(ValueError, r"transport='cuda' runs the intranode kernels, for "
                                                                    r"an EP group on one node, but this one spans 2 nodes",
                                                        lambda: Buffer(ranks_per_node=1, transport="cuda")),

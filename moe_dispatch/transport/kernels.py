@@ -38,7 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import MAX_RANKS, Config
 from ..topology import Topology
 from .cuda import (
     COMBINE_DTYPES,
@@ -49,7 +49,7 @@ from .cuda import (
     _launch_dispatch,
     _notify,
 )
-from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport, _field_codes
+from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport, _agree_codes
 
 _VECTOR = 16  # bytes the kernels move per access
 
@@ -104,7 +104,13 @@ class KernelTransport:
         status = _ext.extension_status()
         if not status.built:
             raise RuntimeError(f"transport='cuda' needs the built extension moe_dispatch._C: {status.error}")
-        self.config = Config(num_sms=num_sms) if num_sms is not None else Config()
+        if topology.world_size > MAX_RANKS:
+            raise ValueError(f"transport='cuda' serves EP groups of at most {MAX_RANKS} ranks on one node (an NVLink "
+                             f"domain), this one has {topology.world_size}; use transport='torch_dist'")
+        try:
+            self.config = Config(num_sms=num_sms) if num_sms is not None else Config()
+        except ValueError as err:
+            raise ValueError(f"num_sms={num_sms!r} with transport='cuda': {err}") from err
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
         # The argument checks and progress records are the torch_dist transport's; its
         # comm-thread group also carries the kernels' handle exchange.
@@ -123,6 +129,7 @@ class KernelTransport:
              on_comm_thread: bool = True) -> Steps:
         """Steps that check the arguments across ranks, size the buffers and run notify;
         returns the :class:`KernelPlan` (a host sync: R is read back)."""
+        fields = {"operation": "dispatch (metadata)", **fields}  # first: told apart from a combine's check
         if self._dist._gloo:
             yield from self._dist.agree(fields, what)
         else:  # NCCL: the torch_dist check would cost a host sync per call; this plan syncs anyway
@@ -235,7 +242,7 @@ class KernelTransport:
 
     def _check_fields(self, fields: dict[str, Field], what: str) -> None:
         """The dispatch arguments compared across ranks with one all_gather (any backend)."""
-        codes = _field_codes(fields, device=self.device)
+        codes = _agree_codes(fields, device=self.device)
         gathered = [torch.empty_like(codes) for _ in range(self.topology.world_size)]
         dist.all_gather(gathered, codes, group=self._group)
         self._dist._check_fields(fields, torch.stack(gathered).cpu(), what)

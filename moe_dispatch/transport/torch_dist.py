@@ -215,7 +215,9 @@ INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
 Field = int | bool | str | torch.dtype
 _FIELD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64,
                  torch.float64, torch.float8_e5m2, torch.int8, torch.uint8, torch.bool)
-_FIELD_WORDS = ("dispatch", "combine")
+_FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
+AGREE_FIELDS = 8  # every argument check on the comm thread's group moves this many codes, so ranks that
+# run different operations there compare their first field (the operation) instead of aborting in gloo
 
 
 def _encode(value: Field) -> int:
@@ -229,6 +231,15 @@ def _encode(value: Field) -> int:
 def _field_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
     """``[len(fields)]`` int64: the fields as they travel."""
     return torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64, device=device)
+
+
+def _agree_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
+    """``[AGREE_FIELDS]`` int64: the fields' codes, then -1."""
+    if len(fields) > AGREE_FIELDS:
+        raise ValueError(f"an argument check compares at most {AGREE_FIELDS} fields, got {len(fields)}")
+    codes = torch.full((AGREE_FIELDS,), -1, dtype=torch.int64, device=device)
+    codes[:len(fields)] = _field_codes(fields, device)
+    return codes
 
 
 def _decode(like: Field, code: int) -> Field:
@@ -341,7 +352,7 @@ class TorchDistTransport:
         group = self.groups[ALL_COMM]
         if group is None or not self._gloo:
             return
-        mine = _field_codes(fields)
+        mine = _agree_codes(fields)
         gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
 
         def describe(err):
