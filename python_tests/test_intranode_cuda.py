@@ -471,6 +471,33 @@ def test_cpu_shared_memory_world_matches_oracle(case):
     assert_case(world_results(_shm_entry, 3), case)
 
 
+def _failed_setup(rank, world_size):
+    """Rank 1 cannot map its peer's buffer: every rank raises, and removes what it made."""
+    import torch.distributed as dist
+
+    from moe_dispatch.transport import cuda as cuda_transport
+
+    if rank == 1:
+        def refuse(self, path):
+            raise OSError(f"mapping {path} refused (test)")
+        cuda_transport._SharedMemoryBuffer.open = refuse
+    try:
+        IntranodeTransport(dist.group.WORLD, rank, 64, 2, device="cpu", timeout_s=5,
+                           config=Config(num_sms=2, num_slots=4, chunk_tokens=2))
+    except Exception as err:  # noqa: BLE001 - the test reports which error each rank saw
+        return type(err).__name__
+    return "no error"
+
+
+@built
+def test_cpu_failed_setup_leaves_no_shared_memory():
+    before = set(os.listdir("/dev/shm"))
+    errors = spawn_world(2, _failed_setup, timeout_s=60)
+    assert errors[1] == "OSError" and errors[0] != "no error", errors
+    left = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("moe_dispatch-")}
+    assert not left, f"shared-memory files left behind: {left}"
+
+
 def _ipc_world_roundtrip(rank, world_size):
     """IntranodeTransport as Buffer would use it: each process allocates its buffer, the IPC
     handles travel over torch.distributed, every rank launches its own kernels. On a machine

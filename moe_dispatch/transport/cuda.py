@@ -681,7 +681,9 @@ class IntranodeTransport:
         try:
             handles: list = [None] * world_size
             dist.all_gather_object(handles, self._own.handle, group=group)
-            self._opened = {r: self._own.open(h) for r, h in enumerate(handles) if r != rank}
+            for r, h in enumerate(handles):
+                if r != rank:
+                    self._opened[r] = self._own.open(h)  # one by one: close() unmaps those opened so far
             buffers = [self._own.address if r == rank else self._opened[r] for r in range(world_size)]
             error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
             # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
@@ -769,6 +771,9 @@ class _SharedMemoryBuffer:
         try:
             os.ftruncate(fd, layout.total_bytes)
             self._map = mmap.mmap(fd, layout.total_bytes)
+        except BaseException:
+            os.unlink(self.handle)
+            raise
         finally:
             os.close(fd)
         self._peers: dict[int, mmap.mmap] = {}

@@ -134,6 +134,7 @@ class KernelTransport:
             yield from self._dist.agree(fields, what)
         else:  # NCCL: the torch_dist check would cost a host sync per call; this plan syncs anyway
             self._check_fields(fields, what)
+        self._check_errors()
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens = is_token_in_rank.shape[0]
         inp = _Input(self.topology.rank, torch.empty(num_tokens, 0, device=self.device), None,
@@ -205,8 +206,8 @@ class KernelTransport:
             if y.dtype == torch.float16 and self.device.type == "cpu":
                 y = y.float()  # the CPU backend sums fp16 as fp32 rows: the same fp32 sum, rounded once below
             y2d = _rows16(_flat(y))
+            self._check_errors()  # before a resize could drop the record with the old buffers
             kernels = self._sized(_row_elements(y2d), 0)
-            kernels.check_errors()
             summed = _combine(kernels.engine, self.topology.rank, [y2d], [plan.handle],
                               [scale.contiguous() if scale is not None else None], None)[0]
             kernels.check_errors()
@@ -235,10 +236,15 @@ class KernelTransport:
         # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
         # checked by the Buffer's agree on gloo).
         row_bytes = inp.x.shape[1] * inp.x.element_size() + (inp.scales.shape[1] * 4 if inp.scales is not None else 0)
+        self._check_errors()  # before a resize could drop the record with the old buffers
         kernels = self._sized(_padded_width(-(-row_bytes // 4), 4), inp.topk_idx.shape[1])
-        kernels.check_errors()
         _launch_dispatch(kernels.engine, [inp], [plan.handle], [out], plan.experts_per_rank, skip_rank=None)
         kernels.check_errors()
+
+    def _check_errors(self) -> None:
+        """Raises a timeout the kernels recorded (on a GPU: one of an earlier, asynchronous launch)."""
+        if self._kernels is not None:
+            self._kernels.check_errors()
 
     def _check_fields(self, fields: dict[str, Field], what: str) -> None:
         """The dispatch arguments compared across ranks with one all_gather (any backend)."""

@@ -155,26 +155,24 @@ class InternodeTransport:
             self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
             rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, [], symmetric, error,
                                C.host_device_pointer(self._error_host.data_ptr()), "cuda", "nvshmem", timeout)
+            self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
+            dist.barrier(group=group)
         else:
             self._rdma_own = _SharedMemoryBuffer(layout)
-            names: list = [None] * world_size
             try:
+                names: list = [None] * world_size
                 dist.all_gather_object(names, self._rdma_own.handle, group=group)
+                for r, name in enumerate(names):
+                    if r != rank:
+                        self._rdma_peers[r] = self._rdma_own.open(name)
+                buffers = [self._rdma_own.address if r == rank else self._rdma_peers[r] for r in range(world_size)]
+                rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, buffers, None, error,
+                                   None, "cpu", "loopback", timeout)
+                self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
+                dist.barrier(group=group)  # every rank has mapped every buffer
             except BaseException:
-                self._rdma_own.free()
-                self.intranode.close()
+                self.close()  # leave no mapping or shared-memory file behind (local: no collective)
                 raise
-            self._rdma_peers = {r: self._rdma_own.open(n) for r, n in enumerate(names) if r != rank}
-            buffers = [self._rdma_own.address if r == rank else self._rdma_peers[r] for r in range(world_size)]
-            rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, buffers, None, error, None,
-                               "cpu", "loopback", timeout)
-        self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
-        try:
-            dist.barrier(group=group)  # every rank has mapped every buffer
-        except BaseException:
-            self.close()  # leave no mapping or shared-memory file behind
-            raise
-        if self._rdma_own is not None:
             self._rdma_own.mapped()
 
     def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
