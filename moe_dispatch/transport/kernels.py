@@ -49,7 +49,7 @@ from .cuda import (
     _launch_dispatch,
     _notify,
 )
-from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport, _agree_codes
+from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
 
@@ -129,11 +129,10 @@ class KernelTransport:
              on_comm_thread: bool = True) -> Steps:
         """Steps that check the arguments across ranks, size the buffers and run notify;
         returns the :class:`KernelPlan` (a host sync: R is read back)."""
-        fields = {"operation": "dispatch (metadata)", **fields}  # first: told apart from a combine's check
-        if self._dist._gloo:
-            yield from self._dist.agree(fields, what)
-        else:  # NCCL: the torch_dist check would cost a host sync per call; this plan syncs anyway
-            self._check_fields(fields, what)
+        # On any backend (the plan synchronises the host anyway); the operation first, so it is
+        # told apart from a combine's check.
+        fields = {"operation": "dispatch (metadata)", **fields}
+        yield from self._dist.agree(fields, what, device=self.device)
         self._check_errors()
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens = is_token_in_rank.shape[0]
@@ -245,13 +244,6 @@ class KernelTransport:
         """Raises a timeout the kernels recorded (on a GPU: one of an earlier, asynchronous launch)."""
         if self._kernels is not None:
             self._kernels.check_errors()
-
-    def _check_fields(self, fields: dict[str, Field], what: str) -> None:
-        """The dispatch arguments compared across ranks with one all_gather (any backend)."""
-        codes = _agree_codes(fields, device=self.device)
-        gathered = [torch.empty_like(codes) for _ in range(self.topology.world_size)]
-        dist.all_gather(gathered, codes, group=self._group)
-        self._dist._check_fields(fields, torch.stack(gathered).cpu(), what)
 
     def close(self) -> None:
         """Frees the kernels' buffers (collective: every rank, after its last operation; the

@@ -340,19 +340,21 @@ class TorchDistTransport:
                                      f"{_show(value)} here but {_show(_decode(value, other))} on EP rank {rank}; "
                                      f"every rank must pass the same {', '.join(fields)}")
 
-    def agree(self, fields: dict[str, Field], what: str) -> Steps:
+    def agree(self, fields: dict[str, Field], what: str, device: torch.device | None = None) -> Steps:
         """Steps comparing ``fields`` across all EP ranks (one small all_gather on the comm
         thread's group): run before the payload of an operation whose sizes are not exchanged
         (combine, cached dispatch), since ranks that disagree on them would abort inside gloo.
-        On gloo only: elsewhere (NCCL) it would cost a host synchronisation per call.
+        On gloo only, unless ``device`` names where the codes travel on this group's backend:
+        on NCCL the check costs a host synchronisation, which only a caller that synchronises
+        anyway (the kernel transport's plan) takes.
 
         Raises (from the steps):
             ValueError: naming the first field and EP rank that differ from this rank.
         """
         group = self.groups[ALL_COMM]
-        if group is None or not self._gloo:
+        if group is None or not (self._gloo or device is not None):
             return
-        mine = _agree_codes(fields)
+        mine = _agree_codes(fields, device)
         gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
 
         def describe(err):
@@ -363,7 +365,7 @@ class TorchDistTransport:
         except RuntimeError as err:
             raise CommError(describe(err)) from err
         yield Pending(work, describe)
-        self._check_fields(fields, torch.stack(gathered), what)
+        self._check_fields(fields, torch.stack(gathered).cpu(), what)
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
