@@ -679,12 +679,7 @@ class IntranodeTransport:
         self._own = _CudaIpcBuffer(self.layout, self.device) if on_gpu else _SharedMemoryBuffer(self.layout)
         self._opened: dict[int, int] = {}
         try:
-            handles: list = [None] * world_size
-            dist.all_gather_object(handles, self._own.handle, group=group)
-            for r, h in enumerate(handles):
-                if r != rank:
-                    self._opened[r] = self._own.open(h)  # one by one: close() unmaps those opened so far
-            buffers = [self._own.address if r == rank else self._opened[r] for r in range(world_size)]
+            buffers = _map_peers(self._own, group, rank, world_size, self._opened)
             error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
             # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
             self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
@@ -728,6 +723,18 @@ class IntranodeTransport:
             self._own.close_peer(address)
         self._opened = {}
         self._own.free()
+
+
+def _map_peers(own, group: dist.ProcessGroup, rank: int, world_size: int, opened: dict[int, int]) -> list[int]:
+    """Every rank's buffer address as this process sees it: the handles of ``own``'s kind
+    (:class:`_CudaIpcBuffer`, :class:`_SharedMemoryBuffer`) travel over ``group``, and each
+    peer's is opened into ``opened`` as it comes, so a failure leaves the opened ones closable."""
+    handles: list = [None] * world_size
+    dist.all_gather_object(handles, own.handle, group=group)
+    for r, handle in enumerate(handles):
+        if r != rank:
+            opened[r] = own.open(handle)
+    return [own.address if r == rank else opened[r] for r in range(world_size)]
 
 
 class _CudaIpcBuffer:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ERROR_RECORD_INTS, Config, max_slot_bytes
-from .cuda import IntranodeTransport, _ext, _prepare, _SharedMemoryBuffer, default_timeout_s
+from .cuda import IntranodeTransport, _ext, _map_peers, _prepare, _SharedMemoryBuffer, default_timeout_s
 from .internode import (
     InternodeDispatch,
     InternodeHandle,
@@ -160,12 +160,7 @@ class InternodeTransport:
         else:
             self._rdma_own = _SharedMemoryBuffer(layout)
             try:
-                names: list = [None] * world_size
-                dist.all_gather_object(names, self._rdma_own.handle, group=group)
-                for r, name in enumerate(names):
-                    if r != rank:
-                        self._rdma_peers[r] = self._rdma_own.open(name)
-                buffers = [self._rdma_own.address if r == rank else self._rdma_peers[r] for r in range(world_size)]
+                buffers = _map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers)
                 rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, buffers, None, error,
                                    None, "cpu", "loopback", timeout)
                 self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
