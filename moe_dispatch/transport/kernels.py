@@ -152,17 +152,13 @@ class KernelTransport:
         k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
         x, scales = tensors[0], (tensors[1] if k == 2 else None)
         topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
-        rows, num_topk = plan.num_recv_tokens, topk_idx.shape[1]
         inp = _Input(self.topology.rank, _rows16(x), scales.contiguous() if scales is not None else None,
                      topk_idx.to(torch.int64).contiguous(),
                      weights.contiguous() if weights is not None else None, is_token_in_rank.contiguous(),
                      topk_idx.dtype)
         recv_x = _landing(dst[0], inp.x.shape[1])
-        out = {"x": recv_x, "scales": dst[1] if scales is not None else None,
-               "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=self.device),
-               "topk_weights": dst[-1] if weights is not None else None,
-               "src_idx": torch.empty(rows, dtype=torch.int32, device=self.device),
-               "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=self.device)}
+        out = self._outputs(plan, recv_x, dst[1] if scales is not None else None,
+                            dst[-1] if weights is not None else None, topk_idx.shape[1])
         self._launch(inp, plan, out)
         _land(dst[0], recv_x)
         first = self.topology.rank * plan.experts_per_rank
@@ -183,14 +179,7 @@ class KernelTransport:
                          plan.handle.is_token_in_rank, None)
             dst2d = _flat(dst)
             recv_x = _landing(dst2d, x2d.shape[1])
-            self._launch(inp, plan, {"x": recv_x, "scales": dst_scales[0] if scales else None,
-                                     "topk_idx": torch.empty(plan.num_recv_tokens, 0, dtype=torch.int64,
-                                                             device=self.device),
-                                     "topk_weights": None,
-                                     "src_idx": torch.empty(plan.num_recv_tokens, dtype=torch.int32,
-                                                            device=self.device),
-                                     "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64,
-                                                               device=self.device)})
+            self._launch(inp, plan, self._outputs(plan, recv_x, dst_scales[0] if scales else None, None, 0))
             _land(dst2d, recv_x)
         return
         yield
@@ -231,12 +220,22 @@ class KernelTransport:
                 old.close()
         return self._kernels
 
+    def _outputs(self, plan: KernelPlan, recv_x: torch.Tensor, recv_scales: torch.Tensor | None,
+                 recv_weights: torch.Tensor | None, num_topk: int) -> dict:
+        """A dispatch launch's outputs: the rows the caller keeps, and scratch for what the
+        Buffer derives itself (local top-k ids, source indices, per-expert counts)."""
+        rows, device = plan.num_recv_tokens, self.device
+        return {"x": recv_x, "scales": recv_scales, "topk_weights": recv_weights,
+                "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=device),
+                "src_idx": torch.empty(rows, dtype=torch.int32, device=device),
+                "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=device)}
+
     def _launch(self, inp: _Input, plan: KernelPlan, out: dict) -> None:
         # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
-        # checked by the Buffer's agree on gloo).
-        row_bytes = inp.x.shape[1] * inp.x.element_size() + (inp.scales.shape[1] * 4 if inp.scales is not None else 0)
+        # checked by the Buffer's agree on gloo). fp8 scales are fp32: one 4-byte element each.
+        row_elements = _row_elements(inp.x) + (inp.scales.shape[1] if inp.scales is not None else 0)
         self._check_errors()  # before a resize could drop the record with the old buffers
-        kernels = self._sized(_padded_width(-(-row_bytes // 4), 4), inp.topk_idx.shape[1])
+        kernels = self._sized(_padded_width(row_elements, 4), inp.topk_idx.shape[1])
         _launch_dispatch(kernels.engine, [inp], [plan.handle], [out], plan.experts_per_rank, skip_rank=None)
         kernels.check_errors()
 
