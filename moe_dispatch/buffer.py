@@ -239,9 +239,7 @@ class Buffer:
         self._comm.shutdown(wait=True)
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
-        close = getattr(self._transport, "close", None)
-        if close is not None:
-            close()
+        self._transport.close()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -400,7 +398,7 @@ class Buffer:
             # payloads in flight on the comm thread.
             ctl["seq"] = self._next_seq()
             self._transport.progress.mark("caller", ctl["seq"], "dispatch (metadata)")
-            if getattr(self._transport, "plans_on_comm_thread", False):  # the kernels: one queue for every launch
+            if self._transport.plans_on_comm_thread:  # the kernels: one queue for every launch
                 steps = self._marked(self._transport.plan(layout[3], fields, on_comm_thread=True), ctl["seq"],
                                      "dispatch (metadata)")
                 plan = self._submit(drive, steps).result()

@@ -274,6 +274,9 @@ class TorchDistTransport:
     ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
     """
 
+    # A fresh dispatch's counts run on the caller's thread, on a group of their own.
+    plans_on_comm_thread = False
+
     def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float,
                  num_chunks: int | None = None):
         if num_chunks is None:
@@ -297,6 +300,9 @@ class TorchDistTransport:
         self.groups = {kind: (dist.new_group([group_ranks[r] for r in ranks], timeout=timeout, backend=backend,
                                              use_local_synchronization=True) if len(ranks) > 1 else None)
                        for kind, ranks in self.peers.items()}
+
+    def close(self) -> None:
+        """Nothing to free: the payload lives in the tensors of each call."""
 
     # -- collectives -------------------------------------------------------------------------
     def _describe(self, kind: str, what: str, err: Exception) -> str:
