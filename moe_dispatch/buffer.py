@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import autograd
-from .layout import get_dispatch_layout
+from .layout import get_dispatch_layout, get_dispatch_layout_torch
 from .quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
@@ -283,9 +283,11 @@ class Buffer:
                              f"got {num_experts}")
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
-        """The layout of validated inputs: Triton kernels on CUDA, the torch reference on CPU."""
-        return tuple(get_dispatch_layout(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node,
-                                         validate=False)[:4])
+        """The layout of validated inputs: Triton kernels on CUDA, the torch reference's ops on CPU."""
+        if topk_idx.is_cuda:
+            return tuple(get_dispatch_layout(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node,
+                                             validate=False)[:4])
+        return get_dispatch_layout_torch(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node)
 
     # -- dispatch / combine -----------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,

@@ -43,12 +43,21 @@ def get_dispatch_layout_reference(
     """
     check_topk_idx(topk_idx, num_experts)
     _check_sizes(num_experts, num_ranks, ranks_per_node)
+    return get_dispatch_layout_torch(topk_idx, num_experts, num_ranks, ranks_per_node)
+
+
+def get_dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                              ranks_per_node: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`get_dispatch_layout_reference`'s four outputs without its checks, for inputs
+    the caller checked (``Buffer`` on CPU); unchecked ids outside ``[0, E)`` count as ``-1``,
+    as in the Triton kernels. Same shapes and dtypes; raises nothing of its own."""
     num_tokens = topk_idx.shape[0]
     experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
     idx = topk_idx.long()
 
-    num_tokens_per_expert = torch.bincount(idx[valid], minlength=num_experts)
+    # Shifted by one so that "no expert" counts in bin 0 (no masked copy of the ids).
+    num_tokens_per_expert = torch.bincount(torch.where(valid, idx + 1, 0).flatten(), minlength=num_experts + 1)[1:]
     dest_rank = torch.where(valid, idx // experts_per_rank, num_ranks)  # W = "nowhere"
     hits = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
     hits.scatter_(1, dest_rank, True)
@@ -366,8 +375,7 @@ def get_dispatch_layout(
         validate: check ``topk_idx`` values (range, no expert twice in a row). This reads
             ``topk_idx`` on the host (a device sync); pass False where the caller already
             validated or needs CUDA-graph capture: ids outside ``[0, E)`` then count as ``-1``
-            and a repeated expert counts twice in ``num_tokens_per_expert``. The torch path
-            always validates (it is the reference).
+            and a repeated expert counts twice in ``num_tokens_per_expert`` (both backends).
         backend: ``"auto"`` (Triton on CUDA, torch reference on CPU), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -384,7 +392,7 @@ def get_dispatch_layout(
         check_topk_idx(topk_idx, num_experts)
     if use_triton:
         return get_dispatch_layout_triton(topk_idx, num_experts, num_ranks, ranks_per_node)
-    base = get_dispatch_layout_reference(topk_idx, num_experts, num_ranks, ranks_per_node)
+    base = get_dispatch_layout_torch(topk_idx, num_experts, num_ranks, ranks_per_node)
     return DispatchLayout(*base, *get_send_offsets_reference(base[3], ranks_per_node))
 
 

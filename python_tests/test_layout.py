@@ -165,12 +165,13 @@ def test_bad_arguments():
         resolve_backend("gpu", idx)
 
 
-def test_unvalidated_ids_out_of_range_count_as_none(gen):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_unvalidated_ids_out_of_range_count_as_none(gen, backend):
     idx = random_topk(64, 4, 8, gen)
     bad = idx.clone()
     bad[::5, 0] = 8  # out of range
     bad[1::7, 1] = -5
-    got = get_dispatch_layout(bad, 8, 4, 2, validate=False, backend="triton")
+    got = get_dispatch_layout(bad, 8, 4, 2, validate=False, backend=backend)
     clean = torch.where((bad >= 0) & (bad < 8), bad, -1)
     assert_layout_equal(got, torch_layout(clean, 8, 4, 2))
 
