@@ -237,9 +237,8 @@ def _agree_codes(fields: dict[str, Field], device: torch.device | None = None) -
     """``[AGREE_FIELDS]`` int64: the fields' codes, then -1."""
     if len(fields) > AGREE_FIELDS:
         raise ValueError(f"an argument check compares at most {AGREE_FIELDS} fields, got {len(fields)}")
-    codes = torch.full((AGREE_FIELDS,), -1, dtype=torch.int64, device=device)
-    codes[:len(fields)] = _field_codes(fields, device)
-    return codes
+    codes = [_encode(v) for v in fields.values()]
+    return torch.tensor(codes + [-1] * (AGREE_FIELDS - len(codes)), dtype=torch.int64, device=device)
 
 
 def _decode(like: Field, code: int) -> Field:
@@ -338,7 +337,7 @@ class TorchDistTransport:
 
     def _check_fields(self, fields: dict[str, Field], theirs: torch.Tensor, what: str) -> None:
         """``theirs [W, len(fields)]``: every rank's fields as :func:`_field_codes` sent them."""
-        mine = _field_codes(fields).tolist()
+        mine = [_encode(v) for v in fields.values()]
         for rank, row in enumerate(theirs.tolist()):
             for (name, value), code, other in zip(fields.items(), mine, row):
                 if other != code:
