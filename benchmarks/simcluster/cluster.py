@@ -176,7 +176,7 @@ class SimCluster:
                 else f"{self.rate_mbit:.0f} Mbit/s per node and direction (tbf)")
         return (f"{self.num_nodes} nodes x {self.ranks_per_node} ranks (namespaces {self.name}-n*), inter-node "
                 f"links {rate}, {delay}, MTU {self.mtu}; "
-                f"intra-node traffic over each node's loopback (unshaped)")
+                f"intra-node traffic over each node's loopback (unshaped); each rank pinned to one core")
 
     # -- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> "SimCluster":

@@ -213,7 +213,7 @@ def fault_main(argv: list[str]) -> int:
 # -- the node process -----------------------------------------------------------------------
 def node_main(argv: list[str]) -> int:
     """``node <first rank> -- <rank argv>``: forks this node's LOCAL_WORLD_SIZE ranks (torch is
-    imported once, here), each running ``main(<rank argv>)`` with RANK and LOCAL_RANK set and
+    imported once, here), each pinned to one core and running ``main(<rank argv>)`` with RANK and LOCAL_RANK set and
     its output in ``rank<r>.log`` (rank 0 keeps stdout); writes ``rank<r>.pid`` and, when the
     rank is reaped, ``rank<r>.exit``. Returns 0 when every rank exited with 0."""
     first, rank_argv = int(argv[0]), argv[2:] if argv[1:2] == ["--"] else argv[1:]
@@ -225,6 +225,10 @@ def node_main(argv: list[str]) -> int:
         if pid == 0:  # the rank
             die_with_parent()
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(local))
+            # One core per rank (rank mod the cores allowed), as a launcher's CPU binding gives: a
+            # rank's compute and communication threads then share its core, not its neighbour's.
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
             log = os.open(run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(log, 2)
             if rank != 0:
