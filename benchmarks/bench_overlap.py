@@ -16,13 +16,20 @@ removes from the step (1.0 = all of it), for "on" and "static". Goal (printed, n
 DeepEP's). The first dispatch and the last combine of a step have nothing to hide behind, so
 at most about 1 - 1/M can hide. Each time is the max over ranks, median over iterations.
 
+On CPU a second table splits the exposed time of "static" (static - compute) into the caller's
+waits for the first dispatch (fill), for later dispatches and for the last combines (drain),
+the dispatch/combine calls, and how much slower the experts ran than alone: the CPU (and cache)
+the transport took from them, which on a rank's own core cannot hide.
+
 CPU (default): spawns a gloo world, 2 ranks = 2 nodes x 1, so each rank has a core for its compute
-and the transfer mostly waits on sockets. GPU: run under torchrun (NCCL).
+and the transfer mostly waits on sockets (``python -m benchmarks.simcluster overlap`` runs it on
+rate-limited links, each rank pinned to its core). GPU: run under torchrun (NCCL).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -40,17 +47,32 @@ from moe_dispatch.launch import launch_ranks
 
 GOAL_HIDDEN = 0.70
 MODES = ("comm", "compute", "off", "on", "static")
+# Where the caller's thread spends a pipelined step: the wait for the first dispatch (nothing to
+# hide behind), waits for later dispatches, the wait for the last combines (the same), the
+# dispatch/combine calls themselves, and the experts (slower than alone by the CPU the transport
+# takes from them).
+PARTS = ("fill", "waits", "drain", "calls", "experts")
 
 
-def _experts(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def _experts(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """A dense stand-in for the local experts: an FFN over every received row (the compute whose
-    size decides how much communication can hide)."""
-    return (torch.nn.functional.gelu(recv_x @ w1) @ w2).to(recv_x.dtype)
+    size decides how much communication can hide), written into ``out`` when given."""
+    return torch.matmul(torch.nn.functional.gelu(recv_x @ w1), w2, out=out)
 
 
-def _step(buf: Buffer, batches, received, weights, num_experts: int, mode: str) -> None:
+@contextlib.contextmanager
+def _timed(parts: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+
+
+def _step(buf: Buffer, batches, received, weights, num_experts: int, mode: str, parts: dict[str, float]) -> None:
     """One training-step's worth of MoE layers in ``mode``; ``received`` holds each micro-batch's
-    dispatched rows, so "compute" runs the experts on exactly the rows the other modes see."""
+    dispatched rows, so "compute" runs the experts on exactly the rows the other modes see.
+    ``parts`` gets the seconds the caller's thread spent in each part of a pipelined step
+    (:data:`PARTS`; meaningful on CPU, where a wait returns when the transfer is done)."""
     w1, w2 = weights
     if mode == "compute":
         for recv_x, recv_idx in received:
@@ -64,22 +86,28 @@ def _step(buf: Buffer, batches, received, weights, num_experts: int, mode: str) 
         return
     # "on" / "static": dispatch i+1 and combine i-1 are in flight while the experts of i compute.
     worst = {"num_worst_tokens": batches[0][0].shape[0] * buf.world_size} if mode == "static" else {}
-    pending = [buf.dispatch(*batches[0], num_experts, async_finish=True, **worst)]
+    with _timed(parts, "calls"):
+        pending = [buf.dispatch(*batches[0], num_experts, async_finish=True, **worst)]
     combines = []
     for i in range(len(batches)):
         if i + 1 < len(batches):
-            pending.append(buf.dispatch(*batches[i + 1], num_experts, async_finish=True, **worst))
+            with _timed(parts, "calls"):
+                pending.append(buf.dispatch(*batches[i + 1], num_experts, async_finish=True, **worst))
         recv_x, recv_idx, *_, handle, event = pending[i]
-        event.current_stream_wait()
-        if worst:  # the experts see the received rows only; combine ignores the padding rows
-            rows = handle.plan.num_recv_tokens
-            y = recv_x.new_empty(recv_x.shape)
-            y[:rows] = _experts(recv_x[:rows], recv_idx[:rows], w1, w2)
-        else:
-            y = _experts(recv_x, recv_idx, w1, w2)
-        combines.append(buf.combine(y, handle, async_finish=True)[1])
-    for event in combines:
-        event.current_stream_wait()
+        with _timed(parts, "fill" if i == 0 else "waits"):
+            event.current_stream_wait()
+        with _timed(parts, "experts"):
+            if worst:  # the experts see the received rows only; combine ignores the padding rows
+                rows = handle.plan.num_recv_tokens
+                y = recv_x.new_empty(recv_x.shape)
+                _experts(recv_x[:rows], recv_idx[:rows], w1, w2, out=y[:rows])
+            else:
+                y = _experts(recv_x, recv_idx, w1, w2)
+        with _timed(parts, "calls"):
+            combines.append(buf.combine(y, handle, async_finish=True)[1])
+    with _timed(parts, "drain"):
+        for event in combines:
+            event.current_stream_wait()
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | None:
@@ -101,21 +129,28 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | 
                    torch.randn(ffn, preset.hidden, dtype=torch.bfloat16, device=buf.device) / ffn ** 0.5)
         received = [buf.dispatch(*b, preset.num_experts)[:2] for b in batches]
         times = {m: [] for m in MODES}
+        parts = {m: {p: [] for p in PARTS} for m in ("on", "static")}
         for it in range(args.warmup + args.iters):
             for mode in times:
                 dist.barrier()
                 if buf.device.type == "cuda":
                     torch.cuda.synchronize()
+                spent: dict[str, float] = {}
                 start = time.perf_counter()
-                _step(buf, batches, received, weights, preset.num_experts, mode)
+                _step(buf, batches, received, weights, preset.num_experts, mode, spent)
                 if buf.device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                # The step time, then its parts: each the max over ranks.
+                elapsed = torch.tensor([time.perf_counter() - start, *(spent.get(p, 0.0) for p in PARTS)],
+                                       dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if it >= args.warmup:
-                    times[mode].append(float(elapsed) * 1e3)
+                    times[mode].append(float(elapsed[0]) * 1e3)
+                    for p, seconds in zip(parts.get(mode, {}), elapsed[1:].tolist()):
+                        parts[mode][p].append(seconds * 1e3)
         med = {m: statistics.median(v) for m, v in times.items()}
-        results.append({"model": name, "hidden": preset.hidden, "ffn": ffn, "median_ms": med,
+        results.append({"model": name, "hidden": preset.hidden, "ffn": ffn, "device": buf.device.type, "median_ms": med,
+                        "parts_ms": {m: {p: statistics.median(v) for p, v in ps.items()} for m, ps in parts.items()},
                         "hidden_fraction": 1 - (med["on"] - med["compute"]) / med["comm"],
                         "hidden_fraction_static": 1 - (med["static"] - med["compute"]) / med["comm"],
                         "compute_over_comm": med["compute"] / med["comm"]})
@@ -161,6 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         met = sum(r["hidden_fraction_static"] >= GOAL_HIDDEN for r in eligible)
         verdict = (f"{'met' if met == len(eligible) else 'not met'}: met on {met} of the {len(eligible)} shapes "
                    f"with compute >= comm ({len(results)} shapes in all)")
+    if results and results[0]["device"] == "cpu":  # a CPU wait returns when the transfer is done: parts add up
+        parts = Table(title="where the exposed time of \"static\" goes (static - compute), ms per step",
+                      caption="fill: wait for the first dispatch; drain: for the last combines (nothing to hide "
+                              "behind: about comm / M); waits: for later dispatches; calls: dispatch/combine calls; "
+                              "experts slowed: experts in the step - compute alone (CPU the transport took)")
+        for col in ("model", "exposed", "fill", "waits", "drain", "calls", "experts slowed"):
+            parts.add_column(col, justify="right")
+        for r in results:
+            m, p = r["median_ms"], r["parts_ms"]["static"]
+            parts.add_row(r["model"], f"{m['static'] - m['compute']:.1f}", *(f"{p[k]:.1f}" for k in PARTS[:4]),
+                          f"{p['experts'] - m['compute']:.1f}")
+        console.print(parts)
     console.print(f"goal: hidden (static) >= {GOAL_HIDDEN} where compute >= comm: {verdict}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, pathlib.Path) else v)
