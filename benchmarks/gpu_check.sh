@@ -105,6 +105,13 @@ else
            "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 --warmup 1 --iters 3
     done
   fi
+  # Does a shallow ring keep the ring hop in L2? DRAM bytes of each dispatch launch for three ring
+  # depths (the 32x8 profile above read and wrote 4 bytes per payload byte: x, slot, slot, recv_x).
+  if command -v ncu > /dev/null; then
+    step ncu_rings 90 ncu -k "regex:^dispatch_kernel" \
+         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+         "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 2x1 8x4 32x8 --warmup 0 --iters 1
+  fi
   step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -k gpu --junitxml="$OUT/tests_internode.xml"
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
