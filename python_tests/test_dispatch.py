@@ -339,3 +339,20 @@ def test_world_kernel_transport(world_size, case):
     """The same cases through Buffer(transport="cuda") (one node): on CPU tensors the
     kernels' CPU backend in every process, over shared memory."""
     assert_case(world_results(_world_entry, world_size, world_size, "cuda"), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_block_sums_of_two_blocks_round_once(dtype):
+    """The transport sums at most two blocks in the row dtype (a scatter, then an add that torch
+    computes in fp32 and rounds once): the same values as the fp32 sum of more blocks, on rows
+    whose magnitudes differ by up to 1e6 (where a second rounding would show)."""
+    from moe_dispatch.transport.torch_dist import _block_sum
+
+    gen = torch.Generator().manual_seed(0)
+    num_out, hidden = 64, 48
+    index = torch.cat([torch.randperm(num_out, generator=gen)[:40], torch.randperm(num_out, generator=gen)[:50]])
+    rows = (torch.randn(90, hidden, generator=gen) * torch.logspace(-3, 3, hidden)).to(dtype)
+    got = _block_sum(rows, None, index, [40, 50], num_out)
+    ones = torch.ones(90)  # a scale takes the fp32 path: the sum rounded once
+    assert torch.equal(got, _block_sum(rows, ones, index, [40, 50], num_out))
+    assert torch.equal(_block_sum(rows, None, index, [0, 40, 0, 50], num_out), got)  # empty blocks skipped

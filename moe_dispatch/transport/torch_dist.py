@@ -317,14 +317,14 @@ class TorchDistTransport:
     def _all_to_all(self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
                     kind: str, what: str, recv: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending | None]:
         """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None) into
-        ``recv`` (contiguous, allocated when None)."""
+        ``recv`` (contiguous, allocated when None). In a group of one the rows are already this
+        rank's: ``send`` itself comes back, or is copied into a given ``recv``."""
         group = self.groups[kind]
+        if group is None:
+            return (send if recv is None else recv.copy_(send)), None
         if recv is None:
             rows = sum(recv_splits) if recv_splits is not None else send.shape[0]
             recv = send.new_empty((rows, *send.shape[1:]))
-        if group is None:  # a group of one: the only destination is this rank
-            recv.copy_(send)
-            return recv, None
 
         def describe(err):
             return self._describe(kind, f"{what} ({kind} all_to_all)", err)
@@ -456,7 +456,7 @@ class TorchDistTransport:
 
         specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
 
-        def send2(chunk, recv1):
+        def send2(chunk, recv1, out=None):
             # The forwarder (n, l) hands each row to the local ranks of node n that hold it; it
             # keeps the rows packed and forwards them whole (routing columns too).
             in_local = _fields(recv1, specs)[-1]
@@ -465,7 +465,7 @@ class TorchDistTransport:
                 raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({chunk.s2_send_idx.numel()}) "
                                    f"disagree with the metadata ({sum(chunk.s2_send_splits)}); did every rank "
                                    f"pass the same num_experts?")
-            return recv1.index_select(0, chunk.s2_send_idx)
+            return torch.index_select(recv1, 0, chunk.s2_send_idx, out=out)
 
         yield from self._dispatch_pipeline(send1, send2, plan, out, what)
 
@@ -475,13 +475,14 @@ class TorchDistTransport:
         (cached dispatch, combine's backward)."""
         yield from self._dispatch_pipeline(
             lambda chunk: _pack([(t[chunk.begin:chunk.end], chunk.s1_send_idx) for t in tensors]),
-            lambda chunk, recv1: recv1.index_select(0, chunk.s2_send_idx), plan, out, what)
+            lambda chunk, recv1, out=None: torch.index_select(recv1, 0, chunk.s2_send_idx, out=out), plan, out, what)
 
     def _dispatch_pipeline(self, send1, send2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
         """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
-        packs a chunk's stage-1 rows, ``send2(chunk, recv1)`` its stage-2 rows from what stage 1
-        delivered; the stage-2 rows of every chunk land back to back in one buffer, gathered
-        into ``out`` at the end."""
+        packs a chunk's stage-1 rows, ``send2(chunk, recv1, out=None)`` its stage-2 rows from what
+        stage 1 delivered (into ``out`` when given); the stage-2 rows of every chunk land back to
+        back in one buffer, gathered into ``out`` at the end. With one rank per node stage 2 stays
+        on this rank, so ``send2`` writes straight into that buffer."""
         chunks = plan.chunks
         recv2, landed, in_flight = None, 0, []
         inter = self._all_to_all(send1(chunks[0]), chunks[0].s1_send_splits, chunks[0].s1_recv_splits, INTER,
@@ -494,13 +495,15 @@ class TorchDistTransport:
             if following is not None:
                 inter = self._all_to_all(packed, following.s1_send_splits, following.s1_recv_splits, INTER,
                                          f"{what} stage 1")
-            send = send2(chunk, recv1)
-            if recv2 is None:
-                recv2 = send.new_empty((plan.num_recv_tokens, send.shape[1]))
+            if recv2 is None:  # stage 2 forwards whole packed rows
+                recv2 = recv1.new_empty((plan.num_recv_tokens, recv1.shape[1]))
             rows = sum(chunk.s2_recv_splits)
-            _, pending = self._all_to_all(send, chunk.s2_send_splits, chunk.s2_recv_splits, INTRA,
-                                          f"{what} stage 2", recv=recv2[landed:landed + rows])
-            in_flight.append(pending)
+            if self.groups[INTRA] is None:
+                send2(chunk, recv1, out=recv2[landed:landed + rows])
+            else:
+                _, pending = self._all_to_all(send2(chunk, recv1), chunk.s2_send_splits, chunk.s2_recv_splits, INTRA,
+                                              f"{what} stage 2", recv=recv2[landed:landed + rows])
+                in_flight.append(pending)
             landed += rows
         for pending in in_flight:
             yield pending
@@ -578,11 +581,17 @@ def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tens
     occurs at most once per block, so adding block after block accumulates every output row in
     ascending destination order: the fixed order of the module docstring, with no masks, gathers
     or full-size fp32 copies."""
-    if scale is None and sum(1 for num in splits if num) <= 1:
-        # One block: every output row has at most one term, and a single value survives the
-        # fp32 round trip unchanged, so a scatter in the row dtype gives the same values (a -0.0
-        # stays -0.0 where 0.0 + -0.0 would give 0.0: equal under ==, as the oracle compares).
-        return rows.new_zeros((num_out, *rows.shape[1:])).index_copy_(0, index[:rows.shape[0]], rows)
+    blocks = [(start, num) for start, num in zip(itertools.accumulate([0, *splits]), splits) if num]
+    if scale is None and len(blocks) <= 2:
+        # At most two terms per output row: the first block is a scatter (a single value survives
+        # the fp32 round trip unchanged) and the second an add in the row dtype, which torch
+        # computes in fp32 and rounds once, as the fp32 sum does. So the values are the same,
+        # with no fp32 copies (a -0.0 may stay -0.0 where 0.0 + -0.0 gives 0.0: equal under ==,
+        # as the oracle compares).
+        out = rows.new_zeros((num_out, *rows.shape[1:]))
+        for k, (start, num) in enumerate(blocks):
+            (out.index_copy_ if k == 0 else out.index_add_)(0, index[start:start + num], rows[start:start + num])
+        return out
     acc = torch.zeros((num_out, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
     start = 0
     for num in splits:
