@@ -342,17 +342,23 @@ def test_world_kernel_transport(world_size, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_block_sums_of_two_blocks_round_once(dtype):
-    """The transport sums at most two blocks in the row dtype (a scatter, then an add that torch
-    computes in fp32 and rounds once): the same values as the fp32 sum of more blocks, on rows
-    whose magnitudes differ by up to 1e6 (where a second rounding would show)."""
+def test_block_sums_in_the_row_dtype_equal_the_fp32_sum(dtype):
+    """The transport sums one or two blocks in the row dtype (adds that torch computes in fp32 and
+    rounds to the row dtype): bit for bit the fp32 path's values, signed zeros included, on rows
+    of magnitudes from 1e-3 to 1e3, exactly cancelling pairs and -0.0 + -0.0."""
     from moe_dispatch.transport.torch_dist import _block_sum
 
     gen = torch.Generator().manual_seed(0)
     num_out, hidden = 64, 48
     index = torch.cat([torch.randperm(num_out, generator=gen)[:40], torch.randperm(num_out, generator=gen)[:50]])
-    rows = (torch.randn(90, hidden, generator=gen) * torch.logspace(-3, 3, hidden)).to(dtype)
-    got = _block_sum(rows, None, index, [40, 50], num_out)
-    ones = torch.ones(90)  # a scale takes the fp32 path: the sum rounded once
-    assert torch.equal(got, _block_sum(rows, ones, index, [40, 50], num_out))
-    assert torch.equal(_block_sum(rows, None, index, [0, 40, 0, 50], num_out), got)  # empty blocks skipped
+    rows = (torch.randn(90, hidden, generator=gen) * torch.logspace(-3, 3, 90).view(-1, 1)).to(dtype)
+    first = {int(t): j for j, t in enumerate(index[:40])}
+    pairs = [(j, i) for i in range(40, 90) if (j := first.get(int(index[i]))) is not None]
+    for j, i in pairs[:5]:
+        rows[i] = -rows[j]  # cancels exactly
+    for j, i in pairs[5:8]:
+        rows[j, :4] = rows[i, :4] = -0.0
+    ones = torch.ones(90)  # a scale takes the fp32 path
+    for splits in ([40, 50], [0, 40, 0, 50], [40], [0, 40]):
+        got, want = _block_sum(rows, None, index, splits, num_out), _block_sum(rows, ones, index, splits, num_out)
+        assert torch.equal(got.view(torch.int8), want.view(torch.int8)), splits  # bits, not ==

@@ -318,10 +318,11 @@ class TorchDistTransport:
                     kind: str, what: str, recv: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending | None]:
         """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None) into
         ``recv`` (contiguous, allocated when None). In a group of one the rows are already this
-        rank's: ``send`` itself comes back, or is copied into a given ``recv``."""
+        rank's: ``send`` itself comes back (no ``recv`` then)."""
         group = self.groups[kind]
         if group is None:
-            return (send if recv is None else recv.copy_(send)), None
+            assert recv is None, "a group of one receives nothing: its caller skips the copy"
+            return send, None
         if recv is None:
             rows = sum(recv_splits) if recv_splits is not None else send.shape[0]
             recv = send.new_empty((rows, *send.shape[1:]))
@@ -456,7 +457,7 @@ class TorchDistTransport:
 
         specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
 
-        def send2(chunk, recv1, out=None):
+        def send2(chunk, recv1, into=None):
             # The forwarder (n, l) hands each row to the local ranks of node n that hold it; it
             # keeps the rows packed and forwards them whole (routing columns too).
             in_local = _fields(recv1, specs)[-1]
@@ -465,7 +466,7 @@ class TorchDistTransport:
                 raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({chunk.s2_send_idx.numel()}) "
                                    f"disagree with the metadata ({sum(chunk.s2_send_splits)}); did every rank "
                                    f"pass the same num_experts?")
-            return torch.index_select(recv1, 0, chunk.s2_send_idx, out=out)
+            return torch.index_select(recv1, 0, chunk.s2_send_idx, out=into)
 
         yield from self._dispatch_pipeline(send1, send2, plan, out, what)
 
@@ -475,12 +476,12 @@ class TorchDistTransport:
         (cached dispatch, combine's backward)."""
         yield from self._dispatch_pipeline(
             lambda chunk: _pack([(t[chunk.begin:chunk.end], chunk.s1_send_idx) for t in tensors]),
-            lambda chunk, recv1, out=None: torch.index_select(recv1, 0, chunk.s2_send_idx, out=out), plan, out, what)
+            lambda chunk, recv1, into=None: torch.index_select(recv1, 0, chunk.s2_send_idx, out=into), plan, out, what)
 
     def _dispatch_pipeline(self, send1, send2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
         """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
-        packs a chunk's stage-1 rows, ``send2(chunk, recv1, out=None)`` its stage-2 rows from what
-        stage 1 delivered (into ``out`` when given); the stage-2 rows of every chunk land back to
+        packs a chunk's stage-1 rows, ``send2(chunk, recv1, into=None)`` its stage-2 rows from what
+        stage 1 delivered (into ``into`` when given); the stage-2 rows of every chunk land back to
         back in one buffer, gathered into ``out`` at the end. With one rank per node stage 2 stays
         on this rank, so ``send2`` writes straight into that buffer."""
         chunks = plan.chunks
@@ -499,7 +500,7 @@ class TorchDistTransport:
                 recv2 = recv1.new_empty((plan.num_recv_tokens, recv1.shape[1]))
             rows = sum(chunk.s2_recv_splits)
             if self.groups[INTRA] is None:
-                send2(chunk, recv1, out=recv2[landed:landed + rows])
+                send2(chunk, recv1, into=recv2[landed:landed + rows])
             else:
                 _, pending = self._all_to_all(send2(chunk, recv1), chunk.s2_send_splits, chunk.s2_recv_splits, INTRA,
                                               f"{what} stage 2", recv=recv2[landed:landed + rows])
@@ -583,14 +584,12 @@ def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tens
     or full-size fp32 copies."""
     blocks = [(start, num) for start, num in zip(itertools.accumulate([0, *splits]), splits) if num]
     if scale is None and len(blocks) <= 2:
-        # At most two terms per output row: the first block is a scatter (a single value survives
-        # the fp32 round trip unchanged) and the second an add in the row dtype, which torch
-        # computes in fp32 and rounds once, as the fp32 sum does. So the values are the same,
-        # with no fp32 copies (a -0.0 may stay -0.0 where 0.0 + -0.0 gives 0.0: equal under ==,
-        # as the oracle compares).
+        # At most two terms per output row: an add in the row dtype rounds fl32(a + b) to the row
+        # dtype, as the fp32 path below does for two terms, and 0 + a turns a -0.0 into +0.0 as
+        # there; so the values are the same bit for bit, with no fp32 copies.
         out = rows.new_zeros((num_out, *rows.shape[1:]))
-        for k, (start, num) in enumerate(blocks):
-            (out.index_copy_ if k == 0 else out.index_add_)(0, index[start:start + num], rows[start:start + num])
+        for start, num in blocks:
+            out.index_add_(0, index[start:start + num], rows[start:start + num])
         return out
     acc = torch.zeros((num_out, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
     start = 0
