@@ -57,7 +57,8 @@ def get_dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_rank
     idx = topk_idx.long()
 
     # Shifted by one so that "no expert" counts in bin 0 (no masked copy of the ids).
-    num_tokens_per_expert = torch.bincount(torch.where(valid, idx + 1, 0).flatten(), minlength=num_experts + 1)[1:]
+    num_tokens_per_expert = torch.bincount(torch.where(valid, idx + 1, 0).flatten(),
+                                           minlength=num_experts + 1)[1:].clone()
     dest_rank = torch.where(valid, idx // experts_per_rank, num_ranks)  # W = "nowhere"
     hits = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
     hits.scatter_(1, dest_rank, True)
