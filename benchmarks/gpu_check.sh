@@ -105,13 +105,6 @@ else
            "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 --warmup 1 --iters 3
     done
   fi
-  # Does a shallow ring keep the ring hop in L2? DRAM bytes of each dispatch launch for three ring
-  # depths (the 32x8 profile above read and wrote 4 bytes per payload byte: x, slot, slot, recv_x).
-  if command -v ncu > /dev/null; then
-    step ncu_rings 90 ncu -k "regex:^dispatch_kernel" \
-         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
-         "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 2x1 8x4 32x8 --warmup 0 --iters 1
-  fi
   step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -k gpu --junitxml="$OUT/tests_internode.xml"
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
@@ -132,6 +125,16 @@ else
   # torch_dist on NCCL with the communication stream; Megatron's GPU tests (EP >= 2 ones skip on one GPU).
   step tests_torch_dist 120 "${PYTEST[@]}" python_tests/test_gpu_torch_dist.py python_tests/test_megatron_overlap.py \
        -k gpu --junitxml="$OUT/tests_torch_dist.xml"
+  # Does a shallow ring keep the ring hop in L2? DRAM bytes of one dispatch launch per ring depth (the
+  # 32x8 profile above read and wrote 4 bytes per payload byte: x, slot, slot, recv_x). Log: one ncu
+  # report per depth, in the order of the loop.
+  if command -v ncu > /dev/null; then
+    step ncu_rings 120 bash -c 'for rings in 2x1 8x4 32x8; do echo "== rings $rings"; ncu -k "regex:^dispatch_kernel" \
+         --launch-skip 2 --launch-count 1 \
+         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+         "$0" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings "$rings" --warmup 1 --iters 3 \
+         || exit 1; done' "$PY"
+  fi
   step tests_rest 300 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --timeout 120 \
        -k "not ($GPU_TESTS)" --junitxml="$OUT/tests_rest.xml"
   # Megatron's EP-overlap schedule needs EP >= 2, hence two GPUs.
