@@ -546,8 +546,12 @@ class TorchDistTransport:
 
         def land(chunk, back1):
             for dst, rows in zip(out, _fields(back1, _specs(tensors))):
-                dst[chunk.begin:chunk.end].copy_(_block_sum(rows, None, chunk.s1_send_idx, chunk.s1_send_splits,
-                                                            chunk.end - chunk.begin))
+                _block_sum(rows, None, chunk.s1_send_idx, chunk.s1_send_splits, chunk.end - chunk.begin,
+                           out=dst[chunk.begin:chunk.end])
+
+        # With one rank per node and no scales a forwarder's sums are its own rows, which stage 2
+        # returned packed just as stage 1 sends them (a sum of one term is the term).
+        passthrough = self.groups[INTRA] is None and all(s is None for s in scales)
 
         # The intra-node return and forwarder sums of chunk c + 1 overlap the inter-node return
         # of chunk c; the source's sums of chunk c overlap the inter-node return of chunk c + 1.
@@ -561,12 +565,12 @@ class TorchDistTransport:
             if packed is not None:
                 intra = self._all_to_all(packed, chunks[c + 1].s2_recv_splits, chunks[c + 1].s2_send_splits, INTRA,
                                          f"{what} stage 2")
-            partials = forwarder_sums(chunk, back2)
+            send1 = back2 if passthrough else _pack([(p, None) for p in forwarder_sums(chunk, back2)])
             arrived = in_flight
             if arrived is not None:
                 yield arrived[2]  # the inter-node link is free again
-            back1, pending = self._all_to_all(_pack([(p, None) for p in partials]), chunk.s1_recv_splits,
-                                              chunk.s1_send_splits, INTER, f"{what} stage 1")
+            back1, pending = self._all_to_all(send1, chunk.s1_recv_splits, chunk.s1_send_splits, INTER,
+                                              f"{what} stage 1")
             in_flight = (chunk, back1, pending)
             if arrived is not None:
                 land(*arrived[:2])  # while chunk c crosses back
@@ -575,8 +579,9 @@ class TorchDistTransport:
 
 
 def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, splits: list[int],
-               num_out: int) -> torch.Tensor:
-    """``out[index[i]] += rows[i] * scale[i]`` in fp32, rounded to ``rows.dtype``.
+               num_out: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[index[i]] += rows[i] * scale[i]`` in fp32, rounded to ``rows.dtype``; ``out``
+    (``[num_out, ...]`` of ``rows.dtype``) is allocated when None, else overwritten.
 
     ``rows`` come in one block per destination (``splits``, ascending destination) and an index
     occurs at most once per block, so adding block after block accumulates every output row in
@@ -587,7 +592,7 @@ def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tens
         # At most two terms per output row: an add in the row dtype rounds fl32(a + b) to the row
         # dtype, as the fp32 path below does for two terms, and 0 + a turns a -0.0 into +0.0 as
         # there; so the values are the same bit for bit, with no fp32 copies.
-        out = rows.new_zeros((num_out, *rows.shape[1:]))
+        out = rows.new_zeros((num_out, *rows.shape[1:])) if out is None else out.zero_()
         for start, num in blocks:
             out.index_add_(0, index[start:start + num], rows[start:start + num])
         return out
@@ -600,7 +605,7 @@ def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tens
                 vals.mul_(scale[start:start + num].view(-1, *([1] * (rows.dim() - 1))))
             acc.index_add_(0, index[start:start + num], vals)
         start += num
-    return acc.to(rows.dtype)
+    return acc.to(rows.dtype) if out is None else out.copy_(acc)
 
 
 def _reorder_blocks(counts: torch.Tensor, dims: tuple[int, ...], total: int) -> torch.Tensor:
