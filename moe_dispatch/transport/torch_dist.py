@@ -228,17 +228,21 @@ def _encode(value: Field) -> int:
     return int(value)
 
 
+def _codes(fields: dict[str, Field]) -> list[int]:
+    """The fields' values as the ints they travel as."""
+    return [_encode(v) for v in fields.values()]
+
+
 def _field_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
     """``[len(fields)]`` int64: the fields as they travel."""
-    return torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64, device=device)
+    return torch.tensor(_codes(fields), dtype=torch.int64, device=device)
 
 
 def _agree_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
     """``[AGREE_FIELDS]`` int64: the fields' codes, then -1."""
     if len(fields) > AGREE_FIELDS:
         raise ValueError(f"an argument check compares at most {AGREE_FIELDS} fields, got {len(fields)}")
-    codes = [_encode(v) for v in fields.values()]
-    return torch.tensor(codes + [-1] * (AGREE_FIELDS - len(codes)), dtype=torch.int64, device=device)
+    return torch.tensor(_codes(fields) + [-1] * (AGREE_FIELDS - len(fields)), dtype=torch.int64, device=device)
 
 
 def _decode(like: Field, code: int) -> Field:
@@ -338,7 +342,7 @@ class TorchDistTransport:
 
     def _check_fields(self, fields: dict[str, Field], theirs: torch.Tensor, what: str) -> None:
         """``theirs [W, len(fields)]``: every rank's fields as :func:`_field_codes` sent them."""
-        mine = [_encode(v) for v in fields.values()]
+        mine = _codes(fields)
         for rank, row in enumerate(theirs.tolist()):
             for (name, value), code, other in zip(fields.items(), mine, row):
                 if other != code:
