@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.launch import launch_ranks
+from moe_dispatch.launch import launch_ranks, retain_freed_memory
 
 MODES = ("off", "on", "comm")
 
@@ -112,6 +112,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
         import moe_dispatch.megatron.cpu as mcpu
 
         mcpu.enable()
+        retain_freed_memory()  # as a caching allocator would: no page faults for memory freed and reused
     ps.initialize_model_parallel(expert_model_parallel_size=world_size)
     model_parallel_cuda_manual_seed(args.seed)
     models = {"off": _build(args, False), "on": _build(args, True)}

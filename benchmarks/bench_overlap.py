@@ -19,7 +19,10 @@ at most about 1 - 1/M can hide. Each time is the max over ranks, median over ite
 On CPU a second table splits the exposed time of "static" (static - compute) into the caller's
 waits for the first dispatch (fill), for later dispatches and for the last combines (drain),
 the dispatch/combine calls, and how much slower the experts ran than alone: the CPU (and cache)
-the transport took from them, which on a rank's own core cannot hide.
+the transport took from them, which on a rank's own core cannot hide. CPU ranks keep the memory
+they free (``moe_dispatch.launch.retain_freed_memory``), as the caching allocator does on a GPU:
+otherwise every mode page-faults its freshly allocated tensors in, by an amount that depends on
+what ran before (the expert compute alone moved by up to 30% between runs).
 
 CPU (default): spawns a gloo world, 2 ranks = 2 nodes x 1, so each rank has a core for its compute
 and the transfer mostly waits on sockets (``python -m benchmarks.simcluster overlap`` runs it on
@@ -43,7 +46,7 @@ from rich.table import Table
 
 from moe_dispatch import Buffer, routing
 from moe_dispatch.env import source_commit
-from moe_dispatch.launch import launch_ranks
+from moe_dispatch.launch import launch_ranks, retain_freed_memory
 
 GOAL_HIDDEN = 0.70
 MODES = ("comm", "compute", "off", "on", "static")
@@ -112,6 +115,8 @@ def _step(buf: Buffer, batches, received, weights, num_experts: int, mode: str, 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | None:
     buf = Buffer(ranks_per_node=args.ranks_per_node, timeout_s=120)
+    if buf.device.type == "cpu":
+        retain_freed_memory()  # as a caching allocator would: no page faults for memory freed and reused
     torch.manual_seed(args.seed)
     results = []
     for name in args.models:
@@ -149,9 +154,13 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | 
                     for p, seconds in zip(parts.get(mode, {}), elapsed[1:].tolist()):
                         parts[mode][p].append(seconds * 1e3)
         med = {m: statistics.median(v) for m, v in times.items()}
+        # The spread: the figure of each iteration (its modes ran back to back), quartiles.
+        per_iter = [1 - (s - c) / m for s, c, m in zip(times["static"], times["compute"], times["comm"])]
+        spread = statistics.quantiles(per_iter, n=4, method="inclusive") if len(per_iter) > 1 else per_iter * 3
         results.append({"model": name, "hidden": preset.hidden, "ffn": ffn, "device": buf.device.type, "median_ms": med,
                         "hidden_fraction": 1 - (med["on"] - med["compute"]) / med["comm"],
                         "hidden_fraction_static": 1 - (med["static"] - med["compute"]) / med["comm"],
+                        "hidden_fraction_static_quartiles": spread,
                         "compute_over_comm": med["compute"] / med["comm"]})
         if buf.device.type == "cpu":  # a CUDA wait returns once queued: its parts would mean nothing
             results[-1]["parts_ms"] = {m: {p: statistics.median(v) for p, v in ps.items()} for m, ps in parts.items()}
@@ -181,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(title=f"overlap of dispatch/combine with expert compute ({args.micro_batches} micro-batches, "
                         f"{args.num_tokens} tokens each), ms", caption="hidden = 1 - (on - compute) / comm; ms = "
-                        "median of the max over ranks")
-    for col in ("model", *MODES, "compute/comm", "hidden on", "hidden static"):
+                        "median of the max over ranks; per iteration: quartiles of each iteration's static figure")
+    for col in ("model", *MODES, "compute/comm", "hidden on", "hidden static", "static per iteration"):
         table.add_column(col, justify="right")
     for r in results:
-        m = r["median_ms"]
+        m, (q1, _, q3) = r["median_ms"], r["hidden_fraction_static_quartiles"]
         table.add_row(r["model"], *(f"{m[k]:.1f}" for k in MODES), f"{r['compute_over_comm']:.2f}",
-                      f"{r['hidden_fraction']:.2f}", f"{r['hidden_fraction_static']:.2f}")
+                      f"{r['hidden_fraction']:.2f}", f"{r['hidden_fraction_static']:.2f}", f"{q1:.2f}-{q3:.2f}")
     console = Console(width=max(120, Console().width))  # the table is wider than a default 80-column log
     console.print(table)
     eligible = [r for r in results if r["compute_over_comm"] >= 1]

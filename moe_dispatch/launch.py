@@ -7,6 +7,8 @@ parent with that rank's traceback; the whole world is bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import importlib
 import multiprocessing as mp
@@ -139,6 +141,26 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def retain_freed_memory() -> bool:
+    """Makes this process keep the memory it frees, as torch's CUDA caching allocator does on a
+    GPU: glibc malloc otherwise hands big blocks back to the kernel on ``free`` (mmap'd blocks,
+    and the heap's top past the trim threshold), and the next allocation of the same size
+    page-faults all of it in again. For CPU benchmarks that compare schedules allocating the
+    same tensors: how much of that churn a schedule meets depends on what ran before (glibc
+    adapts its thresholds to the sizes freed so far), which otherwise moves the expert
+    compute of ``bench_overlap`` by up to 30% between runs.
+
+    Returns True when set (glibc), False elsewhere (another libc: nothing changed).
+    """
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's <malloc.h>
+    # No mmap'd blocks (every block comes from an arena and returns to it), and no trimming.
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
 
 
 def local_device(local_rank: int, device_count: int) -> int:
