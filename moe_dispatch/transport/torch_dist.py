@@ -84,7 +84,9 @@ class TorchDistPlan:
     num_tokens: int
     num_recv_tokens: int
     chunks: list[TorchDistChunk]
-    recv_perm: torch.Tensor  # [R] final row i is row recv_perm[i] of the chunks' stage-2 arrivals, concatenated
+    # [R] final row i is row recv_perm[i] of the chunks' stage-2 arrivals, concatenated; None when they
+    # arrive in final order (one chunk, and one rank per node or one node)
+    recv_perm: torch.Tensor | None
     internode_rows: int  # rows this rank sends to other nodes per dispatch (and receives back in combine)
     intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
 
@@ -163,12 +165,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _pack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
     """Packs row tensors side by side into one ``[rows, bytes]`` uint8 buffer, one copy each:
     ``(t, index)`` contributes ``t[index]`` (gathered straight into place), ``(t, None)`` all of
-    ``t``. Fields are padded to ``_ALIGN`` bytes.
+    ``t``. Fields are padded to ``_ALIGN`` bytes. A single contiguous ``(t, None)`` whose rows
+    need no padding comes back as a byte view of ``t``: no copy at all.
 
     ``Tensor.index_select`` is used for every row gather: advanced indexing (``t[index]``)
     copies element by element and is several times slower on uint8 rows on CPU."""
     num_rows = next(t.shape[0] if index is None else index.numel() for t, index in rows)
     widths = [_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t, _ in rows]
+    if len(rows) == 1 and rows[0][1] is None and rows[0][0].is_contiguous() and rows[0][0].numel() \
+            and widths[0] == _row_bytes(rows[0][0].dtype, tuple(rows[0][0].shape[1:])):
+        return _as_bytes(rows[0][0])
     buf = torch.empty((num_rows, sum(widths)), dtype=torch.uint8, device=rows[0][0].device)
     offset = 0
     for (t, index), width in zip(rows, widths):
@@ -196,12 +202,16 @@ def _fields(buf: torch.Tensor, like: list[tuple[torch.dtype, tuple[int, ...]]]) 
     return out
 
 
-def _unpack_rows(buf: torch.Tensor, index: torch.Tensor, out: list[torch.Tensor]) -> None:
-    """``out[j] = field j of buf[index]`` for contiguous ``out`` tensors, one copy each."""
+def _unpack_rows(buf: torch.Tensor, index: torch.Tensor | None, out: list[torch.Tensor]) -> None:
+    """``out[j] = field j of buf[index]`` (of ``buf`` when ``index`` is None) for contiguous
+    ``out`` tensors, one copy each."""
     offset = 0
     for dst in out:
         width = _row_bytes(dst.dtype, tuple(dst.shape[1:]))
-        torch.index_select(buf[:, offset:offset + width], 0, index, out=_as_bytes(dst))
+        if index is None:
+            _as_bytes(dst).copy_(buf[:, offset:offset + width])
+        else:
+            torch.index_select(buf[:, offset:offset + width], 0, index, out=_as_bytes(dst))
         offset += _padded(width)
 
 
@@ -404,9 +414,12 @@ class TorchDistTransport:
         bounds = [c * num_tokens // num_chunks for c in range(num_chunks + 1)]
         # My tokens per chunk for each rank and each node: running counts at the chunk bounds.
         in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
-        running = torch.zeros((num_tokens + 1, world + num_nodes), dtype=torch.int64, device=device)
-        torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
-        per_chunk = running[bounds[1:]] - running[bounds[:-1]]  # [C, W + N]
+        if num_chunks == 1:
+            per_chunk = torch.cat([is_token_in_rank.sum(0), in_node.sum(0)]).unsqueeze(0)  # [1, W + N]
+        else:
+            running = torch.zeros((num_tokens + 1, world + num_nodes), dtype=torch.int64, device=device)
+            torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
+            per_chunk = running[bounds[1:]] - running[bounds[:-1]]  # [C, W + N]
         to_rank, to_node = per_chunk[:, :world], per_chunk[:, world:]
         # Row for destination d = (n_d, l_d): the fields, then per chunk my counts for d's
         # node's ranks and d's node.
@@ -438,7 +451,10 @@ class TorchDistTransport:
             num_tokens=num_tokens,
             num_recv_tokens=num_recv_tokens,
             chunks=chunks,
-            recv_perm=_reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens),
+            # Arrival order (chunk, local rank, node) is final order (node, local rank, chunk) when
+            # two of the three have one value.
+            recv_perm=(None if num_chunks == 1 and (local_ranks == 1 or num_nodes == 1)
+                       else _reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens)),
             internode_rows=sum(sum(s) - s[topo.node] for s in s1_send),
             intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
         )
@@ -461,7 +477,7 @@ class TorchDistTransport:
 
         specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
 
-        def send2(chunk, recv1, into=None):
+        def route2(chunk, recv1):
             # The forwarder (n, l) hands each row to the local ranks of node n that hold it; it
             # keeps the rows packed and forwards them whole (routing columns too).
             in_local = _fields(recv1, specs)[-1]
@@ -470,9 +486,9 @@ class TorchDistTransport:
                 raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({chunk.s2_send_idx.numel()}) "
                                    f"disagree with the metadata ({sum(chunk.s2_send_splits)}); did every rank "
                                    f"pass the same num_experts?")
-            return torch.index_select(recv1, 0, chunk.s2_send_idx, out=into)
+            return chunk.s2_send_idx
 
-        yield from self._dispatch_pipeline(send1, send2, plan, out, what)
+        yield from self._dispatch_pipeline(send1, route2, plan, out, what)
 
     def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor],
                 what: str) -> Steps:
@@ -480,14 +496,15 @@ class TorchDistTransport:
         (cached dispatch, combine's backward)."""
         yield from self._dispatch_pipeline(
             lambda chunk: _pack([(t[chunk.begin:chunk.end], chunk.s1_send_idx) for t in tensors]),
-            lambda chunk, recv1, into=None: torch.index_select(recv1, 0, chunk.s2_send_idx, out=into), plan, out, what)
+            lambda chunk, recv1: chunk.s2_send_idx, plan, out, what)
 
-    def _dispatch_pipeline(self, send1, send2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
+    def _dispatch_pipeline(self, send1, route2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
         """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
-        packs a chunk's stage-1 rows, ``send2(chunk, recv1, into=None)`` its stage-2 rows from what
-        stage 1 delivered (into ``into`` when given); the stage-2 rows of every chunk land back to
-        back in one buffer, gathered into ``out`` at the end. With one rank per node stage 2 stays
-        on this rank, so ``send2`` writes straight into that buffer."""
+        packs a chunk's stage-1 rows, ``route2(chunk, recv1)`` returns the index of its stage-2
+        send rows in what stage 1 delivered; the stage-2 rows of every chunk land back to back in
+        one buffer, gathered into ``out`` at the end. With one rank per node stage 2 stays on this
+        rank and forwards every row (the index is ``arange``): its rows are gathered straight into
+        that buffer, or, with one chunk, stage 1 delivered the buffer itself."""
         chunks = plan.chunks
         recv2, landed, in_flight = None, 0, []
         inter = self._all_to_all(send1(chunks[0]), chunks[0].s1_send_splits, chunks[0].s1_recv_splits, INTER,
@@ -500,14 +517,19 @@ class TorchDistTransport:
             if following is not None:
                 inter = self._all_to_all(packed, following.s1_send_splits, following.s1_recv_splits, INTER,
                                          f"{what} stage 1")
+            index = route2(chunk, recv1)
+            if self.groups[INTRA] is None and len(chunks) == 1 and index.numel() == recv1.shape[0]:
+                recv2 = recv1  # every row forwarded to itself, in order
+                break
             if recv2 is None:  # stage 2 forwards whole packed rows
                 recv2 = recv1.new_empty((plan.num_recv_tokens, recv1.shape[1]))
             rows = sum(chunk.s2_recv_splits)
             if self.groups[INTRA] is None:
-                send2(chunk, recv1, into=recv2[landed:landed + rows])
+                torch.index_select(recv1, 0, index, out=recv2[landed:landed + rows])
             else:
-                _, pending = self._all_to_all(send2(chunk, recv1), chunk.s2_send_splits, chunk.s2_recv_splits, INTRA,
-                                              f"{what} stage 2", recv=recv2[landed:landed + rows])
+                _, pending = self._all_to_all(torch.index_select(recv1, 0, index), chunk.s2_send_splits,
+                                              chunk.s2_recv_splits, INTRA, f"{what} stage 2",
+                                              recv=recv2[landed:landed + rows])
                 in_flight.append(pending)
             landed += rows
         for pending in in_flight:
@@ -531,11 +553,15 @@ class TorchDistTransport:
         specs = _specs(payload)
         chunks = plan.chunks
         # Rows go back in stage-2 arrival order: the inverse of the dispatch's final gather.
-        arrival = torch.empty_like(plan.recv_perm)
-        arrival[plan.recv_perm] = torch.arange(arrival.numel(), device=arrival.device)
+        arrival = None
+        if plan.recv_perm is not None:
+            arrival = torch.empty_like(plan.recv_perm)
+            arrival[plan.recv_perm] = torch.arange(arrival.numel(), device=arrival.device)
         bounds = [0, *itertools.accumulate(sum(chunk.s2_recv_splits) for chunk in chunks)]
 
         def send2(c):
+            if arrival is None:  # in arrival order already (one chunk)
+                return _pack([(t, None) for t in payload])
             return _pack([(t, arrival[bounds[c]:bounds[c + 1]]) for t in payload])
 
         def forwarder_sums(chunk, back2):
