@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import autograd
-from .layout import get_dispatch_layout, get_dispatch_layout_torch
+from .layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
 from .quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
@@ -289,6 +289,13 @@ class Buffer:
                                              validate=False)[:4])
         return get_dispatch_layout_torch(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node)
 
+    def _is_token_in_rank(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """``is_token_in_rank`` of validated inputs: all a dispatch needs of the layout (on CPU
+        the counts would cost as much again)."""
+        if topk_idx.is_cuda:
+            return self._layout(topk_idx, num_experts)[3]
+        return is_token_in_rank_torch(topk_idx, num_experts, self.world_size)
+
     # -- dispatch / combine -----------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
@@ -391,7 +398,7 @@ class Buffer:
         fields = {"num_experts": num_experts, "top-k": topk_idx.shape[1], "hidden": x0.shape[1],
                   "x dtype": x0.dtype, "fp8 x": fp8, "topk_idx dtype": topk_idx.dtype,
                   "topk_weights given": topk_weights is not None}
-        layout = self._layout(topk_idx, num_experts)  # inputs checked above, once
+        is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
         if num_worst_tokens:  # the transfer exchanges the counts first (_move_dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
         else:
@@ -401,14 +408,14 @@ class Buffer:
             ctl["seq"] = self._next_seq()
             self._transport.progress.mark("caller", ctl["seq"], "dispatch (metadata)")
             if self._transport.plans_on_comm_thread:  # the kernels: one queue for every launch
-                steps = self._marked(self._transport.plan(layout[3], fields, on_comm_thread=True), ctl["seq"],
+                steps = self._marked(self._transport.plan(is_token_in_rank, fields, on_comm_thread=True), ctl["seq"],
                                      "dispatch (metadata)")
                 plan = self._submit(drive, steps).result()
                 self._join()
             else:
-                plan = drive(self._transport.plan(layout[3], fields))
+                plan = drive(self._transport.plan(is_token_in_rank, fields))
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
-        ctl.update(slot=slot, fields=fields, is_token_in_rank=layout[3], topk_idx=topk_idx, num_experts=num_experts,
+        ctl.update(slot=slot, fields=fields, is_token_in_rank=is_token_in_rank, topk_idx=topk_idx, num_experts=num_experts,
                    recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
                    num_recv_tokens_per_expert=torch.empty(num_experts // self.world_size, dtype=torch.int64,
                                                           device=self.device))
@@ -418,7 +425,7 @@ class Buffer:
         else:
             recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
         handle = DispatchHandle(buffer_id=self._uid, num_experts=num_experts, recv_topk_idx=ctl["recv_topk_idx"],
-                                is_token_in_rank=layout[3], slot=slot, _hook=ctl.get("hook"))
+                                is_token_in_rank=is_token_in_rank, slot=slot, _hook=ctl.get("hook"))
         return (recv_x, ctl["recv_topk_idx"], recv_weights, ctl["num_recv_tokens_per_expert"], handle,
                 *self._completion(ctl))
 
@@ -611,17 +618,21 @@ class Buffer:
                 raise RuntimeError(f"EP rank {self.rank}: dispatch received {rows} rows but num_worst_tokens="
                                    f"{slot.num_rows}; raise num_worst_tokens to at least {rows} (T * W never "
                                    "overflows)")
-            for o in out:  # the padding rows of a static size
-                o[rows:].zero_()
             recv_idx = out[len(xs)]
+            for o in out:  # the padding rows of a static size
+                if o is not recv_idx:
+                    o[rows:].zero_()
             recv_idx[rows:] = -1
-            mine = (recv_idx >= first) & (recv_idx < first + experts_per_rank)
-            recv_idx.copy_(torch.where(mine, recv_idx - first, torch.full_like(recv_idx, -1)))
-            # Counted from the rows that arrived: the metadata carries no per-expert counts, so
-            # its size is the same on every rank whatever num_experts each one passed.
-            ctl["num_recv_tokens_per_expert"].copy_(torch.bincount(recv_idx[mine].long(), minlength=experts_per_rank))
+            local = recv_idx.sub_(first)  # in place: local ids, negative or too large elsewhere
+            other = (local < 0) | (local >= experts_per_rank)
+            local.masked_fill_(other, -1)
+            # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
+            # per-expert counts, so its size is the same on every rank whatever num_experts each
+            # one passed.
+            ctl["num_recv_tokens_per_expert"].copy_(
+                torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:])
             if topk_weights is not None:
-                out[-1].masked_fill_(~mine, 0.0)
+                out[-1].masked_fill_(other, 0.0)
 
         self._run(steps(), ctl, [*tensors, *out], "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)")
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]

@@ -52,21 +52,25 @@ def get_dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_rank
     the caller checked (``Buffer`` on CPU); unchecked ids outside ``[0, E)`` count as ``-1``,
     as in the Triton kernels. Same shapes and dtypes; raises nothing of its own."""
     num_tokens = topk_idx.shape[0]
-    experts_per_rank = num_experts // num_ranks
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    idx = topk_idx.long()
-
     # Shifted by one so that "no expert" counts in bin 0 (no masked copy of the ids).
-    num_tokens_per_expert = torch.bincount(torch.where(valid, idx + 1, 0).flatten(),
+    num_tokens_per_expert = torch.bincount(torch.where(valid, topk_idx.long() + 1, 0).flatten(),
                                            minlength=num_experts + 1)[1:].clone()
-    dest_rank = torch.where(valid, idx // experts_per_rank, num_ranks)  # W = "nowhere"
-    hits = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
-    hits.scatter_(1, dest_rank, True)
-    is_token_in_rank = hits[:, :num_ranks].contiguous()
+    is_token_in_rank = is_token_in_rank_torch(topk_idx, num_experts, num_ranks)
     num_tokens_per_rank = is_token_in_rank.sum(0)
     in_node = is_token_in_rank.view(num_tokens, num_ranks // ranks_per_node, ranks_per_node).any(2)
     num_tokens_per_node = in_node.sum(0)
     return num_tokens_per_rank, num_tokens_per_node, num_tokens_per_expert, is_token_in_rank
+
+
+def is_token_in_rank_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``is_token_in_rank [T, W]`` bool of :func:`get_dispatch_layout_torch` alone (what a
+    dispatch needs; the counts cost as much again on CPU). Unchecked, as that function."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    dest_rank = torch.where(valid, topk_idx.long() // (num_experts // num_ranks), num_ranks)  # W = "nowhere"
+    hits = torch.zeros(topk_idx.shape[0], num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    hits.scatter_(1, dest_rank, True)
+    return hits[:, :num_ranks].contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
