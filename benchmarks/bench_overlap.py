@@ -161,6 +161,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | 
                         "hidden_fraction": 1 - (med["on"] - med["compute"]) / med["comm"],
                         "hidden_fraction_static": 1 - (med["static"] - med["compute"]) / med["comm"],
                         "hidden_fraction_static_quartiles": spread,
+                        "times_ms": times,  # per iteration, so runs can be pooled
                         "compute_over_comm": med["compute"] / med["comm"]})
         if buf.device.type == "cpu":  # a CUDA wait returns once queued: its parts would mean nothing
             results[-1]["parts_ms"] = {m: {p: statistics.median(v) for p, v in ps.items()} for m, ps in parts.items()}

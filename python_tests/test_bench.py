@@ -1,6 +1,7 @@
 """The main job (``moe_dispatch.bench``) on a tiny CPU world, and the routing generators it runs on."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -147,6 +148,23 @@ def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
         want = bytes_["ours"]["internode"] / 4 / (model["latency_ms"]["ours"]["dispatch"]["median"] * 1e-3) / 1e9
         assert model["bandwidth_gbs_per_rank"]["ours"]["dispatch"]["internode"] == pytest.approx(want)
     assert isinstance(figures["goal"]["met"], bool)
+
+
+def test_bench_overlap_tiny_world_writes_consistent_figures(tmp_path, capsys):
+    from benchmarks import bench_overlap
+
+    out = tmp_path / "overlap.json"
+    assert bench_overlap.main(["--models", "mixtral-8x7b", "--num-tokens", "64", "--micro-batches", "2",
+                               "--iters", "3", "--json", str(out)]) == 0
+    assert "hidden static" in capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["results"]
+    times, med = r["times_ms"], r["median_ms"]
+    assert set(times) == set(bench_overlap.MODES) and all(len(v) == 3 and min(v) > 0 for v in times.values())
+    assert med == {m: statistics.median(v) for m, v in times.items()}
+    assert r["hidden_fraction_static"] == pytest.approx(1 - (med["static"] - med["compute"]) / med["comm"])
+    a, b, c = sorted(1 - (st - co) / cm for st, co, cm in zip(times["static"], times["compute"], times["comm"]))
+    assert r["hidden_fraction_static_quartiles"] == pytest.approx([(a + b) / 2, b, (b + c) / 2])  # inclusive
+    assert set(r["parts_ms"]["static"]) == set(bench_overlap.PARTS) and r["parts_ms"]["static"]["experts"] > 0
 
 
 def test_bench_reports_mismatches():
