@@ -114,9 +114,9 @@ def _step(buf: Buffer, batches, received, weights, num_experts: int, mode: str, 
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | None:
-    buf = Buffer(ranks_per_node=args.ranks_per_node, timeout_s=120)
-    if buf.device.type == "cpu":
+    if not torch.cuda.is_available():  # first: threads pick their malloc arena when they start
         retain_freed_memory()  # as a caching allocator would: no page faults for memory freed and reused
+    buf = Buffer(ranks_per_node=args.ranks_per_node, timeout_s=120)
     torch.manual_seed(args.seed)
     results = []
     for name in args.models:

@@ -325,16 +325,20 @@ class Buffer:
                 ``num_recv_tokens_per_expert`` come back as None (the handle has them).
             async_finish: return as soon as the payload is in flight, with an
                 :class:`EventOverlap` that marks its completion: outputs are allocated but must
-                not be read before ``event.current_stream_wait()`` (CPU: the Buffer's
-                communication thread moves the data; CUDA: an event recorded after the work).
-                Otherwise the call returns complete and the event is empty.
+                not be read, nor the inputs modified, before ``event.current_stream_wait()``
+                (CPU: the Buffer's communication thread moves the data, reading the inputs as
+                it goes; CUDA: an event recorded after the work). Otherwise the call returns
+                complete and the event is empty.
             previous_event: an event this call must wait for first (the host waits on CPU).
             allocate_on_comm_stream: on CUDA, allocate the outputs from the communication
                 stream's memory pool (Megatron's knob); no effect on CPU.
-            return_recv_hook: issue only the sends (the inter-node stage) and return a
-                ``hook`` as a 7th value; calling ``hook()`` completes the receive. Nothing is
-                held in between (the communication thread is free). Outputs must not be read,
-                nor the handle used, before the hook ran. Excludes ``async_finish``.
+            return_recv_hook: issue the operation's first collective and return a ``hook`` as
+                a 7th value; calling ``hook()`` completes the rest. That collective is the
+                inter-node stage of a sized dispatch; with ``num_worst_tokens`` it is the counts
+                (on gloo a combine's or cached dispatch's is the argument check), so the payload
+                itself may move only inside ``hook()``. Nothing is held in between (the
+                communication thread is free). Outputs must not be read, nor the inputs
+                modified, nor the handle used, before the hook ran. Excludes ``async_finish``.
             num_worst_tokens: 0 (default), or a static receive size: the outputs get that many
                 rows, of which the first ``handle.plan.num_recv_tokens`` are received (the rest:
                 ``recv_x`` 0, ``recv_topk_idx`` -1, ``recv_topk_weights`` 0), and no collective
@@ -445,8 +449,8 @@ class Buffer:
             topk_weights: None (unweighted sum, Megatron's contract), ``[R]`` fp32 row scales,
                 or ``[R, K]`` fp32 (e.g. ``recv_topk_weights``), whose row sums scale the rows.
             async_finish, previous_event, allocate_on_comm_stream, return_recv_hook: as in
-                :meth:`dispatch` (the hook variant issues the intra-node return and leaves the
-                rest to ``hook()``).
+                :meth:`dispatch` (``y`` and ``topk_weights`` must stay unchanged until the
+                event or the hook completes the operation).
 
         Returns:
             ``combined [T, H]`` in y's dtype (zero rows for tokens no rank held), ``event``

@@ -144,10 +144,11 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
 
 
 def retain_freed_memory() -> bool:
-    """Makes this process keep the memory it frees, as torch's CUDA caching allocator does on a
-    GPU: glibc malloc otherwise hands big blocks back to the kernel on ``free`` (mmap'd blocks,
-    and the heap's top past the trim threshold), and the next allocation of the same size
-    page-faults all of it in again. For CPU benchmarks that compare schedules allocating the
+    """Makes this process keep the memory it frees, on every thread, as torch's CUDA caching
+    allocator does on a GPU: glibc malloc otherwise hands big blocks back to the kernel on
+    ``free`` (mmap'd blocks, and the heap's top past the trim threshold), and the next allocation
+    of the same size page-faults all of it in again. Call it before the threads that allocate
+    start (their arena is chosen then). For CPU benchmarks that compare schedules allocating the
     same tensors: how much of that churn a schedule meets depends on what ran before (glibc
     adapts its thresholds to the sizes freed so far), which otherwise moves the expert
     compute of ``bench_overlap`` by up to 30% between runs.
@@ -158,9 +159,12 @@ def retain_freed_memory() -> bool:
     libc = ctypes.CDLL(libc_name) if libc_name else None
     if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
         return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's <malloc.h>
-    # No mmap'd blocks (every block comes from an arena and returns to it), and no trimming.
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # glibc's <malloc.h>
+    # One arena for every thread (a thread arena's heaps are at most 64 MiB: bigger blocks would be
+    # mmap'd whatever M_MMAP_MAX says), no mmap'd blocks (each block comes from the arena and
+    # returns to it), and no trimming.
+    return all(libc.mallopt(option, value) for option, value in
+               ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2 ** 31 - 1)))
 
 
 def local_device(local_rank: int, device_count: int) -> int:

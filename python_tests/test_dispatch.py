@@ -107,6 +107,20 @@ def _cases(ranks_per_node: int) -> dict:
     return cases
 
 
+def _pipeline_depths(rank, world_size, buf):
+    """The transport's paths for one chunk (stage 2's arrivals in final order when a node has one
+    rank or the world one node; a reorder gather otherwise) and for several chunks, whatever
+    default the topology picks: the same bits as the oracle."""
+    L, default = buf.topology.ranks_per_node, buf._transport.num_chunks
+    try:
+        for num_chunks in (1, 3):
+            buf._transport.num_chunks = num_chunks
+            check_roundtrip(buf, rank, world_size, L, [30 + 7 * r for r in range(world_size)], 40, torch.bfloat16,
+                            seed=20 + num_chunks)
+    finally:
+        buf._transport.num_chunks = default
+
+
 def _identity_expert(rank, world_size, buf):
     """dispatch -> identity -> combine returns x times the number of ranks holding the token."""
     num_tokens = [40] * world_size
@@ -251,15 +265,22 @@ def _close(rank, world_size, buf):
         buf.dispatch(x, idx, None, world_size)
 
 
+# Cases of the torch_dist transport alone (before "close", the last shared case).
+TORCH_DIST_CASES = {"every-pipeline-depth": _pipeline_depths}
+
+
 def _world_entry(rank, world_size, ranks_per_node, transport="auto"):
     buf = Buffer(ranks_per_node=ranks_per_node, transport=transport, timeout_s=60)
-    return run_cases(rank, world_size, _cases(ranks_per_node), buf)
+    cases = _cases(ranks_per_node)
+    if transport == "auto":  # CPU tensors: torch_dist
+        cases = {**{k: v for k, v in cases.items() if k != "close"}, **TORCH_DIST_CASES, "close": cases["close"]}
+    return run_cases(rank, world_size, cases, buf)
 
 
 CASE_NAMES = list(_cases(1))
 
 
-@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("case", CASE_NAMES + list(TORCH_DIST_CASES))
 @pytest.mark.parametrize("world_size,ranks_per_node", WORLDS, ids=[f"w{w}-l{l}" for w, l in WORLDS])
 def test_world(world_size, ranks_per_node, case):
     assert_case(world_results(_world_entry, world_size, ranks_per_node), case)
