@@ -207,6 +207,7 @@ def _unpack_rows(buf: torch.Tensor, index: torch.Tensor | None, out: list[torch.
     ``out`` tensors, one copy each."""
     offset = 0
     for dst in out:
+        assert dst.is_contiguous(), "_unpack_rows writes through a byte view: out tensors must be contiguous"
         width = _row_bytes(dst.dtype, tuple(dst.shape[1:]))
         if index is None:
             _as_bytes(dst).copy_(buf[:, offset:offset + width])
@@ -451,8 +452,8 @@ class TorchDistTransport:
             num_tokens=num_tokens,
             num_recv_tokens=num_recv_tokens,
             chunks=chunks,
-            # Arrival order (chunk, local rank, node) is final order (node, local rank, chunk) when
-            # two of the three have one value.
+            # With one chunk, arrival order (local rank, node) is final order (node, local rank)
+            # when either has one value.
             recv_perm=(None if num_chunks == 1 and (local_ranks == 1 or num_nodes == 1)
                        else _reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens)),
             internode_rows=sum(sum(s) - s[topo.node] for s in s1_send),
