@@ -56,7 +56,7 @@ def get_dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_rank
     # Shifted by one so that "no expert" counts in bin 0 (no masked copy of the ids).
     num_tokens_per_expert = torch.bincount(torch.where(valid, topk_idx.long() + 1, 0).flatten(),
                                            minlength=num_experts + 1)[1:].clone()
-    is_token_in_rank = is_token_in_rank_torch(topk_idx, num_experts, num_ranks)
+    is_token_in_rank = _is_token_in_rank(topk_idx, valid, num_experts, num_ranks)
     num_tokens_per_rank = is_token_in_rank.sum(0)
     in_node = is_token_in_rank.view(num_tokens, num_ranks // ranks_per_node, ranks_per_node).any(2)
     num_tokens_per_node = in_node.sum(0)
@@ -66,7 +66,11 @@ def get_dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_rank
 def is_token_in_rank_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
     """``is_token_in_rank [T, W]`` bool of :func:`get_dispatch_layout_torch` alone (what a
     dispatch needs; the counts cost as much again on CPU). Unchecked, as that function."""
-    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    return _is_token_in_rank(topk_idx, (topk_idx >= 0) & (topk_idx < num_experts), num_experts, num_ranks)
+
+
+def _is_token_in_rank(topk_idx: torch.Tensor, valid: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """is_token_in_rank_torch given the ids' in-range mask ``valid [T, K]``."""
     dest_rank = torch.where(valid, topk_idx.long() // (num_experts // num_ranks), num_ranks)  # W = "nowhere"
     hits = torch.zeros(topk_idx.shape[0], num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
     hits.scatter_(1, dest_rank, True)
