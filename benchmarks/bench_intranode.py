@@ -22,6 +22,9 @@ kernels come to what this harness allows.
 In loopback a payload byte crosses HBM twice (x -> ring slot -> recv_x) unless the rings stay in
 L2, which caps deep rings near 0.5 of the copy rate at this formula; hence the ring sweep
 (``--rings SLOTSxCHUNK``): W * W * C * slots * slot_bytes of shallow rings fits the 50 MB L2.
+A slot that stays in L2 is still written back to HBM once evicted, unless its receiver discards
+it after reading (``Config.l2_discard``); ``--l2-discard off on`` times both, and the last table
+gives each configuration's discard/keep time ratio from the same run.
 On a real 8-GPU node the goal is >= 90% of NVLink per-direction bandwidth with <= 8 SMs; that
 needs IntranodeTransport under torchrun (not measured here).
 
@@ -65,6 +68,7 @@ class Row:
     shape: str
     world_size: int
     rings: str
+    l2_discard: bool
     num_sms: int
     op: str
     median_us: float
@@ -80,23 +84,24 @@ class Row:
         return None if self.vs_copy is None or self.num_sms == 0 else 2 * self.vs_copy
 
 
-def bench_shape(shape: Shape, world_size: int, rings: str, num_sms_list: list[int], args,
-                device: torch.device) -> list[Row]:
+def bench_shape(shape: Shape, world_size: int, rings: str, l2_discard: bool, num_sms_list: list[int], args,
+                device: torch.device, copy_rate: float | None) -> tuple[list[Row], float | None]:
+    """Rows of one shape, W and queue configuration; the copy baseline is timed once per shape
+    and W (pass None) and reused by its other configurations."""
     on_gpu = device.type == "cuda"
     num_slots, chunk_tokens = (int(v) for v in rings.split("x"))
-    config = Config(num_sms=max(num_sms_list), num_slots=num_slots, chunk_tokens=chunk_tokens)
+    config = Config(num_sms=max(num_sms_list), num_slots=num_slots, chunk_tokens=chunk_tokens, l2_discard=l2_discard)
     lb = Loopback(world_size, shape.hidden, shape.topk, config=config, device=device, timeout_s=args.timeout_s)
     xs, xs8, idxs, ws = make_inputs(shape, world_size, device)
     time_case = timer(args, device)
     rows: list[Row] = []
-    copy_rate = None
     for num_sms in num_sms_list:
         handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
         if on_gpu and copy_rate is None:  # the baseline, once per shape: same byte count
             med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
-            rows.append(Row(shape.name, world_size, "-", 0, "d2d copy (torch)", med, p20, p80, bytes_bf16, copy_rate,
-                            1.0, ""))
+            rows.append(Row(shape.name, world_size, "-", False, 0, "d2d copy (torch)", med, p20, p80, bytes_bf16,
+                            copy_rate, 1.0, ""))
         for op, nbytes, _, fn in cases:
             med, p20, p80 = time_case(fn)
             rate = nbytes / (med * 1e-6) / 1e9
@@ -104,26 +109,42 @@ def bench_shape(shape: Shape, world_size: int, rings: str, num_sms_list: list[in
             goal = ""
             if ratio is not None and num_sms <= GOAL_MAX_SMS:
                 goal = "met" if ratio >= GOAL_VS_COPY else "MISSED"
-            rows.append(Row(shape.name, world_size, rings, num_sms, op, med, p20, p80, nbytes, rate, ratio, goal))
+            rows.append(Row(shape.name, world_size, rings, l2_discard, num_sms, op, med, p20, p80, nbytes, rate, ratio,
+                            goal))
         med, p20, p80 = time_host(lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms, check=False,
                                                       validate=False), 1, max(3, args.iters // 4), device)
-        rows.append(Row(shape.name, world_size, rings, num_sms, "dispatch+notify bf16 (fresh, host sync)", med, p20, p80,
-                        bytes_bf16, bytes_bf16 / (med * 1e-6) / 1e9, None, ""))
+        rows.append(Row(shape.name, world_size, rings, l2_discard, num_sms, "dispatch+notify bf16 (fresh, host sync)",
+                        med, p20, p80, bytes_bf16, bytes_bf16 / (med * 1e-6) / 1e9, None, ""))
         del handles, cases
     lb.check()  # a wait that timed out during the timings fails the benchmark here
-    return rows
+    return rows, copy_rate
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'shape':<12} {'W':>2} {'rings':>5} {'sms':>4} {'op':<42} {'median us':>10} {'p20-p80 us':>17} " \
-             f"{'GB/s':>8} {'vs copy':>7} {'vs 2-hop':>8} goal"
+    header = f"{'shape':<12} {'W':>2} {'rings':>5} {'l2 discard':>10} {'sms':>4} {'op':<42} {'median us':>10} " \
+             f"{'p20-p80 us':>17} {'GB/s':>8} {'vs copy':>7} {'vs 2-hop':>8} goal"
     print(header)
     print("-" * len(header))
     for r in rows:
         ratio = f"{r.vs_copy:.2f}" if r.vs_copy is not None else "-"
         two_hop = f"{r.vs_two_hop:.2f}" if r.vs_two_hop is not None else "-"
-        print(f"{r.shape:<12} {r.world_size:>2} {r.rings:>5} {r.num_sms:>4} {r.op:<42} {r.median_us:>10.1f} "
+        discard = ("on" if r.l2_discard else "off") if r.num_sms else "-"
+        print(f"{r.shape:<12} {r.world_size:>2} {r.rings:>5} {discard:>10} {r.num_sms:>4} {r.op:<42} {r.median_us:>10.1f} "
               f"{r.p20_us:>8.1f}-{r.p80_us:<8.1f} {r.gbps:>8.1f} {ratio:>7} {two_hop:>8} {r.goal}")
+
+
+def print_discard_ratios(rows: list[Row]) -> None:
+    """Median time with l2_discard over the time without, per configuration timed both ways
+    (below 1: the discard pays)."""
+    keep = {(r.shape, r.world_size, r.rings, r.num_sms, r.op): r for r in rows if r.num_sms and not r.l2_discard}
+    pairs = [(keep[k], r) for r in rows if r.l2_discard
+             for k in [(r.shape, r.world_size, r.rings, r.num_sms, r.op)] if k in keep]
+    if not pairs:
+        return
+    print(f"\nl2_discard: time on / time off, same run\n{'shape':<12} {'W':>2} {'rings':>5} {'sms':>4} {'op':<42} ratio")
+    for off, on in pairs:
+        print(f"{on.shape:<12} {on.world_size:>2} {on.rings:>5} {on.num_sms:>4} {on.op:<42} "
+              f"{on.median_us / off.median_us:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 4 8 16 24 on GPU, 2 4 on CPU")
     parser.add_argument("--rings", nargs="+", default=["32x8", "4x2"],
                         help="ring depth x chunk tokens per configuration (default: 32x8 4x2)")
+    parser.add_argument("--l2-discard", nargs="+", choices=["off", "on"], default=["off", "on"],
+                        help="Config.l2_discard per configuration (default: off on, side by side)")
     add_run_args(parser, warmup=3, iters=20)
     args = parser.parse_args(argv)
 
@@ -150,9 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for shape in shapes:
         for world_size in world_sizes:
+            copy_rate = None
             for rings in args.rings:
-                rows += bench_shape(shape, world_size, rings, num_sms_list, args, device)
+                for l2_discard in args.l2_discard:
+                    new, copy_rate = bench_shape(shape, world_size, rings, l2_discard == "on", num_sms_list, args, device,
+                                                 copy_rate)
+                    rows += new
     print_table(rows)
+    print_discard_ratios(rows)
     goals = [r for r in rows if r.goal]
     if goals:
         met = sum(r.goal == "met" for r in goals)
@@ -161,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         for op in sorted({r.op for r in goals}):
             best = max((r for r in goals if r.op == op), key=lambda r: r.vs_copy)
             print(f"best {op} with num_sms <= {GOAL_MAX_SMS}: {best.vs_copy:.2f} of the copy, {best.vs_two_hop:.2f} of "
-                  f"the two-hop bound ({best.shape}, rings {best.rings}, {best.num_sms} SMs)")
+                  f"the two-hop bound ({best.shape}, rings {best.rings}, l2_discard {'on' if best.l2_discard else 'off'}, "
+                  f"{best.num_sms} SMs)")
     if args.json:
-        write_json(args.json, device, rows, rings=args.rings, byte_formula="payload rows delivered x row bytes")
+        write_json(args.json, device, rows, rings=args.rings, l2_discard=args.l2_discard, byte_formula="payload rows delivered x row bytes")
     return 0
 
 

@@ -94,16 +94,29 @@ else
   # failing to open a NIC (a cluster's own setting, when exported, wins).
   if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"; fi
   step tests_intranode 120 "${PYTEST[@]}" python_tests/test_intranode_cuda.py -k gpu --junitxml="$OUT/tests_intranode.xml"
-  # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, vs a d2d copy in the same run.
-  step bench_intranode 75 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, rings 32x8 and 4x2, each without and
+  # with l2_discard, vs a d2d copy in the same run.
+  step bench_intranode 150 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
   # Where the time goes: Nsight Compute on one dispatch and one combine launch (DeepSeek-V3, EP8,
   # 16 SMs per rank): memory throughput against the peak, stall reasons, occupancy.
   if command -v ncu > /dev/null; then
     for kernel in dispatch combine; do
       step "ncu_$kernel" 60 ncu -k "regex:${kernel}_kernel" --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-           "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 --warmup 1 --iters 3
+           "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 --l2-discard off \
+           --warmup 1 --iters 3
     done
+  fi
+  # Does a shallow ring keep the ring hop in L2, and does discarding consumed slots (Config.l2_discard)
+  # spare HBM the write-back? DRAM bytes of one dispatch launch per ring depth, without and with the
+  # discard (the 32x8 profile of 2026-11-30 read and wrote 4 bytes per payload byte: x, slot, slot,
+  # recv_x; 2 is the copy's). Log: one ncu report per configuration, in the order of the loop.
+  if command -v ncu > /dev/null; then
+    step ncu_rings 150 bash -c 'for rings in 2x1 4x2 8x4 32x8; do for discard in off on; do
+         echo "== rings $rings l2_discard $discard"; ncu -k "regex:^dispatch_kernel" --launch-skip 2 --launch-count 1 \
+         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+         "$0" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings "$rings" --l2-discard "$discard" \
+         --warmup 1 --iters 3 || exit 1; done; done' "$PY"
   fi
   step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -k gpu --junitxml="$OUT/tests_internode.xml"
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
@@ -125,16 +138,6 @@ else
   # torch_dist on NCCL with the communication stream; Megatron's GPU tests (EP >= 2 ones skip on one GPU).
   step tests_torch_dist 120 "${PYTEST[@]}" python_tests/test_gpu_torch_dist.py python_tests/test_megatron_overlap.py \
        -k gpu --junitxml="$OUT/tests_torch_dist.xml"
-  # Does a shallow ring keep the ring hop in L2? DRAM bytes of one dispatch launch per ring depth (the
-  # 32x8 profile above read and wrote 4 bytes per payload byte: x, slot, slot, recv_x). Log: one ncu
-  # report per depth, in the order of the loop.
-  if command -v ncu > /dev/null; then
-    step ncu_rings 120 bash -c 'for rings in 2x1 8x4 32x8; do echo "== rings $rings"; ncu -k "regex:^dispatch_kernel" \
-         --launch-skip 2 --launch-count 1 \
-         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
-         "$0" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings "$rings" --warmup 1 --iters 3 \
-         || exit 1; done' "$PY"
-  fi
   step tests_rest 300 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --timeout 120 \
        -k "not ($GPU_TESTS)" --junitxml="$OUT/tests_rest.xml"
   # Megatron's EP-overlap schedule needs EP >= 2, hence two GPUs.
@@ -152,6 +155,9 @@ fi
   column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"  # no column(1) on some images
   for log in tests tests_intranode tests_internode tests_kernels tests_torch_dist tests_rest; do grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"; done
   grep -h -E "^(goal:|best )" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
+  awk '/^l2_discard: time on/ {on = 1; print "intranode " $0; next} on && NF == 0 {on = 0}
+       on && $4 == 16 {print "intranode   " $0}' "$OUT/bench_intranode.log" 2>/dev/null
+  grep -h -E "^== rings|dram__bytes|gpu__time_duration|hit_rate" "$OUT/ncu_rings.log" 2>/dev/null | sed 's/^ */ncu_rings /'
   grep -h "^goal:" "$OUT/bench_internode.log" 2>/dev/null | sed 's/^/internode /'
   grep -h "hidden =" "$OUT/bench_megatron_overlap.log" 2>/dev/null | sed 's/^/megatron overlap /'
 } | tee "$OUT/summary.txt"

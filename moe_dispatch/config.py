@@ -98,6 +98,12 @@ class Config:
             buffer holds ``W * num_channels * num_slots`` slots per rank.
         chunk_tokens: tokens a sender writes between two publications of its tail (and the
             room it waits for); ``1 <= chunk_tokens <= num_slots``.
+        l2_discard: receivers discard each queue slot they consumed from L2 (PTX
+            ``discard.global.L2`` on its whole 128-byte lines) before freeing it, so a ring hop
+            that stays in L2 is never written back to HBM. Off by default until measured on a GPU:
+            ``benchmarks/bench_intranode.py`` times both (``--l2-discard``). On the CPU backend
+            the discarded bytes are overwritten with a poison pattern, so tests catch a slot read
+            after its discard. The RDMA stage of the internode kernels ignores it.
 
     Raises:
         ValueError: naming the field, the rule and the value, when built.
@@ -106,12 +112,15 @@ class Config:
     num_sms: int = 16
     num_slots: int = 32
     chunk_tokens: int = 8
+    l2_discard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "num_slots", "chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"Config.{name} must be an int, got {value!r}")
+        if not isinstance(self.l2_discard, bool):
+            raise ValueError(f"Config.l2_discard must be a bool, got {self.l2_discard!r}")
         if self.num_sms < 2 or self.num_sms % 2 or self.num_sms > 2 * MAX_CHANNELS:
             raise ValueError(f"Config.num_sms must be even and in [2, {2 * MAX_CHANNELS}] (a sender and a receiver "
                              f"block per channel), got {self.num_sms}")
@@ -126,7 +135,7 @@ class Config:
 
     @classmethod
     def auto(cls, num_tokens: int, world_size: int, *, num_sms: int | None = None,
-             num_slots: int | None = None, chunk_tokens: int | None = None) -> "Config":
+             num_slots: int | None = None, chunk_tokens: int | None = None, l2_discard: bool = False) -> "Config":
         """Defaults from the shape; explicit arguments win.
 
         One channel per 256 tokens of the largest rank, 1 to 8 channels (so <= 16 SMs: the
@@ -141,7 +150,7 @@ class Config:
         if num_slots is None:
             num_slots = 4 * chunk_tokens
         del world_size  # the ring depth does not grow with W: every peer has its own rings
-        return cls(num_sms=num_sms, num_slots=num_slots, chunk_tokens=chunk_tokens)
+        return cls(num_sms=num_sms, num_slots=num_slots, chunk_tokens=chunk_tokens, l2_discard=l2_discard)
 
     def buffer_bytes(self, world_size: int, slot_bytes: int) -> int:
         """Bytes of one rank's communication buffer for ``world_size`` ranks and slots of

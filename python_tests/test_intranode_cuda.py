@@ -176,7 +176,9 @@ def test_config_validates_itself():
         Config(num_slots=4, chunk_tokens=5)
     with pytest.raises(ValueError, match=r"Config.num_slots must be an int, got '8'"):
         Config(num_slots="8")
-    assert Config.auto(4096, 8).num_sms == 16
+    with pytest.raises(ValueError, match=r"Config.l2_discard must be a bool, got 1"):
+        Config(l2_discard=1)
+    assert Config.auto(4096, 8).num_sms == 16 and Config.auto(4096, 8, l2_discard=True).l2_discard
     assert Config.auto(128, 8).num_sms == 2 and Config.auto(32, 8).chunk_tokens == 4
     auto = Config.auto(4096, 8, num_sms=24)
     assert auto.num_channels == 12 and auto.num_slots >= auto.chunk_tokens
@@ -223,6 +225,30 @@ def test_cpu_protocol_matches_oracle(case):
     for a, b, c in zip(first, again, bare):
         assert torch.equal(a.recv_x, b.recv_x) and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
         assert torch.equal(a.recv_x, c.recv_x) and c.recv_topk_idx is None and torch.equal(a.recv_src_idx, c.recv_src_idx)
+
+
+@built
+@pytest.mark.parametrize("case", [
+    # W, tokens, hidden, K, E, num_sms, slots, chunk, group_warps, workers
+    (2, 40, 256, 4, 8, 4, 1, 1, 2, 3),    # one-slot rings: each slot is rewritten right after its discard
+    (3, [30, 0, 45], 200, 3, 9, 2, 3, 2, 2, 2),
+    (4, 37, 448, 8, 16, 4, 4, 2, 1, 3),
+], ids=lambda c: f"W{c[0]}-H{c[2]}-slots{c[6]}-chunk{c[7]}")
+def test_cpu_l2_discard_poisons_slots_only_after_their_last_read(case):
+    """Config.l2_discard: on the CPU backend a discard overwrites the slot's whole 128-byte lines
+    with a poison byte, so a receiver that discarded before its last read of a slot, or a slot
+    discarded after the sender rewrote it, breaks the round trip's equality with the oracle."""
+    world_size, tokens, hidden, num_topk, num_experts, num_sms, slots, chunk, group_warps, workers = case
+    config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, l2_discard=True)
+    lb = Loopback(world_size, hidden, num_topk, config=config, device="cpu", timeout_s=60,
+                  cpu_options={"group_warps": group_warps, "num_workers": workers})
+    xs, idxs, ws = make_world(seed_of(case), world_size, tokens, hidden, num_topk, num_experts, skewed=True)
+    results = run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=True)
+    run_roundtrip(lb, xs, idxs, ws, num_experts)  # the rings after discards serve the next operation
+    for rank, (buf, res) in enumerate(zip(lb._buffers, results)):
+        poisoned = int((buf[lb.layout.queue_offset:] == 0xA5).sum())
+        if res.recv_x.shape[0] > 0:  # it received rows, so its receivers discarded slots
+            assert poisoned >= 128, f"rank {rank}: no discarded line in its rings"
 
 
 @built
@@ -352,10 +378,12 @@ GPU_CASES = [
 
 
 @needs_gpu
+@pytest.mark.parametrize("l2_discard", [False, True], ids=["keep", "l2-discard"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "W{}-H{}-K{}-E{}-skew{}-fp8{}".format(*c[:1], *c[2:]))
-def test_gpu_loopback_matches_oracle(case):
+def test_gpu_loopback_matches_oracle(case, l2_discard):
     world_size, tokens, hidden, num_topk, num_experts, skewed, fp8 = case
-    lb = Loopback(world_size, hidden, num_topk, config=Config(num_sms=8, num_slots=16, chunk_tokens=4), timeout_s=20)
+    config = Config(num_sms=8, num_slots=16, chunk_tokens=4, l2_discard=l2_discard)
+    lb = Loopback(world_size, hidden, num_topk, config=config, timeout_s=20)
     xs, idxs, ws = make_world(seed_of(case), world_size, tokens, hidden, num_topk, num_experts, skewed=skewed,
                               device="cuda")
     results = run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=not fp8, fp8=fp8)

@@ -36,6 +36,10 @@
 //     that final head before it ends, resets its head to 0. So every operation starts from
 //     zeroed counters with no barrier: the next operation's first tail store into dst happens
 //     after src saw the final head, which dst published after its reset.
+//   - With l2_discard set, a receiver discards every slot it consumed (Ctx::discard) after
+//     copying it out and before the head store that frees it: on the GPU the slot's lines leave
+//     L2 without a write-back, so a ring hop that stays in L2 costs no HBM traffic; the sender's
+//     next write to the slot is ordered after the discard by that head.
 //   - The notify step (dispatch only) exchanges per-(source, channel) token counts through
 //     meta[][]: barrier, write meta into every peer, barrier, read own meta. The first barrier
 //     keeps a fast rank from overwriting meta a slow rank has not read yet.
@@ -131,6 +135,19 @@ MOE_HD SlotLayout make_slot_layout(int x_bytes, int scale_bytes, int num_topk) {
   s.aux_offset = static_cast<int32_t>(s.topk_weights_offset + align_up(4 * num_topk, kFieldAlign));
   s.slot_bytes = static_cast<int32_t>(s.aux_offset + kFieldAlign);
   return s;
+}
+
+// The whole 128-byte lines inside [p, p + bytes): all a consumed slot may discard, since a
+// line it shares with a neighbouring slot can hold that slot's live bytes.
+struct LineSpan {
+  char* first;
+  int32_t count;
+};
+
+MOE_HD LineSpan inner_lines(char* p, int bytes) {
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kLine - 1) / kLine * kLine;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) / kLine * kLine;
+  return {reinterpret_cast<char*>(begin), end > begin ? static_cast<int32_t>((end - begin) / kLine) : 0};
 }
 
 // ---- the communication buffer -------------------------------------------------------------------
@@ -299,6 +316,7 @@ struct Common {
   int32_t num_launch_ranks;  // 1 in real mode, W in loopback
   int32_t skip_rank;         // loopback tests: this rank's blocks do nothing (-1: none)
   int32_t chunk_tokens;      // K: tokens per published tail
+  int32_t l2_discard;        // 1: receivers discard consumed slots (Ctx::discard; Config.l2_discard)
   int64_t timeout_cycles;    // bound of every wait (clock64 cycles)
   BufferLayout layout;
   char* buffers[kMaxRanks];  // every rank's buffer as this process addresses it

@@ -44,6 +44,7 @@ Common parse_common(const py::dict& d, int64_t num_launch_ranks) {
   c.num_launch_ranks = static_cast<int32_t>(num_launch_ranks);
   c.skip_rank = int32(d, "skip_rank", what);
   c.chunk_tokens = int32(d, "chunk_tokens", what);
+  c.l2_discard = int32(d, "l2_discard", what);
   c.timeout_cycles = integer(d, "timeout_cycles", what);
   c.layout = make_buffer_layout(c.num_ranks, int32(d, "buffer_channels", what), int32(d, "num_slots", what),
                                 int32(d, "slot_bytes", what));

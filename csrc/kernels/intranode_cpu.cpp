@@ -111,6 +111,7 @@ int run_rank(const World& w, int r, int rounds) {
   common.rank_begin = r;
   common.num_launch_ranks = 1;
   for (int round = 0; round < rounds; ++round) {
+    common.l2_discard = round % 2;  // odd rounds poison consumed slots (HostCtx::discard)
     NotifyArgs na{};
     na.common = common;
     na.num_topk = w.K;
@@ -203,7 +204,7 @@ int main(int argc, char** argv) {
   w.options.group_warps = std::atoi(argv[5]);
   w.options.num_workers = std::atoi(argv[6]);
   const int rounds = argc == 8 ? std::atoi(argv[7]) : 3;
-  w.H = 32;
+  w.H = 128;  // slots span whole 128-byte lines, so discards poison something
   w.K = 3;
   w.E = 4 * w.W;
   w.x_bytes = 2 * w.H;

@@ -275,6 +275,11 @@ struct DeviceCtxT {
     int4* d = reinterpret_cast<int4*>(dst);
     for (int i = lane(); i < bytes / 16; i += 32) d[i] = make_int4(0, 0, 0, 0);
   }
+  __device__ void discard(char* slot, int bytes) const {
+    const LineSpan lines = inner_lines(slot, bytes);
+    for (int i = lane(); i < lines.count; i += 32)
+      asm volatile("discard.global.L2 [%0], 128;" ::"l"(lines.first + static_cast<int64_t>(i) * kLine) : "memory");
+  }
   __device__ int32_t queue_i32(const char* p) const { return ld_queue_i32(reinterpret_cast<const int32_t*>(p)); }
   __device__ float queue_f32(const char* p) const { return __int_as_float(queue_i32(p)); }
 

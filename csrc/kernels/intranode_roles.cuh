@@ -26,6 +26,10 @@
 //   void copy_out(char* dst, const char* src, int bytes)  warp; from a queue slot
 //   void zero_row(char* dst, int bytes)                    warp
 //   int32_t queue_i32(const char*), float queue_f32(const char*)   lane; scalars from a slot
+//   void discard(char* slot, int bytes)        warp; a consumed slot's bytes are dead: the whole
+//                                              128-byte lines inside it (inner_lines) may lose
+//                                              their contents (GPU: dropped from L2 unwritten;
+//                                              CPU: poisoned, so a later read shows)
 //   template <class T> void reduce_rows(char* out, char* const* rows, const float* scales,
 //                                       int num_rows, int bytes)   warp; combine_step order
 #pragma once
@@ -248,8 +252,14 @@ MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int chann
     ctx.group_sync();
     if (ctx.shared_load(&gs->stop)) return;
     const int available = ctx.shared_load(&gs->value);
-    for (int i = consumed + warp; i < available; i += group_warps)
-      read_dispatch_slot(ctx, a.slot, me, l.slot(my_buffer, src, channel, i), first_row + i);
+    for (int i = consumed + warp; i < available; i += group_warps) {
+      char* slot = l.slot(my_buffer, src, channel, i);
+      read_dispatch_slot(ctx, a.slot, me, slot, first_row + i);
+      if (cm.l2_discard) {
+        ctx.warp_sync();  // every lane's reads of the slot are done
+        ctx.discard(slot, a.slot.slot_bytes);
+      }
+    }
     ctx.group_sync();
     if (warp == 0 && ctx.lane() == 0) {
       if (available == num_entries) ctx.store_relaxed(tail, 0);  // before the final head
@@ -349,6 +359,10 @@ MOE_ROLE void combine_recv_worker(Ctx& ctx, const CombineArgs& a, int rank, int 
       ctx.template reduce_rows<T>(me.out + static_cast<int64_t>(token) * s.x_bytes, st->rows[worker],
                                   st->scales[worker], num_holders, s.x_bytes);
       ctx.warp_sync();
+      if (cm.l2_discard) {  // before the progress below lets the coordinator free these slots
+        for (int h = 0; h < num_holders; ++h) ctx.discard(st->rows[worker][h], s.slot_bytes);
+        ctx.warp_sync();
+      }
     }
     // Past this token: its rows (mine reduced above, others' not my business) are released.
     ctx.fence_block();

@@ -222,6 +222,7 @@ class _Launcher:
         """The launch fields both engines' ``common`` dicts carry."""
         return {"num_channels": num_channels, "rank_begin": rank_begin,
                 "skip_rank": -1 if skip_rank is None else skip_rank, "chunk_tokens": config.chunk_tokens,
+                "l2_discard": int(config.l2_discard),
                 "timeout_cycles": self.timeout_cycles, "buffer_channels": config.num_channels,
                 "num_slots": config.num_slots, "slot_bytes": slot_bytes, "buffers": buffers,
                 "error": self.error.data_ptr(), "error_host": self.error_host_ptr}
