@@ -65,6 +65,9 @@ class BufferLayout:
 
 
 def buffer_layout(num_ranks: int, num_channels: int, num_slots: int, slot_bytes: int) -> BufferLayout:
+    """Mirror of the C++ make_buffer_layout (intranode.cuh): slots of ``slot_bytes`` rounded up to
+    128 bytes, so that each starts on a cache line."""
+    slot_bytes = _align(slot_bytes, LINE)
     queues = num_ranks * num_channels
     meta = _align(4 * num_ranks, LINE)
     tail = meta + _align(4 * queues, LINE)
@@ -99,11 +102,12 @@ class Config:
         chunk_tokens: tokens a sender writes between two publications of its tail (and the
             room it waits for); ``1 <= chunk_tokens <= num_slots``.
         l2_discard: receivers discard each queue slot they consumed from L2 (PTX
-            ``discard.global.L2`` on its whole 128-byte lines) before freeing it, so a ring hop
-            that stays in L2 is never written back to HBM. Off by default until measured on a GPU:
-            ``benchmarks/bench_intranode.py`` times both (``--l2-discard``). On the CPU backend
-            the discarded bytes are overwritten with a poison pattern, so tests catch a slot read
-            after its discard. The RDMA stage of the internode kernels ignores it.
+            ``discard.global.L2`` on its 128-byte lines; slots start on a line) before freeing
+            it, so a slot still in L2 when read is never written back to HBM. Off by default until
+            measured on a GPU: ``benchmarks/bench_intranode.py`` times both (``--l2-discard``).
+            On the CPU backend the discarded bytes are overwritten with a poison pattern, so tests
+            catch a slot read after its discard. The internode kernels honour it in their NVLink
+            stage (the intranode kernels), not in their RDMA stage.
 
     Raises:
         ValueError: naming the field, the rule and the value, when built.

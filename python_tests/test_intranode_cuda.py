@@ -151,7 +151,9 @@ def test_buffer_layout_mirror_matches_extension(world_size, channels, slots, slo
     layout = buffer_layout(world_size, channels, slots, slot_bytes)
     assert layout.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes)
     assert layout.queue_offset % 128 == 0 and layout.tail_offset >= layout.meta_offset + 4 * world_size * channels
-    assert layout.total_bytes == layout.queue_offset + world_size * channels * slots * slot_bytes
+    stride = -(-slot_bytes // 128) * 128  # every slot starts on a cache line
+    assert layout.slot_bytes == stride and stride - slot_bytes < 128
+    assert layout.total_bytes == layout.queue_offset + world_size * channels * slots * stride
 
 
 @built
@@ -236,8 +238,10 @@ def test_cpu_protocol_matches_oracle(case):
 ], ids=lambda c: f"W{c[0]}-H{c[2]}-slots{c[6]}-chunk{c[7]}")
 def test_cpu_l2_discard_poisons_slots_only_after_their_last_read(case):
     """Config.l2_discard: on the CPU backend a discard overwrites the slot's whole 128-byte lines
-    with a poison byte, so a receiver that discarded before its last read of a slot, or a slot
-    discarded after the sender rewrote it, breaks the round trip's equality with the oracle."""
+    with a poison byte, so a receiver that discards a slot before its last read of it (x, scales,
+    top-k or source fields) breaks the round trip's equality with the oracle. A discard after the
+    head that frees the slot races with the sender's rewrite: that is
+    test_protocol_has_no_data_race_under_threadsanitizer's to catch."""
     world_size, tokens, hidden, num_topk, num_experts, num_sms, slots, chunk, group_warps, workers = case
     config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, l2_discard=True)
     lb = Loopback(world_size, hidden, num_topk, config=config, device="cpu", timeout_s=60,

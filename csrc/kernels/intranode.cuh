@@ -153,7 +153,8 @@ MOE_HD LineSpan inner_lines(char* p, int bytes) {
 // ---- the communication buffer -------------------------------------------------------------------
 
 // One buffer per rank, allocated once per Buffer (W = num_ranks, C = num_channels, the most
-// any call may use, S = num_slots, B = slot_bytes):
+// any call may use, S = num_slots, B = slot_bytes rounded up to 128, so every slot starts on a
+// cache line: rows move in whole lines, and a discard (l2_discard) drops the whole slot):
 //
 //   byte offset                                 region
 //   0                                           signal  int32[W]      arrivals of rank p at my barrier
@@ -200,13 +201,13 @@ MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_
   l.num_ranks = num_ranks;
   l.num_channels = num_channels;
   l.num_slots = num_slots;
-  l.slot_bytes = slot_bytes;
+  l.slot_bytes = static_cast<int32_t>(align_up(slot_bytes, kLine));
   const int64_t queues = static_cast<int64_t>(num_ranks) * num_channels;
   l.meta_offset = align_up(4 * static_cast<int64_t>(num_ranks), kLine);
   l.tail_offset = l.meta_offset + align_up(4 * queues, kLine);
   l.head_offset = l.tail_offset + kLine * queues;
   l.queue_offset = l.head_offset + kLine * queues;
-  l.total_bytes = l.queue_offset + queues * num_slots * static_cast<int64_t>(slot_bytes);
+  l.total_bytes = l.queue_offset + queues * num_slots * static_cast<int64_t>(l.slot_bytes);
   return l;
 }
 

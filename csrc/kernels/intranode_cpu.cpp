@@ -153,7 +153,11 @@ int run_rank(const World& w, int r, int rounds) {
     for (int s = 0; s < w.W; ++s)
       for (int t = 0; t < w.T[s]; ++t) {
         if (!w.in_rank[s][t * w.W + r]) continue;
-        if (row >= num_recv || recv_src[row] != t ||
+        bool ids_ok = row < num_recv;  // the top-k fields too: they sit after x in the slot
+        for (int k = 0; k < w.K && ids_ok; ++k)
+          ids_ok = recv_idx[static_cast<size_t>(row) * w.K + k] == local_expert(w.idx[s][t * w.K + k], r, w.E / w.W) &&
+                   recv_w[static_cast<size_t>(row) * w.K + k] == 0.0f;
+        if (!ids_ok || recv_src[row] != t ||
             std::memcmp(&recv_x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H], w.x_bytes)) {
           return std::printf("rank %d round %d: dispatch row %d (source %d token %d) is wrong\n", r, round, row, s,
                              t), 1;

@@ -21,7 +21,9 @@
 namespace moe_dispatch {
 namespace intranode {
 
-constexpr int kDiscardPoison = 0xA5;  // HostCtx::discard's byte: bf16 -2.9e-16, int32 < 0, never an oracle value here
+// HostCtx::discard's byte. A line of it (bf16 -2.9e-16, int32 -1515870811) matches no row,
+// top-k id or source index the tests send.
+constexpr int kDiscardPoison = 0xA5;
 
 // Reusable barrier of a fixed number of threads (a named barrier of a warp group).
 class ThreadBarrier {

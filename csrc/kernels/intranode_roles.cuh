@@ -257,7 +257,7 @@ MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int chann
       read_dispatch_slot(ctx, a.slot, me, slot, first_row + i);
       if (cm.l2_discard) {
         ctx.warp_sync();  // every lane's reads of the slot are done
-        ctx.discard(slot, a.slot.slot_bytes);
+        ctx.discard(slot, l.slot_bytes);  // the slot's whole stride: what the call leaves unused is dead too
       }
     }
     ctx.group_sync();
@@ -360,7 +360,7 @@ MOE_ROLE void combine_recv_worker(Ctx& ctx, const CombineArgs& a, int rank, int 
                                   st->scales[worker], num_holders, s.x_bytes);
       ctx.warp_sync();
       if (cm.l2_discard) {  // before the progress below lets the coordinator free these slots
-        for (int h = 0; h < num_holders; ++h) ctx.discard(st->rows[worker][h], s.slot_bytes);
+        for (int h = 0; h < num_holders; ++h) ctx.discard(st->rows[worker][h], l.slot_bytes);
         ctx.warp_sync();
       }
     }
