@@ -33,6 +33,7 @@ from loopback_bench import (
     cached_cases,
     launch_device,
     make_inputs,
+    print_rows,
     shapes_for,
     time_copy,
     timer,
@@ -104,15 +105,12 @@ def bench_world(shape: Shape, num_nodes: int, ranks_per_node: int, num_sms_list:
 
 
 def print_table(rows: list[Row]) -> None:
-    header = (f"{'shape':<12} {'world':>5} {'sms':>4} {'op':<18} {'median us':>10} {'p20-p80 us':>17} {'GB/s':>8} "
-              f"{'vs copy':>7} {'xnode GB/s/rank':>15} {'xnode/bound':>11}")
-    print(header)
-    print("-" * len(header))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for r in rows:
-        print(f"{r.shape:<12} {r.world:>5} {r.num_sms:>4} {r.op:<18} {r.median_us:>10.1f} {r.p20_us:>8.1f}-"
-              f"{r.p80_us:<8.1f} {r.gbps:>8.1f} {fmt(r.vs_copy, '.2f'):>7} {fmt(r.xnode_gbps_per_rank, '.1f'):>15} "
-              f"{fmt(r.xnode_vs_bound, '.2f'):>11}")
+    print_rows("internode loopback", ["shape", "world", "sms", "op", "median us", "p20-p80 us", "GB/s", "vs copy",
+                                      "xnode GB/s/rank", "xnode/bound"],
+               [[r.shape, r.world, str(r.num_sms), r.op, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}",
+                 f"{r.gbps:.1f}", fmt(r.vs_copy, ".2f"), fmt(r.xnode_gbps_per_rank, ".1f"), fmt(r.xnode_vs_bound, ".2f")]
+                for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

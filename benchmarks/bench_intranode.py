@@ -49,6 +49,7 @@ from loopback_bench import (
     cached_cases,
     launch_device,
     make_inputs,
+    print_rows,
     shapes_for,
     time_copy,
     time_host,
@@ -121,16 +122,12 @@ def bench_shape(shape: Shape, world_size: int, rings: str, l2_discard: bool, num
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'shape':<12} {'W':>2} {'rings':>5} {'l2 discard':>10} {'sms':>4} {'op':<42} {'median us':>10} " \
-             f"{'p20-p80 us':>17} {'GB/s':>8} {'vs copy':>7} {'vs 2-hop':>8} goal"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        ratio = f"{r.vs_copy:.2f}" if r.vs_copy is not None else "-"
-        two_hop = f"{r.vs_two_hop:.2f}" if r.vs_two_hop is not None else "-"
-        discard = ("on" if r.l2_discard else "off") if r.num_sms else "-"
-        print(f"{r.shape:<12} {r.world_size:>2} {r.rings:>5} {discard:>10} {r.num_sms:>4} {r.op:<42} {r.median_us:>10.1f} "
-              f"{r.p20_us:>8.1f}-{r.p80_us:<8.1f} {r.gbps:>8.1f} {ratio:>7} {two_hop:>8} {r.goal}")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print_rows("intranode loopback", ["shape", "W", "rings", "l2 discard", "sms", "op", "median us", "p20-p80 us",
+                                      "GB/s", "vs copy", "vs 2-hop", "goal"],
+               [[r.shape, str(r.world_size), r.rings, ("on" if r.l2_discard else "off") if r.num_sms else "-",
+                 str(r.num_sms), r.op, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}", f"{r.gbps:.1f}",
+                 fmt(r.vs_copy, ".2f"), fmt(r.vs_two_hop, ".2f"), r.goal] for r in rows])
 
 
 def print_discard_ratios(rows: list[Row]) -> None:
@@ -139,12 +136,11 @@ def print_discard_ratios(rows: list[Row]) -> None:
     keep = {(r.shape, r.world_size, r.rings, r.num_sms, r.op): r for r in rows if r.num_sms and not r.l2_discard}
     pairs = [(keep[k], r) for r in rows if r.l2_discard
              for k in [(r.shape, r.world_size, r.rings, r.num_sms, r.op)] if k in keep]
-    if not pairs:
-        return
-    print(f"\nl2_discard: time on / time off, same run\n{'shape':<12} {'W':>2} {'rings':>5} {'sms':>4} {'op':<42} ratio")
-    for off, on in pairs:
-        print(f"{on.shape:<12} {on.world_size:>2} {on.rings:>5} {on.num_sms:>4} {on.op:<42} "
-              f"{on.median_us / off.median_us:.2f}")
+    if pairs:
+        print()
+        print_rows("l2_discard: time on / time off, same run", ["shape", "W", "rings", "sms", "op", "ratio"],
+                   [[on.shape, str(on.world_size), on.rings, str(on.num_sms), on.op,
+                     f"{on.median_us / off.median_us:.2f}"] for off, on in pairs])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,9 +57,9 @@ step() {
   (( limit > left )) && limit=$left
   echo "== $name (limit ${limit} s): $*"
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || status="FAILED($?)"
-  tail -n 5 "$OUT/$name.log" | sed 's/^/   /'
+  grep -v '^[[:space:]]*$' "$OUT/$name.log" | tail -n 5 | sed 's/^/   /'
   [[ "$status" == ok ]] || FAILED=1
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-100)" >> "$SUMMARY"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "$(grep -v '^[[:space:]]*$' "$OUT/$name.log" | tail -n 1 | cut -c1-100)" >> "$SUMMARY"
 }
 
 if [[ -n "$WHEELS" ]]; then
@@ -155,8 +155,9 @@ fi
   column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"  # no column(1) on some images
   for log in tests tests_intranode tests_internode tests_kernels tests_torch_dist tests_rest; do grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"; done
   grep -h -E "^(goal:|best )" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
-  awk '/^l2_discard: time on/ {on = 1; print "intranode " $0; next} on && NF == 0 {on = 0}
-       on && $4 == 16 {print "intranode   " $0}' "$OUT/bench_intranode.log" 2>/dev/null
+  awk '/^l2_discard: time on/ {on = 1; next} on == 1 && $1 == "shape" {on = 2; next} on == 2 && NF == 0 {on = 0}
+       on == 2 && $4 == 16 {if (!shown++) print "intranode l2_discard, time on / time off, 16 SMs:"
+                            sub(/[ \t]+$/, ""); print "intranode  " $0}' "$OUT/bench_intranode.log" 2>/dev/null
   grep -h -E "^== rings|dram__bytes|gpu__time_duration|hit_rate" "$OUT/ncu_rings.log" 2>/dev/null | sed 's/^ */ncu_rings /'
   grep -h "^goal:" "$OUT/bench_internode.log" 2>/dev/null | sed 's/^/internode /'
   grep -h "hidden =" "$OUT/bench_megatron_overlap.log" 2>/dev/null | sed 's/^/megatron overlap /'

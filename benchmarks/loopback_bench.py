@@ -147,6 +147,26 @@ def shapes_for(args, device: torch.device) -> list[Shape]:
     return [SHAPES[s] for s in (args.shapes or (["deepseek-v3", "gpt-oss"] if device.type == "cuda" else ["tiny"]))]
 
 
+def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A table of formatted cells, titled: rich (the machine's own package) when installed, else
+    plain lines. No vertical rules: gpu_check.sh's summary picks rows by whitespace columns."""
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"{title}\n" + "  ".join(columns))
+        for row in rows:
+            print("  ".join(row))
+        return
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    Console(width=240).print(table)
+
+
 def write_json(path: str, device: torch.device, rows: list, **env) -> None:
     """The rows (dataclasses) and the environment (``env`` after device, torch, gpu) to ``path``."""
     on_gpu = device.type == "cuda"
