@@ -159,4 +159,4 @@ class Config:
     def buffer_bytes(self, world_size: int, slot_bytes: int) -> int:
         """Bytes of one rank's communication buffer for ``world_size`` ranks and slots of
         ``slot_bytes`` (see :func:`max_slot_bytes`)."""
-        return buffer_layout(world_size, self.num_channels, self.num_slots, _align(slot_bytes, FIELD_ALIGN)).total_bytes
+        return buffer_layout(world_size, self.num_channels, self.num_slots, slot_bytes).total_bytes
