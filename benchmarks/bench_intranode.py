@@ -187,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"best {op} with num_sms <= {GOAL_MAX_SMS}: {best.vs_copy:.2f} of the copy, {best.vs_two_hop:.2f} of "
                   f"the two-hop bound ({best.shape}, rings {best.rings}, l2_discard {'on' if best.l2_discard else 'off'}, "
                   f"{best.num_sms} SMs)")
+    if not on_gpu:
+        print("\nbench_intranode: CPU backend: the times check the script only (l2_discard writes a poison pattern "
+              "there; its ratios say nothing about a GPU)")
     if args.json:
-        write_json(args.json, device, rows, rings=args.rings, l2_discard=args.l2_discard, byte_formula="payload rows delivered x row bytes")
+        write_json(args.json, device, rows, rings=args.rings, l2_discard=args.l2_discard,
+                   byte_formula="payload rows delivered x row bytes")
     return 0
 
 

@@ -11,7 +11,8 @@
 #   --dry-run     build + the CPU-quick tests only: checks the script itself on a CPU machine
 #   --budget-s S  whole-script bound in seconds (default 540, inside the device tool's 600 s per call)
 #   --steps LIST  only these steps, comma-separated (wheels, build and env always run): a short
-#                 rerun of what failed, e.g. --steps tests_kernels,tests_rest
+#                 rerun of what failed, e.g. --steps tests_kernels,tests_rest; a name that is no
+#                 step of the mode is reported and fails the run
 #
 # Every step is bounded by its own limit and by what is left of the budget; a failing or
 # skipped step is recorded and the script goes on, so one call always ends with the summary.
@@ -20,18 +21,24 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT="" WHEELS="" DRY_RUN=0 BUDGET_S=540 STEPS=""
+# value OPTION ARGS...: the option's value, or a usage error when it has none.
+value() {
+  [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || { echo "gpu_check.sh: $1 needs a value" >&2; exit 2; }
+  printf '%s' "$2"
+}
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    --wheels) WHEELS="$2"; shift 2 ;;
+    --out) OUT="$(value "$@")" || exit 2; shift 2 ;;
+    --wheels) WHEELS="$(value "$@")" || exit 2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    --budget-s) BUDGET_S="$2"; shift 2 ;;
-    --steps) STEPS="$2"; shift 2 ;;
+    --budget-s) BUDGET_S="$(value "$@")" || exit 2; shift 2 ;;
+    --steps) STEPS="$(value "$@")" || exit 2; shift 2 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (expected --out DIR, --wheels DIR, --dry-run, --budget-s S, --steps LIST)" >&2
        exit 2 ;;
   esac
 done
 [[ -n "$OUT" ]] || { echo "gpu_check.sh: --out DIR is required" >&2; exit 2; }
+[[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget-s must be a whole number of seconds, got '$BUDGET_S'" >&2; exit 2; }
 mkdir -p "$OUT"
 [[ -z "$WHEELS" && -d .whl ]] && WHEELS=.whl
 PY="${PYTHON:-python3}"
@@ -41,12 +48,14 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.tsv"
 printf 'step\tstatus\tseconds\tdetail\n' > "$SUMMARY"
 FAILED=0
+SEEN_STEPS=","  # every step this mode has, run or not: --steps names are checked against it at the end
 
 # step NAME TIMEOUT_S COMMAND...: runs COMMAND with output to $OUT/NAME.log, records the result;
 # the limit shrinks to what is left of the budget (20 s are kept for the summary).
 step() {
   local name="$1" limit="$2"; shift 2
   local start=$SECONDS status=ok left=$((BUDGET_S - 20 - SECONDS))
+  SEEN_STEPS+="$name,"
   case "$name" in wheels|build|env) ;; *) [[ -z "$STEPS" || ",$STEPS," == *",$name,"* ]] || return 0 ;; esac
   if (( left < 15 )); then
     echo "== $name: skipped, the budget of ${BUDGET_S} s is spent"
@@ -59,7 +68,9 @@ step() {
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || status="FAILED($?)"
   grep -v '^[[:space:]]*$' "$OUT/$name.log" | tail -n 5 | sed 's/^/   /'
   [[ "$status" == ok ]] || FAILED=1
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "$(grep -v '^[[:space:]]*$' "$OUT/$name.log" | tail -n 1 | cut -c1-100)" >> "$SUMMARY"
+  # The detail: the log's last line with words in it (table rules and borders stripped).
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" \
+    "$(sed 's/[│┃┌┐└┘├┤┬┴┼─━]//g; s/  */ /g' "$OUT/$name.log" | grep '[[:alnum:]]' | tail -n 1 | cut -c1-100)" >> "$SUMMARY"
 }
 
 if [[ -n "$WHEELS" ]]; then
@@ -147,6 +158,14 @@ else
          --seq-len 2048 --micro-batch-size 1 --micro-batches 4 --vocab 32000 --json "$OUT/bench_megatron_overlap.json"
   fi
 fi
+
+for name in ${STEPS//,/ }; do
+  if [[ "$SEEN_STEPS" != *",$name,"* ]]; then
+    echo "gpu_check.sh: --steps names '$name', which is no step of this mode (dry_run=$DRY_RUN): ${SEEN_STEPS:1:-1}" >&2
+    printf '%s\t%s\t%s\t%s\n' "$name" "UNKNOWN" 0 "not a step of this mode" >> "$SUMMARY"
+    FAILED=1
+  fi
+done
 
 {
   echo

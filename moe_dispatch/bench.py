@@ -149,10 +149,10 @@ def _parse_args(argv: list[str] | None, torchrun: tuple[int, int, int] | None) -
         _, world_size, local_world_size = torchrun
         if args.world_size not in (None, world_size):
             parser.error(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}")
-        ranks_per_node = args.ranks_per_node or local_world_size
+        ranks_per_node = local_world_size if args.ranks_per_node is None else args.ranks_per_node
     else:
-        world_size = args.world_size or 8
-        ranks_per_node = args.ranks_per_node or min(4, world_size)
+        world_size = 8 if args.world_size is None else args.world_size
+        ranks_per_node = min(4, world_size) if args.ranks_per_node is None else args.ranks_per_node
     iters = args.iters if args.iters is not None else (GPU_ITERS if gpu else CPU_ITERS)
     warmup = args.warmup if args.warmup is not None else (GPU_WARMUP if gpu else CPU_WARMUP)
     for name, value, low in (("--num-tokens", args.num_tokens, 1), ("--world-size", world_size, 1),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import autograd
+from .config import num_sms_error
 from .layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
 from .quant import check_fp8_pair
 from .topology import Topology
@@ -203,8 +204,8 @@ class Buffer:
         self.topology = Topology(rank, world_size, ranks_per_node)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
-            raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
+        if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
+            raise ValueError(f"num_sms {error}, or None for the default")
         check_timeout_s(timeout_s)
         backend = str(dist.get_backend(self.group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend

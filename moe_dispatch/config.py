@@ -89,6 +89,17 @@ def max_slot_bytes(hidden: int, num_topk: int, *, element_bytes: int = 2, fp8: b
     return max(sizes)
 
 
+def num_sms_error(num_sms) -> str | None:
+    """What is wrong with ``num_sms`` as an SM budget of the kernels (an even int in [2, 128]:
+    a sender and a receiver block per channel), or None. Config, Buffer and the Megatron
+    ``configure`` check it with this one rule."""
+    if (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 2 or num_sms % 2
+            or num_sms > 2 * MAX_CHANNELS):
+        return (f"must be an even int in [2, {2 * MAX_CHANNELS}] (a sender and a receiver block per channel), "
+                f"got {num_sms!r}")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch shape and queue sizes of the intranode kernels.
@@ -125,9 +136,8 @@ class Config:
                 raise ValueError(f"Config.{name} must be an int, got {value!r}")
         if not isinstance(self.l2_discard, bool):
             raise ValueError(f"Config.l2_discard must be a bool, got {self.l2_discard!r}")
-        if self.num_sms < 2 or self.num_sms % 2 or self.num_sms > 2 * MAX_CHANNELS:
-            raise ValueError(f"Config.num_sms must be even and in [2, {2 * MAX_CHANNELS}] (a sender and a receiver "
-                             f"block per channel), got {self.num_sms}")
+        if (error := num_sms_error(self.num_sms)) is not None:
+            raise ValueError(f"Config.num_sms {error}")
         if not 1 <= self.num_slots <= 1 << 20:
             raise ValueError(f"Config.num_slots must be in [1, 2^20], got {self.num_slots}")
         if not 1 <= self.chunk_tokens <= self.num_slots:

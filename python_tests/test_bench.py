@@ -182,6 +182,9 @@ def test_bench_rejects_bad_sizes():
         bench.main(["--world-size", "6", "--ranks-per-node", "4"])
     with pytest.raises(SystemExit):
         bench.main(["--timeout-s", "0"])
+    for flag in ("--world-size", "--ranks-per-node"):  # 0 is an error, not "the default"
+        with pytest.raises(SystemExit):
+            bench.main([flag, "0"])
 
 
 def test_bench_layout_names_nodes_and_warns_when_a_node_spans_hosts():

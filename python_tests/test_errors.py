@@ -69,9 +69,9 @@ def _bad_input_cases(buf: Buffer) -> dict:
                                            lambda: buf.dispatch(x)),
         "bad-transport": lambda: _raises(ValueError, r"transport must be one of .* got 'nvlink'",
                                          lambda: Buffer(transport="nvlink")),
-        "cuda-transport-odd-num-sms": lambda: _raises(ValueError, r"num_sms=3 with transport='cuda': Config.num_sms must "
-                                                                  r"be even",
-                                                      lambda: Buffer(transport="cuda", num_sms=3)),
+        "odd-num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\] \(a sender and a "
+                                                   r"receiver block per channel\), got 3, or None for the default",
+                                       lambda: Buffer(num_sms=3)),
         "cuda-transport-across-nodes": lambda: _raises(ValueError, r"transport='cuda' runs the intranode kernels, for "
                                                                    r"an EP group on one node, but this one spans 2 nodes",
                                                        lambda: Buffer(ranks_per_node=1, transport="cuda")),
@@ -82,7 +82,7 @@ def _bad_input_cases(buf: Buffer) -> dict:
         "ranks-per-node-not-divisor": lambda: _raises(ValueError, r"ranks_per_node must divide the world size 2, "
                                                                   r"got ranks_per_node=3",
                                                       lambda: Buffer(ranks_per_node=3)),
-        "num-sms": lambda: _raises(ValueError, r"num_sms must be a positive int or None, got 0",
+        "num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\].*got 0",
                                    lambda: Buffer(num_sms=0)),
         "timeout": lambda: _raises(ValueError, r"timeout_s must be a positive, finite number of seconds .*got -1",
                                    lambda: Buffer(timeout_s=-1)),

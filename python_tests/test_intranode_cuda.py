@@ -172,7 +172,7 @@ def test_channels_partition_the_tokens():
 
 
 def test_config_validates_itself():
-    with pytest.raises(ValueError, match=r"Config.num_sms must be even and in \[2, 128\].*got 7"):
+    with pytest.raises(ValueError, match=r"Config.num_sms must be an even int in \[2, 128\].*got 7"):
         Config(num_sms=7)
     with pytest.raises(ValueError, match=r"Config.chunk_tokens must be in \[1, num_slots=4\], got 5"):
         Config(num_slots=4, chunk_tokens=5)
@@ -337,8 +337,23 @@ def test_bad_arguments_name_the_value():
     results = lb.dispatch(xs, idxs, ws, 4)
     with pytest.raises(ValueError, match=r"y \(rank 0\) has shape \[1, 64\] but the handle \(rows received\) has"):
         lb.combine([torch.zeros(1, 64, dtype=torch.bfloat16)] * 2, [r.handle for r in results])
+    with pytest.raises(ValueError, match=r"num_worst_tokens must be None or an int >= 0 .*got -1"):
+        lb.dispatch(xs, idxs, ws, 4, num_worst_tokens=-1)
+    unbudgeted = lb.dispatch(xs, idxs, ws, 4, num_worst_tokens=0)  # 0: no budget, as in Buffer.dispatch
+    assert [r.recv_x.shape for r in unbudgeted] == [r.recv_x.shape for r in results]
     with pytest.raises(ValueError, match=r"world_size must be in \[1, 16\], got 17"):
         Loopback(17, 64, 2, device="cpu")
+    for bad, match in [(dict(hidden=0), r"hidden must be a positive int .*got 0"),
+                       (dict(num_topk=40), r"num_topk must be an int in \[0, 32\], got 40"),
+                       (dict(element_bytes=3), r"element_bytes must be 2 .* or 4 .*got 3"),
+                       (dict(device="meta"), r"device must be a CUDA device or 'cpu'.*got 'meta'")]:
+        with pytest.raises(ValueError, match=match):
+            Loopback(**{"world_size": 2, "hidden": 64, "num_topk": 2, "device": "cpu", **bad})
+    with pytest.raises(TypeError, match=r"config must be a moe_dispatch.config.Config or None, got str"):
+        Loopback(2, 64, 2, config="x", device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"torch sees no CUDA GPU; pass device='cpu'"):
+            Loopback(2, 64, 2)
     with pytest.raises(ValueError, match=r"common is missing 'num_ranks'"):
         _ext._C.intranode_notify({}, [{}], 2, "cpu")
 

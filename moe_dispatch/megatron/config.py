@@ -20,6 +20,7 @@ import os
 import warnings
 from typing import Any
 
+from ..config import num_sms_error
 from ..validation import check_timeout_s
 from . import compat
 
@@ -254,7 +255,7 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
         config: a ``megatron.core.transformer.TransformerConfig`` (changed in place).
         ranks_per_node, pad_multiple, num_permuted_tokens, expert_rank_capacity_factor,
             fuse_permute, raise_on_overflow, timeout_s, transport: see :class:`CustomBackendOptions`.
-        num_sms: SM budget of the CUDA kernels; stored in Megatron's
+        num_sms: SM budget of the CUDA kernels (an even int in [2, 128]); stored in Megatron's
             ``moe_flex_dispatcher_num_sms`` (megatron-core 0.16, which lacks that field: in the
             attribute ``moe_dispatch_num_sms``); None keeps the config's value. See
             :func:`resolve_num_sms`.
@@ -289,8 +290,8 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
     if unknown:
         raise ValueError(f"configure() got {unknown}, which are neither TransformerConfig fields nor backend knobs "
                          f"(backend knobs: {[f.name for f in dataclasses.fields(CustomBackendOptions)] + ['num_sms']})")
-    if num_sms is not None and (not _is_int(num_sms) or num_sms < 1):
-        raise ValueError(f"num_sms must be a positive int (SMs for dispatch/combine kernels) or None, got {num_sms!r}")
+    if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
+        raise ValueError(f"num_sms (SMs of the dispatch/combine kernels) {error}, or None to keep the config's value")
     options = CustomBackendOptions(ranks_per_node=ranks_per_node, pad_multiple=pad_multiple,
                                    num_permuted_tokens=num_permuted_tokens,
                                    expert_rank_capacity_factor=expert_rank_capacity_factor,

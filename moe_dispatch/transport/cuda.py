@@ -119,9 +119,29 @@ def timeout_cycles(backend: str, device: torch.device, timeout_s: float) -> int:
 def _loopback_device(device: torch.device | str) -> tuple[torch.device, str]:
     """A loopback harness's device (a CUDA one with its index) and the backend that serves it."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or 'cpu' (the kernels' CPU backend), got {str(device)!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={str(device)!r} but torch sees no CUDA GPU; pass device='cpu' for the kernels' "
+                               "CPU backend")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device, "cuda" if device.type == "cuda" else "cpu"
+
+
+def _slot_bytes(hidden: int, num_topk: int, element_bytes: int, config: Config | None) -> int:
+    """The slot size of a buffer for rows up to ``hidden`` x ``element_bytes`` and ``num_topk``;
+    checks the constructor arguments both harnesses share."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a moe_dispatch.config.Config or None, got {type(config).__name__}")
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+        raise ValueError(f"hidden must be a positive int (the largest row to move, in elements), got {hidden!r}")
+    if not isinstance(num_topk, int) or isinstance(num_topk, bool) or not 0 <= num_topk <= MAX_TOPK:
+        raise ValueError(f"num_topk must be an int in [0, {MAX_TOPK}], got {num_topk!r}")
+    if element_bytes not in (2, 4):
+        raise ValueError(f"element_bytes must be 2 (bf16/fp16 rows) or 4 (fp32 rows), got {element_bytes!r}")
+    return max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
 
 
 def _ext():
@@ -419,7 +439,11 @@ def _notify(engine: _Engine, inputs: list[_Input], experts_per_rank: int, *, num
     world_size, device = engine.world_size, engine.device
     num_topk = inputs[0].topk_idx.shape[1]
     num_channels = _check_num_sms(num_sms, engine.config)
-    budget = -1 if num_worst_tokens is None else int(num_worst_tokens)
+    if num_worst_tokens is not None and (not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool)
+                                         or num_worst_tokens < 0):
+        raise ValueError(f"num_worst_tokens must be None or an int >= 0 (None or 0: no budget, the host reads the "
+                         f"receive count, as in Buffer.dispatch), got {num_worst_tokens!r}")
+    budget = int(num_worst_tokens) if num_worst_tokens else -1
     prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
     counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
     overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
@@ -522,7 +546,7 @@ class Loopback:
     """W simulated ranks on one device; each operation is one launch serving all of them.
 
     On a GPU the "peer" buffers are W allocations of that GPU, so one H200 checks correctness
-    and kernel efficiency of the whole protocol. With ``backend="cpu"`` (CPU tensors) the same
+    and kernel efficiency of the whole protocol. With ``device="cpu"`` (CPU tensors) the same
     role code runs on threads (``cpu_options``: ``group_warps`` threads per peer group,
     ``num_workers`` combine workers).
 
@@ -535,7 +559,9 @@ class Loopback:
         timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
 
     Raises:
-        ValueError: W out of range; RuntimeError: the extension is not built.
+        ValueError: W, hidden, num_topk or element_bytes out of range, or a device that is neither
+            CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device without a
+            GPU, or the extension is not built.
     """
 
     def __init__(self, world_size: int, hidden: int, num_topk: int, *, config: Config | None = None,
@@ -544,9 +570,9 @@ class Loopback:
         if not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size!r}")
         self.world_size = world_size
+        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
         self.config = config or Config()
         self.device, backend = _loopback_device(device)
-        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
         self._buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
                          for _ in range(world_size)]
@@ -582,7 +608,7 @@ class Loopback:
             num_experts: E, divisible by W.
             num_sms: SMs per simulated rank for this call (default ``config.num_sms``).
             handles: previous results' handles: a cached dispatch (no notify, same routing).
-            num_worst_tokens: budget mode: this many rows per rank, no host sync.
+            num_worst_tokens: budget mode: this many rows per rank, no host sync (None or 0: off).
             withhold_rank, withhold_phase: tests: that rank's blocks skip "notify", "dispatch".
             check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out.
             validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
@@ -657,7 +683,8 @@ class IntranodeTransport:
             CUDA device, or ``"cpu"``.
 
     Raises:
-        ValueError: more than 16 ranks, or a device that is neither CUDA nor CPU.
+        ValueError: more than 16 ranks, hidden, num_topk or element_bytes out of range, or a
+            device that is neither CUDA nor CPU; TypeError: config is no Config.
 
     Collective: every rank constructs it together (allocation, handle exchange).
     """
@@ -673,8 +700,8 @@ class IntranodeTransport:
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
         self.group, self.rank, self.world_size = group, rank, world_size
+        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
         self.config = config or Config()
-        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
         on_gpu = self.device.type == "cuda"
         self._own = _CudaIpcBuffer(self.layout, self.device) if on_gpu else _SharedMemoryBuffer(self.layout)

@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from ..config import ERROR_RECORD_INTS, MAX_TOPK, Config, buffer_layout, max_slot_bytes
+from ..config import ERROR_RECORD_INTS, MAX_TOPK, Config, buffer_layout
 from ..validation import CommError
 from .cuda import (
     COMBINE_DTYPES,
@@ -45,6 +45,7 @@ from .cuda import (
     _ext,
     _Launcher,
     _loopback_device,
+    _slot_bytes,
     _prepare_world,
     _ptr,
     _rank_results,
@@ -465,11 +466,11 @@ class InternodeLoopback:
             raise ValueError(f"num_topk must be in [1, {MAX_TOPK}], got {num_topk!r}")
         self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
         self.world_size = num_nodes * ranks_per_node
+        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
         self.config = config or Config()
         check_rdma_config(self.config)
         self.device, backend = _loopback_device(device)
         timeout = default_timeout_s(timeout_s)
-        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         self.rdma_layout = rdma_layout(num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
         self.nvl_layout = buffer_layout(ranks_per_node, self.config.num_channels, self.config.num_slots, slot_bytes)
         zeros = lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device)  # noqa: E731

@@ -107,10 +107,7 @@ class KernelTransport:
         if topology.world_size > MAX_RANKS:
             raise ValueError(f"transport='cuda' serves EP groups of at most {MAX_RANKS} ranks on one node (an NVLink "
                              f"domain), this one has {topology.world_size}; use transport='torch_dist'")
-        try:
-            self.config = Config(num_sms=num_sms) if num_sms is not None else Config()
-        except ValueError as err:
-            raise ValueError(f"num_sms={num_sms!r} with transport='cuda': {err}") from err
+        self.config = Config(num_sms=num_sms) if num_sms is not None else Config()  # the Buffer checked num_sms
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
         # The argument checks and progress records are the torch_dist transport's; its
         # comm-thread group also carries the kernels' handle exchange.

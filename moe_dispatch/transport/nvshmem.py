@@ -24,8 +24,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..config import ERROR_RECORD_INTS, Config, max_slot_bytes
-from .cuda import IntranodeTransport, _ext, _map_peers, _prepare, _SharedMemoryBuffer, default_timeout_s
+from ..config import ERROR_RECORD_INTS, Config
+from .cuda import (
+    IntranodeTransport,
+    _ext,
+    _map_peers,
+    _prepare,
+    _SharedMemoryBuffer,
+    _slot_bytes,
+    default_timeout_s,
+)
 from .internode import (
     InternodeDispatch,
     InternodeHandle,
@@ -130,6 +138,7 @@ class InternodeTransport:
         world_size = dist.get_world_size(group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
+        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
         self.config = config or Config()
         check_rdma_config(self.config)
         C = _ext()
@@ -138,7 +147,6 @@ class InternodeTransport:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         on_gpu = self.device.type == "cuda"
         timeout = default_timeout_s(timeout_s)
-        slot_bytes = max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
         layout = rdma_layout(self.num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
         # Every rank creates every node group, in the same order (new_group is collective).
         node = rank // ranks_per_node
