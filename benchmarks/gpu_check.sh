@@ -82,9 +82,11 @@ fi
 
 # Build in place (no install into the machine's environment): the extension lands beside the
 # package sources, which PYTHONPATH then exposes.
-if [[ "$DRY_RUN" == 0 ]]; then export MOE_DISPATCH_REQUIRE_CUDA=1; fi
-# Only the architecture of the GPU at hand (sm_90 on an H200): half the compile time of the default list.
-export MOE_DISPATCH_CUDA_ARCHS="${MOE_DISPATCH_CUDA_ARCHS:-90}"
+# On the GPU: only the architecture at hand (sm_90 on an H200), half the compile time of the
+# default list. A dry run keeps the default list: its in-place build replaces the checkout's own.
+if [[ "$DRY_RUN" == 0 ]]; then
+  export MOE_DISPATCH_REQUIRE_CUDA=1 MOE_DISPATCH_CUDA_ARCHS="${MOE_DISPATCH_CUDA_ARCHS:-90}"
+fi
 step build 300 "$PY" setup.py -q build_ext --inplace
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step env 60 "$PY" -m moe_dispatch.env
