@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import autograd
-from .config import num_sms_error
+from .config import Config, num_sms_error
 from .layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
 from .quant import check_fp8_pair
 from .topology import Topology
@@ -177,19 +177,26 @@ class Buffer:
             its multi-process GPU path has not run on GPUs yet.
         num_sms: SM budget of the CUDA kernels (an even int, two per channel), None = the
             default ``Config``. The torch_dist transport launches no kernels and ignores it.
+        config: the CUDA kernels' whole launch shape and queue sizes, a
+            :class:`moe_dispatch.config.Config` (``num_sms``, ring depth ``num_slots``,
+            ``chunk_tokens``, ``l2_discard``); None = ``Config(num_sms=num_sms)``. Pass
+            ``num_sms`` or ``config``, not both. The torch_dist transport ignores it.
         timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
             others raise ``CommError`` naming the operation and the peers instead of hanging.
 
     Raises:
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
-            num_sms/timeout_s, transport="cuda" for a group spanning nodes.
+            num_sms/timeout_s, both num_sms and config, transport="cuda" for a group spanning
+            nodes.
+        TypeError: config is not a Config.
         RuntimeError: transport="cuda" without the built extension.
 
     Collective: every rank of ``group`` must construct its Buffer together.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, ranks_per_node: int | None = None,
-                 transport: str = "auto", num_sms: int | None = None, timeout_s: float = 300.0):
+                 transport: str = "auto", num_sms: int | None = None, timeout_s: float = 300.0,
+                 config: Config | None = None):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -206,6 +213,14 @@ class Buffer:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
             raise ValueError(f"num_sms {error}, or None for the default")
+        if config is not None:
+            if not isinstance(config, Config):
+                raise TypeError(f"config must be a moe_dispatch.config.Config or None, got {type(config).__name__}")
+            if num_sms is not None:
+                raise ValueError(f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: "
+                                 "pass one")
+        elif num_sms is not None:
+            config = Config(num_sms=num_sms)
         check_timeout_s(timeout_s)
         backend = str(dist.get_backend(self.group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
@@ -215,11 +230,11 @@ class Buffer:
         else:
             self.transport_reason = "requested"
         self.transport_name = transport
-        self.num_sms = num_sms
+        self.num_sms = config.num_sms if config is not None else None
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
         if transport == "cuda":
-            self._transport = KernelTransport(self.group, self.topology, self.timeout_s, num_sms, self.device)
+            self._transport = KernelTransport(self.group, self.topology, self.timeout_s, config or Config(), self.device)
         else:
             self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
         self._seq = 0  # operations issued, the same count on every rank (they are collective)

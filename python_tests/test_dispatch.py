@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moe_dispatch import Buffer, _ext, reference
+from moe_dispatch.config import Config
 
 from .worlds import assert_case, run_cases, world_results
 
@@ -339,8 +340,31 @@ def _mixed_operations(rank, world_size, buf):
     assert out.shape == x.shape
 
 
+def _config_reaches_the_kernels(rank, world_size, buf):
+    """Buffer(config=...) launches the kernels with that Config: with one-slot rings whose
+    slots are discarded after each read (l2_discard: poisoned on the CPU backend), dispatch and
+    combine still equal the oracle."""
+    del buf
+    config = Config(num_sms=2, num_slots=1, chunk_tokens=1, l2_discard=True)
+    shallow = Buffer(transport="cuda", config=config, timeout_s=60)
+    try:
+        assert shallow._transport.config is config and shallow.num_sms == 2
+        num_tokens = [9 - r for r in range(world_size)]
+        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=34)
+        xs = make_x(num_tokens, 192, torch.bfloat16, seed=34)
+        recv_x, _, recv_w, *_, handle, _ = shallow.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+        refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
+        assert torch.equal(recv_x, refs[rank].recv_x) and torch.equal(recv_w, refs[rank].recv_topk_weights)
+        ys = [torch.randn(r.recv_x.shape[0], 192, generator=torch.Generator().manual_seed(i)).bfloat16()
+              for i, r in enumerate(refs)]
+        out, _ = shallow.combine(ys[rank], handle)
+        assert torch.equal(out, reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0])
+    finally:
+        shallow.close()
+
+
 KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
-                "mixed-operations": _mixed_operations}
+                "mixed-operations": _mixed_operations, "config-reaches-the-kernels": _config_reaches_the_kernels}
 
 
 def _kernel_entry(rank, world_size):

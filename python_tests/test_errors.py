@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_dispatch import Buffer, CommError
+from moe_dispatch.config import Config
 
 from .worlds import assert_case, run_cases, world_results
 
@@ -82,6 +83,11 @@ def _bad_input_cases(buf: Buffer) -> dict:
         "ranks-per-node-not-divisor": lambda: _raises(ValueError, r"ranks_per_node must divide the world size 2, "
                                                                   r"got ranks_per_node=3",
                                                       lambda: Buffer(ranks_per_node=3)),
+        "config-type": lambda: _raises(TypeError, r"config must be a moe_dispatch.config.Config or None, got dict",
+                                       lambda: Buffer(config={"num_sms": 4})),
+        "num-sms-and-config": lambda: _raises(ValueError, r"num_sms=4 and config \(num_sms=8\) both set the SM budget: "
+                                                          r"pass one",
+                                              lambda: Buffer(num_sms=4, config=Config(num_sms=8))),
         "num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\].*got 0",
                                    lambda: Buffer(num_sms=0)),
         "timeout": lambda: _raises(ValueError, r"timeout_s must be a positive, finite number of seconds .*got -1",

@@ -80,11 +80,11 @@ class KernelTransport:
         group: the EP process group (NCCL with CUDA tensors, gloo with CPU tensors).
         topology: this rank's place; must be one node.
         timeout_s: bound of every wait (kernels and the argument checks).
-        num_sms: SMs per launch (``Config.num_sms``; None: the default).
+        config: the kernels' launch shape and queue sizes (the Buffer checked it).
         device: the Buffer's device.
 
     Raises:
-        ValueError: more than one node, or a bad ``num_sms``.
+        ValueError: more than one node, or more ranks than the kernels serve.
         RuntimeError: the extension is not built.
 
     Collective: every rank of ``group`` constructs it together.
@@ -92,7 +92,7 @@ class KernelTransport:
 
     plans_on_comm_thread = True
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_sms: int | None,
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config,
                  device: torch.device):
         if topology.num_nodes != 1:
             raise ValueError(f"transport='cuda' runs the intranode kernels, for an EP group on one node, but this one "
@@ -107,7 +107,7 @@ class KernelTransport:
         if topology.world_size > MAX_RANKS:
             raise ValueError(f"transport='cuda' serves EP groups of at most {MAX_RANKS} ranks on one node (an NVLink "
                              f"domain), this one has {topology.world_size}; use transport='torch_dist'")
-        self.config = Config(num_sms=num_sms) if num_sms is not None else Config()  # the Buffer checked num_sms
+        self.config = config
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
         # The argument checks and progress records are the torch_dist transport's; its
         # comm-thread group also carries the kernels' handle exchange.
