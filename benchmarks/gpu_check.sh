@@ -11,8 +11,9 @@
 #   --dry-run     build + the CPU-quick tests only: checks the script itself on a CPU machine
 #   --budget-s S  whole-script bound in seconds (default 540, inside the device tool's 600 s per call)
 #   --steps LIST  only these steps, comma-separated (wheels, build and env always run): a short
-#                 rerun of what failed, e.g. --steps tests_kernels,tests_rest; a name that is no
-#                 step of the mode is reported and fails the run
+#                 rerun of what failed, e.g. --steps tests_kernels,tests_rest; a name this run
+#                 has no step of (a typo, an ncu step without ncu) is reported at the end and
+#                 fails the run
 #
 # Every step is bounded by its own limit and by what is left of the budget; a failing or
 # skipped step is recorded and the script goes on, so one call always ends with the summary.
@@ -38,7 +39,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ -n "$OUT" ]] || { echo "gpu_check.sh: --out DIR is required" >&2; exit 2; }
-[[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget-s must be a whole number of seconds, got '$BUDGET_S'" >&2; exit 2; }
+[[ "$BUDGET_S" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: --budget-s must be a whole number of seconds, got '$BUDGET_S'" >&2; exit 2; }
+[[ "$STEPS" =~ ^[a-z0-9_,]*$ ]] || { echo "gpu_check.sh: --steps must be step names separated by commas, got '$STEPS'" >&2; exit 2; }
 mkdir -p "$OUT"
 [[ -z "$WHEELS" && -d .whl ]] && WHEELS=.whl
 PY="${PYTHON:-python3}"
@@ -163,8 +165,9 @@ fi
 
 for name in ${STEPS//,/ }; do
   if [[ "$SEEN_STEPS" != *",$name,"* ]]; then
-    echo "gpu_check.sh: --steps names '$name', which is no step of this mode (dry_run=$DRY_RUN): ${SEEN_STEPS:1:-1}" >&2
-    printf '%s\t%s\t%s\t%s\n' "$name" "UNKNOWN" 0 "not a step of this mode" >> "$SUMMARY"
+    echo "gpu_check.sh: --steps names '$name', which this run has not (dry_run=$DRY_RUN, this machine's tools):" \
+         "${SEEN_STEPS:1:-1}" >&2
+    printf '%s\t%s\t%s\t%s\n' "$name" "UNKNOWN" 0 "no such step in this run" >> "$SUMMARY"
     FAILED=1
   fi
 done

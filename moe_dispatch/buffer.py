@@ -175,12 +175,13 @@ class Buffer:
             EP group on one node; with a gloo group they run on CPU tensors through the
             kernels' CPU backend (the same protocol code; how the tests check it). Opt-in:
             its multi-process GPU path has not run on GPUs yet.
-        num_sms: SM budget of the CUDA kernels (an even int, two per channel), None = the
-            default ``Config``. The torch_dist transport launches no kernels and ignores it.
+        num_sms: SM budget of the CUDA kernels (an even int in [2, 128], two per channel; checked
+            on every transport, used by ``"cuda"`` only), None = the default ``Config``.
         config: the CUDA kernels' whole launch shape and queue sizes, a
             :class:`moe_dispatch.config.Config` (``num_sms``, ring depth ``num_slots``,
-            ``chunk_tokens``, ``l2_discard``); None = ``Config(num_sms=num_sms)``. Pass
-            ``num_sms`` or ``config``, not both. The torch_dist transport ignores it.
+            ``chunk_tokens``, ``l2_discard``); None = ``Config(num_sms=num_sms)``, or ``Config()``
+            when ``num_sms`` is None too. Pass ``num_sms`` or ``config``, not both. Used by
+            ``transport="cuda"`` only.
         timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
             others raise ``CommError`` naming the operation and the peers instead of hanging.
 

@@ -182,9 +182,12 @@ def test_bench_rejects_bad_sizes():
         bench.main(["--world-size", "6", "--ranks-per-node", "4"])
     with pytest.raises(SystemExit):
         bench.main(["--timeout-s", "0"])
-    for flag in ("--world-size", "--ranks-per-node"):  # 0 is an error, not "the default"
+
+def test_bench_zero_ranks_is_an_error_not_the_default(capsys):
+    for flag in ("--world-size", "--ranks-per-node"):
         with pytest.raises(SystemExit):
-            bench.main([flag, "0"])
+            bench._parse_args([flag, "0"], None)
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_bench_layout_names_nodes_and_warns_when_a_node_spans_hosts():

@@ -353,6 +353,7 @@ def _config_reaches_the_kernels(rank, world_size, buf):
         idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=34)
         xs = make_x(num_tokens, 192, torch.bfloat16, seed=34)
         recv_x, _, recv_w, *_, handle, _ = shallow.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+        assert shallow._transport._kernels.engine.config is config  # what the launches read
         refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
         assert torch.equal(recv_x, refs[rank].recv_x) and torch.equal(recv_w, refs[rank].recv_topk_weights)
         ys = [torch.randn(r.recv_x.shape[0], 192, generator=torch.Generator().manual_seed(i)).bfloat16()

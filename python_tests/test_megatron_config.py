@@ -156,6 +156,14 @@ def test_validate_config_catches_a_hand_set_backend():
     mdm.validate_config(_config())  # other backends: untouched
 
 
+def test_validate_config_checks_a_hand_set_sm_budget():
+    cfg = mdm.configure(_config())
+    setattr(cfg, compat.num_sms_attr(), 21)  # set on the config by hand, or for another flex backend
+    with pytest.raises(ValueError, match=rf"{compat.num_sms_attr()} \(the SM budget .*\) must be an even int in "
+                                         r"\[2, 128\].*got 21"):
+        mdm.validate_config(cfg)
+
+
 def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     def max_connections_warnings(**fields):
         cfg = _config()

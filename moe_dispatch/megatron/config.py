@@ -164,7 +164,8 @@ def validate_config(config) -> None:
             overlap with pipeline parallelism and no virtual pipeline;
             shared-expert overlap together with EP overlap; delay_wgrad_compute without EP
             overlap; a Megatron knob this backend replaces (capacity padding, router padding,
-            moe_expert_rank_capacity_factor) or does not support.
+            moe_expert_rank_capacity_factor) or does not support; an SM budget
+            (moe_flex_dispatcher_num_sms) that is not an even int in [2, 128].
 
     Warns:
         UserWarning: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` while EP overlap is on (the hardware
@@ -194,6 +195,10 @@ def validate_config(config) -> None:
         raise ValueError(
             f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}: each EP rank owns "
             f"num_moe_experts / EP experts; choose num_moe_experts as a multiple of {ep}")
+    num_sms = resolve_num_sms(config)
+    if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
+        raise ValueError(f"{compat.num_sms_attr()} (the SM budget the 'custom' backend's Buffer gets) {error}; set it "
+                         "so, or to None for the default (configure(config, num_sms=...) does)")
     rpn = get_options(config).ranks_per_node
     if rpn is not None and ep % rpn != 0:
         raise ValueError(

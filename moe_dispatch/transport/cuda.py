@@ -130,15 +130,15 @@ def _loopback_device(device: torch.device | str) -> tuple[torch.device, str]:
     return device, "cuda" if device.type == "cuda" else "cpu"
 
 
-def _slot_bytes(hidden: int, num_topk: int, element_bytes: int, config: Config | None) -> int:
-    """The slot size of a buffer for rows up to ``hidden`` x ``element_bytes`` and ``num_topk``;
-    checks the constructor arguments both harnesses share."""
+def _slot_bytes(hidden: int, num_topk: int, element_bytes: int, config: Config | None, *, min_topk: int = 0) -> int:
+    """The slot size of a buffer for rows up to ``hidden`` x ``element_bytes`` and ``num_topk``
+    (at least ``min_topk``); checks the constructor arguments the transports share."""
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a moe_dispatch.config.Config or None, got {type(config).__name__}")
     if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
         raise ValueError(f"hidden must be a positive int (the largest row to move, in elements), got {hidden!r}")
-    if not isinstance(num_topk, int) or isinstance(num_topk, bool) or not 0 <= num_topk <= MAX_TOPK:
-        raise ValueError(f"num_topk must be an int in [0, {MAX_TOPK}], got {num_topk!r}")
+    if not isinstance(num_topk, int) or isinstance(num_topk, bool) or not min_topk <= num_topk <= MAX_TOPK:
+        raise ValueError(f"num_topk must be an int in [{min_topk}, {MAX_TOPK}], got {num_topk!r}")
     if element_bytes not in (2, 4):
         raise ValueError(f"element_bytes must be 2 (bf16/fp16 rows) or 4 (fp32 rows), got {element_bytes!r}")
     return max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
@@ -441,8 +441,8 @@ def _notify(engine: _Engine, inputs: list[_Input], experts_per_rank: int, *, num
     num_channels = _check_num_sms(num_sms, engine.config)
     if num_worst_tokens is not None and (not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool)
                                          or num_worst_tokens < 0):
-        raise ValueError(f"num_worst_tokens must be None or an int >= 0 (None or 0: no budget, the host reads the "
-                         f"receive count, as in Buffer.dispatch), got {num_worst_tokens!r}")
+        raise ValueError(f"num_worst_tokens must be None or an int >= 0 (None, or 0 as in Buffer.dispatch: no "
+                         f"budget, the host reads the receive count), got {num_worst_tokens!r}")
     budget = int(num_worst_tokens) if num_worst_tokens else -1
     prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
     counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
@@ -684,7 +684,8 @@ class IntranodeTransport:
 
     Raises:
         ValueError: more than 16 ranks, hidden, num_topk or element_bytes out of range, or a
-            device that is neither CUDA nor CPU; TypeError: config is no Config.
+            device that is neither CUDA nor CPU; TypeError: config is no Config; RuntimeError:
+            a CUDA device without a GPU.
 
     Collective: every rank constructs it together (allocation, handle exchange).
     """
@@ -696,9 +697,7 @@ class IntranodeTransport:
         world_size = dist.get_world_size(group)
         if world_size > MAX_RANKS:
             raise ValueError(f"the intranode kernels serve at most {MAX_RANKS} ranks, the group has {world_size}")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
+        self.device, _ = _loopback_device("cuda" if device is None else device)
         self.group, self.rank, self.world_size = group, rank, world_size
         slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
         self.config = config or Config()

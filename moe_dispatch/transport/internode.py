@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from ..config import ERROR_RECORD_INTS, MAX_TOPK, Config, buffer_layout
+from ..config import ERROR_RECORD_INTS, Config, buffer_layout
 from ..validation import CommError
 from .cuda import (
     COMBINE_DTYPES,
@@ -450,7 +450,9 @@ class InternodeLoopback:
         timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
 
     Raises:
-        ValueError: shapes out of range; RuntimeError: the extension is not built.
+        ValueError: shapes out of range (num_topk in [1, 32]), or a device that is neither CUDA
+            nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device without a GPU,
+            or the extension is not built.
     """
 
     def __init__(self, num_nodes: int, ranks_per_node: int, hidden: int, num_topk: int, *,
@@ -462,11 +464,9 @@ class InternodeLoopback:
         if num_nodes * ranks_per_node > MAX_LOOPBACK_RANKS:
             raise ValueError(f"loopback simulates at most {MAX_LOOPBACK_RANKS} ranks, got {num_nodes} x "
                              f"{ranks_per_node}")
-        if not 1 <= num_topk <= MAX_TOPK:
-            raise ValueError(f"num_topk must be in [1, {MAX_TOPK}], got {num_topk!r}")
         self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
         self.world_size = num_nodes * ranks_per_node
-        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
+        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config, min_topk=1)
         self.config = config or Config()
         check_rdma_config(self.config)
         self.device, backend = _loopback_device(device)

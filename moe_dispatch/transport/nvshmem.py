@@ -30,6 +30,7 @@ from .cuda import (
     _ext,
     _map_peers,
     _prepare,
+    _loopback_device,
     _SharedMemoryBuffer,
     _slot_bytes,
     default_timeout_s,
@@ -128,6 +129,12 @@ class InternodeTransport:
         timeout_s: bound of every wait inside the kernels.
         device: None (the current CUDA device), a CUDA device, or ``"cpu"``.
 
+    Raises:
+        ValueError: ranks_per_node not dividing W, hidden, num_topk (in [1, 32]) or
+            element_bytes out of range, a Config the RDMA stage cannot use, or a device that is
+            neither CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device
+            without a GPU, or the extension is not built.
+
     Collective: every rank constructs it together (NVSHMEM init or shared memory, the node
     groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
     """
@@ -138,13 +145,13 @@ class InternodeTransport:
         world_size = dist.get_world_size(group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
-        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
+        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config, min_topk=1)
         self.config = config or Config()
         check_rdma_config(self.config)
+        self.device, _ = _loopback_device("cuda" if device is None else device)  # before anything collective
         C = _ext()
         self.group, self.rank, self.world_size = group, rank, world_size
         self.num_nodes, self.ranks_per_node = world_size // ranks_per_node, ranks_per_node
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         on_gpu = self.device.type == "cuda"
         timeout = default_timeout_s(timeout_s)
         layout = rdma_layout(self.num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
