@@ -31,6 +31,7 @@ from loopback_bench import (
     add_run_args,
     add_shapes_arg,
     cached_cases,
+    cell,
     launch_device,
     make_inputs,
     print_rows,
@@ -105,11 +106,10 @@ def bench_world(shape: Shape, num_nodes: int, ranks_per_node: int, num_sms_list:
 
 
 def print_table(rows: list[Row]) -> None:
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print_rows("internode loopback", ["shape", "world", "sms", "op", "median us", "p20-p80 us", "GB/s", "vs copy",
                                       "xnode GB/s/rank", "xnode/bound"],
                [[r.shape, r.world, str(r.num_sms), r.op, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}",
-                 f"{r.gbps:.1f}", fmt(r.vs_copy, ".2f"), fmt(r.xnode_gbps_per_rank, ".1f"), fmt(r.xnode_vs_bound, ".2f")]
+                 f"{r.gbps:.1f}", cell(r.vs_copy, ".2f"), cell(r.xnode_gbps_per_rank, ".1f"), cell(r.xnode_vs_bound, ".2f")]
                 for r in rows])
 
 

@@ -47,6 +47,7 @@ from loopback_bench import (
     add_run_args,
     add_shapes_arg,
     cached_cases,
+    cell,
     launch_device,
     make_inputs,
     print_rows,
@@ -122,12 +123,11 @@ def bench_shape(shape: Shape, world_size: int, rings: str, l2_discard: bool, num
 
 
 def print_table(rows: list[Row]) -> None:
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print_rows("intranode loopback", ["shape", "W", "rings", "l2 discard", "sms", "op", "median us", "p20-p80 us",
                                       "GB/s", "vs copy", "vs 2-hop", "goal"],
                [[r.shape, str(r.world_size), r.rings, ("on" if r.l2_discard else "off") if r.num_sms else "-",
                  str(r.num_sms), r.op, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}", f"{r.gbps:.1f}",
-                 fmt(r.vs_copy, ".2f"), fmt(r.vs_two_hop, ".2f"), r.goal] for r in rows])
+                 cell(r.vs_copy, ".2f"), cell(r.vs_two_hop, ".2f"), r.goal] for r in rows])
 
 
 def print_discard_ratios(rows: list[Row]) -> None:

@@ -147,6 +147,11 @@ def shapes_for(args, device: torch.device) -> list[Shape]:
     return [SHAPES[s] for s in (args.shapes or (["deepseek-v3", "gpt-oss"] if device.type == "cuda" else ["tiny"]))]
 
 
+def cell(value: float | None, spec: str) -> str:
+    """A table cell: ``value`` formatted by ``spec``, or "-" for None."""
+    return "-" if value is None else format(value, spec)
+
+
 def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
     """A table of formatted cells, titled: rich (the machine's own package) when installed, else
     plain lines. No vertical rules: gpu_check.sh's summary picks rows by whitespace columns."""

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import autograd
-from .config import Config, num_sms_error
+from .config import Config, check_config, num_sms_error
 from .layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
 from .quant import check_fp8_pair
 from .topology import Topology
@@ -214,9 +214,8 @@ class Buffer:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
             raise ValueError(f"num_sms {error}, or None for the default")
+        check_config(config)
         if config is not None:
-            if not isinstance(config, Config):
-                raise TypeError(f"config must be a moe_dispatch.config.Config or None, got {type(config).__name__}")
             if num_sms is not None:
                 raise ValueError(f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: "
                                  "pass one")

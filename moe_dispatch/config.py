@@ -100,6 +100,13 @@ def num_sms_error(num_sms) -> str | None:
     return None
 
 
+def check_config(config) -> None:
+    """Raises TypeError unless ``config`` is a :class:`Config` or None (Buffer and the
+    transports take one)."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a moe_dispatch.config.Config or None, got {type(config).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch shape and queue sizes of the intranode kernels.

@@ -45,7 +45,16 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from ..config import ERROR_RECORD_INTS, MAX_RANKS, MAX_TOPK, Config, buffer_layout, max_slot_bytes, slot_layout
+from ..config import (
+    ERROR_RECORD_INTS,
+    MAX_RANKS,
+    MAX_TOPK,
+    Config,
+    buffer_layout,
+    check_config,
+    max_slot_bytes,
+    slot_layout,
+)
 from ..validation import CommError
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
@@ -133,8 +142,7 @@ def _loopback_device(device: torch.device | str) -> tuple[torch.device, str]:
 def _slot_bytes(hidden: int, num_topk: int, element_bytes: int, config: Config | None, *, min_topk: int = 0) -> int:
     """The slot size of a buffer for rows up to ``hidden`` x ``element_bytes`` and ``num_topk``
     (at least ``min_topk``); checks the constructor arguments the transports share."""
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"config must be a moe_dispatch.config.Config or None, got {type(config).__name__}")
+    check_config(config)
     if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
         raise ValueError(f"hidden must be a positive int (the largest row to move, in elements), got {hidden!r}")
     if not isinstance(num_topk, int) or isinstance(num_topk, bool) or not min_topk <= num_topk <= MAX_TOPK:

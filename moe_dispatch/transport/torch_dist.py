@@ -561,9 +561,8 @@ class TorchDistTransport:
         bounds = [0, *itertools.accumulate(sum(chunk.s2_recv_splits) for chunk in chunks)]
 
         def send2(c):
-            if arrival is None:  # in arrival order already (one chunk)
-                return _pack([(t, None) for t in payload])
-            return _pack([(t, arrival[bounds[c]:bounds[c + 1]]) for t in payload])
+            index = None if arrival is None else arrival[bounds[c]:bounds[c + 1]]  # None: in arrival order already
+            return _pack([(t, index) for t in payload])
 
         def forwarder_sums(chunk, back2):
             back2 = _fields(back2, specs)
