@@ -59,7 +59,7 @@ from loopback_bench import (
 )
 
 from moe_dispatch.config import Config
-from moe_dispatch.transport.cuda import Loopback
+from moe_dispatch.transport.intranode import Loopback
 
 GOAL_VS_COPY = 0.85
 GOAL_MAX_SMS = 16

@@ -41,11 +41,11 @@ from typing import Callable
 
 import torch
 
-from moe_dispatch import permute as permute_mod
-from moe_dispatch import quant as quant_mod
-from moe_dispatch.layout import get_dispatch_layout, get_dispatch_layout_triton, topk_to_routing_map
-from moe_dispatch.permute import make_permute_handle, permute, permute_rows_triton, unpermute
-from moe_dispatch.quant import per_token_cast_back, per_token_cast_to_fp8
+from moe_dispatch.ops import permute as permute_mod
+from moe_dispatch.ops import quant as quant_mod
+from moe_dispatch.ops.layout import get_dispatch_layout, get_dispatch_layout_triton, topk_to_routing_map
+from moe_dispatch.ops.permute import make_permute_handle, permute, permute_rows_triton, unpermute
+from moe_dispatch.ops.quant import per_token_cast_back, per_token_cast_to_fp8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.launch import launch_ranks, retain_freed_memory
+from moe_dispatch.testing.launch import launch_ranks, retain_freed_memory
 
 MODES = ("off", "on", "comm")
 

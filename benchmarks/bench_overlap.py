@@ -44,9 +44,10 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from moe_dispatch import Buffer, routing
-from moe_dispatch.env import source_commit
-from moe_dispatch.launch import launch_ranks, retain_freed_memory
+from moe_dispatch import Buffer
+from moe_dispatch.testing import routing
+from moe_dispatch.tools.env import source_commit
+from moe_dispatch.testing.launch import launch_ranks, retain_freed_memory
 
 GOAL_HIDDEN = 0.70
 MODES = ("comm", "compute", "off", "on", "static")

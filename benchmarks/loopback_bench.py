@@ -14,7 +14,7 @@ import time
 import torch
 
 from moe_dispatch import _ext
-from moe_dispatch.quant import per_token_cast_to_fp8
+from moe_dispatch.ops.quant import per_token_cast_to_fp8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
-from moe_dispatch.launch import launch_ranks
+from moe_dispatch.testing.launch import launch_ranks
 
 DISPATCHERS = ("alltoall", "custom")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .validation import check_tensor
+from .semantics.validation import check_tensor
 
 NVSHMEM_HOST_LIB = "libnvshmem_host.so.3"
 

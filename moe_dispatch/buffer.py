@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from . import autograd
 from .config import Config, check_config, num_sms_error
-from .layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
-from .quant import check_fp8_pair
+from .ops.layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
+from .ops.quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
-from .validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
+from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 
 if TYPE_CHECKING:
     from .overlap import DelayedWgrad

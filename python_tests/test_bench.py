@@ -1,4 +1,4 @@
-"""The main job (``moe_dispatch.bench``) on a tiny CPU world, and the routing generators it runs on."""
+"""The main job (``moe_dispatch.tools.bench``) on a tiny CPU world, and the routing generators it runs on."""
 
 import json
 import statistics
@@ -6,7 +6,8 @@ import statistics
 import pytest
 import torch
 
-from moe_dispatch import bench, routing
+from moe_dispatch.testing import routing
+from moe_dispatch.tools import bench
 
 
 # -- routing ---------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import re
 import pytest
 import torch
 
-from moe_dispatch import Buffer, _ext, reference
+from moe_dispatch import Buffer, _ext
+from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config
 
 from .worlds import assert_case, run_cases, world_results
@@ -228,7 +229,7 @@ def _no_weights(rank, world_size, buf):
 
 def _fp8(rank, world_size, buf):
     """The fp8 tuple (x_fp8, scales) travels as one row: bits equal the oracle's, cached too."""
-    from moe_dispatch.quant import per_token_cast_to_fp8
+    from moe_dispatch.ops.quant import per_token_cast_to_fp8
 
     L = buf.topology.ranks_per_node
     num_tokens = [12 + r for r in range(world_size)]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import moe_dispatch
-from moe_dispatch import env
+from moe_dispatch.tools import env
 from moe_dispatch.transport import choose_transport
 
 PACKAGE_DIR = Path(moe_dispatch.__file__).resolve().parent
@@ -150,7 +150,7 @@ def test_nvcc_for_a_rebuild(tmp_path, monkeypatch):
 
 def test_report_flags_an_nvshmem_version_mismatch():
     """_C only loads with the NVSHMEM it was built against: the report says so when they differ."""
-    from moe_dispatch import env
+    from moe_dispatch.tools import env
 
     info = env.collect()
     info["nvshmem"]["package_version"] = "3.4.5"

@@ -273,7 +273,7 @@ def _ranks_per_node_entry(rank, world_size):
 def test_default_ranks_per_node_follows_where_ranks_run():
     """LOCAL_WORLD_SIZE=2: 4 ranks are 2 nodes x 2; a strided EP group (Megatron with TP=2) has
     one rank per node; uneven groups fall back to one node."""
-    from moe_dispatch.launch import spawn_world
+    from moe_dispatch.testing.launch import spawn_world
 
     results = spawn_world(4, _ranks_per_node_entry, env={"LOCAL_WORLD_SIZE": "2"}, timeout_s=120)
     assert results[0] == {"all": 2, "strided": 1, "one node": 2, "uneven": 3}
@@ -292,7 +292,7 @@ def test_gloo_world_sees_its_environment_and_no_gpu_from_the_first_import():
     """A gloo world is a CPU world also where a GPU is visible: CUDA_VISIBLE_DEVICES='' and any
     env= value hold before fn's module is imported (Megatron's import already asks CUDA for its
     devices, and CUDA reads the variable once)."""
-    from moe_dispatch.launch import spawn_world
+    from moe_dispatch.testing.launch import spawn_world
 
     for probe in spawn_world(2, _environment_entry, env={"MOE_DISPATCH_TEST_PROBE": "set"}, timeout_s=120):
         assert probe == ("set", "", False)

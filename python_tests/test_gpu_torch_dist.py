@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_dispatch import Buffer, reference
+from moe_dispatch import Buffer
+from moe_dispatch.semantics import reference
 
 from .test_dispatch import expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results

@@ -40,7 +40,9 @@ def test_package_and_subpackages_come_from_the_wheel():
     import moe_dispatch
 
     assert installed_location_problem() is None
-    for name in ("moe_dispatch", "moe_dispatch.transport", "moe_dispatch.megatron", "moe_dispatch.megatron.compat"):
+    for name in ("moe_dispatch", "moe_dispatch.transport", "moe_dispatch.megatron", "moe_dispatch.megatron.compat",
+                 "moe_dispatch.semantics.reference", "moe_dispatch.ops.permute", "moe_dispatch.testing.launch",
+                 "moe_dispatch.tools.env"):
         module = importlib.import_module(name)
         assert _in_site_packages(module.__file__), f"{name} imported from {module.__file__}"
     dist = importlib.metadata.distribution("moe-dispatch")

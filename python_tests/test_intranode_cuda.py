@@ -1,4 +1,4 @@
-"""The intranode transport (``moe_dispatch.transport.cuda``) against ``moe_dispatch.reference``.
+"""The intranode transport (``moe_dispatch.transport.intranode``) against ``moe_dispatch.reference``.
 
 CPU (wherever the extension is built): the byte layouts of the Python mirror equal the C++
 ones; the channel split is a partition; ``Config`` validates itself; and the protocol itself -
@@ -25,11 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_dispatch import _ext, reference
+from moe_dispatch import _ext
+from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layout
-from moe_dispatch.launch import spawn_world
-from moe_dispatch.quant import per_token_cast_to_fp8_reference
-from moe_dispatch.transport.cuda import (
+from moe_dispatch.testing.launch import spawn_world
+from moe_dispatch.ops.quant import per_token_cast_to_fp8_reference
+from moe_dispatch.transport.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
     IntranodeTransport,
@@ -522,12 +523,12 @@ def _failed_setup(rank, world_size):
     """Rank 1 cannot map its peer's buffer: every rank raises, and removes what it made."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport import cuda as cuda_transport
+    from moe_dispatch.transport import intranode as intranode_transport
 
     if rank == 1:
         def refuse(self, path):
             raise OSError(f"mapping {path} refused (test)")
-        cuda_transport._SharedMemoryBuffer.open = refuse
+        intranode_transport._SharedMemoryBuffer.open = refuse
     try:
         IntranodeTransport(dist.group.WORLD, rank, 64, 2, device="cpu", timeout_s=5,
                            config=Config(num_sms=2, num_slots=4, chunk_tokens=2))

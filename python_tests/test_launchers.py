@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from moe_dispatch.launch import free_port, local_device
+from moe_dispatch.testing.launch import free_port, local_device
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_TORCHRUN = REPO / "benchmarks" / "multinode" / "run_torchrun.sh"
@@ -130,7 +130,7 @@ def test_torchrun_dry_run_resolves_the_slurm_layout(fake_slurm, node_id):
         "2", "8", str(node_id), "gpu-07", "24242")
     assert _option(torchrun, "--rdzv-conf") == "timeout=300" and _option(torchrun, "--max-restarts") == "0"
     bench = torchrun[torchrun.index("-m", 6) + 1:]
-    assert bench == ["moe_dispatch.bench", "--models", "deepseek-v3", "--timeout-s", "300",
+    assert bench == ["moe_dispatch.tools.bench", "--models", "deepseek-v3", "--timeout-s", "300",
                      "--json", "bench_results/multinode/bench.json"]
 
 
@@ -204,7 +204,7 @@ def test_sbatch_dry_run_launches_torchrun_once_per_node(fake_slurm):
     assert _resolved(out, "run_torchrun")["NODE_RANK"] == "0"
     (node0,) = [c for c in _commands(out, "run_torchrun") if "torch.distributed.run" in c]
     assert _option(node0, "--node-rank") == "0" and _option(node0, "--nproc-per-node") == "8"
-    assert node0[node0.index("moe_dispatch.bench") + 1:] == [
+    assert node0[node0.index("moe_dispatch.tools.bench") + 1:] == [
         "--models", "qwen3-30b-a3b", "--timeout-s", "300", "--json", "/tmp/logs/bench.json"]
 
 
@@ -238,7 +238,7 @@ def test_local_device_refuses_more_ranks_than_gpus():
 # short for the next aligned one until freed blocks merge); the last three must not fault.
 _REFAULTS = """
 import resource, sys, threading, torch
-from moe_dispatch.launch import retain_freed_memory
+from moe_dispatch.testing.launch import retain_freed_memory
 how, where, mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if how == "retain":
     assert retain_freed_memory()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_dispatch.layout import (
+from moe_dispatch.ops.layout import (
     DispatchLayout,
     get_dispatch_layout,
     get_dispatch_layout_reference,

@@ -201,7 +201,7 @@ def _check_budget(ep: int, seed: int):
 
 def _check_raise_on_overflow(ep: int, seed: int):
     def case(rank, world_size):
-        from moe_dispatch.permute import PermuteOverflowError
+        from moe_dispatch.ops.permute import PermuteOverflowError
 
         d = _dispatcher(_config(ep, "custom", num_permuted_tokens=1, raise_on_overflow=True))
         x, routing_map, probs = _inputs(rank, seed)

@@ -304,7 +304,7 @@ def test_should_free_input_for_custom():
 def test_setup_metadata_compiles_without_graph_breaks():
     """Megatron wraps dispatch_preprocess (which calls setup_metadata) in torch.compile: the
     routing conversion must trace as one graph (no host synchronisation)."""
-    from moe_dispatch.layout import routing_map_to_topk
+    from moe_dispatch.ops.layout import routing_map_to_topk
 
     routing_map = torch.rand(12, 8) > 0.7
     probs = torch.rand(12, 8)

@@ -8,7 +8,7 @@ with a tolerance (see ``assert_sum_close``).
 import pytest
 import torch
 
-from moe_dispatch.permute import (
+from moe_dispatch.ops.permute import (
     PermuteHandle,
     PermuteOverflowError,
     check_permute_overflow,
@@ -312,7 +312,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_dispatch import layout as L, permute as P, quant as Q
+from moe_dispatch.ops import layout as L, permute as P, quant as Q
 
 def build(kernel, types, constexprs, num_warps):
     names = kernel.arg_names

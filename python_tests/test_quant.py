@@ -5,7 +5,7 @@ and the errors for unsupported shapes."""
 import pytest
 import torch
 
-from moe_dispatch.quant import (
+from moe_dispatch.ops.quant import (
     check_fp8_pair,
     per_token_cast_back,
     per_token_cast_back_reference,

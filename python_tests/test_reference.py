@@ -4,7 +4,7 @@ checked on random worlds without any process group."""
 import pytest
 import torch
 
-from moe_dispatch import reference
+from moe_dispatch.semantics import reference
 
 from .test_dispatch import make_routing
 
@@ -32,3 +32,16 @@ def test_rows_ordered_by_source_rank_then_token():
         assert torch.equal(key, key.sort().values)
         # every received row names a token that selected one of this rank's experts
         assert bool((r.recv_topk_idx >= 0).any(1).all())
+
+
+def test_public_paths_reexport_the_moved_modules():
+    """The paths users import keep working after the layout change (thin re-export modules)."""
+    import moe_dispatch.env
+    import moe_dispatch.launch
+    import moe_dispatch.reference
+    from moe_dispatch.testing import launch
+    from moe_dispatch.tools import env
+
+    assert moe_dispatch.reference.dispatch is reference.dispatch and moe_dispatch.reference.combine is reference.combine
+    assert moe_dispatch.launch.spawn_world is launch.spawn_world and moe_dispatch.launch.launch_ranks is launch.launch_ranks
+    assert moe_dispatch.env.main is env.main

@@ -166,7 +166,7 @@ def test_metadata_entry_point_and_build_commit(kind, request):
         build_info = wheel.read("moe_dispatch/_build_info.py").decode()
     assert re.search(r"^Name: moe-dispatch$", metadata, re.MULTILINE)
     assert re.search(rf"^Version: {re.escape(moe_dispatch.__version__)}$", metadata, re.MULTILINE), metadata[:500]
-    assert re.search(r"^moe-dispatch-bench = moe_dispatch\.bench:main$", entry_points, re.MULTILINE), entry_points
+    assert re.search(r"^moe-dispatch-bench = moe_dispatch\.tools\.bench:main$", entry_points, re.MULTILINE), entry_points
     recorded = {}
     exec(build_info, recorded)
     head = _head_commit()
@@ -190,7 +190,8 @@ def test_pure_wheel_is_py3_none_any_without_shared_objects(pure_wheel):
         names = wheel.namelist()
         wheel_file = wheel.read(f"moe_dispatch-{moe_dispatch.__version__}.dist-info/WHEEL").decode()
     assert not [n for n in names if n.endswith(".so")]
-    assert "moe_dispatch/megatron/__init__.py" in names and "moe_dispatch/transport/__init__.py" in names
+    for package in ("megatron", "transport", "semantics", "ops", "testing", "tools"):
+        assert f"moe_dispatch/{package}/__init__.py" in names, names
     assert "Root-Is-Purelib: true" in wheel_file and "Tag: py3-none-any" in wheel_file
     skip_lines = [line for line in log.splitlines() if "moe_dispatch: CUDA extension moe_dispatch._C skipped" in line]
     assert len(skip_lines) == 1, log[-3000:]
@@ -267,7 +268,7 @@ def test_runpath_finds_nvshmem_from_site_packages(cuda_wheel, extension_bytes, t
 INSTALLED_PROBE = """
 import json
 import moe_dispatch
-from moe_dispatch import env
+from moe_dispatch.tools import env
 print(json.dumps({"file": moe_dispatch.__file__, "report": env.collect()}))
 """
 

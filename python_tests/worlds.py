@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import traceback
 
-from moe_dispatch.launch import spawn_world
+from moe_dispatch.testing.launch import spawn_world
 
 
 def run_cases(rank: int, world_size: int, cases: dict, *args) -> dict[str, str | None]:

@@ -160,7 +160,7 @@ else
   TORCHRUN+=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-moe-dispatch-bench}"
              --rdzv-conf "join_timeout=$RDZV_TIMEOUT_S,read_timeout=$RDZV_TIMEOUT_S")
 fi
-TORCHRUN+=(-m moe_dispatch.bench "${BENCH_ARGS[@]}")
+TORCHRUN+=(-m moe_dispatch.tools.bench "${BENCH_ARGS[@]}")
 # timeout(1) bounds the whole node; torchrun passes its SIGTERM on to the ranks.
 CMD=(timeout --kill-after=30 "$WALL_S" "${TORCHRUN[@]}")
 ENV_CMD=(timeout 120 "$PY" -m moe_dispatch.env)

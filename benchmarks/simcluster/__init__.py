@@ -5,7 +5,7 @@ with ``tc`` (the slow inter-node network), while the ranks of one node talk over
 loopback (the fast intra-node fabric). Modules:
 
 - ``cluster``: :class:`SimCluster` (namespaces, links, rank processes, teardown, leftovers).
-- ``rank``: what each rank process runs (link probe + ``moe_dispatch.bench``, or the fault loop).
+- ``rank``: what each rank process runs (link probe + ``moe_dispatch.tools.bench``, or the fault loop).
 - ``faults``: the two fault scenarios (link cut during dispatch, rank killed during combine).
 - ``report``: summary table, goal line, JSON, PNG chart.
 - ``__main__``: the command line (``python -m benchmarks.simcluster --help``).

@@ -60,7 +60,7 @@ def _wait_for(path: pathlib.Path, cluster: SimCluster, timeout_s: float) -> dict
 
 def bench_one(num_nodes: int, args, console) -> dict:
     """The link probe and ``moe-dispatch-bench`` on one simulated cluster; returns its record."""
-    from moe_dispatch import bench
+    from moe_dispatch.tools import bench
 
     # The glibc settings moe-dispatch-bench gives its own CPU worlds (torchrun mode does not set them).
     malloc_env = getattr(bench, "CPU_MALLOC_ENV", {})
@@ -194,7 +194,7 @@ def cmd_cleanup(args, console) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from moe_dispatch import routing
+    from moe_dispatch.testing import routing
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.simcluster", description=(
         "A simulated multi-node cluster on one machine (network namespaces, tc-shaped inter-node links, "

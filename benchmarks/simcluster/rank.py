@@ -6,7 +6,7 @@
 ``python -m benchmarks.simcluster.rank bench [--probe-mb MB] -- <moe-dispatch-bench args>``
     measures the links (:func:`probe_links`: intra-node, then, once the harness has set the
     inter-node rate, inter-node), rank 0 writes ``probe.json`` to the run folder, then runs
-    the standalone benchmark ``moe_dispatch.bench.main`` unchanged (its torchrun mode) in a
+    the standalone benchmark ``moe_dispatch.tools.bench.main`` unchanged (its torchrun mode) in a
     fresh world on the next port.
 
 ``python -m benchmarks.simcluster.rank overlap -- <bench_overlap args>``
@@ -137,7 +137,7 @@ def bench_main(argv: list[str]) -> int:
     if args.probe_only:
         return 0
     os.environ["MASTER_PORT"] = str(port + 1)  # a fresh store for the benchmark's own world
-    from moe_dispatch import bench
+    from moe_dispatch.tools import bench
 
     return bench.main(bench_args)
 
@@ -164,7 +164,8 @@ def fault_main(argv: list[str]) -> int:
     parser.add_argument("--max-seconds", type=float, default=60.0)
     args = parser.parse_args(argv)
 
-    from moe_dispatch import Buffer, CommError, routing
+    from moe_dispatch import Buffer, CommError
+    from moe_dispatch.testing import routing
 
     torch.set_num_threads(1)
     rank, local_ranks = _env_int("RANK"), _env_int("LOCAL_WORLD_SIZE")

@@ -1,5 +1,5 @@
 """Summary of benchmark runs on simulated clusters of several sizes: a rich table, the goal line,
-the JSON file and a PNG bar chart. Figures come from ``moe_dispatch.bench``'s JSON, one per
+the JSON file and a PNG bar chart. Figures come from ``moe_dispatch.tools.bench``'s JSON, one per
 cluster, unchanged; the speed-up is flat / hierarchical, dispatch + combine medians."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from ..config import num_sms_error
-from ..validation import check_timeout_s
+from ..semantics.validation import check_timeout_s
 from . import compat
 
 BACKEND_NAME = "custom"

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
-from ..layout import routing_map_to_topk
-from ..permute import PermuteHandle, check_permute_overflow, permute, unpermute
+from ..ops.layout import routing_map_to_topk
+from ..ops.permute import PermuteHandle, check_permute_overflow, permute, unpermute
 from .config import get_options, resolve_fuse_permute, resolve_num_sms, resolve_pad_multiple, validate_config
 
 _BUFFERS: dict[tuple, Buffer] = {}

@@ -33,8 +33,8 @@ import dataclasses
 import torch
 
 from ..config import ERROR_RECORD_INTS, Config, buffer_layout
-from ..validation import CommError
-from .cuda import (
+from ..semantics.validation import CommError
+from .intranode import (
     COMBINE_DTYPES,
     _alloc_outputs,
     _check_combine,
@@ -333,7 +333,7 @@ def _dispatch(t: _Transport, inputs: list, num_experts: int, *, num_sms: int, ha
 
     # Stage 2: per node, one intranode operation per source node m over the forwarded rows.
     if fresh:
-        from ..layout import get_dispatch_layout
+        from ..ops.layout import get_dispatch_layout
 
         forward_in_rank = [get_dispatch_layout(s["topk_idx"], experts_per_node, L, L, validate=False)[3].contiguous()
                            for s in staged]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..config import MAX_RANKS, Config
 from ..topology import Topology
-from .cuda import (
+from .intranode import (
     COMBINE_DTYPES,
     IntranodeHandle,
     IntranodeTransport,

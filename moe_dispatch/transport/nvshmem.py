@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ERROR_RECORD_INTS, Config
-from .cuda import (
+from .intranode import (
     IntranodeTransport,
     _ext,
     _map_peers,

@@ -55,7 +55,7 @@ from ..config import (
     max_slot_bytes,
     slot_layout,
 )
-from ..validation import CommError
+from ..semantics.validation import CommError
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
 COOPERATIVE_ENV = "MOE_DISPATCH_COOPERATIVE"
@@ -320,9 +320,9 @@ def _check_num_sms(num_sms: int, config: Config) -> int:
 def _prepare(rank: int, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int,
              world_size: int, device: torch.device, validate: bool = True,
              handle: IntranodeHandle | None = None) -> _Input:
-    from ..layout import get_dispatch_layout
-    from ..quant import check_fp8_pair
-    from ..validation import check_hidden, check_topk_idx, check_topk_weights
+    from ..ops.layout import get_dispatch_layout
+    from ..ops.quant import check_fp8_pair
+    from ..semantics.validation import check_hidden, check_topk_idx, check_topk_weights
 
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -509,7 +509,7 @@ def _check_combine(ys: list[torch.Tensor], handles: list, row_scales: list[torch
                    device: torch.device, slot_bytes: int, slots: str = "the buffer's slots") -> tuple[int, torch.dtype, int]:
     """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
     handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
-    from ..validation import check_hidden
+    from ..semantics.validation import check_hidden
 
     if len(ys) != len(handles):
         raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .layout import _accumulate_hits, _block_prefix, _device_of, _next_pow2, resolve_backend
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, check_topk_idx
+from ..semantics.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, check_topk_idx
 
 _INT32_MAX = 2**31 - 1
 _FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)

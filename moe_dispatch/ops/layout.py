@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validation import INDEX_DTYPES, check_tensor, check_topk_idx
+from ..semantics.validation import INDEX_DTYPES, check_tensor, check_topk_idx
 
 
 def get_dispatch_layout_reference(

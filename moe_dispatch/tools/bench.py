@@ -1,6 +1,6 @@
 """The main job: dispatch + combine on routing shaped like real models, checked and timed.
 
-``moe-dispatch-bench`` (or ``python -m moe_dispatch.bench``). Without ``torchrun`` it spawns a
+``moe-dispatch-bench`` (or ``python -m moe_dispatch.tools.bench``). Without ``torchrun`` it spawns a
 CPU world (gloo, default 8 processes = 2 nodes x 4 ranks); under ``torchrun`` (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` set) each process is one rank, on NCCL when CUDA is there.
 
@@ -40,11 +40,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import reference, routing
-from .buffer import Buffer
+from ..semantics import reference
+from ..testing import routing
+from ..buffer import Buffer
 from .env import source_commit
-from .launch import launch_ranks, spawn_world
-from .layout import get_dispatch_layout_reference
+from ..testing.launch import launch_ranks, spawn_world
+from ..ops.layout import get_dispatch_layout_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GOAL_RATIO = 1.2  # goal figure: (ours dispatch + combine) / (flat dispatch + combine), medians

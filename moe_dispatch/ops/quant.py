@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .layout import _device_of, _next_pow2, resolve_backend
-from .validation import FLOAT_DTYPES, check_tensor
+from ..semantics.validation import FLOAT_DTYPES, check_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

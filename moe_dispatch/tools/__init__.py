@@ -1,0 +1,2 @@
+"""Command-line tools: :mod:`.bench` (``moe-dispatch-bench``) and :mod:`.env`
+(``python -m moe_dispatch.env``)."""
