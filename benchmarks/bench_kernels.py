@@ -43,6 +43,8 @@ import torch
 
 from moe_dispatch.ops import permute as permute_mod
 from moe_dispatch.ops import quant as quant_mod
+from moe_dispatch.semantics import permute as permute_reference
+from moe_dispatch.semantics import quant as quant_reference
 from moe_dispatch.ops.layout import get_dispatch_layout, get_dispatch_layout_triton, topk_to_routing_map
 from moe_dispatch.ops.permute import make_permute_handle, permute, permute_rows_triton, unpermute
 from moe_dispatch.ops.quant import per_token_cast_back, per_token_cast_to_fp8
@@ -210,7 +212,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
             ours_full = time_fn(lambda: permute(x, recv, probs, num_local_experts=num_local, backend=backend),
                                 device, args.warmup, args.iters)
             ours_rows = time_fn(lambda: permute_rows_triton(x, handle, probs) if device.type == "cuda"
-                                else permute_mod.permute_rows_reference(x, handle, probs),
+                                else permute_reference.permute_rows_reference(x, handle, probs),
                                 device, args.warmup, args.iters)
             mg = te = None
             if mu is not None:
@@ -276,7 +278,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
                                         args.iters), q_bytes, copy_gbps)
         add("quantize", "ours (ue8m0)", time_fn(lambda: per_token_cast_to_fp8(x, use_ue8m0=True, backend=backend),
                                                 device, args.warmup, args.iters), q_bytes, copy_gbps)
-        add("quantize", "torch reference", time_fn(lambda: quant_mod.per_token_cast_to_fp8_reference(x),
+        add("quantize", "torch reference", time_fn(lambda: quant_reference.per_token_cast_to_fp8_reference(x),
                                                    device, args.warmup, args.iters), q_bytes, copy_gbps)
         q, s = per_token_cast_to_fp8(x, backend=backend)
         add("dequantize", "ours", time_fn(lambda: per_token_cast_back(q, s, dtype, backend=backend), device,

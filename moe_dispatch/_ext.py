@@ -167,7 +167,7 @@ def get_dispatch_layout_cuda(
     topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routing layout computed by the CUDA kernel; same results as
-    :func:`moe_dispatch.layout.get_dispatch_layout_reference`.
+    :func:`moe_dispatch.semantics.layout.get_dispatch_layout_reference`.
 
     Runs on the current stream of ``topk_idx``'s device: asynchronous, no host synchronisation,
     CUDA-graph safe, not collective. Registered as the op ``moe_dispatch::get_dispatch_layout``

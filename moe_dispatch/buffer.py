@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from . import autograd
 from .config import Config, check_config, num_sms_error
-from .ops.layout import get_dispatch_layout, get_dispatch_layout_torch, is_token_in_rank_torch
+from .ops.layout import get_dispatch_layout
+from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .ops.quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORTS, choose_transport

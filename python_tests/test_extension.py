@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_dispatch import _ext
-from moe_dispatch.ops.layout import get_dispatch_layout_reference
+from moe_dispatch.semantics.layout import get_dispatch_layout_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

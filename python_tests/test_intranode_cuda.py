@@ -29,7 +29,7 @@ from moe_dispatch import _ext
 from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.testing.launch import spawn_world
-from moe_dispatch.ops.quant import per_token_cast_to_fp8_reference
+from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.transport.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,

@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 from moe_dispatch.ops.layout import (
     DispatchLayout,
     get_dispatch_layout,
-    get_dispatch_layout_reference,
     get_dispatch_layout_triton,
-    get_send_offsets_reference,
     resolve_backend,
     routing_map_to_topk,
     topk_to_routing_map,
 )
+from moe_dispatch.semantics.layout import get_dispatch_layout_reference, get_send_offsets_reference
 
 
 def random_topk(num_tokens, num_topk, num_experts, gen, drop=0.2, dtype=torch.int64):

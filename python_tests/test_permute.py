@@ -9,18 +9,20 @@ import pytest
 import torch
 
 from moe_dispatch.ops.permute import (
-    PermuteHandle,
     PermuteOverflowError,
     check_permute_overflow,
     make_permute_handle,
     permute,
-    permute_map_reference,
     permute_map_triton,
-    permute_rows_reference,
     permute_rows_triton,
     unpermute,
-    unpermute_rows_reference,
     unpermute_rows_triton,
+)
+from moe_dispatch.semantics.permute import (
+    PermuteHandle,
+    permute_map_reference,
+    permute_rows_reference,
+    unpermute_rows_reference,
 )
 
 HANDLE_TENSORS = ("row_id_map", "tokens_per_expert", "num_tokens_per_expert", "expert_offsets",

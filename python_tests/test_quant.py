@@ -8,12 +8,11 @@ import torch
 from moe_dispatch.ops.quant import (
     check_fp8_pair,
     per_token_cast_back,
-    per_token_cast_back_reference,
     per_token_cast_back_triton,
     per_token_cast_to_fp8,
-    per_token_cast_to_fp8_reference,
     per_token_cast_to_fp8_triton,
 )
+from moe_dispatch.semantics.quant import per_token_cast_back_reference, per_token_cast_to_fp8_reference
 
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")

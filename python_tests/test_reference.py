@@ -45,3 +45,25 @@ def test_public_paths_reexport_the_moved_modules():
     assert moe_dispatch.reference.dispatch is reference.dispatch and moe_dispatch.reference.combine is reference.combine
     assert moe_dispatch.launch.spawn_world is launch.spawn_world and moe_dispatch.launch.launch_ranks is launch.launch_ranks
     assert moe_dispatch.env.main is env.main
+
+
+def test_semantics_import_only_torch_and_each_other():
+    """moe_dispatch.semantics is the oracle: its modules import the standard library, torch and
+    each other, never Triton or the kernels they are the reference of."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    import moe_dispatch.semantics
+
+    folder = Path(moe_dispatch.semantics.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1, f"{path.name} imports from outside semantics/: {ast.unparse(node)}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                for name in names:
+                    top = name.split(".")[0]
+                    assert top in ("torch", "__future__") or top in sys.stdlib_module_names, \
+                        f"{path.name} imports {name}"

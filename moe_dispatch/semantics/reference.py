@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from ..ops.layout import get_dispatch_layout_reference
+from .layout import get_dispatch_layout_reference
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ from ..testing import routing
 from ..buffer import Buffer
 from .env import source_commit
 from ..testing.launch import launch_ranks, spawn_world
-from ..ops.layout import get_dispatch_layout_reference
+from ..semantics.layout import get_dispatch_layout_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GOAL_RATIO = 1.2  # goal figure: (ours dispatch + combine) / (flat dispatch + combine), medians
