@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 from ._ext import cuda_available
 from .buffer import Buffer, DispatchHandle, EventOverlap
 from .topology import Topology
-from .semantics.validation import CommError
+from .errors import BudgetOverflowError, CommError
 
-__all__ = ["Buffer", "CommError", "DispatchHandle", "EventOverlap", "Topology", "__version__", "cuda_available"]
+__all__ = ["BudgetOverflowError", "Buffer", "CommError", "DispatchHandle", "EventOverlap", "Topology", "__version__", "cuda_available"]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import autograd
 from .config import Config, check_config, num_sms_error
+from .errors import BudgetOverflowError
 from .ops.layout import get_dispatch_layout
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .ops.quant import check_fp8_pair
@@ -382,7 +383,7 @@ class Buffer:
             ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign or unfinished
                 handle; async_finish with return_recv_hook; ranks that disagree on E, K, H,
                 dtypes or whether topk_weights are given (naming the rank).
-            RuntimeError: more rows arrived than ``num_worst_tokens`` (naming both counts).
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts).
             CommError: a peer failed or did not join within ``timeout_s``.
         """
         self._check_open()
@@ -636,9 +637,9 @@ class Buffer:
             dst = [o[:rows] for o in out] if rows <= slot.num_rows else [o.new_empty((rows, *o.shape[1:])) for o in out]
             yield from self._transport.dispatch(tensors, ctl["is_token_in_rank"], slot.plan, dst)
             if rows > slot.num_rows:
-                raise RuntimeError(f"EP rank {self.rank}: dispatch received {rows} rows but num_worst_tokens="
-                                   f"{slot.num_rows}; raise num_worst_tokens to at least {rows} (T * W never "
-                                   "overflows)")
+                raise BudgetOverflowError(f"EP rank {self.rank}: dispatch received {rows} rows but "
+                                          f"num_worst_tokens={slot.num_rows}; raise num_worst_tokens to at least "
+                                          f"{rows} (T * W never overflows)")
             recv_idx = out[len(xs)]
             for o in out:  # the padding rows of a static size
                 if o is not recv_idx:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from moe_dispatch import Buffer, _ext
+from moe_dispatch import BudgetOverflowError, Buffer, _ext
 
 from .test_dispatch import expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
@@ -106,7 +106,7 @@ def _worst_tokens_overflow(rank, world_size, buf):
     if rows <= 1:
         event.current_stream_wait()
     else:
-        with pytest.raises(RuntimeError, match=f"received {rows} rows but num_worst_tokens=1"):
+        with pytest.raises(BudgetOverflowError, match=f"received {rows} rows but num_worst_tokens=1"):
             event.current_stream_wait()
     assert buf.dispatch(x, idx, w, num_experts)[0].shape[0] == rows, "the Buffer must stay usable"
 

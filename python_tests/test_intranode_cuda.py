@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_dispatch import _ext
+from moe_dispatch import BudgetOverflowError, _ext
 from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.testing.launch import spawn_world
@@ -287,7 +287,7 @@ def test_cpu_protocol_budget_mode_and_overflow():
     short = lb.dispatch(xs, idxs, ws, num_experts, num_worst_tokens=budget)
     assert_dispatch_equal(short, refs, num_rows=budget)
     assert any(int(r.handle.overflow) for r in short)
-    with pytest.raises(ValueError, match=rf"num_worst_tokens={budget}: rows past the budget were dropped"):
+    with pytest.raises(BudgetOverflowError, match=rf"num_worst_tokens={budget}: rows past the budget were dropped"):
         next(r for r in short if int(r.handle.overflow)).handle.check_overflow()
     ys_full = [torch.randn(r.src_idx.numel(), 32).to(torch.bfloat16) for r in refs]
     outs = lb.combine([y[:budget] for y in ys_full], [r.handle for r in short])

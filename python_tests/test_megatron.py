@@ -201,12 +201,12 @@ def _check_budget(ep: int, seed: int):
 
 def _check_raise_on_overflow(ep: int, seed: int):
     def case(rank, world_size):
-        from moe_dispatch.ops.permute import PermuteOverflowError
+        from moe_dispatch import BudgetOverflowError
 
         d = _dispatcher(_config(ep, "custom", num_permuted_tokens=1, raise_on_overflow=True))
         x, routing_map, probs = _inputs(rank, seed)
         hidden, p = d.dispatch_preprocess(x, routing_map, probs)
-        with pytest.raises(PermuteOverflowError, match="num_permuted_tokens=1"):
+        with pytest.raises(BudgetOverflowError, match="num_permuted_tokens=1"):
             d.token_dispatch(hidden, p)
 
     return case

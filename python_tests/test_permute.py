@@ -8,6 +8,7 @@ with a tolerance (see ``assert_sum_close``).
 import pytest
 import torch
 
+from moe_dispatch import BudgetOverflowError
 from moe_dispatch.ops.permute import (
     PermuteOverflowError,
     check_permute_overflow,
@@ -209,6 +210,11 @@ def test_bad_arguments(gen):
         unpermute(torch.randn(3, 4), res.handle)
 
 
+def test_permute_overflow_is_the_one_budget_error():
+    """The permute budget raises the error every budget path raises, under its old name too."""
+    assert PermuteOverflowError is BudgetOverflowError and issubclass(BudgetOverflowError, RuntimeError)
+
+
 @pytest.mark.parametrize("pad", [1, 16])
 def test_budget_overflow_flag(gen, pad):
     idx = random_local_topk(300, 6, 5, gen)
@@ -230,7 +236,7 @@ def test_budget_overflow_flag(gen, pad):
             assert int(h.tokens_per_expert.sum()) == n  # grouped-GEMM splits stay inside the output
             assert torch.equal(h.row_id_map, torch.where(full.handle.row_id_map < budget, full.handle.row_id_map, -1))
             if needed > budget:
-                with pytest.raises(PermuteOverflowError, match=f"needed {needed} rows .* num_permuted_tokens={budget}"):
+                with pytest.raises(BudgetOverflowError, match=f"needed {needed} rows .* num_permuted_tokens={budget}"):
                     check_permute_overflow(h)
                 assert check_permute_overflow(h, allow_drop=True)
             else:

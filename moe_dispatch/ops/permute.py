@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import BudgetOverflowError
 from ..semantics.permute import (
     PermuteHandle,
     permute_map_reference,
@@ -28,8 +29,7 @@ _INT32_MAX = 2**31 - 1
 _FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
 
 
-class PermuteOverflowError(RuntimeError):
-    """The padded permuted layout needed more rows than the static budget ``num_permuted_tokens``."""
+PermuteOverflowError = BudgetOverflowError  # the permute budget's name for the one overflow error
 
 
 class PermuteResult(NamedTuple):
@@ -544,13 +544,14 @@ def check_permute_overflow(handle: PermuteHandle, *, allow_drop: bool = False) -
         True when rows were dropped (only with ``allow_drop``), else False.
 
     Raises:
-        PermuteOverflowError: the padded layout needed more rows than ``num_permuted_tokens``.
+        BudgetOverflowError (alias ``PermuteOverflowError``): the padded layout needed more rows
+            than ``num_permuted_tokens``.
     """
     if handle.num_permuted_tokens is None or not bool(handle.overflow):
         return False
     if allow_drop:
         return True
-    raise PermuteOverflowError(
+    raise BudgetOverflowError(
         f"permute needed {int(handle.num_rows_needed)} rows (pad_multiple={handle.pad_multiple}, "
         f"{handle.num_local_experts} local experts) but num_permuted_tokens={handle.num_permuted_tokens}; "
         f"the copies at rows >= {handle.num_permuted_tokens} were dropped. Raise num_permuted_tokens, "

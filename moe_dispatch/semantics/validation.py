@@ -8,14 +8,6 @@ import math
 import torch
 
 
-class CommError(RuntimeError):
-    """A collective failed or did not complete within the Buffer's ``timeout_s`` (a peer that
-    never joined, died, or whose link was cut).
-
-    The message names this rank, the operation and stage, and the peer ranks it waited for.
-    """
-
-
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 

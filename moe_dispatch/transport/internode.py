@@ -33,7 +33,7 @@ import dataclasses
 import torch
 
 from ..config import ERROR_RECORD_INTS, Config, buffer_layout
-from ..semantics.validation import CommError
+from ..errors import CommError
 from .intranode import (
     COMBINE_DTYPES,
     _alloc_outputs,

@@ -55,7 +55,7 @@ from ..config import (
     max_slot_bytes,
     slot_layout,
 )
-from ..semantics.validation import CommError
+from ..errors import BudgetOverflowError, CommError
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
 COOPERATIVE_ENV = "MOE_DISPATCH_COOPERATIVE"
@@ -196,10 +196,12 @@ class IntranodeHandle:
     topk_dtype: torch.dtype = torch.int64
 
     def check_overflow(self) -> None:
-        """Raises ValueError when the budget was too small (reads the device: a host sync)."""
+        """Raises :class:`~moe_dispatch.errors.BudgetOverflowError` when the budget was too small
+        (reads the device: a host sync)."""
         if int(self.overflow.item()):
-            raise ValueError(f"dispatch received {int(self.num_recv_tokens_dev.item())} rows but num_worst_tokens="
-                             f"{self.num_rows}: rows past the budget were dropped; raise num_worst_tokens")
+            raise BudgetOverflowError(f"dispatch received {int(self.num_recv_tokens_dev.item())} rows but "
+                                      f"num_worst_tokens={self.num_rows}: rows past the budget were dropped; raise "
+                                      "num_worst_tokens")
 
 
 @dataclasses.dataclass(eq=False)

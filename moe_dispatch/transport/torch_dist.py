@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
-from ..semantics.validation import CommError
+from ..errors import CommError
 from .progress import Progress
 
 NUM_CHUNKS = 4  # default pipeline depth: enough to hide stage 2 behind stage 1, few collectives
