@@ -21,7 +21,7 @@ from .ops.layout import get_dispatch_layout
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .ops.quant import check_fp8_pair
 from .topology import Topology
-from .transport import TRANSPORTS, choose_transport
+from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
 from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
@@ -172,27 +172,28 @@ class Buffer:
             Default: :func:`default_ranks_per_node` (where the group's ranks run, from
             ``LOCAL_WORLD_SIZE`` or the GPU count; else W, one node). A CPU world may declare
             any divisor (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
-        transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``), ``"torch_dist"``
-            or ``"cuda"``: the intranode kernels (``moe_dispatch.transport.kernels``), for an
-            EP group on one node; with a gloo group they run on CPU tensors through the
-            kernels' CPU backend (the same protocol code; how the tests check it). Opt-in:
-            its multi-process GPU path has not run on GPUs yet.
+        transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``: ``"torch_dist"``
+            for now), ``"torch_dist"`` or ``"kernels"``: the ``_C`` kernels
+            (``moe_dispatch.transport.kernels``), the intranode ones for an EP group on one node;
+            with a gloo group they run on CPU tensors through the kernels' CPU backend (the
+            same protocol code; how the tests check it). ``"cuda"`` is the old name of
+            ``"kernels"``.
         num_sms: SM budget of the CUDA kernels (an even int in [2, 128], two per channel; checked
-            on every transport, used by ``"cuda"`` only), None = the default ``Config``.
+            on every transport, used by ``"kernels"`` only), None = the default ``Config``.
         config: the CUDA kernels' whole launch shape and queue sizes, a
             :class:`moe_dispatch.config.Config` (``num_sms``, ring depth ``num_slots``,
             ``chunk_tokens``, ``l2_discard``); None = ``Config(num_sms=num_sms)``, or ``Config()``
             when ``num_sms`` is None too. Pass ``num_sms`` or ``config``, not both. Used by
-            ``transport="cuda"`` only.
+            ``transport="kernels"`` only.
         timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
             others raise ``CommError`` naming the operation and the peers instead of hanging.
 
     Raises:
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
-            num_sms/timeout_s, both num_sms and config, transport="cuda" for a group spanning
+            num_sms/timeout_s, both num_sms and config, transport="kernels" for a group spanning
             nodes.
         TypeError: config is not a Config.
-        RuntimeError: transport="cuda" without the built extension.
+        RuntimeError: transport="kernels" without the built extension.
 
     Collective: every rank of ``group`` must construct its Buffer together.
     """
@@ -214,6 +215,7 @@ class Buffer:
         self.topology = Topology(rank, world_size, ranks_per_node)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        transport = TRANSPORT_ALIASES.get(transport, transport)
         if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
             raise ValueError(f"num_sms {error}, or None for the default")
         check_config(config)
@@ -235,7 +237,7 @@ class Buffer:
         self.num_sms = config.num_sms if config is not None else None
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
-        if transport == "cuda":
+        if transport == "kernels":
             self._transport = KernelTransport(self.group, self.topology, self.timeout_s, config or Config(), self.device)
         else:
             self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
@@ -248,7 +250,7 @@ class Buffer:
 
     def close(self) -> None:
         """Waits for this Buffer's queued operations, then frees what its transport holds (the
-        kernels' communication buffers with ``transport="cuda"``; nothing with torch_dist).
+        kernels' communication buffers with ``transport="kernels"``; nothing with torch_dist).
         Collective: every rank of the group, after its last operation. Later calls raise
         RuntimeError."""
         if self._closed:

@@ -214,8 +214,8 @@ def test_async(world_size, ranks_per_node, case):
     assert_case(world_results(_entry, world_size, ranks_per_node), case)
 
 
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")
+@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_kernel_transport(case):
-    """The same cases through Buffer(transport="cuda"): 3 ranks on one node, CPU backend."""
-    assert_case(world_results(_entry, 3, 3, "cuda"), case)
+    """The same cases through Buffer(transport="kernels"): 3 ranks on one node, CPU backend."""
+    assert_case(world_results(_entry, 3, 3, "kernels"), case)

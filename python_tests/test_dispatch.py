@@ -347,7 +347,7 @@ def _config_reaches_the_kernels(rank, world_size, buf):
     combine still equal the oracle."""
     del buf
     config = Config(num_sms=2, num_slots=1, chunk_tokens=1, l2_discard=True)
-    shallow = Buffer(transport="cuda", config=config, timeout_s=60)
+    shallow = Buffer(transport="kernels", config=config, timeout_s=60)
     try:
         assert shallow._transport.config is config and shallow.num_sms == 2
         num_tokens = [9 - r for r in range(world_size)]
@@ -365,27 +365,36 @@ def _config_reaches_the_kernels(rank, world_size, buf):
         shallow.close()
 
 
-KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
+def _cuda_is_the_old_name(rank, world_size, buf):
+    """transport="cuda", the old name of "kernels", builds the same transport."""
+    old = Buffer(buf.group, transport="cuda", timeout_s=60)
+    try:
+        assert old.transport_name == buf.transport_name == "kernels"
+    finally:
+        old.close()
+
+
+KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "cuda-is-the-old-name": _cuda_is_the_old_name, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
                 "mixed-operations": _mixed_operations, "config-reaches-the-kernels": _config_reaches_the_kernels}
 
 
 def _kernel_entry(rank, world_size):
-    return run_cases(rank, world_size, KERNEL_CASES, Buffer(transport="cuda", timeout_s=60))
+    return run_cases(rank, world_size, KERNEL_CASES, Buffer(transport="kernels", timeout_s=60))
 
 
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")
+@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_transport_only(case):
     assert_case(world_results(_kernel_entry, 2), case)
 
 
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='cuda' needs the built extension")
+@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("world_size", KERNEL_WORLDS, ids=[f"w{w}" for w in KERNEL_WORLDS])
 def test_world_kernel_transport(world_size, case):
-    """The same cases through Buffer(transport="cuda") (one node): on CPU tensors the
+    """The same cases through Buffer(transport="kernels") (one node): on CPU tensors the
     kernels' CPU backend in every process, over shared memory."""
-    assert_case(world_results(_world_entry, world_size, world_size, "cuda"), case)
+    assert_case(world_results(_world_entry, world_size, world_size, "kernels"), case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -73,9 +73,10 @@ def _bad_input_cases(buf: Buffer) -> dict:
         "odd-num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\] \(a sender and a "
                                                    r"receiver block per channel\), got 3, or None for the default",
                                        lambda: Buffer(num_sms=3)),
-        "cuda-transport-across-nodes": lambda: _raises(ValueError, r"transport='cuda' runs the intranode kernels, for "
-                                                                   r"an EP group on one node, but this one spans 2 nodes",
-                                                       lambda: Buffer(ranks_per_node=1, transport="cuda")),
+        "kernel-transport-across-nodes": lambda: _raises(ValueError, r"transport='kernels' runs the intranode kernels, "
+                                                                     r"for an EP group on one node, but this one spans 2 "
+                                                                     r"nodes",
+                                                         lambda: Buffer(ranks_per_node=1, transport="kernels")),
         "group-type": lambda: _raises(TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str",
                                       lambda: Buffer("world")),
         "ranks-per-node-zero": lambda: _raises(ValueError, r"ranks_per_node must be a positive int, got 0",
@@ -172,7 +173,7 @@ def _withheld_rank_entry(rank, world_size, ranks_per_node, absent, transport="au
     return time.monotonic() - start, "no error"
 
 
-@pytest.mark.parametrize("world_size,ranks_per_node,transport", [(2, 1, "auto"), (4, 2, "auto"), (3, 3, "cuda")])
+@pytest.mark.parametrize("world_size,ranks_per_node,transport", [(2, 1, "auto"), (4, 2, "auto"), (3, 3, "kernels")])
 def test_withheld_rank_times_out(world_size, ranks_per_node, transport):
     absent = world_size - 1
     results = world_results(_withheld_rank_entry, world_size, ranks_per_node, absent, transport)

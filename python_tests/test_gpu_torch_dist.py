@@ -70,7 +70,7 @@ def test_gpu_torch_dist(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_kernel_transport(case):
-    """The same cases through Buffer(transport="cuda"): the intranode kernels on CUDA IPC
+    """The same cases through Buffer(transport="kernels"): the intranode kernels on CUDA IPC
     buffers, launched on the Buffer's communication stream (one rank per visible GPU)."""
     world_size = torch.cuda.device_count()
-    assert_case(world_results(_entry, world_size, "cuda", backend="nccl"), case)
+    assert_case(world_results(_entry, world_size, "kernels", backend="nccl"), case)

@@ -335,10 +335,10 @@ EP4_CASES = {
     "ranks_per_node_ep4": _check_ranks_per_node(4),
     "ep_overlap_ep4_2nodes": _check_ep_overlap(17, ranks_per_node=2),
     "ep_overlap_ep4_2nodes_fused": _check_ep_overlap(18, ranks_per_node=2, pad_multiple=4),
-    # The intranode kernels behind the Buffer (transport="cuda"; on CPU their CPU backend).
-    "contract_ep4_1node_kernels": _check_contract(4, 31, transport="cuda"),
-    "layer_equivalence_ep4_1node_kernels": _check_layer_equivalence(4, 32, transport="cuda"),
-    "ep_overlap_ep4_1node_kernels": _check_ep_overlap(33, transport="cuda"),
+    # The intranode kernels behind the Buffer (transport="kernels"; on CPU their CPU backend).
+    "contract_ep4_1node_kernels": _check_contract(4, 31, transport="kernels"),
+    "layer_equivalence_ep4_1node_kernels": _check_layer_equivalence(4, 32, transport="kernels"),
+    "ep_overlap_ep4_1node_kernels": _check_ep_overlap(33, transport="kernels"),
 }
 EP2_CASES = {
     "contract_ep2_1node": _check_contract(2, 11),

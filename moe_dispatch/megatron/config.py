@@ -57,8 +57,8 @@ class CustomBackendOptions:
             debugging). Default: only accumulate the device flag ``over_budget``.
         timeout_s: bound on every collective of the backend's ``Buffer``.
         transport: the ``Buffer``'s transport: ``"auto"`` (torch.distributed), ``"torch_dist"``
-            or ``"cuda"`` (the intranode kernels; an EP group on one node, opt-in: see
-            ``moe_dispatch.Buffer``).
+            or ``"kernels"`` (the intranode kernels, an EP group on one node; ``"cuda"`` is its
+            old name; see ``moe_dispatch.Buffer``).
 
     Raises:
         ValueError: a knob out of range (the message names it and the fix).

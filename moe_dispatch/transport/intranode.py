@@ -31,7 +31,7 @@ Two front ends share one launcher (:class:`_Engine`):
   shared memory with the CPU backend (tested in gloo worlds: the same wrapper, handle exchange
   and per-rank launches, with peers in other processes).
 
-``Buffer(transport="cuda")`` drives an :class:`IntranodeTransport` through
+``Buffer(transport="kernels")`` drives an :class:`IntranodeTransport` through
 :mod:`moe_dispatch.transport.kernels` (one node).
 """
 

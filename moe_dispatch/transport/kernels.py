@@ -1,4 +1,4 @@
-"""``Buffer(transport="cuda")``: the Buffer's transport interface served by the intranode kernels.
+"""``Buffer(transport="kernels")``: the Buffer's transport interface served by the intranode kernels.
 
 The interface is the torch_dist transport's (``plan`` / ``dispatch`` / ``forward`` /
 ``combine`` / ``agree`` and ``progress``, each operation a generator of steps that the Buffer
@@ -95,18 +95,18 @@ class KernelTransport:
     def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config,
                  device: torch.device):
         if topology.num_nodes != 1:
-            raise ValueError(f"transport='cuda' runs the intranode kernels, for an EP group on one node, but this one "
-                             f"spans {topology.num_nodes} nodes ({topology.ranks_per_node} ranks per node); use "
+            raise ValueError(f"transport='kernels' runs the intranode kernels, for an EP group on one node, but this "
+                             f"one spans {topology.num_nodes} nodes ({topology.ranks_per_node} ranks per node); use "
                              "transport='torch_dist' across nodes (the internode kernels are not wired into Buffer "
                              "yet)")
         from .. import _ext
 
         status = _ext.extension_status()
         if not status.built:
-            raise RuntimeError(f"transport='cuda' needs the built extension moe_dispatch._C: {status.error}")
+            raise RuntimeError(f"transport='kernels' needs the built extension moe_dispatch._C: {status.error}")
         if topology.world_size > MAX_RANKS:
-            raise ValueError(f"transport='cuda' serves EP groups of at most {MAX_RANKS} ranks on one node (an NVLink "
-                             f"domain), this one has {topology.world_size}; use transport='torch_dist'")
+            raise ValueError(f"transport='kernels' serves EP groups of at most {MAX_RANKS} ranks on one node (an "
+                             f"NVLink domain), this one has {topology.world_size}; use transport='torch_dist'")
         self.config = config
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
         # The argument checks and progress records are the torch_dist transport's; its
