@@ -22,33 +22,15 @@ from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .ops.quant import check_fp8_pair
 from .topology import Topology
 from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
+from .transport.base import Call, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
 from .transport.kernels import KernelTransport
-from .transport.torch_dist import TorchDistPlan, TorchDistTransport, drive, finish, start
+from .transport.torch_dist import TorchDistTransport
 from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 
 if TYPE_CHECKING:
     from .overlap import DelayedWgrad
 
 _BUFFER_IDS = itertools.count()
-
-
-@dataclasses.dataclass(eq=False)
-class PlanSlot:
-    """A dispatch's index plan and the row counts around it.
-
-    ``plan`` is set when the dispatch returns, except for a ``num_worst_tokens`` dispatch: that
-    one computes it on the communication thread/stream, where every later user of the slot
-    runs after it (one ordered queue per Buffer).
-
-    Attributes:
-        num_tokens: T, tokens the source sent.
-        num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
-        plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
-    """
-
-    num_tokens: int
-    num_rows: int
-    plan: TorchDistPlan | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,7 +52,7 @@ class DispatchHandle:
     recv_topk_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
     slot: PlanSlot
-    _hook: "RecvHook | None" = None  # the dispatch's receive hook, when issued with one
+    _hook: RecvHook | None = None  # the dispatch's receive hook, when issued with one
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +66,7 @@ class DispatchHandle:
         return self.slot.num_rows
 
     @property
-    def plan(self) -> TorchDistPlan:
+    def plan(self) -> Plan:
         """The transport's index plan (for a ``num_worst_tokens`` dispatch: once it completed).
 
         Raises:
@@ -238,30 +220,27 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
         if transport == "kernels":
-            self._transport = KernelTransport(self.group, self.topology, self.timeout_s, config or Config(), self.device)
+            chosen: Transport = KernelTransport(self.group, self.topology, self.timeout_s, config or Config(),
+                                                self.device)
         else:
-            self._transport = TorchDistTransport(self.group, self.topology, self.timeout_s)
-        self._seq = 0  # operations issued, the same count on every rank (they are collective)
-        # One ordered queue for every transfer of this Buffer, so asynchronous calls overlap the
-        # caller's compute: a high-priority CUDA stream, or on CPU a thread (the same role).
-        self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{self.rank}")
-        self._comm_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None)
-        self._closed = False
+            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s)
+        self._transfers = Transfers(chosen, self.topology, self.device)
 
     def close(self) -> None:
         """Waits for this Buffer's queued operations, then frees what its transport holds (the
         kernels' communication buffers with ``transport="kernels"``; nothing with torch_dist).
         Collective: every rank of the group, after its last operation. Later calls raise
         RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
-        self._comm.shutdown(wait=True)
-        if self._comm_stream is not None:
-            self._comm_stream.synchronize()
-        self._transport.close()
+        self._transfers.close()
 
     # -- properties ------------------------------------------------------------------------
+    @property
+    def transport(self) -> Transport:
+        """The transport object this Buffer moves data with (read-only): a
+        :class:`~moe_dispatch.transport.torch_dist.TorchDistTransport` or a
+        :class:`~moe_dispatch.transport.kernels.KernelTransport` (``transport_name`` says which)."""
+        return self._transfers.transport
+
     @property
     def rank(self) -> int:
         """This rank's index in the EP group."""
@@ -392,8 +371,8 @@ class Buffer:
         if not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
             raise ValueError(f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got "
                              f"{num_worst_tokens!r}")
-        ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
-        ctl["wgrad_store"] = wgrad_store
+        call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+        call.wgrad_store = wgrad_store
         fp8 = isinstance(x, tuple)
         if handle is not None:
             self._check_handle(handle)
@@ -402,10 +381,10 @@ class Buffer:
                 raise ValueError("a cached dispatch (handle=...) replays the handle's routing and row count: "
                                  "pass topk_idx=None, topk_weights=None and no num_worst_tokens")
             if fp8:
-                recv_x = tuple(self._move_forward(handle.slot, list(x), ctl, "cached dispatch (fp8)"))
+                recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
             else:
-                recv_x = autograd.ReplayDispatchFn.apply(self, handle.slot, ctl, x)
-            return (recv_x, None, None, None, handle, *self._completion(ctl))
+                recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
+            return (recv_x, None, None, None, handle, *self._completion(call))
 
         self._check_x(x)
         if isinstance(topk_weights, int) and num_experts is None:
@@ -423,35 +402,25 @@ class Buffer:
                   "x dtype": x0.dtype, "fp8 x": fp8, "topk_idx dtype": topk_idx.dtype,
                   "topk_weights given": topk_weights is not None}
         is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
-        if num_worst_tokens:  # the transfer exchanges the counts first (_move_dispatch)
+        if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
         else:
-            # The metadata exchange (which also compares the fields across ranks) runs on the
-            # caller's thread, on a group no other thread uses, so it does not queue behind
-            # payloads in flight on the comm thread.
-            ctl["seq"] = self._next_seq()
-            self._transport.progress.mark("caller", ctl["seq"], "dispatch (metadata)")
-            if self._transport.plans_on_comm_thread:  # the kernels: one queue for every launch
-                steps = self._marked(self._transport.plan(is_token_in_rank, fields, on_comm_thread=True), ctl["seq"],
-                                     "dispatch (metadata)")
-                plan = self._submit(drive, steps).result()
-                self._join()
-            else:
-                plan = drive(self._transport.plan(is_token_in_rank, fields))
+            plan = self._transfers.plan(call, is_token_in_rank, fields)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
-        ctl.update(slot=slot, fields=fields, is_token_in_rank=is_token_in_rank, topk_idx=topk_idx, num_experts=num_experts,
-                   recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
-                   num_recv_tokens_per_expert=torch.empty(num_experts // self.world_size, dtype=torch.int64,
-                                                          device=self.device))
+        call.dispatch = routing = FreshDispatch(
+            slot=slot, fields=fields, is_token_in_rank=is_token_in_rank, topk_idx=topk_idx, num_experts=num_experts,
+            recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
+            num_recv_tokens_per_expert=torch.empty(num_experts // self.world_size, dtype=torch.int64,
+                                                   device=self.device))
         if fp8:  # fp8 is a forward-only format: no autograd
-            *recv_x, recv_weights = self._move_dispatch(ctl, list(x), topk_weights)
+            *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
             recv_x = tuple(recv_x)
         else:
-            recv_x, recv_weights = autograd.DispatchFn.apply(self, ctl, x, topk_weights)
-        handle = DispatchHandle(buffer_id=self._uid, num_experts=num_experts, recv_topk_idx=ctl["recv_topk_idx"],
-                                is_token_in_rank=is_token_in_rank, slot=slot, _hook=ctl.get("hook"))
-        return (recv_x, ctl["recv_topk_idx"], recv_weights, ctl["num_recv_tokens_per_expert"], handle,
-                *self._completion(ctl))
+            recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+        handle = DispatchHandle(buffer_id=self._uid, num_experts=num_experts, recv_topk_idx=routing.recv_topk_idx,
+                                is_token_in_rank=is_token_in_rank, slot=slot, _hook=call.hook)
+        return (recv_x, routing.recv_topk_idx, recv_weights, routing.num_recv_tokens_per_expert, handle,
+                *self._completion(call))
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
                 async_finish: bool = False, previous_event: EventOverlap | None = None,
@@ -481,7 +450,7 @@ class Buffer:
             CommError: a peer failed or did not join within ``timeout_s``.
         """
         self._check_open()
-        ctl = self._control(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+        call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         self._check_handle(handle)
         if isinstance(y, tuple):
             raise TypeError("combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
@@ -499,13 +468,12 @@ class Buffer:
                 raise ValueError(f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
                                  f"{list(topk_weights.shape)} on {topk_weights.device}")
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        out = autograd.CombineFn.apply(self, handle.slot, ctl, y, row_scale)
-        return (out, *self._completion(ctl))
+        out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
+        return (out, *self._completion(call))
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"EP rank {self.rank}: this Buffer was closed; make a new one")
+        self._transfers.check_open()
 
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle):
@@ -518,8 +486,8 @@ class Buffer:
                                "hook() has not been called: call hook() before using the handle or its outputs")
 
     @staticmethod
-    def _control(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None,
-                 allocate_on_comm_stream: bool = False) -> dict:
+    def _call(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None,
+              allocate_on_comm_stream: bool = False) -> Call:
         """The per-call launch settings, passed through the autograd Functions."""
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True exclude each other: the hook variant "
@@ -529,83 +497,14 @@ class Buffer:
                 raise TypeError(f"previous_event must be an EventOverlap returned by this package, got "
                                 f"{type(previous_event).__name__}")
             previous_event.current_stream_wait()
-        return {"mode": "hook" if return_recv_hook else "async" if async_finish else "sync",
-                "allocate_on_comm_stream": allocate_on_comm_stream}
+        return Call(mode="hook" if return_recv_hook else "async" if async_finish else "sync",
+                    allocate_on_comm_stream=allocate_on_comm_stream)
 
     @staticmethod
-    def _completion(ctl: dict) -> tuple:
+    def _completion(call: Call) -> tuple:
         """``(event,)``, or ``(event, hook)`` for the hook variant."""
-        event = ctl.get("event", EventOverlap())
-        return (event, ctl["hook"]) if ctl["mode"] == "hook" else (event,)
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def _marked(self, steps, seq: int, what: str):
-        """``steps``, first recording on the thread that runs them that operation ``seq`` began."""
-        self._transport.progress.mark("comm", seq, what)
-        return (yield from steps)
-
-    def _run(self, steps, ctl: dict, uses: list[torch.Tensor], what: str):
-        """Runs transport steps per ``ctl["mode"]``: "sync" waits and returns the result;
-        "async" records an event in ``ctl``; "hook" issues up to the first collective and puts
-        a :class:`RecvHook` in ``ctl``. CPU steps run on this Buffer's communication thread and
-        CUDA steps on its communication stream; either orders all of the Buffer's transfers.
-        ``uses``: tensors of the caller's stream that the transfer reads or writes (on CUDA the
-        caching allocator is told, so an early free cannot hand their memory to other work)."""
-        mode = ctl["mode"]
-        steps = self._marked(steps, ctl.get("seq") or self._next_seq(), what)
-        if mode == "hook":
-            first = self._submit(start, steps).result()
-            ctl["hook"] = RecvHook(self, steps, first)
-            self._record(uses)
-            return None
-        future = self._submit(drive, steps)
-        if mode == "sync":
-            self._join()
-            return future.result()
-        self._record(uses)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(self._comm_stream)
-            ctl["event"] = EventOverlap(event)
-        else:
-            ctl["event"] = EventOverlap(future=future)
-        return None
-
-    def _submit(self, fn, *args) -> Future:
-        """CPU: queues ``fn`` on the communication thread. CUDA: runs it now with the
-        communication stream current, after the work already queued on the caller's stream."""
-        self._check_open()
-        if self.device.type != "cuda":
-            return self._comm.submit(fn, *args)
-        future: Future = Future()
-        self._comm_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._comm_stream):
-            future.set_result(fn(*args))
-        return future
-
-    def _join(self) -> None:
-        """Orders the caller's CUDA stream after the communication stream (no host wait)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().wait_stream(self._comm_stream)
-
-    def _record(self, tensors: list[torch.Tensor]) -> None:
-        if self.device.type == "cuda":
-            for t in tensors:
-                t.record_stream(self._comm_stream)
-
-    def _alloc(self, ctl: dict, shapes_like: list[tuple[torch.Tensor, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """Outputs ``t.new_empty(shape)``; with ``allocate_on_comm_stream`` on CUDA they come from the
-        communication stream's pool and are recorded for the caller's stream, which reads them."""
-        if not (ctl.get("allocate_on_comm_stream") and self.device.type == "cuda"):
-            return [t.new_empty(shape) for t, shape in shapes_like]
-        with torch.cuda.stream(self._comm_stream):
-            out = [t.new_empty(shape) for t, shape in shapes_like]
-        for t in out:
-            t.record_stream(torch.cuda.current_stream())
-        return out
+        event = call.event if call.event is not None else EventOverlap()
+        return (event, call.hook) if call.mode == "hook" else (event,)
 
     def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
         if isinstance(x, tuple):
@@ -615,31 +514,105 @@ class Buffer:
         else:
             check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)
 
-    def _move_dispatch(self, ctl: dict, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor]:
-        """Allocates the dispatch outputs and moves x (a tensor, or a list of row tensors such
-        as the fp8 pair), topk_idx and topk_weights into them; converts topk_idx to local
-        numbering and zeroes the weights of other ranks' experts. Returns the received x
-        tensors followed by the received weights (or None). A slot without a plan (static
-        ``num_worst_tokens`` size) gets it here, first, and pads the outputs."""
-        slot = ctl["slot"]
+
+class Transfers:
+    """The data movement of one Buffer: what the Buffer's entry points and the autograd
+    Functions (:mod:`moe_dispatch.autograd`) call to move rows.
+
+    Every transfer runs in one ordered queue per Buffer, so asynchronous calls overlap the
+    caller's compute and a Buffer's collectives never interleave: a high-priority CUDA stream
+    (CUDA tensors) or one thread (CPU), the communication stream/thread. :meth:`dispatch`,
+    :meth:`forward` and :meth:`combine` allocate their outputs, queue the transport's steps and
+    return the outputs, launched as their :class:`~moe_dispatch.transport.base.Call` says:
+    ``"sync"`` returns complete, ``"async"`` sets ``call.event``, ``"hook"`` issues the first
+    collective and sets ``call.hook``. Each is collective over the EP group.
+
+    Args:
+        transport: the Buffer's transport.
+        topology: this rank's place in the EP group.
+        device: the Buffer's device (CUDA: the communication stream lives there).
+    """
+
+    def __init__(self, transport: Transport, topology: Topology, device: torch.device):
+        self.transport, self.topology, self.device = transport, topology, device
+        self._seq = 0  # operations issued, the same count on every rank (they are collective)
+        self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{topology.rank}")
+        self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self._closed = False
+
+    def check_open(self) -> None:
+        """Raises RuntimeError once the Buffer was closed."""
+        if self._closed:
+            raise RuntimeError(f"EP rank {self.topology.rank}: this Buffer was closed; make a new one")
+
+    def close(self) -> None:
+        """Waits for the queued transfers, then closes the transport (collective; once)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._comm.shutdown(wait=True)
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()
+        self.transport.close()
+
+    def plan(self, call: Call, is_token_in_rank: torch.Tensor, fields: dict[str, Field]) -> Plan:
+        """A fresh dispatch's plan: the counts exchanged and ``fields`` compared across ranks (a
+        host synchronisation: receive sizes are host ints). Takes the operation's number into
+        ``call.seq``, which its payload transfer reuses.
+
+        The exchange runs on the caller's thread, on a group no other thread uses, so it does
+        not queue behind payloads in flight; where the transport ``plans_on_comm_thread`` (the
+        kernels: one queue for every launch), it runs in the queue and the caller waits.
+
+        Raises:
+            ValueError: ranks disagree on a field (naming it and the rank).
+            CommError: a peer failed or did not join in time.
+        """
+        call.seq = self._next_seq()
+        self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
+        if not self.transport.plans_on_comm_thread:
+            return drive(self.transport.plan(is_token_in_rank, fields))
+        steps = self._marked(self.transport.plan(is_token_in_rank, fields, on_comm_thread=True), call.seq,
+                             "dispatch (metadata)")
+        plan = self.submit(drive, steps).result()
+        self.join()
+        return plan
+
+    def dispatch(self, call: Call, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """A fresh dispatch (``call.dispatch`` says where to): allocates the outputs and moves x
+        (a ``[T, H]`` tensor, or a list of row tensors such as the fp8 pair), topk_idx and
+        topk_weights (``[T, K]`` fp32 or None) into them; converts topk_idx to local numbering
+        into ``call.dispatch.recv_topk_idx`` (-1 for other ranks' experts), zeroes the weights
+        of other ranks' experts and counts ``num_recv_tokens_per_expert``. A slot without a
+        plan (static ``num_worst_tokens`` size) gets it here, first, and pads the outputs.
+
+        Returns:
+            The received x tensors (``[num_rows, ...]`` each), then the received weights
+            ``[num_rows, K]`` (or None).
+
+        Raises (where the operation completes: here, the event or the hook):
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens``.
+        """
+        routing = call.dispatch
+        slot = routing.slot
         xs = x if isinstance(x, list) else [x]
-        tensors = [*xs, ctl["topk_idx"]] + ([topk_weights] if topk_weights is not None else [])
-        out = self._alloc(ctl, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
-        out[len(xs)] = ctl["recv_topk_idx"]
-        experts_per_rank = ctl["num_experts"] // self.world_size
-        first = self.rank * experts_per_rank
+        tensors = [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])
+        out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
+        out[len(xs)] = routing.recv_topk_idx
+        experts_per_rank = routing.num_experts // self.topology.world_size
+        first = self.topology.rank * experts_per_rank
 
         def steps():
             if slot.plan is None:
-                slot.plan = yield from self._transport.plan(ctl["is_token_in_rank"], ctl["fields"],
-                                                            on_comm_thread=True)
+                slot.plan = yield from self.transport.plan(routing.is_token_in_rank, routing.fields,
+                                                           on_comm_thread=True)
             rows = slot.plan.num_recv_tokens
             # Past the static size the rows still arrive (peers send them regardless), into
             # scratch, and the overflow is raised once the transfer is complete.
             dst = [o[:rows] for o in out] if rows <= slot.num_rows else [o.new_empty((rows, *o.shape[1:])) for o in out]
-            yield from self._transport.dispatch(tensors, ctl["is_token_in_rank"], slot.plan, dst)
+            yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
             if rows > slot.num_rows:
-                raise BudgetOverflowError(f"EP rank {self.rank}: dispatch received {rows} rows but "
+                raise BudgetOverflowError(f"EP rank {self.topology.rank}: dispatch received {rows} rows but "
                                           f"num_worst_tokens={slot.num_rows}; raise num_worst_tokens to at least "
                                           f"{rows} (T * W never overflows)")
             recv_idx = out[len(xs)]
@@ -653,53 +626,120 @@ class Buffer:
             # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
             # per-expert counts, so its size is the same on every rank whatever num_experts each
             # one passed.
-            ctl["num_recv_tokens_per_expert"].copy_(
+            routing.num_recv_tokens_per_expert.copy_(
                 torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:])
             if topk_weights is not None:
                 out[-1].masked_fill_(other, 0.0)
 
-        self._run(steps(), ctl, [*tensors, *out], "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)")
+        what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
+        self._run(steps(), call, [*tensors, *out], what)
         return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
+
+    def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
+        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
+        outputs (rows past the received ones zero); returns them."""
+        out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
+
+        def steps():
+            yield from self._agree("dispatch", tensors, 0, what)
+            rows = slot.plan.num_recv_tokens
+            yield from self.transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
+            for o in out:
+                o[rows:].zero_()
+
+        self._run(steps(), call, [*tensors, *out], what)
+        return out
+
+    def combine(self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], call: Call,
+                what: str) -> list[torch.Tensor]:
+        """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
+        its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
+        outputs; returns them."""
+        out = self._alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
+        uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
+
+        def steps():
+            yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
+            rows = slot.plan.num_recv_tokens
+            yield from self.transport.combine([t[:rows] for t in tensors],
+                                              [None if sc is None else sc[:rows] for sc in scales], slot.plan, out,
+                                              what)
+
+        self._run(steps(), call, uses, what)
+        return out
+
+    def submit(self, fn, *args) -> Future:
+        """CPU: queues ``fn(*args)`` on the communication thread. CUDA: runs it now with the
+        communication stream current, after the work already queued on the caller's stream."""
+        self.check_open()
+        if self.device.type != "cuda":
+            return self._comm.submit(fn, *args)
+        future: Future = Future()
+        self._comm_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._comm_stream):
+            future.set_result(fn(*args))
+        return future
+
+    def join(self) -> None:
+        """Orders the caller's CUDA stream after the communication stream (no host wait)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _marked(self, steps, seq: int, what: str):
+        """``steps``, first recording on the thread that runs them that operation ``seq`` began."""
+        self.transport.progress.mark("comm", seq, what)
+        return (yield from steps)
+
+    def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
+        """Runs transport steps per ``call.mode`` (see the class docstring). ``uses``: tensors of
+        the caller's stream that the transfer reads or writes (on CUDA the caching allocator is
+        told, so an early free cannot hand their memory to other work)."""
+        steps = self._marked(steps, call.seq or self._next_seq(), what)
+        if call.mode == "hook":
+            first = self.submit(start, steps).result()
+            call.hook = RecvHook(self, steps, first)
+            self._record(uses)
+            return
+        future = self.submit(drive, steps)
+        if call.mode == "sync":
+            self.join()
+            future.result()
+            return
+        self._record(uses)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(self._comm_stream)
+            call.event = EventOverlap(event)
+        else:
+            call.event = EventOverlap(future=future)
+
+    def _record(self, tensors: list[torch.Tensor]) -> None:
+        if self.device.type == "cuda":
+            for t in tensors:
+                t.record_stream(self._comm_stream)
+
+    def _alloc(self, call: Call, shapes_like: list[tuple[torch.Tensor, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Outputs ``t.new_empty(shape)``; with ``allocate_on_comm_stream`` on CUDA they come from the
+        communication stream's pool and are recorded for the caller's stream, which reads them."""
+        if not (call.allocate_on_comm_stream and self.device.type == "cuda"):
+            return [t.new_empty(shape) for t, shape in shapes_like]
+        with torch.cuda.stream(self._comm_stream):
+            out = [t.new_empty(shape) for t, shape in shapes_like]
+        for t in out:
+            t.record_stream(torch.cuda.current_stream())
+        return out
 
     def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
         """Steps checking that every rank runs the same kind of operation on rows of the same
         width and dtype: combine and cached dispatch exchange no sizes (see
         ``TorchDistTransport.agree`` for where the check runs)."""
         t = tensors[0]
-        return self._transport.agree({"operation": operation, "hidden": math.prod(t.shape[1:]), "dtype": t.dtype,
-                                      "tensors": len(tensors), "row scales": num_scales}, what)
-
-    def _move_forward(self, slot: PlanSlot, tensors: list[torch.Tensor], ctl: dict, what: str) -> list[torch.Tensor]:
-        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
-        outputs (rows past the received ones zero)."""
-        out = self._alloc(ctl, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
-
-        def steps():
-            yield from self._agree("dispatch", tensors, 0, what)
-            rows = slot.plan.num_recv_tokens
-            yield from self._transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
-            for o in out:
-                o[rows:].zero_()
-
-        self._run(steps(), ctl, [*tensors, *out], what)
-        return out
-
-    def _move_combine(self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list, ctl: dict,
-                      what: str) -> list[torch.Tensor]:
-        """Combines row tensors ``[num_rows, ...]`` (only the received rows are read) onto their
-        source tokens into new ``[T, ...]`` outputs."""
-        out = self._alloc(ctl, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
-        uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
-
-        def steps():
-            yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
-            rows = slot.plan.num_recv_tokens
-            yield from self._transport.combine([t[:rows] for t in tensors],
-                                               [None if sc is None else sc[:rows] for sc in scales], slot.plan, out,
-                                               what)
-
-        self._run(steps(), ctl, uses, what)
-        return out
+        return self.transport.agree({"operation": operation, "hidden": math.prod(t.shape[1:]), "dtype": t.dtype,
+                                     "tensors": len(tensors), "row scales": num_scales}, what)
 
 
 class RecvHook:
@@ -711,13 +751,13 @@ class RecvHook:
         CommError: the operation failed or timed out.
     """
 
-    def __init__(self, buffer: Buffer, steps, first):
-        self._buffer, self._steps, self._first = buffer, steps, first
+    def __init__(self, transfers: Transfers, steps, first):
+        self._transfers, self._steps, self._first = transfers, steps, first
         self.called = False
 
     def __call__(self) -> None:
         if self.called:
             raise RuntimeError("this receive hook was already called; each hook completes its operation once")
         self.called = True
-        self._buffer._submit(finish, self._steps, self._first).result()
-        self._buffer._join()
+        self._transfers.submit(finish, self._steps, self._first).result()
+        self._transfers.join()

@@ -113,14 +113,14 @@ def _pipeline_depths(rank, world_size, buf):
     """The transport's paths for one chunk (stage 2's arrivals in final order when a node has one
     rank or the world one node; a reorder gather otherwise) and for several chunks, whatever
     default the topology picks: the same bits as the oracle."""
-    L, default = buf.topology.ranks_per_node, buf._transport.num_chunks
+    L, default = buf.topology.ranks_per_node, buf.transport.num_chunks
     try:
         for num_chunks in (1, 3):
-            buf._transport.num_chunks = num_chunks
+            buf.transport.num_chunks = num_chunks
             check_roundtrip(buf, rank, world_size, L, [30 + 7 * r for r in range(world_size)], 40, torch.bfloat16,
                             seed=20 + num_chunks)
     finally:
-        buf._transport.num_chunks = default
+        buf.transport.num_chunks = default
 
 
 def _identity_expert(rank, world_size, buf):
@@ -311,7 +311,7 @@ def _wider_rows_later(rank, world_size, buf):
 def _mismatch_named_without_gloo_check(rank, world_size, buf):
     """On NCCL the torch_dist check is skipped; the kernels' plan compares the arguments with
     one all_gather on any backend (here forced onto that path on gloo)."""
-    dist_transport = buf._transport._dist
+    dist_transport = buf.transport._dist
     dist_transport._gloo = False
     try:
         num_tokens = [5] * world_size
@@ -349,12 +349,12 @@ def _config_reaches_the_kernels(rank, world_size, buf):
     config = Config(num_sms=2, num_slots=1, chunk_tokens=1, l2_discard=True)
     shallow = Buffer(transport="kernels", config=config, timeout_s=60)
     try:
-        assert shallow._transport.config is config and shallow.num_sms == 2
+        assert shallow.transport.config is config and shallow.num_sms == 2
         num_tokens = [9 - r for r in range(world_size)]
         idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=34)
         xs = make_x(num_tokens, 192, torch.bfloat16, seed=34)
         recv_x, _, recv_w, *_, handle, _ = shallow.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
-        assert shallow._transport._kernels.engine.config is config  # what the launches read
+        assert shallow.transport._kernels.engine.config is config  # what the launches read
         refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
         assert torch.equal(recv_x, refs[rank].recv_x) and torch.equal(recv_w, refs[rank].recv_topk_weights)
         ys = [torch.randn(r.recv_x.shape[0], 192, generator=torch.Generator().manual_seed(i)).bfloat16()
@@ -370,11 +370,28 @@ def _cuda_is_the_old_name(rank, world_size, buf):
     old = Buffer(buf.group, transport="cuda", timeout_s=60)
     try:
         assert old.transport_name == buf.transport_name == "kernels"
+        assert type(old.transport) is type(buf.transport)
     finally:
         old.close()
 
 
-KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "cuda-is-the-old-name": _cuda_is_the_old_name, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
+def _handle_row_counts(rank, world_size, buf):
+    """A kernel plan reports the rows a dispatch sent inside and across nodes, as torch_dist's does."""
+    dist_buf = Buffer(buf.group, transport="torch_dist", ranks_per_node=world_size, timeout_s=60)
+    try:
+        num_tokens = [11 + 2 * r for r in range(world_size)]
+        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=35)
+        x = make_x(num_tokens, 16, torch.float32, seed=35)[rank]
+        kernel = buf.dispatch(x, idxs[rank], ws[rank], num_experts)[4]
+        torch_dist = dist_buf.dispatch(x, idxs[rank], ws[rank], num_experts)[4]
+        assert kernel.num_internode_tokens == torch_dist.num_internode_tokens == 0
+        assert kernel.num_intranode_tokens == torch_dist.num_intranode_tokens > 0
+    finally:
+        dist_buf.close()
+
+
+KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "cuda-is-the-old-name": _cuda_is_the_old_name,
+                "handle-row-counts": _handle_row_counts, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
                 "mixed-operations": _mixed_operations, "config-reaches-the-kernels": _config_reaches_the_kernels}
 
 

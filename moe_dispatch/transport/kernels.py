@@ -1,11 +1,11 @@
 """``Buffer(transport="kernels")``: the Buffer's transport interface served by the intranode kernels.
 
-The interface is the torch_dist transport's (``plan`` / ``dispatch`` / ``forward`` /
-``combine`` / ``agree`` and ``progress``, each operation a generator of steps that the Buffer
-drives on its communication thread or stream), so everything the Buffer builds on it (autograd,
-``async_finish``, receive hooks, ``num_worst_tokens``, cached dispatch, fp8, delayed weight
-gradients) works unchanged. Underneath is one
-:class:`~moe_dispatch.transport.cuda.IntranodeTransport`: CUDA IPC buffers and the kernels on
+The interface is :class:`~moe_dispatch.transport.base.Transport`, the torch_dist transport's
+too, so everything the Buffer builds on it (autograd, ``async_finish``, receive hooks,
+``num_worst_tokens``, cached dispatch, fp8, delayed weight gradients) works unchanged. The
+launches need no host wait: ``dispatch``, ``forward`` and ``combine`` launch when called and
+return :func:`~moe_dispatch.transport.base.completed` steps. Underneath is one
+:class:`~moe_dispatch.transport.intranode.IntranodeTransport`: CUDA IPC buffers and the kernels on
 GPUs; on CPU tensors, shared memory and the kernels' CPU backend (the same protocol code on
 threads), which is how the tests run this path without a GPU.
 
@@ -49,32 +49,47 @@ from .intranode import (
     _launch_dispatch,
     _notify,
 )
-from .torch_dist import ALL_COMM, Field, Steps, TorchDistTransport
+from .base import Field, Steps, completed
+from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
 
 
 @dataclasses.dataclass
 class KernelPlan:
-    """A dispatch's routing as the kernels keep it.
+    """A dispatch's routing as the kernels keep it (a :class:`~moe_dispatch.transport.base.Plan`).
 
     Attributes:
-        handle: the kernels' :class:`~moe_dispatch.transport.cuda.IntranodeHandle` (receive
+        handle: the kernels' :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (receive
             prefix per source and channel).
         experts_per_rank: E / W.
+        rank: this rank's index in the EP group.
     """
 
     handle: IntranodeHandle
     experts_per_rank: int
+    rank: int
 
     @property
     def num_recv_tokens(self) -> int:
         """R, the rows this rank received."""
         return self.handle.num_recv_tokens
 
+    @property
+    def internode_rows(self) -> int:
+        """Rows sent to other nodes: none (one node)."""
+        return 0
+
+    @property
+    def intranode_rows(self) -> int:
+        """Rows this rank sent to the other ranks of its node (reads the layout: a host sync)."""
+        sent = self.handle.is_token_in_rank
+        return int(sent.sum()) - int(sent[:, self.rank].sum())
+
 
 class KernelTransport:
-    """The intranode kernels behind a Buffer (see the module docstring).
+    """The intranode kernels behind a Buffer (see the module docstring), a
+    :class:`~moe_dispatch.transport.base.Transport`.
 
     Args:
         group: the EP process group (NCCL with CUDA tensors, gloo with CPU tensors).
@@ -139,11 +154,11 @@ class KernelTransport:
         experts_per_rank = fields["num_experts"] // self.topology.world_size
         (handle,), _ = _notify(kernels.engine, [inp], experts_per_rank, num_sms=self.config.num_sms,
                                num_worst_tokens=None, skip_rank=None)
-        return KernelPlan(handle, experts_per_rank)
+        return KernelPlan(handle, experts_per_rank, self.topology.rank)
 
     def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: KernelPlan,
-                 dst: list[torch.Tensor]) -> Steps:
-        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``dst``
+                 out: list[torch.Tensor], what: str = "dispatch") -> Steps:
+        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``out``
         (the same list, ``[R, ...]``); top-k ids arrive in global numbering (-1 where the expert
         is another rank's), weights 0 there."""
         k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
@@ -153,16 +168,15 @@ class KernelTransport:
                      topk_idx.to(torch.int64).contiguous(),
                      weights.contiguous() if weights is not None else None, is_token_in_rank.contiguous(),
                      topk_idx.dtype)
-        recv_x = _landing(dst[0], inp.x.shape[1])
-        out = self._outputs(plan, recv_x, dst[1] if scales is not None else None,
-                            dst[-1] if weights is not None else None, topk_idx.shape[1])
-        self._launch(inp, plan, out)
-        _land(dst[0], recv_x)
+        recv_x = _landing(out[0], inp.x.shape[1])
+        launched = self._outputs(plan, recv_x, out[1] if scales is not None else None,
+                                 out[-1] if weights is not None else None, topk_idx.shape[1])
+        self._launch(inp, plan, launched)
+        _land(out[0], recv_x)
         first = self.topology.rank * plan.experts_per_rank
-        local = out["topk_idx"]
-        dst[k].copy_(torch.where(local >= 0, local + first, torch.full_like(local, -1)))
-        return
-        yield  # a generator like the other transport's steps; the kernels wait for nothing on the host
+        local = launched["topk_idx"]
+        out[k].copy_(torch.where(local >= 0, local + first, torch.full_like(local, -1)))
+        return completed()
 
     def forward(self, tensors: list[torch.Tensor], plan: KernelPlan, out: list[torch.Tensor], what: str) -> Steps:
         """Steps replaying ``plan`` for row tensors ``[T, ...]`` into ``out`` ``[R, ...]`` (an fp8
@@ -178,8 +192,7 @@ class KernelTransport:
             recv_x = _landing(dst2d, x2d.shape[1])
             self._launch(inp, plan, self._outputs(plan, recv_x, dst_scales[0] if scales else None, None, 0))
             _land(dst2d, recv_x)
-        return
-        yield
+        return completed()
 
     def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: KernelPlan,
                 out: list[torch.Tensor], what: str) -> Steps:
@@ -198,8 +211,7 @@ class KernelTransport:
             kernels.check_errors()
             dst2d = _flat(dst)
             dst2d.copy_(summed[:, :dst2d.shape[1]])
-        return
-        yield
+        return completed()
 
     # -- helpers -----------------------------------------------------------------------------
     def _sized(self, row_elements: int, num_topk: int) -> IntranodeTransport:

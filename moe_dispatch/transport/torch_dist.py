@@ -37,8 +37,9 @@ would be many times slower on CPU).
 Every stage moves all row tensors of one call as a single packed uint8 buffer, so a stage is
 one collective per chunk whatever the number of tensors. Operations are written as generators
 that yield each collective they wait for (a :class:`Pending`; others may be in flight
-meanwhile); :func:`drive` runs one to completion, and callers may instead stop after the first
-yield to overlap the first transfer with their own work.
+meanwhile): the steps of :mod:`moe_dispatch.transport.base`, which ``drive`` runs to
+completion; callers may instead stop after the first yield to overlap the first transfer with
+their own work.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ import dataclasses
 import datetime
 import itertools
 import math
-from collections.abc import Generator
 
 import torch
 import torch.distributed as dist
 
 from ..topology import Topology
 from ..errors import CommError
+from .base import Field, Steps
 from .progress import Progress
 
 NUM_CHUNKS = 4  # default pipeline depth: enough to hide stage 2 behind stage 1, few collectives
@@ -79,7 +80,7 @@ class TorchDistChunk:
 @dataclasses.dataclass
 class TorchDistPlan:
     """The index plan of one dispatch (a rank's share of the handle); its combine replays it
-    backwards."""
+    backwards. A :class:`~moe_dispatch.transport.base.Plan`."""
 
     num_tokens: int
     num_recv_tokens: int
@@ -102,45 +103,6 @@ class Pending:
             self.work.wait()
         except RuntimeError as err:  # gloo raises on timeout and on a lost peer
             raise CommError(self.describe(err)) from err
-
-
-Steps = Generator["Pending | None", None, object]
-
-
-def drive(steps: Steps):
-    """Runs an operation's steps to completion, waiting on each collective; returns its result.
-
-    Data movement is never differentiated here (the autograd Functions wire gradients), and
-    grad mode is per thread, so it is switched off explicitly for the communication thread.
-    """
-    with torch.no_grad():
-        try:
-            while True:
-                pending = next(steps)
-                if pending is not None:
-                    pending.wait()
-        except StopIteration as stop:
-            return stop.value
-
-
-def start(steps: Steps):
-    """Runs an operation up to its first collective (issued, not awaited); returns what
-    :func:`finish` needs."""
-    with torch.no_grad():
-        try:
-            return False, next(steps)
-        except StopIteration as stop:
-            return True, stop.value
-
-
-def finish(steps: Steps, started) -> object:
-    """Completes an operation begun with :func:`start`; returns its result."""
-    done, value = started
-    if done:
-        return value
-    if value is not None:
-        value.wait()
-    return drive(steps)
 
 
 _ALIGN = 8  # bytes; every packed field starts at a multiple, so it can be viewed in place as its dtype
@@ -223,7 +185,6 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
 
 # Arguments compared across ranks travel as int64: dtypes and words by their index here.
-Field = int | bool | str | torch.dtype
 _FIELD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64,
                  torch.float64, torch.float8_e5m2, torch.int8, torch.uint8, torch.bool)
 _FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
@@ -272,7 +233,8 @@ ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whol
 
 
 class TorchDistTransport:
-    """Hierarchical dispatch/combine for one EP group over torch.distributed.
+    """Hierarchical dispatch/combine for one EP group over torch.distributed (a
+    :class:`~moe_dispatch.transport.base.Transport`).
 
     Args:
         group: the EP process group (gloo or NCCL).

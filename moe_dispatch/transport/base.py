@@ -1,0 +1,230 @@
+"""The contract between ``Buffer`` and its transports, written down.
+
+A transport moves rows between the ranks of one EP group; the ``Buffer`` builds everything
+else on it (argument checks, output allocation, autograd, ``async_finish``, receive hooks,
+``num_worst_tokens``, cached dispatch). Every operation of a transport returns **steps**: a
+generator that yields each collective it waits for (an object with ``wait()``, or None) and
+returns its result. The Buffer drives the steps on its communication thread (CPU) or stream
+(CUDA), all of a Buffer's operations in one ordered queue: :func:`drive` runs them to the end,
+:func:`start` / :func:`finish` stop after the first yield and go on later (receive hooks). An
+operation that waits for nothing returns :func:`completed`.
+
+The Buffer calls each operation from inside the steps it drives, so an operation may do its
+work when called (the kernels enqueue their launches then) or when its steps are driven (the
+torch_dist collectives): either way it runs in queue order on the communication thread or
+stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..buffer import EventOverlap, RecvHook
+    from ..overlap import DelayedWgrad
+    from .progress import Progress
+
+T = TypeVar("T")
+
+
+class Waitable(Protocol):
+    """A collective in flight, yielded by steps: ``wait()`` blocks until it completed, raising
+    :class:`~moe_dispatch.errors.CommError` on a failure or timeout."""
+
+    def wait(self) -> None: ...
+
+
+Steps = Generator["Waitable | None", None, T]
+
+# An argument compared across ranks before a payload moves (see Transport.agree).
+Field = int | bool | str | torch.dtype
+
+
+def drive(steps: Steps[T]) -> T:
+    """Runs an operation's steps to completion, waiting on each collective; returns its result.
+
+    Data movement is never differentiated here (the autograd Functions wire gradients), and
+    grad mode is per thread, so it is switched off explicitly for the communication thread.
+    """
+    with torch.no_grad():
+        try:
+            while True:
+                pending = next(steps)
+                if pending is not None:
+                    pending.wait()
+        except StopIteration as stop:
+            return stop.value
+
+
+def start(steps: Steps):
+    """Runs an operation up to its first collective (issued, not awaited); returns what
+    :func:`finish` needs."""
+    with torch.no_grad():
+        try:
+            return False, next(steps)
+        except StopIteration as stop:
+            return True, stop.value
+
+
+def finish(steps: Steps[T], started) -> T:
+    """Completes an operation begun with :func:`start`; returns its result."""
+    done, value = started
+    if done:
+        return value
+    if value is not None:
+        value.wait()
+    return drive(steps)
+
+
+def completed(value: T = None) -> Steps[T]:
+    """Steps that finish at once with ``value``, waiting for nothing: what an operation returns
+    when its work was done (or enqueued on the current CUDA stream) as it was called."""
+    yield from ()
+    return value
+
+
+class Plan(Protocol):
+    """A fresh dispatch's routing as a transport keeps it: combine, cached dispatch and the
+    backward passes replay it (:class:`~moe_dispatch.transport.torch_dist.TorchDistPlan`,
+    :class:`~moe_dispatch.transport.kernels.KernelPlan`).
+
+    Attributes:
+        num_recv_tokens: R, the rows this rank received.
+        internode_rows: rows this rank sent to other nodes (and receives back in combine).
+        intranode_rows: rows this rank sent to the other ranks of its node.
+    """
+
+    @property
+    def num_recv_tokens(self) -> int: ...
+
+    @property
+    def internode_rows(self) -> int: ...
+
+    @property
+    def intranode_rows(self) -> int: ...
+
+
+class Transport(Protocol):
+    """What a ``Buffer`` asks of a transport (``TorchDistTransport``, ``KernelTransport``).
+
+    Shapes: T tokens sent by this rank, R rows received, W ranks. Row tensors are ``[rows, ...]``
+    of any dtype unless an operation says otherwise; ``out`` tensors are allocated by the Buffer
+    and written by the steps. Every operation is collective over the EP group: every rank runs
+    the same operations in the same order.
+
+    Attributes:
+        plans_on_comm_thread: where a fresh dispatch's :meth:`plan` runs. False: on the
+            caller's thread, on a process group of its own, so the counts do not queue behind
+            payloads in flight. True: on the communication thread/stream, in the one queue with
+            every other operation (the kernels: their launches share one set of rings).
+        progress: the :class:`~moe_dispatch.transport.progress.Progress` records that name,
+            in a timeout's message, the operation each peer had reached.
+    """
+
+    plans_on_comm_thread: bool
+    progress: Progress
+
+    def agree(self, fields: dict[str, Field], what: str) -> Steps[None]:
+        """Steps comparing ``fields`` across ranks before an operation whose sizes are not
+        exchanged (combine, cached dispatch); ValueError names the first field and rank that
+        differ. May be empty where the backend cannot afford the check."""
+
+    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
+             on_comm_thread: bool = False) -> Steps[Plan]:
+        """Steps exchanging a fresh dispatch's counts (``is_token_in_rank [T, W]`` bool) and
+        comparing ``fields`` across ranks; returns the :class:`Plan`. ``on_comm_thread``: the
+        steps run on the communication thread, not the caller's."""
+
+    def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: Plan,
+                 out: list[torch.Tensor], what: str = "dispatch") -> Steps[None]:
+        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` (``[T, ...]``
+        each) into ``out`` (``[R, ...]`` each) in (source rank, source token) order; top-k ids
+        arrive in global numbering."""
+
+    def forward(self, tensors: list[torch.Tensor], plan: Plan, out: list[torch.Tensor], what: str) -> Steps[None]:
+        """Steps replaying ``plan``'s dispatch for row tensors ``[T, ...]`` into ``out`` ``[R, ...]``
+        (cached dispatch, combine's backward)."""
+
+    def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: Plan,
+                out: list[torch.Tensor], what: str) -> Steps[None]:
+        """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any) in
+        fp32 onto their source tokens in ``out`` ``[T, ...]``, in the order of
+        ``moe_dispatch.reference.combine``."""
+
+    def close(self) -> None:
+        """Frees what the transport holds (collective: every rank, after its last operation)."""
+
+
+@dataclasses.dataclass(eq=False)
+class PlanSlot:
+    """A dispatch's index plan and the row counts around it.
+
+    ``plan`` is set when the dispatch returns, except for a ``num_worst_tokens`` dispatch: that
+    one computes it on the communication thread/stream, where every later user of the slot
+    runs after it (one ordered queue per Buffer).
+
+    Attributes:
+        num_tokens: T, tokens the source sent.
+        num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
+        plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
+    """
+
+    num_tokens: int
+    num_rows: int
+    plan: Plan | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class FreshDispatch:
+    """The routing a fresh (not cached) dispatch carries to its data movement.
+
+    Attributes:
+        slot: where the plan goes (already set unless ``num_worst_tokens``).
+        fields: the arguments every rank must agree on (compared by the plan's steps).
+        is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
+        topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = none.
+        num_experts: E.
+        recv_topk_idx: ``[num_rows, K]`` output: local expert ids of the received rows, -1
+            elsewhere.
+        num_recv_tokens_per_expert: ``[E/W]`` int64 output.
+    """
+
+    slot: PlanSlot
+    fields: dict[str, Field]
+    is_token_in_rank: torch.Tensor
+    topk_idx: torch.Tensor
+    num_experts: int
+    recv_topk_idx: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """What one Buffer operation (a dispatch, a combine, or a backward pass) carries from its
+    entry point through the autograd Functions to the data movement, and what it hands back.
+
+    Attributes:
+        mode: ``"sync"`` (returns complete), ``"async"`` (returns as soon as the transfer is
+            queued, with :attr:`event`), ``"hook"`` (issues the first collective, returns with
+            :attr:`hook`).
+        allocate_on_comm_stream: on CUDA, outputs come from the communication stream's pool.
+        wgrad_store: a dispatch's ``DelayedWgrad``, run in its backward while the gradient
+            combine is in flight.
+        dispatch: a fresh dispatch's routing; None for every other operation.
+        seq: the operation's number when the entry point already took it (a fresh dispatch's
+            plan), else None (taken when the data moves).
+        event: set by the data movement in ``"async"`` mode: marks completion.
+        hook: set by the data movement in ``"hook"`` mode: completes the operation.
+    """
+
+    mode: Literal["sync", "async", "hook"] = "sync"
+    allocate_on_comm_stream: bool = False
+    wgrad_store: DelayedWgrad | None = None
+    dispatch: FreshDispatch | None = None
+    seq: int | None = None
+    event: EventOverlap | None = None
+    hook: RecvHook | None = None
