@@ -169,11 +169,17 @@ class Buffer:
             ``transport="kernels"`` only.
         timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
             others raise ``CommError`` naming the operation and the peers instead of hanging.
+        num_chunks: pipeline depth of ``transport="torch_dist"``: each source splits its tokens
+            into this many chunks, so stage 1 (inter-node) of one chunk overlaps stage 2
+            (intra-node) of the previous (``moe_dispatch.transport.torch_dist``). Results are the
+            same bits for any depth. None = ``torch_dist.NUM_CHUNKS`` where both stages cross
+            processes (several nodes of several ranks), else 1. A positive int, the same on every rank; checked on every
+            transport, used by ``"torch_dist"`` only.
 
     Raises:
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
-            num_sms/timeout_s, both num_sms and config, transport="kernels" for a group spanning
-            nodes.
+            num_sms/timeout_s/num_chunks, both num_sms and config, transport="kernels" for a
+            group spanning nodes.
         TypeError: config is not a Config.
         RuntimeError: transport="kernels" without the built extension.
 
@@ -182,7 +188,7 @@ class Buffer:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, ranks_per_node: int | None = None,
                  transport: str = "auto", num_sms: int | None = None, timeout_s: float = 300.0,
-                 config: Config | None = None):
+                 config: Config | None = None, num_chunks: int | None = None):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -208,6 +214,10 @@ class Buffer:
         elif num_sms is not None:
             config = Config(num_sms=num_sms)
         check_timeout_s(timeout_s)
+        if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
+                                       or num_chunks < 1):
+            raise ValueError(f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
+                             f"and combine) or None for the default, got {num_chunks!r}")
         backend = str(dist.get_backend(self.group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
                        else torch.device("cpu"))
@@ -223,7 +233,7 @@ class Buffer:
             chosen: Transport = KernelTransport(self.group, self.topology, self.timeout_s, config or Config(),
                                                 self.device)
         else:
-            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s)
+            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s, num_chunks=num_chunks)
         self._transfers = Transfers(chosen, self.topology, self.device)
 
     def close(self) -> None:

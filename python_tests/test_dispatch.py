@@ -113,14 +113,15 @@ def _pipeline_depths(rank, world_size, buf):
     """The transport's paths for one chunk (stage 2's arrivals in final order when a node has one
     rank or the world one node; a reorder gather otherwise) and for several chunks, whatever
     default the topology picks: the same bits as the oracle."""
-    L, default = buf.topology.ranks_per_node, buf.transport.num_chunks
-    try:
-        for num_chunks in (1, 3):
-            buf.transport.num_chunks = num_chunks
-            check_roundtrip(buf, rank, world_size, L, [30 + 7 * r for r in range(world_size)], 40, torch.bfloat16,
+    L = buf.topology.ranks_per_node
+    for num_chunks in (1, 3):
+        deep = Buffer(buf.group, ranks_per_node=L, num_chunks=num_chunks, timeout_s=buf.timeout_s)
+        try:
+            assert deep.transport.num_chunks == num_chunks
+            check_roundtrip(deep, rank, world_size, L, [30 + 7 * r for r in range(world_size)], 40, torch.bfloat16,
                             seed=20 + num_chunks)
-    finally:
-        buf.transport.num_chunks = default
+        finally:
+            deep.close()
 
 
 def _identity_expert(rank, world_size, buf):

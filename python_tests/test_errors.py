@@ -73,6 +73,10 @@ def _bad_input_cases(buf: Buffer) -> dict:
         "odd-num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\] \(a sender and a "
                                                    r"receiver block per channel\), got 3, or None for the default",
                                        lambda: Buffer(num_sms=3)),
+        "bad-num-chunks": lambda: _raises(ValueError, r"num_chunks must be a positive int \(the torch_dist pipeline "
+                                                      r"depth: chunks per dispatch and combine\) or None for the "
+                                                      r"default, got 0",
+                                          lambda: Buffer(num_chunks=0)),
         "kernel-transport-across-nodes": lambda: _raises(ValueError, r"transport='kernels' runs the intranode kernels, "
                                                                      r"for an EP group on one node, but this one spans 2 "
                                                                      r"nodes",
