@@ -173,8 +173,8 @@ class Buffer:
             into this many chunks, so stage 1 (inter-node) of one chunk overlaps stage 2
             (intra-node) of the previous (``moe_dispatch.transport.torch_dist``). Results are the
             same bits for any depth. None = ``torch_dist.NUM_CHUNKS`` where both stages cross
-            processes (several nodes of several ranks), else 1. A positive int, the same on every rank; checked on every
-            transport, used by ``"torch_dist"`` only.
+            processes (several nodes of several ranks), else 1. A positive int, the same on every
+            rank; checked on every transport, used by ``"torch_dist"`` only.
 
     Raises:
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
@@ -324,7 +324,7 @@ class Buffer:
         Args:
             x: ``[T, H]`` bf16/fp16/fp32, contiguous, on the Buffer's device; or the fp8 tuple
                 ``(x_fp8 [T, H] float8_e4m3fn, scales [T, H/128] fp32)`` from
-                ``moe_dispatch.quant.per_token_cast_to_fp8`` (H a multiple of 128; not
+                ``moe_dispatch.ops.quant.per_token_cast_to_fp8`` (H a multiple of 128; not
                 differentiable), which arrives as a tuple of the same form.
             topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = no expert.
             topk_weights: ``[T, K]`` fp32 gate weights, or None.

@@ -51,7 +51,8 @@ needs_gpu = pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA G
 
 
 def lower_bound_bytes(idxs, num_experts: int, num_nodes: int, ranks_per_node: int, row_bytes: int) -> int:
-    """sum over tokens of |nodes(t) minus the source's node| x row bytes (DESIGN.md)."""
+    """sum over tokens of |nodes(t) minus the source's node| x row bytes: each (token, node) pair
+    crosses once (what ``moe_dispatch.transport.internode.cross_node_bytes`` measures)."""
     experts_per_node = num_experts // num_nodes
     total = 0
     for r, idx in enumerate(idxs):

@@ -1,7 +1,7 @@
 // Intranode dispatch/combine over NVLink: buffer layout, queue protocol, kernel arguments.
 //
 // Shared by the CUDA kernels (intranode_dispatch.cu, intranode_combine.cu) and by the CPU
-// harness (intranode_cpu_harness.cpp), which runs the very same protocol code
+// backend (intranode_cpu.cpp), which runs the very same protocol code
 // (intranode_roles.cuh) with threads standing in for warps. Everything here is plain C++17
 // that g++ compiles too: no CUDA intrinsics outside `#ifdef __CUDA_ARCH__`.
 //

@@ -2,7 +2,7 @@
 //
 // Each launch takes `common`, a dict of the fields every launched rank shares, and `ranks`, a
 // list with one dict of device pointers (ints, 0 or None = null) and sizes per launched rank;
-// moe_dispatch/transport/cuda.py builds both. backend="cuda" launches the kernel on `stream`
+// moe_dispatch/transport/intranode.py builds both. backend="cuda" launches the kernel on `stream`
 // (asynchronous); backend="cpu" runs the same protocol code on threads over host memory and
 // returns when done (timeouts then count nanoseconds instead of clock64 cycles).
 #include <pybind11/pybind11.h>

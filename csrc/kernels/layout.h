@@ -8,8 +8,8 @@
 namespace moe_dispatch {
 
 // Launches the layout kernel on `stream` (asynchronous; no host synchronisation, CUDA-graph
-// safe). Semantics equal moe_dispatch.layout.get_dispatch_layout_reference: rank r owns experts
-// [r*E/W, (r+1)*E/W), node n owns ranks [n*L, (n+1)*L).
+// safe). Semantics equal moe_dispatch.semantics.layout.get_dispatch_layout_reference: rank r
+// owns experts [r*E/W, (r+1)*E/W), node n owns ranks [n*L, (n+1)*L).
 //
 // IN  topk_idx               [num_tokens, num_topk] int64, global expert ids; -1 = no expert
 //                            (any value outside [0, num_experts) is ignored the same way).

@@ -1,7 +1,7 @@
 """Single-process oracle: every rank's dispatch/combine results from every rank's inputs.
 
-The executable statement of the semantics in shared/DESIGN.md; tests compare each transport
-against it bit for bit. It is deliberately written per rank and per node with boolean masks,
+The executable statement of the semantics that ``Buffer.dispatch`` and ``Buffer.combine``
+document (``moe_dispatch/buffer.py``); tests compare each transport against it bit for bit. It is deliberately written per rank and per node with boolean masks,
 independently of the transports' index plans.
 
 Combine's reduction order is part of the semantics (so results are deterministic and equal

@@ -5,7 +5,7 @@ CPU world (gloo, default 8 processes = 2 nodes x 4 ranks); under ``torchrun`` (`
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` set) each process is one rank, on NCCL when CUDA is there.
 
 Per model it
-  1. builds every rank's inputs from one shared seed (:mod:`moe_dispatch.routing`), so each rank
+  1. builds every rank's inputs from one shared seed (:mod:`moe_dispatch.testing.routing`), so each rank
      checks its own dispatch outputs and combine output against :mod:`moe_dispatch.reference`
      with ``torch.equal`` (exact: data movement plus a fixed-order reduction);
   2. counts the hidden-payload bytes our hierarchy moves inside and across nodes, against the
@@ -78,7 +78,7 @@ class BenchConfig:
     """One benchmark run (picklable: it travels to the spawned ranks).
 
     Attributes:
-        models: preset names of :data:`moe_dispatch.routing.PRESETS`.
+        models: preset names of :data:`moe_dispatch.testing.routing.PRESETS`.
         num_tokens: T, tokens per rank.
         hidden_scale: factor on each model's hidden size (1.0 = full size).
         world_size: W; ranks_per_node: L (W = nodes x L).

@@ -3,7 +3,7 @@
 Importable without the extension. Protocol: ``csrc/kernels/internode.cuh`` (design in prose,
 RDMA buffer layout) and ``internode_roles.cuh`` (stage-1 per-warp code, shared by the GPU
 kernels and the CPU backend); stage 2 is the intranode machinery of
-:mod:`moe_dispatch.transport.cuda`, unchanged.
+:mod:`moe_dispatch.transport.intranode`, unchanged.
 
 A world of W = N nodes x L ranks (rank r = node r // L, local r % L). For rank r:
 

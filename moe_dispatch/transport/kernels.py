@@ -9,7 +9,8 @@ return :func:`~moe_dispatch.transport.base.completed` steps. Underneath is one
 GPUs; on CPU tensors, shared memory and the kernels' CPU backend (the same protocol code on
 threads), which is how the tests run this path without a GPU.
 
-- One node: every rank of the EP group on one node (the internode kernels are not wired yet).
+- One node: every rank of the EP group on one node (a group spanning nodes takes
+  ``transport="torch_dist"``).
 - Every launch goes through the Buffer's one ordered queue (``plans_on_comm_thread``): the
   launches share one set of rings, so a fresh dispatch's notify must not run beside another
   operation's kernels.

@@ -9,7 +9,7 @@
   process; :meth:`NvshmemWorld.close` frees and finalizes.
 - :class:`InternodeTransport`: stage 1 of :mod:`moe_dispatch.transport.internode` in NVSHMEM
   mode (put-with-signal to the PE of the same local index) and stage 2 on an
-  :class:`~moe_dispatch.transport.cuda.IntranodeTransport` over the node's ranks.
+  :class:`~moe_dispatch.transport.intranode.IntranodeTransport` over the node's ranks.
 
 Status: on one H200 the NVSHMEM path ran with one PE (unique-id bootstrap, symmetric heap,
 the NVSHMEM-mode kernels, teardown) and equals the oracle; several PEs (GPUs or nodes) have not
@@ -116,7 +116,7 @@ class InternodeTransport:
     On GPUs (one each) stage 1 puts over NVSHMEM and stage 2 runs on CUDA IPC buffers. On CPU
     (``device="cpu"``) every rank's stage-1 buffer is shared memory that every rank maps, the
     puts are copies (the kernels' CPU backend in loopback mode) and stage 2 is the CPU path of
-    :class:`~moe_dispatch.transport.cuda.IntranodeTransport`: the multi-process wrapper is
+    :class:`~moe_dispatch.transport.intranode.IntranodeTransport`: the multi-process wrapper is
     tested without GPUs.
 
     Args:
