@@ -74,7 +74,8 @@ def nvcc_version(nvcc: str) -> str:
         raise SystemExit(f"error: {nvcc} --version failed: {e}") from e
     match = re.search(r"\bV(\d+\.\d+(?:\.\d+)?)\b", out)
     if match is None:
-        raise SystemExit(f"error: {nvcc} --version printed no version (expected 'V<major>.<minor>.<patch>'), got {out!r}")
+        raise SystemExit(f"error: {nvcc} --version printed no version (expected 'V<major>.<minor>.<patch>'), "
+                         f"got {out!r}")
     return match.group(1)
 
 
@@ -153,7 +154,8 @@ def plan_cuda_build(environ: Mapping[str, str], default_cuda_home: str = DEFAULT
     if nvcc is None:
         reason = f"nvcc not found on PATH, in $CUDA_HOME/bin or in {default_cuda_home}/bin"
         if required:
-            raise SystemExit(f"error: MOE_DISPATCH_REQUIRE_CUDA=1 but {reason}; install the CUDA toolkit or set CUDA_HOME")
+            raise SystemExit(f"error: MOE_DISPATCH_REQUIRE_CUDA=1 but {reason}; install the CUDA toolkit or set "
+                             "CUDA_HOME")
         return CudaPlan(None, reason)
     return CudaPlan(nvcc, None, nvcc_version(nvcc), cuda_archs(environ, nvcc_gpu_archs(nvcc)))
 

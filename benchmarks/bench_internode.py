@@ -109,7 +109,8 @@ def print_table(rows: list[Row]) -> None:
     print_rows("internode loopback", ["shape", "world", "sms", "op", "median us", "p20-p80 us", "GB/s", "vs copy",
                                       "xnode GB/s/rank", "xnode/bound"],
                [[r.shape, r.world, str(r.num_sms), r.op, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}",
-                 f"{r.gbps:.1f}", cell(r.vs_copy, ".2f"), cell(r.xnode_gbps_per_rank, ".1f"), cell(r.xnode_vs_bound, ".2f")]
+                 f"{r.gbps:.1f}", cell(r.vs_copy, ".2f"), cell(r.xnode_gbps_per_rank, ".1f"),
+                 cell(r.xnode_vs_bound, ".2f")]
                 for r in rows])
 
 

@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             copy_rate = None
             for rings in args.rings:
                 for l2_discard in args.l2_discard:
-                    new, copy_rate = bench_shape(shape, world_size, rings, l2_discard == "on", num_sms_list, args, device,
-                                                 copy_rate)
+                    new, copy_rate = bench_shape(shape, world_size, rings, l2_discard == "on", num_sms_list, args,
+                                                 device, copy_rate)
                     rows += new
     print_table(rows)
     print_discard_ratios(rows)
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         for op in sorted({r.op for r in goals}):
             best = max((r for r in goals if r.op == op), key=lambda r: r.vs_copy)
             print(f"best {op} with num_sms <= {GOAL_MAX_SMS}: {best.vs_copy:.2f} of the copy, {best.vs_two_hop:.2f} of "
-                  f"the two-hop bound ({best.shape}, rings {best.rings}, l2_discard {'on' if best.l2_discard else 'off'}, "
-                  f"{best.num_sms} SMs)")
+                  f"the two-hop bound ({best.shape}, rings {best.rings}, "
+                  f"l2_discard {'on' if best.l2_discard else 'off'}, {best.num_sms} SMs)")
     if not on_gpu:
         print("\nbench_intranode: CPU backend: the times check the script only (l2_discard writes a poison pattern "
               "there; its ratios say nothing about a GPU)")

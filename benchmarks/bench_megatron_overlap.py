@@ -103,9 +103,10 @@ def _build(args, overlap: bool):
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
     import torch._dynamo
     from megatron.core import parallel_state as ps
-    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from moe_dispatch.megatron.schedule import run_gpt_step
 
     torch._dynamo.config.disable = True
     if not torch.cuda.is_available():

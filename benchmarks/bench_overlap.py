@@ -46,8 +46,8 @@ from rich.table import Table
 
 from moe_dispatch import Buffer
 from moe_dispatch.testing import routing
-from moe_dispatch.tools.env import source_commit
 from moe_dispatch.testing.launch import launch_ranks, retain_freed_memory
+from moe_dispatch.tools.env import source_commit
 
 GOAL_HIDDEN = 0.70
 MODES = ("comm", "compute", "off", "on", "static")
@@ -58,8 +58,13 @@ MODES = ("comm", "compute", "off", "on", "static")
 PARTS = ("fill", "waits", "drain", "calls", "experts")
 
 
-def _experts(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def _experts(
+    recv_x: torch.Tensor,
+    recv_topk_idx: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A dense stand-in for the local experts: an FFN over every received row (the compute whose
     size decides how much communication can hide), written into ``out`` when given."""
     return torch.matmul(torch.nn.functional.gelu(recv_x @ w1), w2, out=out)
@@ -131,8 +136,10 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | 
             x = torch.randn(args.num_tokens, preset.hidden, generator=gen).to(torch.bfloat16)
             batches.append((x.to(buf.device), idx.to(buf.device), w.to(buf.device)))
         ffn = int(preset.hidden * args.ffn_ratio)
-        weights = (torch.randn(preset.hidden, ffn, dtype=torch.bfloat16, device=buf.device) / preset.hidden ** 0.5,
-                   torch.randn(ffn, preset.hidden, dtype=torch.bfloat16, device=buf.device) / ffn ** 0.5)
+        weights = (
+            torch.randn(preset.hidden, ffn, dtype=torch.bfloat16, device=buf.device) / preset.hidden**0.5,
+            torch.randn(ffn, preset.hidden, dtype=torch.bfloat16, device=buf.device) / ffn**0.5,
+        )
         received = [buf.dispatch(*b, preset.num_experts)[:2] for b in batches]
         times = {m: [] for m in MODES}
         parts = {m: {p: [] for p in PARTS} for m in ("on", "static")}
@@ -147,8 +154,9 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | 
                 if buf.device.type == "cuda":
                     torch.cuda.synchronize()
                 # The step time, then its parts: each the max over ranks.
-                elapsed = torch.tensor([time.perf_counter() - start, *(spent.get(p, 0.0) for p in PARTS)],
-                                       dtype=torch.float64)
+                elapsed = torch.tensor(
+                    [time.perf_counter() - start, *(spent.get(p, 0.0) for p in PARTS)], dtype=torch.float64
+                )
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if it >= args.warmup:
                     times[mode].append(float(elapsed[0]) * 1e3)
@@ -158,12 +166,20 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict] | 
         # The spread: the figure of each iteration (its modes ran back to back), quartiles.
         per_iter = [1 - (s - c) / m for s, c, m in zip(times["static"], times["compute"], times["comm"])]
         spread = statistics.quantiles(per_iter, n=4, method="inclusive") if len(per_iter) > 1 else per_iter * 3
-        results.append({"model": name, "hidden": preset.hidden, "ffn": ffn, "device": buf.device.type, "median_ms": med,
-                        "hidden_fraction": 1 - (med["on"] - med["compute"]) / med["comm"],
-                        "hidden_fraction_static": 1 - (med["static"] - med["compute"]) / med["comm"],
-                        "hidden_fraction_static_quartiles": spread,
-                        "times_ms": times,  # per iteration, so runs can be pooled
-                        "compute_over_comm": med["compute"] / med["comm"]})
+        results.append(
+            {
+                "model": name,
+                "hidden": preset.hidden,
+                "ffn": ffn,
+                "device": buf.device.type,
+                "median_ms": med,
+                "hidden_fraction": 1 - (med["on"] - med["compute"]) / med["comm"],
+                "hidden_fraction_static": 1 - (med["static"] - med["compute"]) / med["comm"],
+                "hidden_fraction_static_quartiles": spread,
+                "times_ms": times,  # per iteration, so runs can be pooled
+                "compute_over_comm": med["compute"] / med["comm"],
+            }
+        )
         if buf.device.type == "cpu":  # a CUDA wait returns once queued: its parts would mean nothing
             results[-1]["parts_ms"] = {m: {p: statistics.median(v) for p, v in ps.items()} for m, ps in parts.items()}
     return results if rank == 0 else None
@@ -190,15 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     if results is None:
         return 0
 
-    table = Table(title=f"overlap of dispatch/combine with expert compute ({args.micro_batches} micro-batches, "
-                        f"{args.num_tokens} tokens each), ms", caption="hidden = 1 - (on - compute) / comm; ms = "
-                        "median of the max over ranks; per iteration: quartiles of each iteration's static figure")
+    table = Table(
+        title=f"overlap of dispatch/combine with expert compute ({args.micro_batches} micro-batches, "
+        f"{args.num_tokens} tokens each), ms",
+        caption="hidden = 1 - (on - compute) / comm; ms = "
+        "median of the max over ranks; per iteration: quartiles of each iteration's static figure",
+    )
     for col in ("model", *MODES, "compute/comm", "hidden on", "hidden static", "static per iteration"):
         table.add_column(col, justify="right")
     for r in results:
         m, (q1, _, q3) = r["median_ms"], r["hidden_fraction_static_quartiles"]
-        table.add_row(r["model"], *(f"{m[k]:.1f}" for k in MODES), f"{r['compute_over_comm']:.2f}",
-                      f"{r['hidden_fraction']:.2f}", f"{r['hidden_fraction_static']:.2f}", f"{q1:.2f}-{q3:.2f}")
+        table.add_row(
+            r["model"],
+            *(f"{m[k]:.1f}" for k in MODES),
+            f"{r['compute_over_comm']:.2f}",
+            f"{r['hidden_fraction']:.2f}",
+            f"{r['hidden_fraction_static']:.2f}",
+            f"{q1:.2f}-{q3:.2f}",
+        )
     console = Console(width=max(120, Console().width))  # the table is wider than a default 80-column log
     console.print(table)
     eligible = [r for r in results if r["compute_over_comm"] >= 1]
@@ -206,26 +231,41 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "not measured (no shape has compute >= comm: raise --ffn-ratio)"
     else:
         met = sum(r["hidden_fraction_static"] >= GOAL_HIDDEN for r in eligible)
-        verdict = (f"{'met' if met == len(eligible) else 'not met'}: met on {met} of the {len(eligible)} shapes "
-                   f"with compute >= comm ({len(results)} shapes in all)")
+        verdict = (
+            f"{'met' if met == len(eligible) else 'not met'}: met on {met} of the {len(eligible)} shapes "
+            f"with compute >= comm ({len(results)} shapes in all)"
+        )
     if results and "parts_ms" in results[0]:
-        parts = Table(title="where the exposed time of \"static\" goes (static - compute), ms per step",
-                      caption="fill: wait for the first dispatch; drain: for the last combines (nothing to hide "
-                              "behind: about comm / M); waits: for later dispatches; calls: dispatch/combine calls; "
-                              "experts slowed: experts in the step - compute alone (CPU the transport took)")
+        parts = Table(
+            title='where the exposed time of "static" goes (static - compute), ms per step',
+            caption="fill: wait for the first dispatch; drain: for the last combines (nothing to hide "
+            "behind: about comm / M); waits: for later dispatches; calls: dispatch/combine calls; "
+            "experts slowed: experts in the step - compute alone (CPU the transport took)",
+        )
         for col in ("model", "exposed", "fill", "waits", "drain", "calls", "experts slowed"):
             parts.add_column(col, justify="right")
         for r in results:
             m, p = r["median_ms"], r["parts_ms"]["static"]
-            parts.add_row(r["model"], f"{m['static'] - m['compute']:.1f}", *(f"{p[k]:.1f}" for k in PARTS[:4]),
-                          f"{p['experts'] - m['compute']:.1f}")
+            parts.add_row(
+                r["model"],
+                f"{m['static'] - m['compute']:.1f}",
+                *(f"{p[k]:.1f}" for k in PARTS[:4]),
+                f"{p['experts'] - m['compute']:.1f}",
+            )
         console.print(parts)
     console.print(f"goal: hidden (static) >= {GOAL_HIDDEN} where compute >= comm: {verdict}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, pathlib.Path) else v)
-                                                for k, v in vars(args).items()},
-                                     "torch": torch.__version__, "git_commit": source_commit()["commit"],
-                                     "results": results}, indent=2))
+    args.json.write_text(
+        json.dumps(
+            {
+                "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                "torch": torch.__version__,
+                "git_commit": source_commit()["commit"],
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     console.print(f"figures written to {args.json}")
     return 0
 

@@ -8,7 +8,16 @@ __version__ = "0.1.0"
 
 from ._ext import cuda_available
 from .buffer import Buffer, DispatchHandle, EventOverlap
-from .topology import Topology
 from .errors import BudgetOverflowError, CommError
+from .topology import Topology
 
-__all__ = ["BudgetOverflowError", "Buffer", "CommError", "DispatchHandle", "EventOverlap", "Topology", "__version__", "cuda_available"]
+__all__ = [
+    "BudgetOverflowError",
+    "Buffer",
+    "CommError",
+    "DispatchHandle",
+    "EventOverlap",
+    "Topology",
+    "__version__",
+    "cuda_available",
+]

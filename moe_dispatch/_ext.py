@@ -83,17 +83,22 @@ def _load() -> tuple[object | None, ExtensionStatus]:
         module = importlib.import_module("moe_dispatch._C")
     except ImportError as e:
         if isinstance(e, ModuleNotFoundError) and e.name == "moe_dispatch._C":
-            error = ("moe_dispatch._C is not compiled (a pure-Python install): reinstall with nvcc on PATH "
-                     "or CUDA_HOME set (MOE_DISPATCH_REQUIRE_CUDA=1 makes a missing nvcc an error)")
+            error = (
+                "moe_dispatch._C is not compiled (a pure-Python install): reinstall with nvcc on PATH "
+                "or CUDA_HOME set (MOE_DISPATCH_REQUIRE_CUDA=1 makes a missing nvcc an error)"
+            )
         elif NVSHMEM_HOST_LIB in str(e):
             where = "is not installed" if nvshmem_package_dir() is None else "lacks it"
-            error = (f"moe_dispatch._C failed to load: {e}; it needs {NVSHMEM_HOST_LIB} from the "
-                     f"nvidia-nvshmem-cu13 package, which {where} (pip install nvidia-nvshmem-cu13)")
+            error = (
+                f"moe_dispatch._C failed to load: {e}; it needs {NVSHMEM_HOST_LIB} from the "
+                f"nvidia-nvshmem-cu13 package, which {where} (pip install nvidia-nvshmem-cu13)"
+            )
         else:
             error = f"moe_dispatch._C failed to load: {e}"
         return None, ExtensionStatus(False, error + preload_error, False, None, None)
-    status = ExtensionStatus(True, None, bool(module.with_nvshmem), str(module.cuda_archs),
-                             str(nvshmem_lib) if nvshmem_lib else None)
+    status = ExtensionStatus(
+        True, None, bool(module.with_nvshmem), str(module.cuda_archs), str(nvshmem_lib) if nvshmem_lib else None
+    )
     return module, status
 
 
@@ -144,9 +149,16 @@ def _get_dispatch_layout_op(
         num_tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
         is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=device)
         C.get_dispatch_layout(
-            topk_idx.data_ptr(), num_tokens, num_topk, num_experts, num_ranks, ranks_per_node,
-            num_tokens_per_rank.data_ptr(), num_tokens_per_node.data_ptr(),
-            num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr(),
+            topk_idx.data_ptr(),
+            num_tokens,
+            num_topk,
+            num_experts,
+            num_ranks,
+            ranks_per_node,
+            num_tokens_per_rank.data_ptr(),
+            num_tokens_per_node.data_ptr(),
+            num_tokens_per_expert.data_ptr(),
+            is_token_in_rank.data_ptr(),
             torch.cuda.current_stream(device).cuda_stream,
         )
     return num_tokens_per_rank, num_tokens_per_node, num_tokens_per_expert, is_token_in_rank

@@ -38,8 +38,9 @@ class DispatchFn(torch.autograd.Function):
             tensors.append(torch.where(mine, grad_recv_weights, torch.zeros_like(grad_recv_weights)))
         store = ctx.call.wgrad_store
         launch = Call(mode="async" if store is not None else "sync")
-        grads = ctx.transfers.combine(routing.slot, tensors, [None] * len(tensors), launch,
-                                      "dispatch backward (combine)")
+        grads = ctx.transfers.combine(
+            routing.slot, tensors, [None] * len(tensors), launch, "dispatch backward (combine)"
+        )
         if store is not None:  # the experts' weight gradients overlap the combine in flight
             store.backward_dw()
             launch.event.current_stream_wait()
@@ -56,8 +57,7 @@ class ReplayDispatchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out = ctx.transfers.combine(ctx.slot, [grad.contiguous()], [None], Call(),
-                                    "cached dispatch backward (combine)")
+        out = ctx.transfers.combine(ctx.slot, [grad.contiguous()], [None], Call(), "cached dispatch backward (combine)")
         return None, None, None, out[0]
 
 

@@ -18,14 +18,14 @@ from . import autograd
 from .config import Config, check_config, num_sms_error
 from .errors import BudgetOverflowError
 from .ops.layout import get_dispatch_layout
-from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .ops.quant import check_fp8_pair
+from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
+from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 from .topology import Topology
 from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
 from .transport.base import Call, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistTransport
-from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 
 if TYPE_CHECKING:
     from .overlap import DelayedWgrad
@@ -73,8 +73,10 @@ class DispatchHandle:
             RuntimeError: a ``num_worst_tokens`` dispatch that has not completed yet.
         """
         if self.slot.plan is None:
-            raise RuntimeError("this handle's dispatch (num_worst_tokens) has not completed: wait for its event "
-                               "(or call its hook) before reading the plan")
+            raise RuntimeError(
+                "this handle's dispatch (num_worst_tokens) has not completed: wait for its event "
+                "(or call its hook) before reading the plan"
+            )
         return self.slot.plan
 
     @property
@@ -138,9 +140,12 @@ def default_ranks_per_node(group: dist.ProcessGroup) -> int:
     runs = [len(list(run)) for _, run in itertools.groupby(nodes)]
     if len(runs) == len(set(nodes)) and len(set(runs)) == 1:
         return runs[0]
-    warnings.warn(f"the EP group's ranks sit on nodes {nodes} (node size {node_size}), not as equal contiguous runs: "
-                  "moe_dispatch treats the group as one node (exact, but no inter-node de-duplication); pass "
-                  "ranks_per_node= to set the hierarchy", stacklevel=3)
+    warnings.warn(
+        f"the EP group's ranks sit on nodes {nodes} (node size {node_size}), not as equal contiguous runs: "
+        "moe_dispatch treats the group as one node (exact, but no inter-node de-duplication); pass "
+        "ranks_per_node= to set the hierarchy",
+        stacklevel=3,
+    )
     return world_size
 
 
@@ -186,14 +191,23 @@ class Buffer:
     Collective: every rank of ``group`` must construct its Buffer together.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, ranks_per_node: int | None = None,
-                 transport: str = "auto", num_sms: int | None = None, timeout_s: float = 300.0,
-                 config: Config | None = None, num_chunks: int | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        ranks_per_node: int | None = None,
+        transport: str = "auto",
+        num_sms: int | None = None,
+        timeout_s: float = 300.0,
+        config: Config | None = None,
+        num_chunks: int | None = None,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
         if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), got "
-                            f"{type(group).__name__}")
+            raise TypeError(
+                f"group must be a torch.distributed ProcessGroup or None (the world), got {type(group).__name__}"
+            )
         self.group = group if group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if ranks_per_node is None:
@@ -209,18 +223,21 @@ class Buffer:
         check_config(config)
         if config is not None:
             if num_sms is not None:
-                raise ValueError(f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: "
-                                 "pass one")
+                raise ValueError(
+                    f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: pass one"
+                )
         elif num_sms is not None:
             config = Config(num_sms=num_sms)
         check_timeout_s(timeout_s)
-        if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
-                                       or num_chunks < 1):
-            raise ValueError(f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
-                             f"and combine) or None for the default, got {num_chunks!r}")
+        if num_chunks is not None and (
+            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        ):
+            raise ValueError(
+                f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
+                f"and combine) or None for the default, got {num_chunks!r}"
+            )
         backend = str(dist.get_backend(self.group))
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
-                       else torch.device("cpu"))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         if transport == "auto":
             transport, self.transport_reason = choose_transport(self.device)
         else:
@@ -230,8 +247,9 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self._uid = next(_BUFFER_IDS)
         if transport == "kernels":
-            chosen: Transport = KernelTransport(self.group, self.topology, self.timeout_s, config or Config(),
-                                                self.device)
+            chosen: Transport = KernelTransport(
+                self.group, self.topology, self.timeout_s, config or Config(), self.device
+            )
         else:
             chosen = TorchDistTransport(self.group, self.topology, self.timeout_s, num_chunks=num_chunks)
         self._transfers = Transfers(chosen, self.topology, self.device)
@@ -288,14 +306,16 @@ class Buffer:
 
     def _check_num_experts(self, num_experts: int) -> None:
         if num_experts % self.world_size != 0:
-            raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, "
-                             f"got {num_experts}")
+            raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, got {num_experts}")
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
         """The layout of validated inputs: Triton kernels on CUDA, the torch reference's ops on CPU."""
         if topk_idx.is_cuda:
-            return tuple(get_dispatch_layout(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node,
-                                             validate=False)[:4])
+            return tuple(
+                get_dispatch_layout(
+                    topk_idx, num_experts, self.world_size, self.topology.ranks_per_node, validate=False
+                )[:4]
+            )
         return get_dispatch_layout_torch(topk_idx, num_experts, self.world_size, self.topology.ranks_per_node)
 
     def _is_token_in_rank(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -306,12 +326,21 @@ class Buffer:
         return is_token_in_rank_torch(topk_idx, num_experts, self.world_size)
 
     # -- dispatch / combine -----------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None, num_experts: int | None = None, *,
-                 handle: DispatchHandle | None = None, async_finish: bool = False,
-                 previous_event: EventOverlap | None = None, allocate_on_comm_stream: bool = False,
-                 return_recv_hook: bool = False, num_worst_tokens: int = 0,
-                 wgrad_store: "DelayedWgrad | None" = None):
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        *,
+        handle: DispatchHandle | None = None,
+        async_finish: bool = False,
+        previous_event: EventOverlap | None = None,
+        allocate_on_comm_stream: bool = False,
+        return_recv_hook: bool = False,
+        num_worst_tokens: int = 0,
+        wgrad_store: "DelayedWgrad | None" = None,
+    ):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
         Collective over the EP group. A fresh dispatch first exchanges the layout counts (a
@@ -379,8 +408,9 @@ class Buffer:
         """
         self._check_open()
         if not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
-            raise ValueError(f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got "
-                             f"{num_worst_tokens!r}")
+            raise ValueError(
+                f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
+            )
         call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         call.wgrad_store = wgrad_store
         fp8 = isinstance(x, tuple)
@@ -388,8 +418,10 @@ class Buffer:
             self._check_handle(handle)
             self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
             if topk_idx is not None or topk_weights is not None or num_worst_tokens:
-                raise ValueError("a cached dispatch (handle=...) replays the handle's routing and row count: "
-                                 "pass topk_idx=None, topk_weights=None and no num_worst_tokens")
+                raise ValueError(
+                    "a cached dispatch (handle=...) replays the handle's routing and row count: "
+                    "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
+                )
             if fp8:
                 recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
             else:
@@ -398,8 +430,10 @@ class Buffer:
 
         self._check_x(x)
         if isinstance(topk_weights, int) and num_experts is None:
-            raise TypeError(f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
-                            "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword")
+            raise TypeError(
+                f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
+                "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
+            )
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if fp8 else x.shape[0]
@@ -408,9 +442,15 @@ class Buffer:
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         x0 = x[0] if fp8 else x
-        fields = {"num_experts": num_experts, "top-k": topk_idx.shape[1], "hidden": x0.shape[1],
-                  "x dtype": x0.dtype, "fp8 x": fp8, "topk_idx dtype": topk_idx.dtype,
-                  "topk_weights given": topk_weights is not None}
+        fields = {
+            "num_experts": num_experts,
+            "top-k": topk_idx.shape[1],
+            "hidden": x0.shape[1],
+            "x dtype": x0.dtype,
+            "fp8 x": fp8,
+            "topk_idx dtype": topk_idx.dtype,
+            "topk_weights given": topk_weights is not None,
+        }
         is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
@@ -418,23 +458,49 @@ class Buffer:
             plan = self._transfers.plan(call, is_token_in_rank, fields)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
         call.dispatch = routing = FreshDispatch(
-            slot=slot, fields=fields, is_token_in_rank=is_token_in_rank, topk_idx=topk_idx, num_experts=num_experts,
+            slot=slot,
+            fields=fields,
+            is_token_in_rank=is_token_in_rank,
+            topk_idx=topk_idx,
+            num_experts=num_experts,
             recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
-            num_recv_tokens_per_expert=torch.empty(num_experts // self.world_size, dtype=torch.int64,
-                                                   device=self.device))
+            num_recv_tokens_per_expert=torch.empty(
+                num_experts // self.world_size, dtype=torch.int64, device=self.device
+            ),
+        )
         if fp8:  # fp8 is a forward-only format: no autograd
             *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
             recv_x = tuple(recv_x)
         else:
             recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
-        handle = DispatchHandle(buffer_id=self._uid, num_experts=num_experts, recv_topk_idx=routing.recv_topk_idx,
-                                is_token_in_rank=is_token_in_rank, slot=slot, _hook=call.hook)
-        return (recv_x, routing.recv_topk_idx, recv_weights, routing.num_recv_tokens_per_expert, handle,
-                *self._completion(call))
+        handle = DispatchHandle(
+            buffer_id=self._uid,
+            num_experts=num_experts,
+            recv_topk_idx=routing.recv_topk_idx,
+            is_token_in_rank=is_token_in_rank,
+            slot=slot,
+            _hook=call.hook,
+        )
+        return (
+            recv_x,
+            routing.recv_topk_idx,
+            recv_weights,
+            routing.num_recv_tokens_per_expert,
+            handle,
+            *self._completion(call),
+        )
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
-                async_finish: bool = False, previous_event: EventOverlap | None = None,
-                allocate_on_comm_stream: bool = False, return_recv_hook: bool = False):
+    def combine(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        async_finish: bool = False,
+        previous_event: EventOverlap | None = None,
+        allocate_on_comm_stream: bool = False,
+        return_recv_hook: bool = False,
+    ):
         """Sums each received row back onto its source token (the adjoint of dispatch).
 
         Collective over the EP group. Accumulates in fp32 in a fixed order (inside each node by
@@ -463,20 +529,31 @@ class Buffer:
         call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         self._check_handle(handle)
         if isinstance(y, tuple):
-            raise TypeError("combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
-                            "format (dequantize the expert output, or keep it in bf16)")
+            raise TypeError(
+                "combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
+                "format (dequantize the expert output, or keep it in bf16)"
+            )
         check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
         row_scale = None
         if topk_weights is not None:
             if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
-                got = (str(topk_weights.dtype).removeprefix("torch.") if isinstance(topk_weights, torch.Tensor)
-                       else type(topk_weights).__name__)
+                got = (
+                    str(topk_weights.dtype).removeprefix("torch.")
+                    if isinstance(topk_weights, torch.Tensor)
+                    else type(topk_weights).__name__
+                )
                 raise TypeError(f"topk_weights must be an fp32 tensor, got {got}")
             rows, topk = handle.num_recv_tokens, handle.recv_topk_idx.shape[1]
-            if topk_weights.device != self.device or topk_weights.dim() not in (1, 2) \
-                    or topk_weights.shape[0] != rows or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk):
-                raise ValueError(f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
-                                 f"{list(topk_weights.shape)} on {topk_weights.device}")
+            if (
+                topk_weights.device != self.device
+                or topk_weights.dim() not in (1, 2)
+                or topk_weights.shape[0] != rows
+                or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk)
+            ):
+                raise ValueError(
+                    f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
+                    f"{list(topk_weights.shape)} on {topk_weights.device}"
+                )
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
         out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
         return (out, *self._completion(call))
@@ -489,26 +566,40 @@ class Buffer:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
         if handle.buffer_id != self._uid:
-            raise ValueError(f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
-                             "use it with the Buffer that dispatched")
+            raise ValueError(
+                f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
+                "use it with the Buffer that dispatched"
+            )
         if handle._hook is not None and not handle._hook.called:
-            raise RuntimeError("the dispatch that made this handle was issued with return_recv_hook=True and its "
-                               "hook() has not been called: call hook() before using the handle or its outputs")
+            raise RuntimeError(
+                "the dispatch that made this handle was issued with return_recv_hook=True and its "
+                "hook() has not been called: call hook() before using the handle or its outputs"
+            )
 
     @staticmethod
-    def _call(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None,
-              allocate_on_comm_stream: bool = False) -> Call:
+    def _call(
+        async_finish: bool,
+        return_recv_hook: bool,
+        previous_event: EventOverlap | None,
+        allocate_on_comm_stream: bool = False,
+    ) -> Call:
         """The per-call launch settings, passed through the autograd Functions."""
         if async_finish and return_recv_hook:
-            raise ValueError("async_finish=True and return_recv_hook=True exclude each other: the hook variant "
-                             "returns before the receive, the async variant completes it in the background")
+            raise ValueError(
+                "async_finish=True and return_recv_hook=True exclude each other: the hook variant "
+                "returns before the receive, the async variant completes it in the background"
+            )
         if previous_event is not None:
             if not isinstance(previous_event, EventOverlap):
-                raise TypeError(f"previous_event must be an EventOverlap returned by this package, got "
-                                f"{type(previous_event).__name__}")
+                raise TypeError(
+                    f"previous_event must be an EventOverlap returned by this package, got "
+                    f"{type(previous_event).__name__}"
+                )
             previous_event.current_stream_wait()
-        return Call(mode="hook" if return_recv_hook else "async" if async_finish else "sync",
-                    allocate_on_comm_stream=allocate_on_comm_stream)
+        return Call(
+            mode="hook" if return_recv_hook else "async" if async_finish else "sync",
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
 
     @staticmethod
     def _completion(call: Call) -> tuple:
@@ -582,8 +673,9 @@ class Transfers:
         self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
         if not self.transport.plans_on_comm_thread:
             return drive(self.transport.plan(is_token_in_rank, fields))
-        steps = self._marked(self.transport.plan(is_token_in_rank, fields, on_comm_thread=True), call.seq,
-                             "dispatch (metadata)")
+        steps = self._marked(
+            self.transport.plan(is_token_in_rank, fields, on_comm_thread=True), call.seq, "dispatch (metadata)"
+        )
         plan = self.submit(drive, steps).result()
         self.join()
         return plan
@@ -614,17 +706,20 @@ class Transfers:
 
         def steps():
             if slot.plan is None:
-                slot.plan = yield from self.transport.plan(routing.is_token_in_rank, routing.fields,
-                                                           on_comm_thread=True)
+                slot.plan = yield from self.transport.plan(
+                    routing.is_token_in_rank, routing.fields, on_comm_thread=True
+                )
             rows = slot.plan.num_recv_tokens
             # Past the static size the rows still arrive (peers send them regardless), into
             # scratch, and the overflow is raised once the transfer is complete.
             dst = [o[:rows] for o in out] if rows <= slot.num_rows else [o.new_empty((rows, *o.shape[1:])) for o in out]
             yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
             if rows > slot.num_rows:
-                raise BudgetOverflowError(f"EP rank {self.topology.rank}: dispatch received {rows} rows but "
-                                          f"num_worst_tokens={slot.num_rows}; raise num_worst_tokens to at least "
-                                          f"{rows} (T * W never overflows)")
+                raise BudgetOverflowError(
+                    f"EP rank {self.topology.rank}: dispatch received {rows} rows but "
+                    f"num_worst_tokens={slot.num_rows}; raise num_worst_tokens to at least "
+                    f"{rows} (T * W never overflows)"
+                )
             recv_idx = out[len(xs)]
             for o in out:  # the padding rows of a static size
                 if o is not recv_idx:
@@ -637,13 +732,14 @@ class Transfers:
             # per-expert counts, so its size is the same on every rank whatever num_experts each
             # one passed.
             routing.num_recv_tokens_per_expert.copy_(
-                torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:])
+                torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:]
+            )
             if topk_weights is not None:
                 out[-1].masked_fill_(other, 0.0)
 
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
-        return [*out[:len(xs)], out[-1] if topk_weights is not None else None]
+        return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
 
     def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
@@ -660,8 +756,9 @@ class Transfers:
         self._run(steps(), call, [*tensors, *out], what)
         return out
 
-    def combine(self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], call: Call,
-                what: str) -> list[torch.Tensor]:
+    def combine(
+        self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], call: Call, what: str
+    ) -> list[torch.Tensor]:
         """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
         its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
         outputs; returns them."""
@@ -671,9 +768,9 @@ class Transfers:
         def steps():
             yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
-            yield from self.transport.combine([t[:rows] for t in tensors],
-                                              [None if sc is None else sc[:rows] for sc in scales], slot.plan, out,
-                                              what)
+            yield from self.transport.combine(
+                [t[:rows] for t in tensors], [None if sc is None else sc[:rows] for sc in scales], slot.plan, out, what
+            )
 
         self._run(steps(), call, uses, what)
         return out
@@ -748,8 +845,16 @@ class Transfers:
         width and dtype: combine and cached dispatch exchange no sizes (see
         ``TorchDistTransport.agree`` for where the check runs)."""
         t = tensors[0]
-        return self.transport.agree({"operation": operation, "hidden": math.prod(t.shape[1:]), "dtype": t.dtype,
-                                     "tensors": len(tensors), "row scales": num_scales}, what)
+        return self.transport.agree(
+            {
+                "operation": operation,
+                "hidden": math.prod(t.shape[1:]),
+                "dtype": t.dtype,
+                "tensors": len(tensors),
+                "row scales": num_scales,
+            },
+            what,
+        )
 
 
 class RecvHook:

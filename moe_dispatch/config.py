@@ -45,8 +45,16 @@ def slot_layout(x_bytes: int, scale_bytes: int = 0, num_topk: int = 0) -> SlotLa
     topk_idx_offset = scale_offset + _align(scale_bytes, FIELD_ALIGN)
     topk_weights_offset = topk_idx_offset + _align(4 * num_topk, FIELD_ALIGN)
     aux_offset = topk_weights_offset + _align(4 * num_topk, FIELD_ALIGN)
-    return SlotLayout(x_bytes, scale_bytes, num_topk, scale_offset, topk_idx_offset, topk_weights_offset,
-                      aux_offset, aux_offset + FIELD_ALIGN)
+    return SlotLayout(
+        x_bytes,
+        scale_bytes,
+        num_topk,
+        scale_offset,
+        topk_idx_offset,
+        topk_weights_offset,
+        aux_offset,
+        aux_offset + FIELD_ALIGN,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +81,21 @@ def buffer_layout(num_ranks: int, num_channels: int, num_slots: int, slot_bytes:
     tail = meta + _align(4 * queues, LINE)
     head = tail + LINE * queues
     queue = head + LINE * queues
-    return BufferLayout(num_ranks, num_channels, num_slots, slot_bytes, meta, tail, head, queue,
-                        queue + queues * num_slots * slot_bytes)
+    return BufferLayout(
+        num_ranks, num_channels, num_slots, slot_bytes, meta, tail, head, queue, queue + queues * num_slots * slot_bytes
+    )
 
 
-def max_slot_bytes(hidden: int, num_topk: int, *, element_bytes: int = 2, fp8: bool = True,
-                   combine_element_bytes: int | None = None) -> int:
+def max_slot_bytes(
+    hidden: int, num_topk: int, *, element_bytes: int = 2, fp8: bool = True, combine_element_bytes: int | None = None
+) -> int:
     """Slot size that fits every operation a Buffer for ``hidden`` performs: dispatch of
     ``element_bytes``-wide rows (and of fp8 rows with their scales when ``fp8``), and combine of
     ``combine_element_bytes``-wide rows (default ``element_bytes``)."""
-    sizes = [slot_layout(hidden * element_bytes, 0, num_topk).slot_bytes,
-             slot_layout(hidden * (combine_element_bytes or element_bytes)).slot_bytes]
+    sizes = [
+        slot_layout(hidden * element_bytes, 0, num_topk).slot_bytes,
+        slot_layout(hidden * (combine_element_bytes or element_bytes)).slot_bytes,
+    ]
     if fp8 and hidden % 128 == 0:
         sizes.append(slot_layout(hidden, 4 * (hidden // 128), num_topk).slot_bytes)
     return max(sizes)
@@ -93,10 +105,17 @@ def num_sms_error(num_sms) -> str | None:
     """What is wrong with ``num_sms`` as an SM budget of the kernels (an even int in [2, 128]:
     a sender and a receiver block per channel), or None. Config, Buffer and the Megatron
     ``configure`` check it with this one rule."""
-    if (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 2 or num_sms % 2
-            or num_sms > 2 * MAX_CHANNELS):
-        return (f"must be an even int in [2, {2 * MAX_CHANNELS}] (a sender and a receiver block per channel), "
-                f"got {num_sms!r}")
+    if (
+        not isinstance(num_sms, int)
+        or isinstance(num_sms, bool)
+        or num_sms < 2
+        or num_sms % 2
+        or num_sms > 2 * MAX_CHANNELS
+    ):
+        return (
+            f"must be an even int in [2, {2 * MAX_CHANNELS}] (a sender and a receiver block per channel), "
+            f"got {num_sms!r}"
+        )
     return None
 
 
@@ -155,8 +174,16 @@ class Config:
         return self.num_sms // 2
 
     @classmethod
-    def auto(cls, num_tokens: int, world_size: int, *, num_sms: int | None = None,
-             num_slots: int | None = None, chunk_tokens: int | None = None, l2_discard: bool = False) -> "Config":
+    def auto(
+        cls,
+        num_tokens: int,
+        world_size: int,
+        *,
+        num_sms: int | None = None,
+        num_slots: int | None = None,
+        chunk_tokens: int | None = None,
+        l2_discard: bool = False,
+    ) -> "Config":
         """Defaults from the shape; explicit arguments win.
 
         One channel per 256 tokens of the largest rank, 1 to 8 channels (so <= 16 SMs: the

@@ -27,8 +27,10 @@ def installed_location_problem() -> str | None:
     package_dir = Path(moe_dispatch.__file__).resolve().parent
     site_dirs = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
     if package_dir.parent not in site_dirs:
-        return (f"moe_dispatch was imported from {package_dir}, not from this environment's site-packages "
-                f"({', '.join(sorted(map(str, site_dirs)))}): the source tree or another install shadows the wheel")
+        return (
+            f"moe_dispatch was imported from {package_dir}, not from this environment's site-packages "
+            f"({', '.join(sorted(map(str, site_dirs)))}): the source tree or another install shadows the wheel"
+        )
     try:
         direct_url = importlib.metadata.distribution("moe-dispatch").read_text("direct_url.json")
     except importlib.metadata.PackageNotFoundError:

@@ -49,10 +49,14 @@ def _returns_before_late_peer(rank, world_size, buf):
     worst = x.shape[0] * world_size
     expected_worst = torch.cat([recv_x, recv_x.new_zeros((worst - recv_x.shape[0], recv_x.shape[1]))])
     for name, call, expected in (
-            ("combine", lambda: buf.combine(recv_x, handle, async_finish=True), expected_out),
-            ("cached dispatch", lambda: buf.dispatch(x, handle=handle, async_finish=True)[::5], expected_cached),
-            ("num_worst_tokens dispatch", lambda: buf.dispatch(x, idx, w, num_experts, num_worst_tokens=worst,
-                                                               async_finish=True)[::5], expected_worst)):
+        ("combine", lambda: buf.combine(recv_x, handle, async_finish=True), expected_out),
+        ("cached dispatch", lambda: buf.dispatch(x, handle=handle, async_finish=True)[::5], expected_cached),
+        (
+            "num_worst_tokens dispatch",
+            lambda: buf.dispatch(x, idx, w, num_experts, num_worst_tokens=worst, async_finish=True)[::5],
+            expected_worst,
+        ),
+    ):
         if late:
             time.sleep(LATE_S)
         start = time.monotonic()
@@ -75,7 +79,8 @@ def _worst_tokens(rank, world_size, buf):
     rows = sync[0].shape[0]
     for async_finish in (False, True):
         recv_x, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(
-            x, idx, w, num_experts, num_worst_tokens=worst, async_finish=async_finish)
+            x, idx, w, num_experts, num_worst_tokens=worst, async_finish=async_finish
+        )
         assert recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == handle.num_recv_tokens == worst
         event.current_stream_wait()
         assert handle.plan.num_recv_tokens == rows
@@ -139,8 +144,9 @@ def _recv_hook(rank, world_size, buf):
     """return_recv_hook: outputs are complete after hook(); misuse raises clearly."""
     x, idx, w, num_experts = _inputs(rank, world_size, seed=33)
     sync = buf.dispatch(x, idx, w, num_experts)
-    recv_x, recv_idx, recv_w, per_expert, handle, event, hook = buf.dispatch(x, idx, w, num_experts,
-                                                                             return_recv_hook=True)
+    recv_x, recv_idx, recv_w, per_expert, handle, event, hook = buf.dispatch(
+        x, idx, w, num_experts, return_recv_hook=True
+    )
     try:
         buf.combine(recv_x, handle)
         raise AssertionError("combine before the dispatch hook must raise")
@@ -196,11 +202,17 @@ def _delayed_wgrad(rank, world_size, buf):
         assert torch.equal(eager, late), f"delayed wgrad changed grad of {name}"
 
 
-CASES = {"async-matches-sync": _async_matches_sync, "returns-before-late-peer": _returns_before_late_peer,
-         "autograd-after-async": _autograd_after_async, "recv-hook": _recv_hook,
-         "two-microbatch-hooks": _two_microbatch_hooks, "delayed-wgrad": _delayed_wgrad,
-         "worst-tokens": _worst_tokens, "worst-tokens-overflow": _worst_tokens_overflow,
-         "worst-tokens-mismatch": _worst_tokens_mismatch}
+CASES = {
+    "async-matches-sync": _async_matches_sync,
+    "returns-before-late-peer": _returns_before_late_peer,
+    "autograd-after-async": _autograd_after_async,
+    "recv-hook": _recv_hook,
+    "two-microbatch-hooks": _two_microbatch_hooks,
+    "delayed-wgrad": _delayed_wgrad,
+    "worst-tokens": _worst_tokens,
+    "worst-tokens-overflow": _worst_tokens_overflow,
+    "worst-tokens-mismatch": _worst_tokens_mismatch,
+}
 
 
 def _entry(rank, world_size, ranks_per_node, transport="auto"):

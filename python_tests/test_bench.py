@@ -38,8 +38,7 @@ def test_deepseek_v3_routing_stays_in_topk_group_groups():
 def test_group_limited_routing_ranks_groups_by_their_two_best_scores():
     # 4 groups of 2 experts, 2 groups allowed, top-2. Group 0 holds the single best expert but a
     # poor second, so by the sum of its two best scores it loses to groups 1 and 2.
-    preset = routing.ModelPreset("toy", num_experts=8, topk=2, hidden=16, score_func="sigmoid",
-                                 n_group=4, topk_group=2)
+    preset = routing.ModelPreset("toy", num_experts=8, topk=2, hidden=16, score_func="sigmoid", n_group=4, topk_group=2)
     logits = torch.tensor([[6.0, -6.0, 1.0, 1.0, 2.0, 0.5, -3.0, -3.0]])
     topk_idx, topk_weights = routing.select_experts(logits, preset)
     assert set(topk_idx[0].tolist()) == {4, 2} or set(topk_idx[0].tolist()) == {4, 3}
@@ -80,8 +79,9 @@ def test_zipf_routing_is_skewed_by_popularity():
     # Popularity is shared by every rank; the draws are not.
     other = routing.zipf_routing(20000, num_experts, topk, 1.2, seed=5, rank=1)[0]
     assert not torch.equal(topk_idx, other)
-    uniform = torch.bincount(routing.zipf_routing(20000, num_experts, topk, 0.0, seed=5, rank=0)[0].flatten(),
-                             minlength=num_experts).float()
+    uniform = torch.bincount(
+        routing.zipf_routing(20000, num_experts, topk, 0.0, seed=5, rank=0)[0].flatten(), minlength=num_experts
+    ).float()
     assert uniform.max() < 1.3 * uniform.mean()
 
 
@@ -118,9 +118,26 @@ def test_preset_validation_and_hidden_scale():
 # -- the benchmark ---------------------------------------------------------------------------------
 def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    status = bench.main(["--world-size", "4", "--ranks-per-node", "2", "--num-tokens", "128",
-                         "--hidden-scale", "0.01", "--iters", "2", "--warmup", "1", "--timeout-s", "120",
-                         "--json", str(out)])
+    status = bench.main(
+        [
+            "--world-size",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--num-tokens",
+            "128",
+            "--hidden-scale",
+            "0.01",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--timeout-s",
+            "120",
+            "--json",
+            str(out),
+        ]
+    )
     assert status == 0
     printed = capsys.readouterr().out
     assert "cross / lower bound" in printed and "goal:" in printed
@@ -155,8 +172,23 @@ def test_bench_overlap_tiny_world_writes_consistent_figures(tmp_path, capsys):
     from benchmarks import bench_overlap
 
     out = tmp_path / "overlap.json"
-    assert bench_overlap.main(["--models", "mixtral-8x7b", "--num-tokens", "64", "--micro-batches", "2",
-                               "--iters", "3", "--json", str(out)]) == 0
+    assert (
+        bench_overlap.main(
+            [
+                "--models",
+                "mixtral-8x7b",
+                "--num-tokens",
+                "64",
+                "--micro-batches",
+                "2",
+                "--iters",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "hidden static" in capsys.readouterr().out
     (r,) = json.loads(out.read_text())["results"]
     times, med = r["times_ms"], r["median_ms"]
@@ -174,8 +206,10 @@ def test_bench_reports_mismatches():
     want[1, 0] = 0.0
     assert bench._mismatches([("recv_x", got, got.clone())], rank=3) == []
     errors = bench._mismatches([("recv_x", got, want), ("recv_topk_weights", None, want)], rank=3)
-    assert errors == ["rank 3: recv_x: 1 of 3 rows differ from the oracle (first: [1])",
-                      "rank 3: recv_topk_weights: got NoneType, oracle Tensor"]
+    assert errors == [
+        "rank 3: recv_x: 1 of 3 rows differ from the oracle (first: [1])",
+        "rank 3: recv_topk_weights: got NoneType, oracle Tensor",
+    ]
 
 
 def test_bench_rejects_bad_sizes():
@@ -183,6 +217,7 @@ def test_bench_rejects_bad_sizes():
         bench.main(["--world-size", "6", "--ranks-per-node", "4"])
     with pytest.raises(SystemExit):
         bench.main(["--timeout-s", "0"])
+
 
 def test_bench_zero_ranks_is_an_error_not_the_default(capsys):
     for flag in ("--world-size", "--ranks-per-node"):

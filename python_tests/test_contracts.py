@@ -19,15 +19,23 @@ def _members(protocol) -> list[str]:
 
 @pytest.mark.parametrize("cls", [TorchDistTransport, KernelTransport])
 def test_transports_provide_the_protocol(cls):
-    assert _members(Transport) == ["agree", "close", "combine", "dispatch", "forward", "plan", "plans_on_comm_thread",
-                                   "progress"]
+    assert _members(Transport) == [
+        "agree",
+        "close",
+        "combine",
+        "dispatch",
+        "forward",
+        "plan",
+        "plans_on_comm_thread",
+        "progress",
+    ]
     assert isinstance(cls.plans_on_comm_thread, bool)
     for name in _members(Transport):
         if not callable(getattr(Transport, name, None)):
             continue  # attributes: plans_on_comm_thread above, progress set by __init__
         want = list(inspect.signature(getattr(Transport, name)).parameters)
         got = list(inspect.signature(getattr(cls, name)).parameters)
-        assert got[:len(want)] == want, f"{cls.__name__}.{name}{got} does not take the protocol's {want}"
+        assert got[: len(want)] == want, f"{cls.__name__}.{name}{got} does not take the protocol's {want}"
 
 
 @pytest.mark.parametrize("cls", [TorchDistPlan, KernelPlan])

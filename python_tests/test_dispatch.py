@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moe_dispatch import Buffer, _ext
-from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config
+from moe_dispatch.semantics import reference
 
 from .worlds import assert_case, run_cases, world_results
 
@@ -23,13 +23,20 @@ EXPERTS_PER_RANK = 4
 TOPK = 3
 
 
-def make_routing(world_size: int, num_tokens: list[int], seed: int, *, zipf: float = 0.0,
-                 drop: float = 0.2, num_experts: int | None = None):
+def make_routing(
+    world_size: int,
+    num_tokens: list[int],
+    seed: int,
+    *,
+    zipf: float = 0.0,
+    drop: float = 0.2,
+    num_experts: int | None = None,
+):
     """Per-rank ``topk_idx [T, K]`` int64 (distinct experts per row, ~``drop`` of entries -1,
     the first token of each rank with no expert at all) and ``topk_weights [T, K]`` fp32."""
     gen = torch.Generator().manual_seed(seed)
     num_experts = num_experts or EXPERTS_PER_RANK * world_size
-    popularity = (1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf)
+    popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf
     idxs, weights = [], []
     for t in num_tokens:
         idx = torch.multinomial(popularity.expand(max(t, 1), -1), TOPK, replacement=False, generator=gen)[:t]
@@ -53,9 +60,20 @@ def expert(recv_x: torch.Tensor, rank: int) -> torch.Tensor:
     return (recv_x.float() * (rank + 1) + 0.5).to(recv_x.dtype)
 
 
-def check_roundtrip(buf: Buffer, rank: int, world_size: int, ranks_per_node: int, num_tokens: list[int],
-                    hidden: int, dtype: torch.dtype, seed: int, *, zipf: float = 0.0, drop: float = 0.2,
-                    index_dtype=torch.int64) -> None:
+def check_roundtrip(
+    buf: Buffer,
+    rank: int,
+    world_size: int,
+    ranks_per_node: int,
+    num_tokens: list[int],
+    hidden: int,
+    dtype: torch.dtype,
+    seed: int,
+    *,
+    zipf: float = 0.0,
+    drop: float = 0.2,
+    index_dtype=torch.int64,
+) -> None:
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed, zipf=zipf, drop=drop)
     idxs = [i.to(index_dtype) for i in idxs]
     xs = make_x(num_tokens, hidden, dtype, seed)
@@ -68,12 +86,14 @@ def check_roundtrip(buf: Buffer, rank: int, world_size: int, ranks_per_node: int
     assert torch.equal(per_expert, ref.num_recv_tokens_per_expert), "num_recv_tokens_per_expert differs"
     ys = [expert(r.recv_x, i) for i, r in enumerate(refs)]
     out, _ = buf.combine(expert(recv_x, rank), handle)
-    assert torch.equal(out, reference.combine(ys, idxs, num_experts, ranks_per_node, ranks=[rank])[0]), \
+    assert torch.equal(out, reference.combine(ys, idxs, num_experts, ranks_per_node, ranks=[rank])[0]), (
         "unweighted combine differs"
+    )
     out_w, _ = buf.combine(expert(recv_x, rank), handle, recv_w)
     scales = [r.recv_topk_weights.sum(1) for r in refs]
-    assert torch.equal(out_w, reference.combine(ys, idxs, num_experts, ranks_per_node, scales, ranks=[rank])[0]), \
+    assert torch.equal(out_w, reference.combine(ys, idxs, num_experts, ranks_per_node, scales, ranks=[rank])[0]), (
         "weighted combine differs"
+    )
 
 
 def _cases(ranks_per_node: int) -> dict:
@@ -86,16 +106,21 @@ def _cases(ranks_per_node: int) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         for hidden in (7, 128, 2880):
             name = f"random-{str(dtype).removeprefix('torch.')}-h{hidden}"
-            cases[name] = (lambda rank, w, buf, dtype=dtype, hidden=hidden:
-                           check_roundtrip(buf, rank, w, L, sizes(w), hidden, dtype, seed=hidden))
-    cases["zipf-skewed"] = lambda rank, w, buf: check_roundtrip(buf, rank, w, L, sizes(w, 64), 32, torch.bfloat16,
-                                                                seed=7, zipf=1.5)
-    cases["int32-topk-idx"] = lambda rank, w, buf: check_roundtrip(buf, rank, w, L, sizes(w), 16, torch.float32,
-                                                                   seed=8, index_dtype=torch.int32)
+            cases[name] = lambda rank, w, buf, dtype=dtype, hidden=hidden: check_roundtrip(
+                buf, rank, w, L, sizes(w), hidden, dtype, seed=hidden
+            )
+    cases["zipf-skewed"] = lambda rank, w, buf: check_roundtrip(
+        buf, rank, w, L, sizes(w, 64), 32, torch.bfloat16, seed=7, zipf=1.5
+    )
+    cases["int32-topk-idx"] = lambda rank, w, buf: check_roundtrip(
+        buf, rank, w, L, sizes(w), 16, torch.float32, seed=8, index_dtype=torch.int32
+    )
     cases["rank-with-zero-tokens"] = lambda rank, w, buf: check_roundtrip(
-        buf, rank, w, L, [0] + sizes(w)[1:], 16, torch.bfloat16, seed=9)
-    cases["no-token-routed"] = lambda rank, w, buf: check_roundtrip(buf, rank, w, L, sizes(w), 16, torch.float32,
-                                                                    seed=10, drop=1.0)
+        buf, rank, w, L, [0] + sizes(w)[1:], 16, torch.bfloat16, seed=9
+    )
+    cases["no-token-routed"] = lambda rank, w, buf: check_roundtrip(
+        buf, rank, w, L, sizes(w), 16, torch.float32, seed=10, drop=1.0
+    )
     cases["identity-expert"] = _identity_expert
     cases["autograd-dispatch"] = _autograd_dispatch
     cases["autograd-combine"] = _autograd_combine
@@ -118,8 +143,16 @@ def _pipeline_depths(rank, world_size, buf):
         deep = Buffer(buf.group, ranks_per_node=L, num_chunks=num_chunks, timeout_s=buf.timeout_s)
         try:
             assert deep.transport.num_chunks == num_chunks
-            check_roundtrip(deep, rank, world_size, L, [30 + 7 * r for r in range(world_size)], 40, torch.bfloat16,
-                            seed=20 + num_chunks)
+            check_roundtrip(
+                deep,
+                rank,
+                world_size,
+                L,
+                [30 + 7 * r for r in range(world_size)],
+                40,
+                torch.bfloat16,
+                seed=20 + num_chunks,
+            )
         finally:
             deep.close()
 
@@ -236,8 +269,9 @@ def _fp8(rank, world_size, buf):
     num_tokens = [12 + r for r in range(world_size)]
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=21)
     pairs = [per_token_cast_to_fp8(x) for x in make_x(num_tokens, 256, torch.bfloat16, seed=21)]
-    (recv_fp8, recv_scales), recv_idx, recv_w, *_, handle, _ = buf.dispatch(pairs[rank], idxs[rank], ws[rank],
-                                                                             num_experts)
+    (recv_fp8, recv_scales), recv_idx, recv_w, *_, handle, _ = buf.dispatch(
+        pairs[rank], idxs[rank], ws[rank], num_experts
+    )
     bits = reference.dispatch([p[0].view(torch.uint8) for p in pairs], idxs, ws, num_experts, L)[rank]
     scales = reference.dispatch([p[1] for p in pairs], idxs, None, num_experts, L, ranks=[rank])[0]
     assert recv_fp8.dtype == torch.float8_e4m3fn and torch.equal(recv_fp8.view(torch.uint8), bits.recv_x)
@@ -284,7 +318,7 @@ CASE_NAMES = list(_cases(1))
 
 
 @pytest.mark.parametrize("case", CASE_NAMES + list(TORCH_DIST_CASES))
-@pytest.mark.parametrize("world_size,ranks_per_node", WORLDS, ids=[f"w{w}-l{l}" for w, l in WORLDS])
+@pytest.mark.parametrize("world_size,ranks_per_node", WORLDS, ids=[f"w{w}-l{rpn}" for w, rpn in WORLDS])
 def test_world(world_size, ranks_per_node, case):
     assert_case(world_results(_world_entry, world_size, ranks_per_node), case)
 
@@ -300,8 +334,10 @@ def _wider_rows_later(rank, world_size, buf):
     xs = make_x(num_tokens, 8, torch.bfloat16, seed=30)
     *_, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
     refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
-    ys = [torch.randn(r.recv_x.shape[0], 64, generator=torch.Generator().manual_seed(i)).half()
-          for i, r in enumerate(refs)]
+    ys = [
+        torch.randn(r.recv_x.shape[0], 64, generator=torch.Generator().manual_seed(i)).half()
+        for i, r in enumerate(refs)
+    ]
     out, _ = buf.combine(ys[rank], handle)
     assert torch.equal(out, reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0])
     wide = make_x(num_tokens, 96, torch.float32, seed=31)
@@ -358,8 +394,10 @@ def _config_reaches_the_kernels(rank, world_size, buf):
         assert shallow.transport._kernels.engine.config is config  # what the launches read
         refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
         assert torch.equal(recv_x, refs[rank].recv_x) and torch.equal(recv_w, refs[rank].recv_topk_weights)
-        ys = [torch.randn(r.recv_x.shape[0], 192, generator=torch.Generator().manual_seed(i)).bfloat16()
-              for i, r in enumerate(refs)]
+        ys = [
+            torch.randn(r.recv_x.shape[0], 192, generator=torch.Generator().manual_seed(i)).bfloat16()
+            for i, r in enumerate(refs)
+        ]
         out, _ = shallow.combine(ys[rank], handle)
         assert torch.equal(out, reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0])
     finally:
@@ -391,9 +429,14 @@ def _handle_row_counts(rank, world_size, buf):
         dist_buf.close()
 
 
-KERNEL_CASES = {"wider-rows-later": _wider_rows_later, "cuda-is-the-old-name": _cuda_is_the_old_name,
-                "handle-row-counts": _handle_row_counts, "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
-                "mixed-operations": _mixed_operations, "config-reaches-the-kernels": _config_reaches_the_kernels}
+KERNEL_CASES = {
+    "wider-rows-later": _wider_rows_later,
+    "cuda-is-the-old-name": _cuda_is_the_old_name,
+    "handle-row-counts": _handle_row_counts,
+    "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
+    "mixed-operations": _mixed_operations,
+    "config-reaches-the-kernels": _config_reaches_the_kernels,
+}
 
 
 def _kernel_entry(rank, world_size):

@@ -26,17 +26,30 @@ FROM_WHEEL = (PACKAGE_DIR / "_build_info.py").exists()
 
 def _head_commit() -> str:
     """HEAD of the checkout holding these tests (the one the package or its wheel came from)."""
-    done = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"the tests are not in a git checkout: {done.stderr.strip()}")
     return done.stdout.strip()
 
 
 def test_module_prints_versions_commit_transport_and_variables():
-    variables = {"NCCL_DEBUG": "INFO", "MASTER_PORT": "29511", "NVSHMEM_REMOTE_TRANSPORT": "ucx",
-                 "CUDA_DEVICE_MAX_CONNECTIONS": "1", "MOE_DISPATCH_TEST_KNOB": "7", "UNRELATED_VARIABLE": "x"}
-    done = subprocess.run([sys.executable, "-m", "moe_dispatch.env"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **variables})
+    variables = {
+        "NCCL_DEBUG": "INFO",
+        "MASTER_PORT": "29511",
+        "NVSHMEM_REMOTE_TRANSPORT": "ucx",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "MOE_DISPATCH_TEST_KNOB": "7",
+        "UNRELATED_VARIABLE": "x",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_dispatch.env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **variables},
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
 
@@ -71,8 +84,11 @@ def test_commit_unknown_outside_a_checkout_without_build_info(monkeypatch, tmp_p
     monkeypatch.setattr(env, "_build_info", lambda: None)
     monkeypatch.setattr(env, "PACKAGE_DIR", tmp_path / "moe_dispatch")
     (tmp_path / "moe_dispatch").mkdir()
-    assert env.source_commit() == {"commit": None, "dirty": False,
-                                   "source": "unknown: not recorded at build and not in a git checkout"}
+    assert env.source_commit() == {
+        "commit": None,
+        "dirty": False,
+        "source": "unknown: not recorded at build and not in a git checkout",
+    }
 
 
 def test_collect_reports_versions_extension_and_chosen_transport(monkeypatch):
@@ -94,7 +110,9 @@ def test_collect_reports_versions_extension_and_chosen_transport(monkeypatch):
     assert info["env"]["MOE_DISPATCH_TEST_KNOB"] == "7" and info["env"]["NCCL_DEBUG"] == "WARN"
     assert info["env"]["MASTER_ADDR"] == "10.0.0.1"
     assert "UNRELATED_VARIABLE" not in info["env"]
-    assert (info["transport"]["name"], info["transport"]["reason"]) == choose_transport(torch.device(info["transport"]["device"]))
+    assert (info["transport"]["name"], info["transport"]["reason"]) == choose_transport(
+        torch.device(info["transport"]["device"])
+    )
 
 
 def test_json_option_prints_collect(monkeypatch, capsys):
@@ -103,8 +121,18 @@ def test_json_option_prints_collect(monkeypatch, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["env"]["NVSHMEM_BOOTSTRAP"] == "UID"
     assert data["moe_dispatch"]["commit"] == env.source_commit()["commit"]
-    assert set(data) == {"moe_dispatch", "python", "platform", "packages", "extension", "nvshmem", "gpus",
-                         "nvlink_topology", "transport", "env"}
+    assert set(data) == {
+        "moe_dispatch",
+        "python",
+        "platform",
+        "packages",
+        "extension",
+        "nvshmem",
+        "gpus",
+        "nvlink_topology",
+        "transport",
+        "env",
+    }
 
 
 def test_plain_printer_without_rich(monkeypatch, capsys):

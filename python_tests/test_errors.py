@@ -32,73 +32,131 @@ def _raises(exc, match, fn):
 def _bad_input_cases(buf: Buffer) -> dict:
     x, idx, w = _inputs()
     return {
-        "x-int-dtype": lambda: _raises(TypeError, r"x must have dtype in .* got int64",
-                                       lambda: buf.dispatch(x.long(), idx, w, E)),
-        "x-not-2d": lambda: _raises(ValueError, r"x must be 2-D, got shape \[6, 4, 1\]",
-                                    lambda: buf.dispatch(x[..., None], idx, w, E)),
-        "x-non-contiguous": lambda: _raises(ValueError, r"x must be contiguous",
-                                            lambda: buf.dispatch(torch.randn(4, 6).t(), idx, w, E)),
-        "x-hidden-zero": lambda: _raises(ValueError, r"x must have a hidden size >= 1, got shape \[6, 0\]",
-                                         lambda: buf.dispatch(torch.zeros(6, 0), idx, w, E)),
-        "x-wrong-device": lambda: _raises(ValueError, r"x must be on cpu, got meta",
-                                          lambda: buf.dispatch(x.to("meta"), idx, w, E)),
-        "topk-idx-float": lambda: _raises(TypeError, r"topk_idx must have dtype in \(int32, int64\), got float32",
-                                          lambda: buf.dispatch(x, idx.float(), w, E)),
-        "topk-idx-rows": lambda: _raises(ValueError, r"topk_idx has shape \[5, 2\] but x has 6 tokens",
-                                         lambda: buf.dispatch(x, idx[:5].contiguous(), w[:5], E)),
-        "topk-idx-too-large": lambda: _raises(ValueError, r"topk_idx entries must be in \[-1, 8\).*got 9",
-                                              lambda: buf.dispatch(x, idx.clamp(max=9) + (idx == 7).long() * 2, w, E)),
-        "topk-idx-below-minus-one": lambda: _raises(ValueError, r"got -2",
-                                                    lambda: buf.dispatch(x, idx.clamp(min=-2) - (idx == -1).long(),
-                                                                         w, E)),
-        "topk-idx-duplicate": lambda: _raises(ValueError, r"topk_idx row 0 selects an expert more than once: \[5, 5\]",
-                                              lambda: buf.dispatch(x, torch.where(idx == 0, 5, idx), w, E)),
-        "topk-weights-shape": lambda: _raises(ValueError, r"topk_weights has shape \[6, 3\] but topk_idx has shape "
-                                                          r"\[6, 2\]",
-                                              lambda: buf.dispatch(x, idx, torch.rand(6, 3), E)),
-        "topk-weights-dtype": lambda: _raises(TypeError, r"topk_weights must have dtype in \(float32\), got float16",
-                                              lambda: buf.dispatch(x, idx, w.half(), E)),
-        "experts-not-divisible": lambda: _raises(ValueError, r"num_experts must be divisible by the EP world size 2, "
-                                                             r"got 9",
-                                                 lambda: buf.dispatch(x, idx, w, 9)),
-        "fp8-hidden-not-multiple-of-128": lambda: _raises(ValueError, r"x_fp8 has hidden size 96, which is not a multiple of the fp8 block size 128",
-                                                          lambda: buf.dispatch((torch.zeros(6, 96).to(torch.float8_e4m3fn),
-                                                                                torch.ones(6, 1)), idx, w, E)),
-        "fp8-not-a-pair": lambda: _raises(ValueError, r"an fp8 x must be the tuple \(x_fp8, scales\), got a tuple of 1",
-                                          lambda: buf.dispatch((x,), idx, w, E)),
-        "missing-routing": lambda: _raises(ValueError, r"dispatch needs topk_idx and num_experts",
-                                           lambda: buf.dispatch(x)),
-        "bad-transport": lambda: _raises(ValueError, r"transport must be one of .* got 'nvlink'",
-                                         lambda: Buffer(transport="nvlink")),
-        "odd-num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\] \(a sender and a "
-                                                   r"receiver block per channel\), got 3, or None for the default",
-                                       lambda: Buffer(num_sms=3)),
-        "bad-num-chunks": lambda: _raises(ValueError, r"num_chunks must be a positive int \(the torch_dist pipeline "
-                                                      r"depth: chunks per dispatch and combine\) or None for the "
-                                                      r"default, got 0",
-                                          lambda: Buffer(num_chunks=0)),
-        "kernel-transport-across-nodes": lambda: _raises(ValueError, r"transport='kernels' runs the intranode kernels, "
-                                                                     r"for an EP group on one node, but this one spans 2 "
-                                                                     r"nodes",
-                                                         lambda: Buffer(ranks_per_node=1, transport="kernels")),
-        "group-type": lambda: _raises(TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str",
-                                      lambda: Buffer("world")),
-        "ranks-per-node-zero": lambda: _raises(ValueError, r"ranks_per_node must be a positive int, got 0",
-                                               lambda: Buffer(ranks_per_node=0)),
-        "ranks-per-node-not-divisor": lambda: _raises(ValueError, r"ranks_per_node must divide the world size 2, "
-                                                                  r"got ranks_per_node=3",
-                                                      lambda: Buffer(ranks_per_node=3)),
-        "config-type": lambda: _raises(TypeError, r"config must be a moe_dispatch.config.Config or None, got dict",
-                                       lambda: Buffer(config={"num_sms": 4})),
-        "num-sms-and-config": lambda: _raises(ValueError, r"num_sms=4 and config \(num_sms=8\) both set the SM budget: "
-                                                          r"pass one",
-                                              lambda: Buffer(num_sms=4, config=Config(num_sms=8))),
-        "num-sms": lambda: _raises(ValueError, r"num_sms must be an even int in \[2, 128\].*got 0",
-                                   lambda: Buffer(num_sms=0)),
-        "timeout": lambda: _raises(ValueError, r"timeout_s must be a positive, finite number of seconds .*got -1",
-                                   lambda: Buffer(timeout_s=-1)),
-        "timeout-inf": lambda: _raises(ValueError, r"timeout_s must be a positive, finite number .*got inf",
-                                       lambda: Buffer(timeout_s=float("inf"))),
+        "x-int-dtype": lambda: _raises(
+            TypeError, r"x must have dtype in .* got int64", lambda: buf.dispatch(x.long(), idx, w, E)
+        ),
+        "x-not-2d": lambda: _raises(
+            ValueError, r"x must be 2-D, got shape \[6, 4, 1\]", lambda: buf.dispatch(x[..., None], idx, w, E)
+        ),
+        "x-non-contiguous": lambda: _raises(
+            ValueError, r"x must be contiguous", lambda: buf.dispatch(torch.randn(4, 6).t(), idx, w, E)
+        ),
+        "x-hidden-zero": lambda: _raises(
+            ValueError,
+            r"x must have a hidden size >= 1, got shape \[6, 0\]",
+            lambda: buf.dispatch(torch.zeros(6, 0), idx, w, E),
+        ),
+        "x-wrong-device": lambda: _raises(
+            ValueError, r"x must be on cpu, got meta", lambda: buf.dispatch(x.to("meta"), idx, w, E)
+        ),
+        "topk-idx-float": lambda: _raises(
+            TypeError,
+            r"topk_idx must have dtype in \(int32, int64\), got float32",
+            lambda: buf.dispatch(x, idx.float(), w, E),
+        ),
+        "topk-idx-rows": lambda: _raises(
+            ValueError,
+            r"topk_idx has shape \[5, 2\] but x has 6 tokens",
+            lambda: buf.dispatch(x, idx[:5].contiguous(), w[:5], E),
+        ),
+        "topk-idx-too-large": lambda: _raises(
+            ValueError,
+            r"topk_idx entries must be in \[-1, 8\).*got 9",
+            lambda: buf.dispatch(x, idx.clamp(max=9) + (idx == 7).long() * 2, w, E),
+        ),
+        "topk-idx-below-minus-one": lambda: _raises(
+            ValueError, r"got -2", lambda: buf.dispatch(x, idx.clamp(min=-2) - (idx == -1).long(), w, E)
+        ),
+        "topk-idx-duplicate": lambda: _raises(
+            ValueError,
+            r"topk_idx row 0 selects an expert more than once: \[5, 5\]",
+            lambda: buf.dispatch(x, torch.where(idx == 0, 5, idx), w, E),
+        ),
+        "topk-weights-shape": lambda: _raises(
+            ValueError,
+            r"topk_weights has shape \[6, 3\] but topk_idx has shape "
+            r"\[6, 2\]",
+            lambda: buf.dispatch(x, idx, torch.rand(6, 3), E),
+        ),
+        "topk-weights-dtype": lambda: _raises(
+            TypeError,
+            r"topk_weights must have dtype in \(float32\), got float16",
+            lambda: buf.dispatch(x, idx, w.half(), E),
+        ),
+        "experts-not-divisible": lambda: _raises(
+            ValueError,
+            r"num_experts must be divisible by the EP world size 2, "
+            r"got 9",
+            lambda: buf.dispatch(x, idx, w, 9),
+        ),
+        "fp8-hidden-not-multiple-of-128": lambda: _raises(
+            ValueError,
+            r"x_fp8 has hidden size 96, which is not a multiple of the fp8 block size 128",
+            lambda: buf.dispatch((torch.zeros(6, 96).to(torch.float8_e4m3fn), torch.ones(6, 1)), idx, w, E),
+        ),
+        "fp8-not-a-pair": lambda: _raises(
+            ValueError,
+            r"an fp8 x must be the tuple \(x_fp8, scales\), got a tuple of 1",
+            lambda: buf.dispatch((x,), idx, w, E),
+        ),
+        "missing-routing": lambda: _raises(
+            ValueError, r"dispatch needs topk_idx and num_experts", lambda: buf.dispatch(x)
+        ),
+        "bad-transport": lambda: _raises(
+            ValueError, r"transport must be one of .* got 'nvlink'", lambda: Buffer(transport="nvlink")
+        ),
+        "odd-num-sms": lambda: _raises(
+            ValueError,
+            r"num_sms must be an even int in \[2, 128\] \(a sender and a "
+            r"receiver block per channel\), got 3, or None for the default",
+            lambda: Buffer(num_sms=3),
+        ),
+        "bad-num-chunks": lambda: _raises(
+            ValueError,
+            r"num_chunks must be a positive int \(the torch_dist pipeline "
+            r"depth: chunks per dispatch and combine\) or None for the "
+            r"default, got 0",
+            lambda: Buffer(num_chunks=0),
+        ),
+        "kernel-transport-across-nodes": lambda: _raises(
+            ValueError,
+            r"transport='kernels' runs the intranode kernels, "
+            r"for an EP group on one node, but this one spans 2 "
+            r"nodes",
+            lambda: Buffer(ranks_per_node=1, transport="kernels"),
+        ),
+        "group-type": lambda: _raises(
+            TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str", lambda: Buffer("world")
+        ),
+        "ranks-per-node-zero": lambda: _raises(
+            ValueError, r"ranks_per_node must be a positive int, got 0", lambda: Buffer(ranks_per_node=0)
+        ),
+        "ranks-per-node-not-divisor": lambda: _raises(
+            ValueError,
+            r"ranks_per_node must divide the world size 2, "
+            r"got ranks_per_node=3",
+            lambda: Buffer(ranks_per_node=3),
+        ),
+        "config-type": lambda: _raises(
+            TypeError,
+            r"config must be a moe_dispatch.config.Config or None, got dict",
+            lambda: Buffer(config={"num_sms": 4}),
+        ),
+        "num-sms-and-config": lambda: _raises(
+            ValueError,
+            r"num_sms=4 and config \(num_sms=8\) both set the SM budget: "
+            r"pass one",
+            lambda: Buffer(num_sms=4, config=Config(num_sms=8)),
+        ),
+        "num-sms": lambda: _raises(
+            ValueError, r"num_sms must be an even int in \[2, 128\].*got 0", lambda: Buffer(num_sms=0)
+        ),
+        "timeout": lambda: _raises(
+            ValueError, r"timeout_s must be a positive, finite number of seconds .*got -1", lambda: Buffer(timeout_s=-1)
+        ),
+        "timeout-inf": lambda: _raises(
+            ValueError, r"timeout_s must be a positive, finite number .*got inf", lambda: Buffer(timeout_s=float("inf"))
+        ),
     }
 
 
@@ -106,38 +164,64 @@ def _handle_setup(buf: Buffer) -> types.SimpleNamespace:
     """A dispatch's outputs and a second Buffer (collective: every rank builds it)."""
     x, idx, w = _inputs()
     recv_x, *_, handle, _ = buf.dispatch(x, idx, w, E)
-    return types.SimpleNamespace(recv_x=recv_x, handle=handle, rows=handle.num_recv_tokens,
-                                 other=Buffer(ranks_per_node=1, timeout_s=30))
+    return types.SimpleNamespace(
+        recv_x=recv_x, handle=handle, rows=handle.num_recv_tokens, other=Buffer(ranks_per_node=1, timeout_s=30)
+    )
 
 
 def _handle_cases(buf: Buffer, c: types.SimpleNamespace) -> dict:
     """Cases that need a handle; ``c`` from :func:`_handle_setup` is read only when they run."""
     x, idx, w = _inputs()
     return {
-        "combine-rows": lambda: _raises(ValueError, rf"y has shape \[{c.rows + 1}, 4\] but handle \(tokens received\) "
-                                                    rf"has {c.rows} rows",
-                                        lambda: buf.combine(torch.randn(c.rows + 1, 4), c.handle)),
-        "combine-weights-dtype": lambda: _raises(TypeError, r"topk_weights must be an fp32 tensor, got float64",
-                                                 lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows, dtype=torch.float64))),
-        "combine-weights-shape": lambda: _raises(ValueError, rf"topk_weights must be \[{c.rows}\] or \[{c.rows}, 2\]",
-                                                 lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows + 2))),
-        "foreign-handle": lambda: _raises(ValueError, r"handle was made by another Buffer",
-                                          lambda: c.other.combine(c.recv_x, c.handle)),
-        "combine-weights-wrong-k": lambda: _raises(ValueError, rf"topk_weights must be \[{c.rows}\] or \[{c.rows}, 2\]",
-                                                   lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows, 3))),
-        "combine-fp8": lambda: _raises(TypeError, r"fp8 \(x_fp8, scales\) is a dispatch-only format",
-                                       lambda: buf.combine((c.recv_x, c.recv_x), c.handle)),
-        "previous-event-type": lambda: _raises(TypeError, r"previous_event must be an EventOverlap .* got object",
-                                               lambda: buf.combine(c.recv_x, c.handle, previous_event=object())),
-        "num-experts-as-weights": lambda: _raises(TypeError, r"topk_weights got the int 8: pass num_experts after",
-                                                  lambda: buf.dispatch(x, idx, E)),
-        "not-a-handle": lambda: _raises(TypeError, r"handle must be a DispatchHandle .* got tuple",
-                                        lambda: buf.combine(c.recv_x, (1, 2))),
-        "cached-dispatch-with-routing": lambda: _raises(ValueError, r"a cached dispatch \(handle=...\) replays",
-                                                        lambda: buf.dispatch(x, idx, handle=c.handle)),
-        "cached-dispatch-rows": lambda: _raises(ValueError, r"x has shape \[5, 4\] but handle \(tokens dispatched\) "
-                                                            r"has 6 rows",
-                                                lambda: buf.dispatch(x[:5].contiguous(), handle=c.handle)),
+        "combine-rows": lambda: _raises(
+            ValueError,
+            rf"y has shape \[{c.rows + 1}, 4\] but handle \(tokens received\) "
+            rf"has {c.rows} rows",
+            lambda: buf.combine(torch.randn(c.rows + 1, 4), c.handle),
+        ),
+        "combine-weights-dtype": lambda: _raises(
+            TypeError,
+            r"topk_weights must be an fp32 tensor, got float64",
+            lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows, dtype=torch.float64)),
+        ),
+        "combine-weights-shape": lambda: _raises(
+            ValueError,
+            rf"topk_weights must be \[{c.rows}\] or \[{c.rows}, 2\]",
+            lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows + 2)),
+        ),
+        "foreign-handle": lambda: _raises(
+            ValueError, r"handle was made by another Buffer", lambda: c.other.combine(c.recv_x, c.handle)
+        ),
+        "combine-weights-wrong-k": lambda: _raises(
+            ValueError,
+            rf"topk_weights must be \[{c.rows}\] or \[{c.rows}, 2\]",
+            lambda: buf.combine(c.recv_x, c.handle, torch.ones(c.rows, 3)),
+        ),
+        "combine-fp8": lambda: _raises(
+            TypeError,
+            r"fp8 \(x_fp8, scales\) is a dispatch-only format",
+            lambda: buf.combine((c.recv_x, c.recv_x), c.handle),
+        ),
+        "previous-event-type": lambda: _raises(
+            TypeError,
+            r"previous_event must be an EventOverlap .* got object",
+            lambda: buf.combine(c.recv_x, c.handle, previous_event=object()),
+        ),
+        "num-experts-as-weights": lambda: _raises(
+            TypeError, r"topk_weights got the int 8: pass num_experts after", lambda: buf.dispatch(x, idx, E)
+        ),
+        "not-a-handle": lambda: _raises(
+            TypeError, r"handle must be a DispatchHandle .* got tuple", lambda: buf.combine(c.recv_x, (1, 2))
+        ),
+        "cached-dispatch-with-routing": lambda: _raises(
+            ValueError, r"a cached dispatch \(handle=...\) replays", lambda: buf.dispatch(x, idx, handle=c.handle)
+        ),
+        "cached-dispatch-rows": lambda: _raises(
+            ValueError,
+            r"x has shape \[5, 4\] but handle \(tokens dispatched\) "
+            r"has 6 rows",
+            lambda: buf.dispatch(x[:5].contiguous(), handle=c.handle),
+        ),
     }
 
 
@@ -188,8 +272,10 @@ def test_withheld_rank_times_out(world_size, ranks_per_node, transport):
         assert message.startswith(f"EP rank {rank} (node {rank // ranks_per_node}): dispatch"), message
         assert "timed out after timeout_s=3 waiting for EP ranks [" in message, message
         # the waiting rank names the one that never reached the operation, from the store
-        assert f"not yet at this operation (#1 dispatch (metadata)): EP rank {absent} (no operation of this Buffer yet)" \
-            in message, message
+        assert (
+            f"not yet at this operation (#1 dispatch (metadata)): EP rank {absent} (no operation of this Buffer yet)"
+            in message
+        ), message
         assert elapsed < 2 * TIMEOUT_S + 2, f"rank {rank} took {elapsed:.1f} s to fail: {message}"
 
 
@@ -210,10 +296,14 @@ def _mode_mismatch_entry(rank, world_size):
 
 def test_ranks_disagreeing_on_num_worst_tokens_are_named():
     first, second = world_results(_mode_mismatch_entry, 2)
-    assert "at this operation (#1 dispatch (metadata)) but running it differently: EP rank 1 " \
-           "(dispatch (num_worst_tokens))" in first, first
-    assert "at this operation (#1 dispatch (num_worst_tokens)) but running it differently: EP rank 0 " \
-           "(dispatch (metadata))" in second, second
+    assert (
+        "at this operation (#1 dispatch (metadata)) but running it differently: EP rank 1 "
+        "(dispatch (num_worst_tokens))" in first
+    ), first
+    assert (
+        "at this operation (#1 dispatch (num_worst_tokens)) but running it differently: EP rank 0 "
+        "(dispatch (metadata))" in second
+    ), second
 
 
 def _inconsistent_entry(rank, world_size):
@@ -224,7 +314,7 @@ def _inconsistent_entry(rank, world_size):
         "num_experts": lambda: buf.dispatch(x, idx, w, E * (rank + 1)),
         "hidden": lambda: buf.dispatch(torch.randn(6, 4 + rank), idx, w, E),
         "x dtype": lambda: buf.dispatch(x.to(torch.bfloat16) if rank else x, idx, w, E),
-        "top-k": lambda: buf.dispatch(x, idx[:, :2 - rank].contiguous(), w[:, :2 - rank].contiguous(), E),
+        "top-k": lambda: buf.dispatch(x, idx[:, : 2 - rank].contiguous(), w[:, : 2 - rank].contiguous(), E),
         "topk_weights given": lambda: buf.dispatch(x, idx, w if rank else None, E),
     }
     recv_x, *_, handle, _ = buf.dispatch(x, idx, w, E)
@@ -249,12 +339,17 @@ def _inconsistent_entry(rank, world_size):
 def test_arguments_differ_across_ranks():
     """Every rank raises, naming the field, the other rank and both values readably."""
     # case -> (the field the message names, (rank 0's value, rank 1's value) where pinned)
-    expect = {"num_experts": ("num_experts", ("8", "16")), "hidden": ("hidden", ("4", "5")),
-              "x dtype": ("x dtype", ("float32", "bfloat16")), "top-k": ("top-k", ("2", "1")),
-              "topk_weights given": ("topk_weights given", ("False", "True")),
-              "combine hidden": ("hidden", None), "combine dtype": ("dtype", ("float32", "float16")),
-              "cached dispatch dtype": ("dtype", ("float32", "float16")),
-              "operation": ("operation", ("dispatch", "combine"))}
+    expect = {
+        "num_experts": ("num_experts", ("8", "16")),
+        "hidden": ("hidden", ("4", "5")),
+        "x dtype": ("x dtype", ("float32", "bfloat16")),
+        "top-k": ("top-k", ("2", "1")),
+        "topk_weights given": ("topk_weights given", ("False", "True")),
+        "combine hidden": ("hidden", None),
+        "combine dtype": ("dtype", ("float32", "float16")),
+        "cached dispatch dtype": ("dtype", ("float32", "float16")),
+        "operation": ("operation", ("dispatch", "combine")),
+    }
     for rank, messages in enumerate(world_results(_inconsistent_entry, 2)):
         assert set(messages) == set(expect)
         for case, message in messages.items():

@@ -97,7 +97,8 @@ def test_with_nvshmem_when_package_installed():
 def test_device_count_error_is_a_named_exception():
     if _ext.cuda_available():
         pytest.skip("a GPU is visible: device_count succeeds")
-    with pytest.raises(_ext._C.CudaError, match=r"CUDA error \d+ \(cudaError\w+: .*\) at csrc/bindings\.cpp:\d+") as info:
+    with pytest.raises(_ext._C.CudaError,
+                       match=r"CUDA error \d+ \(cudaError\w+: .*\) at csrc/bindings\.cpp:\d+") as info:
         _ext._C.device_count()
     error = info.value
     assert isinstance(error, RuntimeError)
@@ -202,7 +203,8 @@ def test_nvcc_version_rejects_unknown_output(tmp_path):
 
 
 def test_skip_cuda_overrides_nvcc_and_contradicts_require():
-    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) == setup_py.CudaPlan(None, "MOE_DISPATCH_SKIP_CUDA=1")
+    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) == setup_py.CudaPlan(None,
+                                                                                         "MOE_DISPATCH_SKIP_CUDA=1")
     with pytest.raises(SystemExit, match="contradict"):
         setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1", "MOE_DISPATCH_REQUIRE_CUDA": "1"})
 
@@ -242,7 +244,8 @@ def test_nvshmem_home_is_used_when_complete(tmp_path):
     assert setup_py.find_nvshmem({"NVSHMEM_HOME": str(tmp_path)}) == str(tmp_path)
 
 
-@pytest.mark.parametrize("raw, archs", [(None, "90"), ("90", "90"), ("90, 100a", "90;100a"), ("80;90a-real", "80;90a-real")])
+@pytest.mark.parametrize("raw, archs", [(None, "90"), ("90", "90"), ("90, 100a", "90;100a"),
+                                        ("80;90a-real", "80;90a-real")])
 def test_cuda_archs(raw, archs):
     # Without what nvcc supports (None), the default is sm_90 alone.
     assert setup_py.cuda_archs({} if raw is None else {"MOE_DISPATCH_CUDA_ARCHS": raw}) == archs

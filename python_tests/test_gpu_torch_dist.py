@@ -50,8 +50,9 @@ def _roundtrip(rank, world_size, buf, **launch):
 CASES = {
     "sync": lambda r, w, buf: _roundtrip(r, w, buf),
     "async": lambda r, w, buf: _roundtrip(r, w, buf, async_finish=True),
-    "async-alloc-on-comm-stream": lambda r, w, buf: _roundtrip(r, w, buf, async_finish=True,
-                                                                allocate_on_comm_stream=True),
+    "async-alloc-on-comm-stream": lambda r, w, buf: _roundtrip(
+        r, w, buf, async_finish=True, allocate_on_comm_stream=True
+    ),
     "hook": lambda r, w, buf: _roundtrip(r, w, buf, return_recv_hook=True),
     # No host sync at all: the counts travel with the transfer on the communication stream.
     "static-async": lambda r, w, buf: _roundtrip(r, w, buf, async_finish=True, num_worst_tokens=512 * w),

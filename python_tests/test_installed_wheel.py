@@ -25,9 +25,10 @@ import pytest
 
 from .conftest import installed_location_problem
 
-pytestmark = pytest.mark.skipif(os.environ.get("MOE_DISPATCH_EXPECT_INSTALLED") != "1",
-                                reason="runs in `make test-compat` (moe_dispatch installed from its wheel; "
-                                       "MOE_DISPATCH_EXPECT_INSTALLED=1)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MOE_DISPATCH_EXPECT_INSTALLED") != "1",
+    reason="runs in `make test-compat` (moe_dispatch installed from its wheel; MOE_DISPATCH_EXPECT_INSTALLED=1)",
+)
 
 SITE_DIRS = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
 
@@ -40,9 +41,16 @@ def test_package_and_subpackages_come_from_the_wheel():
     import moe_dispatch
 
     assert installed_location_problem() is None
-    for name in ("moe_dispatch", "moe_dispatch.transport", "moe_dispatch.megatron", "moe_dispatch.megatron.compat",
-                 "moe_dispatch.semantics.reference", "moe_dispatch.ops.permute", "moe_dispatch.testing.launch",
-                 "moe_dispatch.tools.env"):
+    for name in (
+        "moe_dispatch",
+        "moe_dispatch.transport",
+        "moe_dispatch.megatron",
+        "moe_dispatch.megatron.compat",
+        "moe_dispatch.semantics.reference",
+        "moe_dispatch.ops.permute",
+        "moe_dispatch.testing.launch",
+        "moe_dispatch.tools.env",
+    ):
         module = importlib.import_module(name)
         assert _in_site_packages(module.__file__), f"{name} imported from {module.__file__}"
     dist = importlib.metadata.distribution("moe-dispatch")
@@ -71,8 +79,10 @@ def test_extension_loads_from_the_wheel():
         return
     # A fresh interpreter loads the bare .so (no moe_dispatch import, so no preload of NVSHMEM):
     # its dependency must resolve through the rpath into the nvidia-nvshmem-cu13 package.
-    code = (f"import ctypes; ctypes.CDLL({ext.__file__!r}); "
-            "print(next(l.split()[-1] for l in open('/proc/self/maps') if 'libnvshmem_host.so.3' in l))")
+    code = (
+        f"import ctypes; ctypes.CDLL({ext.__file__!r}); "
+        "print(next(l.split()[-1] for l in open('/proc/self/maps') if 'libnvshmem_host.so.3' in l))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert _in_site_packages(out.stdout.strip()), f"libnvshmem_host.so.3 resolved to {out.stdout.strip()}"

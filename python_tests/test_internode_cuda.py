@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from moe_dispatch import _ext
-from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config, max_slot_bytes
+from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.transport.internode import (
     InternodeLoopback,

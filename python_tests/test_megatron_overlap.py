@@ -204,11 +204,11 @@ def _train_step(overlap: bool, seed: int, run_wgrad: str | None, **knobs):
     (test_megatron.py's ``_train_step`` with the enable call added.)"""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import moe_dispatch.megatron as mdm
+    from moe_dispatch.megatron.schedule import run_gpt_step
 
     cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=2,
                             num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, use_cpu_initialization=True,
@@ -309,11 +309,11 @@ def _gpu_losses(dispatcher: str, seed: int) -> list[float]:
     bf16 GPTModel; "custom": EP overlap + delay_wgrad_compute with delayed experts."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from moe_dispatch.megatron.schedule import run_gpt_step
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import moe_dispatch.megatron as mdm
+    from moe_dispatch.megatron.schedule import run_gpt_step
 
     ep = torch.distributed.get_world_size()
     cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=NUM_EXPERTS,

@@ -26,11 +26,11 @@ from moe_dispatch.semantics.permute import (
     unpermute_rows_reference,
 )
 
+from .conftest import KERNEL_DEVICE as DEVICE
+
 HANDLE_TENSORS = ("row_id_map", "tokens_per_expert", "num_tokens_per_expert", "expert_offsets",
                   "num_rows_needed", "overflow")
 
-
-from .conftest import KERNEL_DEVICE as DEVICE
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 

@@ -14,7 +14,6 @@ from moe_dispatch.ops.quant import (
 )
 from moe_dispatch.semantics.quant import per_token_cast_back_reference, per_token_cast_to_fp8_reference
 
-
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 
@@ -37,13 +36,16 @@ def assert_quant_equal(a, b):
 
 @pytest.mark.parametrize("use_ue8m0", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("num_tokens,hidden,launch", [
-    (0, 128, None),
-    (1, 128, None),
-    (77, 1024, None),
-    (37, 7168, None),
-    (45, 512, (16, 3)),  # several programs; T and the block count not multiples of the launch shape
-])
+@pytest.mark.parametrize(
+    "num_tokens,hidden,launch",
+    [
+        (0, 128, None),
+        (1, 128, None),
+        (77, 1024, None),
+        (37, 7168, None),
+        (45, 512, (16, 3)),  # several programs; T and the block count not multiples of the launch shape
+    ],
+)
 def test_triton_matches_reference(gen, dtype, use_ue8m0, num_tokens, hidden, launch):
     x = random_x(num_tokens, hidden, dtype, gen)
     kw = {} if launch is None else {"block_t": launch[0], "groups_per_program": launch[1]}
@@ -53,8 +55,9 @@ def test_triton_matches_reference(gen, dtype, use_ue8m0, num_tokens, hidden, lau
     assert_quant_equal(per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0), want)  # auto
     # dequantize: the fp32 product is exact-same; narrower outputs are one more rounding, which
     # the interpreter does toward zero (torch and the GPU: to nearest), so allow one ulp there
-    assert torch.equal(per_token_cast_back_triton(*got, torch.float32, **kw),
-                       per_token_cast_back_reference(*want, torch.float32))
+    assert torch.equal(
+        per_token_cast_back_triton(*got, torch.float32, **kw), per_token_cast_back_reference(*want, torch.float32)
+    )
     deq = per_token_cast_back(*got, dtype, backend="triton")
     assert deq.dtype == dtype
     tol = {torch.float32: 0.0, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
@@ -92,8 +95,15 @@ def test_every_e4m3_value_and_tie():
     vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     vals = vals[torch.isfinite(vals)].unique()
     mids = (vals[1:] + vals[:-1]) / 2
-    cand = torch.cat([vals, mids, torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9)),
-                      torch.tensor([-0.0, 2.0**-10, 3 * 2.0**-11, 2.0**-6 - 2.0**-12])])
+    cand = torch.cat(
+        [
+            vals,
+            mids,
+            torch.nextafter(mids, torch.tensor(1e9)),
+            torch.nextafter(mids, torch.tensor(-1e9)),
+            torch.tensor([-0.0, 2.0**-10, 3 * 2.0**-11, 2.0**-6 - 2.0**-12]),
+        ]
+    )
     n = cand.numel()
     per_block = 127
     blocks = -(-n // per_block)

@@ -43,7 +43,10 @@ def test_public_paths_reexport_the_moved_modules():
     from moe_dispatch.tools import env
 
     assert moe_dispatch.reference.dispatch is reference.dispatch and moe_dispatch.reference.combine is reference.combine
-    assert moe_dispatch.launch.spawn_world is launch.spawn_world and moe_dispatch.launch.launch_ranks is launch.launch_ranks
+    assert (
+        moe_dispatch.launch.spawn_world is launch.spawn_world
+        and moe_dispatch.launch.launch_ranks is launch.launch_ranks
+    )
     assert moe_dispatch.env.main is env.main
 
 
@@ -65,5 +68,6 @@ def test_semantics_import_only_torch_and_each_other():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 for name in names:
                     top = name.split(".")[0]
-                    assert top in ("torch", "__future__") or top in sys.stdlib_module_names, \
+                    assert top in ("torch", "__future__") or top in sys.stdlib_module_names, (
                         f"{path.name} imports {name}"
+                    )

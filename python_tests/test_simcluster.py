@@ -49,13 +49,15 @@ def _check(outcome: faults.FaultOutcome) -> None:
     assert outcome.cleaned_up and not _ours_left()
     print(f"{outcome.scenario}: {outcome.fault}; {outcome.wall_s:.1f} s in all")
     for r in outcome.survivors:
-        print(f"  rank {r['rank']}: {r['seconds_after_fault']:.2f} s after the fault: "
-              f"{faults.name_nodes(r['message'])}")
+        print(
+            f"  rank {r['rank']}: {r['seconds_after_fault']:.2f} s after the fault: {faults.name_nodes(r['message'])}"
+        )
 
 
 def test_link_cut_during_dispatch(cluster_support):
-    outcome = faults.run_fault("link-cut", num_nodes=2, ranks_per_node=2, timeout_s=TIMEOUT_S, slack_s=SLACK_S,
-                               log=lambda _: None)
+    outcome = faults.run_fault(
+        "link-cut", num_nodes=2, ranks_per_node=2, timeout_s=TIMEOUT_S, slack_s=SLACK_S, log=lambda _: None
+    )
     _check(outcome)
     assert len(outcome.survivors) == 4  # nobody died: every rank must notice the cut by itself
     for r in outcome.survivors:
@@ -66,16 +68,19 @@ def test_link_cut_during_dispatch(cluster_support):
 
 
 def test_rank_kill_during_combine(cluster_support):
-    outcome = faults.run_fault("rank-kill", num_nodes=2, ranks_per_node=2, timeout_s=TIMEOUT_S, slack_s=SLACK_S,
-                               log=lambda _: None)
+    outcome = faults.run_fault(
+        "rank-kill", num_nodes=2, ranks_per_node=2, timeout_s=TIMEOUT_S, slack_s=SLACK_S, log=lambda _: None
+    )
     _check(outcome)
     victim = [r for r in outcome.ranks if r["victim"]]
     assert len(victim) == 1 and victim[0]["exit_code"] == -9, victim
     assert len(outcome.survivors) == 3
     # The victim's peers in the stage in flight fail in the combine, at once (the kernel closed
     # its sockets); a rank whose part was done fails in the next dispatch (checked by problems()).
-    assert any(r["op"] == "combine" and f"EP rank {r['rank']} (node {r['node']}): combine " in r["message"]
-               for r in outcome.survivors)
+    assert any(
+        r["op"] == "combine" and f"EP rank {r['rank']} (node {r['node']}): combine " in r["message"]
+        for r in outcome.survivors
+    )
 
 
 def test_intra_node_traffic_stays_off_the_uplinks(cluster_support, tmp_path):
@@ -103,9 +108,11 @@ def test_intra_node_traffic_stays_off_the_uplinks(cluster_support, tmp_path):
 
 
 def test_leftovers_of_a_killed_harness_are_swept(cluster_support):
-    code = ("import sys, time; from benchmarks.simcluster import SimCluster\n"
-            "c = SimCluster(2, 1, rate_mbit=100, delay_ms=0, log=lambda _: None).__enter__()\n"
-            "print(c.name, flush=True); time.sleep(60)\n")
+    code = (
+        "import sys, time; from benchmarks.simcluster import SimCluster\n"
+        "c = SimCluster(2, 1, rate_mbit=100, delay_ms=0, log=lambda _: None).__enter__()\n"
+        "print(c.name, flush=True); time.sleep(60)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=simcluster.REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         name = proc.stdout.readline().strip()
@@ -124,8 +131,9 @@ def test_missing_requirements_are_named(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(simcluster.shutil, "which", lambda tool: None)
     missing = simcluster.missing_requirements()
-    assert any("root" in m for m in missing) and any("`ip`" in m for m in missing) \
-        and any("`tc`" in m for m in missing), missing
+    assert (
+        any("root" in m for m in missing) and any("`ip`" in m for m in missing) and any("`tc`" in m for m in missing)
+    ), missing
     with pytest.raises(simcluster.SetupError, match="root privileges"):
         simcluster.SimCluster(2, 1, rate_mbit=100).__enter__()
     assert simcluster_main(["faults"]) == 2

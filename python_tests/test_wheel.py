@@ -60,9 +60,25 @@ def _pip_wheel(out: Path, **env_changes: str | None) -> tuple[Path, str]:
         else:
             env[name] = value
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "--no-index",
-         "-w", str(out / "dist"), str(ROOT)],
-        capture_output=True, text=True, env=env, cwd=out, timeout=BUILD_TIMEOUT_S)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-build-isolation",
+            "--no-deps",
+            "--no-index",
+            "-w",
+            str(out / "dist"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=out,
+        timeout=BUILD_TIMEOUT_S,
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     wheels = list((out / "dist").glob("*.whl"))
@@ -73,7 +89,9 @@ def _pip_wheel(out: Path, **env_changes: str | None) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def cuda_wheel(tmp_path_factory) -> tuple[Path, str]:
     if NVCC is None and not REQUIRE_CUDA:
-        pytest.skip("nvcc not found: the CUDA wheel cannot be built here (CI has nvcc and sets MOE_DISPATCH_REQUIRE_CUDA=1)")
+        pytest.skip(
+            "nvcc not found: the CUDA wheel cannot be built here (CI has nvcc and sets MOE_DISPATCH_REQUIRE_CUDA=1)"
+        )
     return _pip_wheel(tmp_path_factory.mktemp("cuda_wheel"), MOE_DISPATCH_SKIP_CUDA=None)
 
 
@@ -92,16 +110,17 @@ def extension_bytes(cuda_wheel) -> bytes:
 
 # --- minimal ELF64 (little-endian) and fatbin readers ------------------------------------------
 
+
 def _elf_sections(data: bytes) -> dict[str, tuple[int, int, int]]:
     """Section name -> (file offset, size, sh_link)."""
     assert data[:6] == b"\x7fELF\x02\x01", "not a 64-bit little-endian ELF file"
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     names_offset = headers[shstrndx][4]
 
     def name(offset: int) -> str:
-        return data[names_offset + offset:data.index(b"\0", names_offset + offset)].decode()
+        return data[names_offset + offset : data.index(b"\0", names_offset + offset)].decode()
 
     return {name(h[0]): (h[4], h[5], h[6]) for h in headers}
 
@@ -117,7 +136,7 @@ def _elf_dynamic(data: bytes) -> tuple[list[str], list[str]]:
         if tag == 0:  # DT_NULL
             break
         if tag in (1, 15, 29):  # DT_NEEDED, DT_RPATH, DT_RUNPATH
-            text = data[strtab + value:data.index(b"\0", strtab + value)].decode()
+            text = data[strtab + value : data.index(b"\0", strtab + value)].decode()
             (needed if tag == 1 else runpath).append(text)
     return needed, runpath
 
@@ -140,7 +159,7 @@ def _fatbin_cubin_archs(data: bytes) -> set[int]:
         entry, entries_end = pos + header_size, pos + header_size + entries_size
         while entry < entries_end:
             kind, _, entry_header_size, payload_size = struct.unpack_from("<HHIQ", data, entry)
-            arch, = struct.unpack_from("<I", data, entry + 28)
+            (arch,) = struct.unpack_from("<I", data, entry + 28)
             if kind == 2:
                 archs.add(arch)
             entry += entry_header_size + payload_size
@@ -156,6 +175,7 @@ def _expected_sass_archs() -> set[int]:
 
 # --- both wheels --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["cuda_wheel", "pure_wheel"])
 def test_metadata_entry_point_and_build_commit(kind, request):
     wheel_path, _ = request.getfixturevalue(kind)
@@ -166,7 +186,9 @@ def test_metadata_entry_point_and_build_commit(kind, request):
         build_info = wheel.read("moe_dispatch/_build_info.py").decode()
     assert re.search(r"^Name: moe-dispatch$", metadata, re.MULTILINE)
     assert re.search(rf"^Version: {re.escape(moe_dispatch.__version__)}$", metadata, re.MULTILINE), metadata[:500]
-    assert re.search(r"^moe-dispatch-bench = moe_dispatch\.tools\.bench:main$", entry_points, re.MULTILINE), entry_points
+    assert re.search(r"^moe-dispatch-bench = moe_dispatch\.tools\.bench:main$", entry_points, re.MULTILINE), (
+        entry_points
+    )
     recorded = {}
     exec(build_info, recorded)
     head = _head_commit()
@@ -182,6 +204,7 @@ def test_metadata_entry_point_and_build_commit(kind, request):
 
 
 # --- the pure-Python wheel ----------------------------------------------------------------------
+
 
 def test_pure_wheel_is_py3_none_any_without_shared_objects(pure_wheel):
     wheel_path, log = pure_wheel
@@ -199,6 +222,7 @@ def test_pure_wheel_is_py3_none_any_without_shared_objects(pure_wheel):
 
 
 # --- the CUDA wheel -----------------------------------------------------------------------------
+
 
 def test_cuda_wheel_is_a_platform_wheel(cuda_wheel, extension_bytes):
     wheel_path, log = cuda_wheel
@@ -220,8 +244,9 @@ def test_extension_carries_sass_for_the_default_archs(extension_bytes):
     archs = _fatbin_cubin_archs(extension_bytes)
     assert 90 in archs, f"no sm_90 cubin in .nv_fatbin (found {sorted(archs)})"
     assert archs == _expected_sass_archs()
-    if "compute_100" in subprocess.run([NVCC, "--list-gpu-arch"], capture_output=True, text=True).stdout \
-            and not os.environ.get("MOE_DISPATCH_CUDA_ARCHS"):
+    if "compute_100" in subprocess.run(
+        [NVCC, "--list-gpu-arch"], capture_output=True, text=True
+    ).stdout and not os.environ.get("MOE_DISPATCH_CUDA_ARCHS"):
         assert 100 in archs, "this nvcc supports sm_100 but the default build lacks it"
 
 
@@ -276,14 +301,22 @@ print(json.dumps({"file": moe_dispatch.__file__, "report": env.collect()}))
 def test_wheel_installed_elsewhere_loads_and_reports_its_build(cuda_wheel, tmp_path):
     site = tmp_path / "site-packages"
     _unpack(cuda_wheel[0], site)
-    done = subprocess.run([sys.executable, "-c", INSTALLED_PROBE], capture_output=True, text=True,
-                          env={**_bare_env(), "PYTHONPATH": str(site)}, cwd=tmp_path, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", INSTALLED_PROBE],
+        capture_output=True,
+        text=True,
+        env={**_bare_env(), "PYTHONPATH": str(site)},
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(probe["file"]).parent == site / "moe_dispatch"
     report = probe["report"]
     assert report["extension"]["built"], report["extension"]["error"]
-    assert report["extension"]["cuda_archs"] == setup_py.cuda_archs(os.environ, setup_py.nvcc_gpu_archs(NVCC)).replace(";", ",")
+    assert report["extension"]["cuda_archs"] == setup_py.cuda_archs(os.environ, setup_py.nvcc_gpu_archs(NVCC)).replace(
+        ";", ","
+    )
     assert report["extension"]["nvcc_version"] == setup_py.nvcc_version(NVCC)
     # No git checkout around it: the commit is the one setup.py recorded.
     assert report["moe_dispatch"]["source"] == "recorded at build"

@@ -26,6 +26,7 @@ from . import report
 from .cluster import SetupError, SimCluster, missing_requirements, sweep_leftovers
 from .faults import SCENARIOS, name_nodes, run_fault
 
+
 class _Stopped(BaseException):
     """SIGTERM or SIGHUP arrived (a BaseException, so only main() catches it)."""
 
@@ -40,8 +41,22 @@ def say(console, message: str) -> None:
 
 
 def _bench_args(args) -> list[str]:
-    out = ["--models", *args.models, "--num-tokens", str(args.num_tokens), "--hidden-scale", str(args.hidden_scale),
-           "--iters", str(args.iters), "--warmup", str(args.warmup), "--dtype", args.dtype, "--seed", str(args.seed)]
+    out = [
+        "--models",
+        *args.models,
+        "--num-tokens",
+        str(args.num_tokens),
+        "--hidden-scale",
+        str(args.hidden_scale),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
+    ]
     return out + ["--ranks-per-node", str(args.ranks_per_node)]
 
 
@@ -69,21 +84,44 @@ def bench_one(num_nodes: int, args, console) -> dict:
     started = time.monotonic()
     try:
         rate = args.rate_mbit
-        with SimCluster(num_nodes, args.ranks_per_node, rate_mbit=rate, delay_ms=args.delay_ms, mtu=args.mtu,
-                        log=lambda m: say(console, m)) as cluster:
-            say(console, f"[simcluster] starting {cluster.world_size} ranks: link probe, then moe-dispatch-bench "
-                          f"{' '.join(_bench_args(args))}")
+        with SimCluster(
+            num_nodes,
+            args.ranks_per_node,
+            rate_mbit=rate,
+            delay_ms=args.delay_ms,
+            mtu=args.mtu,
+            log=lambda m: say(console, m),
+        ) as cluster:
+            say(
+                console,
+                f"[simcluster] starting {cluster.world_size} ranks: link probe, then moe-dispatch-bench "
+                f"{' '.join(_bench_args(args))}",
+            )
             sys.stdout.flush()
-            cluster.launch(["bench", "--probe-mb", str(args.probe_mb), "--", *_bench_args(args),
-                            "--json", str(run_dir / "bench.json")],
-                           run_dir, env=malloc_env, rank0_stdout=sys.stdout)
+            cluster.launch(
+                [
+                    "bench",
+                    "--probe-mb",
+                    str(args.probe_mb),
+                    "--",
+                    *_bench_args(args),
+                    "--json",
+                    str(run_dir / "bench.json"),
+                ],
+                run_dir,
+                env=malloc_env,
+                rank0_stdout=sys.stdout,
+            )
             intra = _wait_for(run_dir / "intra.json", cluster, args.start_timeout_s)["intra_node"]
             if args.rate_mbit is None and num_nodes > 1:
                 # The ratio of per-rank throughputs inside and across nodes: a node's L ranks share its link.
                 rate = args.ranks_per_node * intra["mb_per_s_per_rank"] * 8 / args.ratio
                 cluster.set_rate(rate)
-                say(console, f"[simcluster] intra-node {intra['mb_per_s_per_rank']:.0f} MB/s per rank -> inter-node "
-                              f"links {rate:.0f} Mbit/s per node (target ratio {args.ratio:g} : 1)")
+                say(
+                    console,
+                    f"[simcluster] intra-node {intra['mb_per_s_per_rank']:.0f} MB/s per rank -> inter-node "
+                    f"links {rate:.0f} Mbit/s per node (target ratio {args.ratio:g} : 1)",
+                )
             rate = cluster.rate_mbit
             (run_dir / "links.json").write_text(json.dumps({"rate_mbit": rate}))
             codes, hung = cluster.wait(args.timeout_s)
@@ -113,13 +151,20 @@ def cmd_bench(args, console) -> int:
     load_before = os.getloadavg()
     runs = [bench_one(n, args, console) for n in args.nodes]
     settings = {k: v for k, v in vars(args).items() if k not in ("func",)} | {
-        "json": str(args.json), "png": str(args.png), "load_average_before": load_before,
-        "load_average_after": os.getloadavg(), "cpus": os.cpu_count(), "kernel": platform.release(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        "json": str(args.json),
+        "png": str(args.png),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     report.print_summary(runs, console)
     if max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1):
-        console.print(f"[yellow]note: the machine was busy (load average {load_before[0]:.1f} before, "
-                      f"{os.getloadavg()[0]:.1f} after, {os.cpu_count()} CPUs): timings are noisy[/yellow]")
+        console.print(
+            f"[yellow]note: the machine was busy (load average {load_before[0]:.1f} before, "
+            f"{os.getloadavg()[0]:.1f} after, {os.cpu_count()} CPUs): timings are noisy[/yellow]"
+        )
     report.write_json(runs, settings, args.json)
     report.write_chart(runs, args.png)
     console.print(f"figures written to {args.json} and {args.png}")
@@ -129,13 +174,27 @@ def cmd_bench(args, console) -> int:
 
 def cmd_overlap(args, console) -> int:
     """``benchmarks/bench_overlap.py`` on a simulated cluster with fixed-rate links."""
-    overlap_args = ["--models", *args.models, "--num-tokens", str(args.num_tokens), "--micro-batches",
-                    str(args.micro_batches), "--hidden-scale", str(args.hidden_scale), "--ffn-ratio",
-                    str(args.ffn_ratio), "--iters", str(args.iters), "--json", str(args.json.resolve())]
+    overlap_args = [
+        "--models",
+        *args.models,
+        "--num-tokens",
+        str(args.num_tokens),
+        "--micro-batches",
+        str(args.micro_batches),
+        "--hidden-scale",
+        str(args.hidden_scale),
+        "--ffn-ratio",
+        str(args.ffn_ratio),
+        "--iters",
+        str(args.iters),
+        "--json",
+        str(args.json.resolve()),
+    ]
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="simcluster-overlap-"))
     try:
-        with SimCluster(args.nodes, args.ranks_per_node, rate_mbit=args.rate_mbit, mtu=args.mtu,
-                        log=lambda m: say(console, m)) as cluster:
+        with SimCluster(
+            args.nodes, args.ranks_per_node, rate_mbit=args.rate_mbit, mtu=args.mtu, log=lambda m: say(console, m)
+        ) as cluster:
             say(console, f"[simcluster] {cluster.describe()}: bench_overlap {' '.join(overlap_args)}")
             sys.stdout.flush()
             cluster.launch(["overlap", "--", *overlap_args], run_dir, rank0_stdout=sys.stdout)
@@ -155,12 +214,21 @@ def cmd_faults(args, console) -> int:
 
     outcomes, problems = [], []
     for scenario in args.scenarios:
-        outcome = run_fault(scenario, num_nodes=args.nodes, ranks_per_node=args.ranks_per_node,
-                            timeout_s=args.timeout_s, rate_mbit=args.rate_mbit, slack_s=args.slack_s,
-                            log=lambda m: say(console, m))
+        outcome = run_fault(
+            scenario,
+            num_nodes=args.nodes,
+            ranks_per_node=args.ranks_per_node,
+            timeout_s=args.timeout_s,
+            rate_mbit=args.rate_mbit,
+            slack_s=args.slack_s,
+            log=lambda m: say(console, m),
+        )
         outcomes.append(outcome)
-        table = Table(title=f"{scenario}: {outcome.fault}; Buffer(timeout_s={args.timeout_s:g}); "
-                            f"{outcome.wall_s:.1f} s set-up to teardown", title_justify="left")
+        table = Table(
+            title=f"{scenario}: {outcome.fault}; Buffer(timeout_s={args.timeout_s:g}); "
+            f"{outcome.wall_s:.1f} s set-up to teardown",
+            title_justify="left",
+        )
         for col in ("rank", "node", "exit", "failed in", "s after fault", "error"):
             table.add_column(col, justify="left" if col in ("failed in", "error") else "right")
         for r in outcome.ranks:
@@ -169,13 +237,25 @@ def cmd_faults(args, console) -> int:
                 continue
             when = f"{r['seconds_after_fault']:.2f}" if "seconds_after_fault" in r else "-"
             what = "HUNG" if r["hung"] else escape(name_nodes(r.get("message", "(no report)")))
-            table.add_row(str(r["rank"]), str(r["node"]), str(r["exit_code"]),
-                          f"{r.get('op', '-')} {r.get('iteration', '')}", when, what)
+            table.add_row(
+                str(r["rank"]),
+                str(r["node"]),
+                str(r["exit_code"]),
+                f"{r.get('op', '-')} {r.get('iteration', '')}",
+                when,
+                what,
+            )
         console.print(table)
         found = outcome.problems(args.slack_s)
         problems += [f"{scenario}: {p}" for p in found]
-        console.print(f"{scenario}: " + ("[green]every survivor failed in time, naming the operation and its peers; "
-                                         "cluster torn down[/green]" if not found else "[red]contract broken[/red]"))
+        console.print(
+            f"{scenario}: "
+            + (
+                "[green]every survivor failed in time, naming the operation and its peers; cluster torn down[/green]"
+                if not found
+                else "[red]contract broken[/red]"
+            )
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items() if k != "func"}
     payload = {"settings": settings, "outcomes": [dataclasses.asdict(o) for o in outcomes], "problems": problems}
@@ -188,29 +268,43 @@ def cmd_faults(args, console) -> int:
 
 def cmd_cleanup(args, console) -> int:
     removed = sweep_leftovers(lambda m: say(console, m))
-    say(console, f"[simcluster] {len(removed)} leftover namespaces removed" if removed
-        else "[simcluster] nothing left over")
+    say(
+        console,
+        f"[simcluster] {len(removed)} leftover namespaces removed" if removed else "[simcluster] nothing left over",
+    )
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     from moe_dispatch.testing import routing
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.simcluster", description=(
-        "A simulated multi-node cluster on one machine (network namespaces, tc-shaped inter-node links, "
-        "intra-node traffic over loopback): moe-dispatch-bench (hierarchical vs flat all_to_all) and fault drills. "
-        "Needs root and iproute2."))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.simcluster",
+        description=(
+            "A simulated multi-node cluster on one machine (network namespaces, tc-shaped inter-node links, "
+            "intra-node traffic over loopback): moe-dispatch-bench (hierarchical vs flat all_to_all) and fault drills. "
+            "Needs root and iproute2."
+        ),
+    )
     sub = parser.add_subparsers(dest="command")
     bench = sub.add_parser("bench", help="the benchmark per cluster size (default command)")
     bench.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="cluster sizes to run (default 2 4)")
     bench.add_argument("--ranks-per-node", type=int, default=4, help="L, ranks per node (default 4)")
     rate = bench.add_mutually_exclusive_group()
-    rate.add_argument("--ratio", type=float, default=9.0,
-                      help="set the inter-node rate so that intra-node : inter-node throughput per rank is this "
-                           "(measured intra-node figure; default 9, like NVLink : RDMA per GPU)")
+    rate.add_argument(
+        "--ratio",
+        type=float,
+        default=9.0,
+        help="set the inter-node rate so that intra-node : inter-node throughput per rank is this "
+        "(measured intra-node figure; default 9, like NVLink : RDMA per GPU)",
+    )
     rate.add_argument("--rate-mbit", type=float, default=None, help="fixed inter-node rate per node link, Mbit/s")
-    bench.add_argument("--delay-ms", type=float, default=None,
-                       help="one-way inter-node delay (netem); default 0.2 when the kernel has sch_netem, else 0")
+    bench.add_argument(
+        "--delay-ms",
+        type=float,
+        default=None,
+        help="one-way inter-node delay (netem); default 0.2 when the kernel has sch_netem, else 0",
+    )
     bench.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000)")
     bench.add_argument("--probe-mb", type=float, default=2.0, help="MB per peer of the link probe (default 2)")
     bench.add_argument("--models", nargs="+", choices=sorted(routing.PRESETS), default=list(routing.PRESETS))
@@ -247,8 +341,12 @@ def _parser() -> argparse.ArgumentParser:
     faults.add_argument("--ranks-per-node", type=int, default=2)
     faults.add_argument("--timeout-s", type=float, default=5.0, help="the ranks' Buffer(timeout_s=...) (default 5)")
     faults.add_argument("--slack-s", type=float, default=5.0, help="grace after timeout_s before a rank counts as hung")
-    faults.add_argument("--rate-mbit", type=float, default=100.0,
-                        help="inter-node rate: slow, so that the fault lands inside the operation (default 100)")
+    faults.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=100.0,
+        help="inter-node rate: slow, so that the fault lands inside the operation (default 100)",
+    )
     faults.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/simcluster_faults.json"))
     faults.set_defaults(func=cmd_faults)
 

@@ -142,8 +142,16 @@ class SimCluster:
             bridge, tbf, netem when asked for) unavailable; nothing is left behind.
     """
 
-    def __init__(self, num_nodes: int, ranks_per_node: int, *, rate_mbit: float | None, delay_ms: float | None = None,
-                 mtu: int = 9000, log=print):
+    def __init__(
+        self,
+        num_nodes: int,
+        ranks_per_node: int,
+        *,
+        rate_mbit: float | None,
+        delay_ms: float | None = None,
+        mtu: int = 9000,
+        log=print,
+    ):
         if num_nodes < 1 or ranks_per_node < 1:
             raise ValueError(f"need at least 1 node and 1 rank per node, got {num_nodes} x {ranks_per_node}")
         if num_nodes > 250:
@@ -172,11 +180,16 @@ class SimCluster:
 
     def describe(self) -> str:
         delay = f"{self.delay_ms:g} ms one-way delay" if self.delay_ms else "no added delay"
-        rate = ("rate set after the link probe" if self.rate_pending
-                else f"{self.rate_mbit:.0f} Mbit/s per node and direction (tbf)")
-        return (f"{self.num_nodes} nodes x {self.ranks_per_node} ranks (namespaces {self.name}-n*), inter-node "
-                f"links {rate}, {delay}, MTU {self.mtu}; "
-                f"intra-node traffic over each node's loopback (unshaped); each rank pinned to one core")
+        rate = (
+            "rate set after the link probe"
+            if self.rate_pending
+            else f"{self.rate_mbit:.0f} Mbit/s per node and direction (tbf)"
+        )
+        return (
+            f"{self.num_nodes} nodes x {self.ranks_per_node} ranks (namespaces {self.name}-n*), inter-node "
+            f"links {rate}, {delay}, MTU {self.mtu}; "
+            f"intra-node traffic over each node's loopback (unshaped); each rank pinned to one core"
+        )
 
     # -- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> "SimCluster":
@@ -197,8 +210,10 @@ class SimCluster:
     def _netns_add(self, ns: str) -> None:
         done = _run("ip", "netns", "add", ns, check=False)
         if done.returncode != 0:
-            raise SetupError(f"cannot create a network namespace (`ip netns add {ns}`: {done.stderr.strip()}); "
-                             "the simulated cluster needs root and a kernel with network namespaces")
+            raise SetupError(
+                f"cannot create a network namespace (`ip netns add {ns}`: {done.stderr.strip()}); "
+                "the simulated cluster needs root and a kernel with network namespaces"
+            )
         self._created.append(ns)
 
     def _tbf(self, rate_mbit: float) -> list[str]:
@@ -212,17 +227,39 @@ class SimCluster:
             yield self.switch_ns, f"n{node}"
 
     def _shape(self, ns: str, dev: str, delay_ms: float) -> None:
-        done = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf(self.rate_mbit),
-                    check=False)
+        done = _run(
+            "tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf(self.rate_mbit), check=False
+        )
         if done.returncode != 0:
-            raise SetupError(f"cannot shape the node links with tc tbf ({done.stderr.strip()}); "
-                             "the kernel needs sch_tbf (CONFIG_NET_SCH_TBF)")
+            raise SetupError(
+                f"cannot shape the node links with tc tbf ({done.stderr.strip()}); "
+                "the kernel needs sch_tbf (CONFIG_NET_SCH_TBF)"
+            )
         if delay_ms > 0:
-            done = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
-                        "delay", f"{delay_ms * 1000:g}us", "limit", "100000", check=False)
+            done = _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                "netem",
+                "delay",
+                f"{delay_ms * 1000:g}us",
+                "limit",
+                "100000",
+                check=False,
+            )
             if done.returncode != 0:
-                raise SetupError(f"cannot add link delay with tc netem ({done.stderr.strip()}); this kernel lacks "
-                                 "sch_netem (CONFIG_NET_SCH_NETEM): run with --delay-ms 0")
+                raise SetupError(
+                    f"cannot add link delay with tc netem ({done.stderr.strip()}); this kernel lacks "
+                    "sch_netem (CONFIG_NET_SCH_NETEM): run with --delay-ms 0"
+                )
 
     def set_rate(self, rate_mbit: float) -> None:
         """Changes every inter-node link to ``rate_mbit`` (per node and direction), live."""
@@ -245,13 +282,32 @@ class SimCluster:
         if self.delay_ms is None:
             self.delay_ms = 0.2 if self._netem_available(sw) else 0.0
             if not self.delay_ms:
-                self.log("[simcluster] note: this kernel has no sch_netem, so the links get no added delay "
-                         "(rate shaping only)")
+                self.log(
+                    "[simcluster] note: this kernel has no sch_netem, so the links get no added delay "
+                    "(rate shaping only)"
+                )
         for node in range(self.num_nodes):
             ns, port = self.node_ns(node), f"n{node}"
             self._netns_add(ns)
-            if _run("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", UPLINK, "netns", ns,
-                    check=False).returncode != 0:
+            if (
+                _run(
+                    "ip",
+                    "-n",
+                    sw,
+                    "link",
+                    "add",
+                    port,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    UPLINK,
+                    "netns",
+                    ns,
+                    check=False,
+                ).returncode
+                != 0
+            ):
                 raise SetupError("cannot create veth pairs between namespaces (kernel without CONFIG_VETH)")
             _run("ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu), "master", BRIDGE, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
@@ -273,12 +329,21 @@ class SimCluster:
             f.close()
         self._log_files = []
         if left:
-            self.log(f"[simcluster] WARNING: could not delete namespaces {left}; run `python -m benchmarks.simcluster "
-                     f"cleanup` once their processes are gone")
+            self.log(
+                f"[simcluster] WARNING: could not delete namespaces {left}; run `python -m benchmarks.simcluster "
+                f"cleanup` once their processes are gone"
+            )
 
     # -- ranks -----------------------------------------------------------------------------
-    def launch(self, args: list[str], run_dir: pathlib.Path, *, env: dict[str, str] | None = None,
-               rank0_stdout=None, master_port: int = MASTER_PORT) -> None:
+    def launch(
+        self,
+        args: list[str],
+        run_dir: pathlib.Path,
+        *,
+        env: dict[str, str] | None = None,
+        rank0_stdout=None,
+        master_port: int = MASTER_PORT,
+    ) -> None:
         """Starts the ranks (once): in each node's namespace one ``rank.py node`` process imports
         torch once and forks the node's L ranks, each running ``rank.py <args>``.
 
@@ -290,20 +355,49 @@ class SimCluster:
         """
         self.run_dir = run_dir
         # A CPU cluster: the ranks see no GPU, also on a machine with one (env may say otherwise).
-        base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {}), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "MASTER_ADDR": self.node_addr(0),
-                "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", "SIMCLUSTER_RUN_DIR": str(run_dir)}
+        base = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": "",
+            **(env or {}),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+            "MASTER_ADDR": self.node_addr(0),
+            "MASTER_PORT": str(master_port),
+            "GLOO_SOCKET_IFNAME": UPLINK,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "SIMCLUSTER_RUN_DIR": str(run_dir),
+        }
         base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         for node in range(self.num_nodes):
             log = open(run_dir / f"node{node}.log", "w")  # noqa: SIM115 - closed in down()
             self._log_files.append(log)
             out = rank0_stdout if (node == 0 and rank0_stdout is not None) else log
-            cmd = ["ip", "netns", "exec", self.node_ns(node), sys.executable, "-m", "benchmarks.simcluster.rank",
-                   "node", str(node * self.ranks_per_node), "--", *args]
-            self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=base, stdout=out, stderr=log,
-                                               stdin=subprocess.DEVNULL, start_new_session=True,
-                                               preexec_fn=die_with_parent))
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                self.node_ns(node),
+                sys.executable,
+                "-m",
+                "benchmarks.simcluster.rank",
+                "node",
+                str(node * self.ranks_per_node),
+                "--",
+                *args,
+            ]
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO_ROOT,
+                    env=base,
+                    stdout=out,
+                    stderr=log,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            )
 
     def exit_codes(self) -> dict[int, int | None]:
         """Ranks that have exited: their exit codes (None when their node process is gone

@@ -76,8 +76,10 @@ class FaultOutcome:
                 if not -0.5 <= late <= self.timeout_s + slack_s:
                     out.append(f"{who} failed {late:.2f} s after the fault, outside [0, timeout_s + {slack_s:g} s]")
                 if (r["op"], r["iteration"]) not in allowed or f"{r['op']} " not in r["message"]:
-                    out.append(f"{who} failed in {r['op']} {r['iteration']}, expected {want_op} {self.iteration} "
-                               f"(or the operation after it) named in the message: {r['message']}")
+                    out.append(
+                        f"{who} failed in {r['op']} {r['iteration']}, expected {want_op} {self.iteration} "
+                        f"(or the operation after it) named in the message: {r['message']}"
+                    )
                 if "EP ranks [" not in r["message"]:
                     out.append(f"{who}'s error does not name the peers it waited for: {r['message']}")
         if self.survivors and not any(r.get("op") == want_op for r in self.survivors):
@@ -89,8 +91,10 @@ class FaultOutcome:
 
 def name_nodes(message: str) -> str:
     """The message with each cluster address annotated with its node (``10.213.0.2`` -> node 1)."""
+
     def node_of(match: re.Match) -> str:
         return f"{match.group(0)} (node {int(match.group(1)) - 1})"
+
     return re.sub(re.escape(SUBNET) + r"\.(\d+)", node_of, message)
 
 
@@ -101,9 +105,20 @@ def _read_json(path: pathlib.Path) -> dict | None:
         return None
 
 
-def run_fault(scenario: str, *, num_nodes: int = 2, ranks_per_node: int = 2, timeout_s: float = 5.0,
-              rate_mbit: float = 100.0, num_tokens: int = 1024, hidden: int = 1024, target: int | None = None,
-              slack_s: float = 5.0, start_timeout_s: float = 120.0, log=print) -> FaultOutcome:
+def run_fault(
+    scenario: str,
+    *,
+    num_nodes: int = 2,
+    ranks_per_node: int = 2,
+    timeout_s: float = 5.0,
+    rate_mbit: float = 100.0,
+    num_tokens: int = 1024,
+    hidden: int = 1024,
+    target: int | None = None,
+    slack_s: float = 5.0,
+    start_timeout_s: float = 120.0,
+    log=print,
+) -> FaultOutcome:
     """Runs one fault scenario in a fresh simulated cluster and reports every rank's fate.
 
     Args:
@@ -132,8 +147,20 @@ def run_fault(scenario: str, *, num_nodes: int = 2, ranks_per_node: int = 2, tim
     try:
         cluster = SimCluster(num_nodes, ranks_per_node, rate_mbit=rate_mbit, delay_ms=None, log=log)
         with cluster:
-            cluster.launch(["fault", "--timeout-s", str(timeout_s), "--num-tokens", str(num_tokens),
-                            "--hidden", str(hidden), "--max-seconds", str(start_timeout_s + 60)], run_dir)
+            cluster.launch(
+                [
+                    "fault",
+                    "--timeout-s",
+                    str(timeout_s),
+                    "--num-tokens",
+                    str(num_tokens),
+                    "--hidden",
+                    str(hidden),
+                    "--max-seconds",
+                    str(start_timeout_s + 60),
+                ],
+                run_dir,
+            )
             watch = range(world) if scenario == "link-cut" else [target]
             op = OPERATION[scenario]
             deadline = time.monotonic() + start_timeout_s
@@ -144,8 +171,9 @@ def run_fault(scenario: str, *, num_nodes: int = 2, ranks_per_node: int = 2, tim
                 dead = sorted(cluster.exit_codes())
                 if dead or time.monotonic() > deadline:
                     cluster.kill_all()
-                    logs = "\n".join(f"--- {log.name} ---\n{log.read_text()[-2000:]}"
-                                     for log in sorted(run_dir.glob("*.log")))
+                    logs = "\n".join(
+                        f"--- {log.name} ---\n{log.read_text()[-2000:]}" for log in sorted(run_dir.glob("*.log"))
+                    )
                     why = f"ranks {dead} exited" if dead else f"nothing happened within {start_timeout_s:g} s"
                     raise RuntimeError(f"{scenario}: the ranks never reached the fault point ({why})\n{logs}")
                 time.sleep(0.002)
@@ -154,8 +182,9 @@ def run_fault(scenario: str, *, num_nodes: int = 2, ranks_per_node: int = 2, tim
                 fault = f"node {target}'s link cut (switch port down) during dispatch {marks[0]['iteration']}"
             else:
                 cluster.kill_rank(target)
-                fault = (f"rank {target} (node {target // ranks_per_node}) SIGKILLed during combine "
-                         f"{marks[0]['iteration']}")
+                fault = (
+                    f"rank {target} (node {target // ranks_per_node}) SIGKILLed during combine {marks[0]['iteration']}"
+                )
             fault_time = time.time()
             log(f"[simcluster] {scenario}: {fault}")
             codes, hung = cluster.wait(timeout_s + slack_s)
@@ -163,13 +192,30 @@ def run_fault(scenario: str, *, num_nodes: int = 2, ranks_per_node: int = 2, tim
         ranks = []
         for r in range(world):
             report = _read_json(run_dir / f"fault-rank{r}.json") or {}
-            entry = {"rank": r, "node": r // ranks_per_node, "exit_code": codes[r], "hung": r in hung,
-                     "victim": scenario == "rank-kill" and r == target}
+            entry = {
+                "rank": r,
+                "node": r // ranks_per_node,
+                "exit_code": codes[r],
+                "hung": r in hung,
+                "victim": scenario == "rank-kill" and r == target,
+            }
             if report:
-                entry.update(op=report["op"], iteration=report["iteration"], error=report["error"],
-                             message=report["message"], seconds_after_fault=report["time"] - fault_time)
+                entry.update(
+                    op=report["op"],
+                    iteration=report["iteration"],
+                    error=report["error"],
+                    message=report["message"],
+                    seconds_after_fault=report["time"] - fault_time,
+                )
             ranks.append(entry)
-        return FaultOutcome(scenario=scenario, fault=fault, iteration=marks[0]["iteration"], timeout_s=timeout_s,
-                            ranks=ranks, cleaned_up=cleaned_up, wall_s=time.monotonic() - started)
+        return FaultOutcome(
+            scenario=scenario,
+            fault=fault,
+            iteration=marks[0]["iteration"],
+            timeout_s=timeout_s,
+            ranks=ranks,
+            cleaned_up=cleaned_up,
+            wall_s=time.monotonic() - started,
+        )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

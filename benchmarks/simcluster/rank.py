@@ -56,9 +56,13 @@ def _write_json(path: pathlib.Path, payload: dict) -> None:
 
 
 def _init(port: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
-                            rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"),
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
+        rank=_env_int("RANK"),
+        world_size=_env_int("WORLD_SIZE"),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 # -- link probe -------------------------------------------------------------------------------
@@ -96,12 +100,17 @@ def probe_links(num_mb: float, run_dir: pathlib.Path, reps: int = 5, wait_s: flo
     rank, world = dist.get_rank(), dist.get_world_size()
     local_ranks = _env_int("LOCAL_WORLD_SIZE")
     num_nodes, node, local = world // local_ranks, rank // local_ranks, rank % local_ranks
-    intra = (dist.new_group(list(range(node * local_ranks, (node + 1) * local_ranks)), use_local_synchronization=True)
-             if local_ranks > 1 else None)
-    inter = (dist.new_group(list(range(local, world, local_ranks)), use_local_synchronization=True)
-             if num_nodes > 1 else None)
-    out: dict = {"probe_mb_per_peer": num_mb, "reps": reps,
-                 "intra_node": _probe(intra, local_ranks - 1, num_mb, reps)}
+    intra = (
+        dist.new_group(list(range(node * local_ranks, (node + 1) * local_ranks)), use_local_synchronization=True)
+        if local_ranks > 1
+        else None
+    )
+    inter = (
+        dist.new_group(list(range(local, world, local_ranks)), use_local_synchronization=True)
+        if num_nodes > 1
+        else None
+    )
+    out: dict = {"probe_mb_per_peer": num_mb, "reps": reps, "intra_node": _probe(intra, local_ranks - 1, num_mb, reps)}
     if rank == 0:
         _write_json(run_dir / "intra.json", out)
         deadline = time.monotonic() + wait_s
@@ -196,16 +205,32 @@ def fault_main(argv: list[str]) -> int:
             buf.combine(recv_x, handle)
         mark("done", args.max_iters)
     except CommError as err:
-        _write_json(run_dir / f"fault-rank{rank}.json", {
-            "rank": rank, "op": phase["op"], "iteration": phase["iteration"], "time": time.time(),
-            "error": type(err).__name__, "message": str(err)})
+        _write_json(
+            run_dir / f"fault-rank{rank}.json",
+            {
+                "rank": rank,
+                "op": phase["op"],
+                "iteration": phase["iteration"],
+                "time": time.time(),
+                "error": type(err).__name__,
+                "message": str(err),
+            },
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(FAULT_EXIT_CODE)  # no teardown collectives: the world is broken
     except BaseException as err:  # noqa: BLE001 - reported to the harness, then out
-        _write_json(run_dir / f"fault-rank{rank}.json", {
-            "rank": rank, "op": phase["op"], "iteration": phase["iteration"], "time": time.time(),
-            "error": type(err).__name__, "message": str(err)})
+        _write_json(
+            run_dir / f"fault-rank{rank}.json",
+            {
+                "rank": rank,
+                "op": phase["op"],
+                "iteration": phase["iteration"],
+                "time": time.time(),
+                "error": type(err).__name__,
+                "message": str(err),
+            },
+        )
         sys.stderr.flush()
         os._exit(OTHER_ERROR_EXIT_CODE)
     os._exit(0)  # no fault came (the harness reports a survivor without an error as a failure)

@@ -41,10 +41,16 @@ except ImportError as _err:  # pragma: no cover - exercised only without megatro
     raise ImportError("moe_dispatch.megatron needs megatron-core (the 'custom' flex dispatcher backend plugs into "
                       "it): pip install 'moe-dispatch[megatron]'") from _err
 
-from .compat import (UnsupportedMegatronVersionError, install, installed, megatron_core_version,  # noqa: E402
-                     patch_bridge)
-from .config import (BACKEND_NAME, OPTIONS_ATTR, CustomBackendOptions, configure, get_options,  # noqa: E402
-                     is_custom_backend, validate_config)
+from .compat import UnsupportedMegatronVersionError, install, installed, megatron_core_version, patch_bridge  # noqa: E402
+from .config import (  # noqa: E402
+    BACKEND_NAME,
+    OPTIONS_ATTR,
+    CustomBackendOptions,
+    configure,
+    get_options,
+    is_custom_backend,
+    validate_config,
+)
 from .delayed_wgrad import ExpertWgradStore, disable_delayed_wgrad, enable_delayed_wgrad  # noqa: E402
 from .manager import CustomDispatchManager, InflightDispatch, clear_buffers, ep_ranks_per_node, get_buffer  # noqa: E402
 

@@ -282,8 +282,9 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
     if config_fields.get("moe_flex_dispatcher_backend", BACKEND_NAME) != BACKEND_NAME \
             or config_fields.get("moe_token_dispatcher_type", "flex") != "flex":
         raise ValueError("configure() selects moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend="
-                         f"'custom'; it got moe_token_dispatcher_type={config_fields.get('moe_token_dispatcher_type')!r}"
-                         f", moe_flex_dispatcher_backend={config_fields.get('moe_flex_dispatcher_backend')!r}. Drop "
+                         "'custom'; it got moe_token_dispatcher_type="
+                         f"{config_fields.get('moe_token_dispatcher_type')!r}, moe_flex_dispatcher_backend="
+                         f"{config_fields.get('moe_flex_dispatcher_backend')!r}. Drop "
                          "those keywords (for another backend, set the config fields without configure())")
     unknown = sorted(name for name in config_fields if not hasattr(config, name))
     for name in unknown:

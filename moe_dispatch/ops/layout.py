@@ -69,6 +69,7 @@ def _next_pow2(n: int) -> int:
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _accumulate_hits(hits, expert, valid, experts_per_dest, DESTS_PAD: tl.constexpr):
     """``hits [BLOCK, DESTS_PAD]`` |= one-hot of ``expert // experts_per_dest`` where ``valid``."""
@@ -77,8 +78,7 @@ def _accumulate_hits(hits, expert, valid, experts_per_dest, DESTS_PAD: tl.conste
 
 
 @triton.jit
-def _store_block_offsets(hits, rows, row_mask, offsets_ptr, block_counts_ptr, pid,
-                         num_dests, DESTS_PAD: tl.constexpr):
+def _store_block_offsets(hits, rows, row_mask, offsets_ptr, block_counts_ptr, pid, num_dests, DESTS_PAD: tl.constexpr):
     """Writes block-local exclusive prefix sums of ``hits [BLOCK, DESTS_PAD]`` over rows
     (``-1`` where no hit) to ``offsets [rows, num_dests]`` and the block's per-destination
     totals to ``block_counts [pid, num_dests]``."""
@@ -86,8 +86,11 @@ def _store_block_offsets(hits, rows, row_mask, offsets_ptr, block_counts_ptr, pi
     excl = tl.cumsum(h, axis=0) - h
     cols = tl.arange(0, DESTS_PAD)
     col_mask = cols < num_dests
-    tl.store(offsets_ptr + rows[:, None] * num_dests + cols[None, :], tl.where(hits, excl, -1),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        offsets_ptr + rows[:, None] * num_dests + cols[None, :],
+        tl.where(hits, excl, -1),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
     tl.store(block_counts_ptr + pid * num_dests + cols, tl.sum(h, axis=0), mask=col_mask)
 
 
@@ -100,16 +103,28 @@ def _block_prefix(block_counts_ptr, pid, num_blocks, num_dests, DESTS_PAD: tl.co
     total = tl.zeros([DESTS_PAD], tl.int32)
     for b0 in range(0, num_blocks, CHUNK_B):
         bs = b0 + tl.arange(0, CHUNK_B)
-        c = tl.load(block_counts_ptr + bs[:, None] * num_dests + cols[None, :],
-                    mask=(bs < num_blocks)[:, None] & col_mask[None, :], other=0)
+        c = tl.load(
+            block_counts_ptr + bs[:, None] * num_dests + cols[None, :],
+            mask=(bs < num_blocks)[:, None] & col_mask[None, :],
+            other=0,
+        )
         total += tl.sum(c, axis=0)
         before += tl.sum(tl.where((bs < pid)[:, None], c, 0), axis=0)
     return before, total
 
 
 @triton.jit
-def _finalize_offsets(offsets_ptr, block_counts_ptr, rows, row_mask, pid, num_blocks, num_dests,
-                      DESTS_PAD: tl.constexpr, CHUNK_B: tl.constexpr):
+def _finalize_offsets(
+    offsets_ptr,
+    block_counts_ptr,
+    rows,
+    row_mask,
+    pid,
+    num_blocks,
+    num_dests,
+    DESTS_PAD: tl.constexpr,
+    CHUNK_B: tl.constexpr,
+):
     """Adds the count of earlier blocks to this block's offsets; returns the totals."""
     before, total = _block_prefix(block_counts_ptr, pid, num_blocks, num_dests, DESTS_PAD, CHUNK_B)
     cols = tl.arange(0, DESTS_PAD)
@@ -122,11 +137,24 @@ def _finalize_offsets(offsets_ptr, block_counts_ptr, rows, row_mask, pid, num_bl
 
 @triton.jit
 def _layout_count_kernel(
-    topk_idx_ptr, is_token_in_rank_ptr, rank_send_offsets_ptr, node_send_offsets_ptr,
-    block_rank_counts_ptr, block_node_counts_ptr, block_expert_counts_ptr, num_tokens,
-    num_experts, num_ranks, num_nodes, experts_per_rank, experts_per_node,
-    NUM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-    RANKS_PAD: tl.constexpr, NODES_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    topk_idx_ptr,
+    is_token_in_rank_ptr,
+    rank_send_offsets_ptr,
+    node_send_offsets_ptr,
+    block_rank_counts_ptr,
+    block_node_counts_ptr,
+    block_expert_counts_ptr,
+    num_tokens,
+    num_experts,
+    num_ranks,
+    num_nodes,
+    experts_per_rank,
+    experts_per_node,
+    NUM_TOPK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    RANKS_PAD: tl.constexpr,
+    NODES_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
 ):
     """Pass 1 (the only read of ``topk_idx``): program ``pid`` owns tokens
     ``[pid*BLOCK_T, (pid+1)*BLOCK_T)``; writes ``is_token_in_rank``, block-local send offsets
@@ -146,22 +174,40 @@ def _layout_count_kernel(
         rank_hits = _accumulate_hits(rank_hits, expert, valid, experts_per_rank, RANKS_PAD)
         node_hits = _accumulate_hits(node_hits, expert, valid, experts_per_node, NODES_PAD)
     ranks = tl.arange(0, RANKS_PAD)
-    tl.store(is_token_in_rank_ptr + rows[:, None] * num_ranks + ranks[None, :], rank_hits.to(tl.uint8),
-             mask=token_mask[:, None] & (ranks < num_ranks)[None, :])
-    _store_block_offsets(rank_hits, rows, token_mask, rank_send_offsets_ptr, block_rank_counts_ptr, pid,
-                         num_ranks, RANKS_PAD)
-    _store_block_offsets(node_hits, rows, token_mask, node_send_offsets_ptr, block_node_counts_ptr, pid,
-                         num_nodes, NODES_PAD)
+    tl.store(
+        is_token_in_rank_ptr + rows[:, None] * num_ranks + ranks[None, :],
+        rank_hits.to(tl.uint8),
+        mask=token_mask[:, None] & (ranks < num_ranks)[None, :],
+    )
+    _store_block_offsets(
+        rank_hits, rows, token_mask, rank_send_offsets_ptr, block_rank_counts_ptr, pid, num_ranks, RANKS_PAD
+    )
+    _store_block_offsets(
+        node_hits, rows, token_mask, node_send_offsets_ptr, block_node_counts_ptr, pid, num_nodes, NODES_PAD
+    )
     experts = tl.arange(0, EXPERTS_PAD)
     tl.store(block_expert_counts_ptr + pid * num_experts + experts, expert_counts, mask=experts < num_experts)
 
 
 @triton.jit
 def _layout_finalize_kernel(
-    rank_send_offsets_ptr, node_send_offsets_ptr, block_rank_counts_ptr, block_node_counts_ptr,
-    block_expert_counts_ptr, num_tokens_per_rank_ptr, num_tokens_per_node_ptr, num_tokens_per_expert_ptr,
-    num_tokens, num_blocks, num_experts, num_ranks, num_nodes,
-    BLOCK_T: tl.constexpr, RANKS_PAD: tl.constexpr, NODES_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    rank_send_offsets_ptr,
+    node_send_offsets_ptr,
+    block_rank_counts_ptr,
+    block_node_counts_ptr,
+    block_expert_counts_ptr,
+    num_tokens_per_rank_ptr,
+    num_tokens_per_node_ptr,
+    num_tokens_per_expert_ptr,
+    num_tokens,
+    num_blocks,
+    num_experts,
+    num_ranks,
+    num_nodes,
+    BLOCK_T: tl.constexpr,
+    RANKS_PAD: tl.constexpr,
+    NODES_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
     CHUNK_B: tl.constexpr,
 ):
     """Pass 2 (over the small per-block counts): adds earlier blocks' counts to each block's
@@ -170,17 +216,18 @@ def _layout_finalize_kernel(
     tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
     rows = tokens.to(tl.int64)
-    rank_total = _finalize_offsets(rank_send_offsets_ptr, block_rank_counts_ptr, rows, token_mask, pid,
-                                   num_blocks, num_ranks, RANKS_PAD, CHUNK_B)
-    node_total = _finalize_offsets(node_send_offsets_ptr, block_node_counts_ptr, rows, token_mask, pid,
-                                   num_blocks, num_nodes, NODES_PAD, CHUNK_B)
+    rank_total = _finalize_offsets(
+        rank_send_offsets_ptr, block_rank_counts_ptr, rows, token_mask, pid, num_blocks, num_ranks, RANKS_PAD, CHUNK_B
+    )
+    node_total = _finalize_offsets(
+        node_send_offsets_ptr, block_node_counts_ptr, rows, token_mask, pid, num_blocks, num_nodes, NODES_PAD, CHUNK_B
+    )
     if pid == 0:
         ranks = tl.arange(0, RANKS_PAD)
         tl.store(num_tokens_per_rank_ptr + ranks, rank_total.to(tl.int64), mask=ranks < num_ranks)
         nodes = tl.arange(0, NODES_PAD)
         tl.store(num_tokens_per_node_ptr + nodes, node_total.to(tl.int64), mask=nodes < num_nodes)
-        _, expert_total = _block_prefix(block_expert_counts_ptr, pid, num_blocks, num_experts, EXPERTS_PAD,
-                                        CHUNK_B)
+        _, expert_total = _block_prefix(block_expert_counts_ptr, pid, num_blocks, num_experts, EXPERTS_PAD, CHUNK_B)
         experts = tl.arange(0, EXPERTS_PAD)
         tl.store(num_tokens_per_expert_ptr + experts, expert_total.to(tl.int64), mask=experts < num_experts)
 
@@ -188,6 +235,7 @@ def _layout_finalize_kernel(
 # ---------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------
+
 
 class DispatchLayout(NamedTuple):
     """Result of :func:`get_dispatch_layout` (a named tuple; the first four fields are
@@ -212,8 +260,9 @@ class DispatchLayout(NamedTuple):
     node_send_offsets: torch.Tensor
 
 
-def get_dispatch_layout_triton(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int,
-                               *, block_t: int | None = None) -> DispatchLayout:
+def get_dispatch_layout_triton(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int, *, block_t: int | None = None
+) -> DispatchLayout:
     """Triton layout (no validation, no host synchronisation; CUDA-graph safe on GPU).
     ``block_t`` (a power of two) overrides the tokens per program (tests use it to cross
     block boundaries)."""
@@ -242,27 +291,66 @@ def get_dispatch_layout_triton(topk_idx: torch.Tensor, num_experts: int, num_ran
         # one workspace for the three per-block count tables
         work = torch.empty(num_blocks * (num_ranks + num_nodes + num_experts), dtype=torch.int32, device=device)
         block_rank_counts, block_node_counts, block_expert_counts = torch.split(
-            work, [num_blocks * num_ranks, num_blocks * num_nodes, num_blocks * num_experts])
+            work, [num_blocks * num_ranks, num_blocks * num_nodes, num_blocks * num_experts]
+        )
         meta = dict(BLOCK_T=block_t, RANKS_PAD=ranks_pad, NODES_PAD=nodes_pad, EXPERTS_PAD=experts_pad)
         num_warps = 8 if block_t * ranks_pad >= 2048 else 4
         chunk_b = max(1, min(_next_pow2(num_blocks), 4096 // max(ranks_pad, experts_pad)))
         with _device_of(topk_idx):
             _layout_count_kernel[(num_blocks,)](
-                topk_idx, is_token_in_rank.view(torch.uint8), rank_send_offsets, node_send_offsets,
-                block_rank_counts, block_node_counts, block_expert_counts, num_tokens,
-                num_experts, num_ranks, num_nodes, num_experts // num_ranks, num_experts // num_nodes,
-                NUM_TOPK=num_topk, num_warps=num_warps, **meta)
+                topk_idx,
+                is_token_in_rank.view(torch.uint8),
+                rank_send_offsets,
+                node_send_offsets,
+                block_rank_counts,
+                block_node_counts,
+                block_expert_counts,
+                num_tokens,
+                num_experts,
+                num_ranks,
+                num_nodes,
+                num_experts // num_ranks,
+                num_experts // num_nodes,
+                NUM_TOPK=num_topk,
+                num_warps=num_warps,
+                **meta,
+            )
             _layout_finalize_kernel[(num_blocks,)](
-                rank_send_offsets, node_send_offsets, block_rank_counts, block_node_counts, block_expert_counts,
-                num_tokens_per_rank, num_tokens_per_node, num_tokens_per_expert, num_tokens, num_blocks,
-                num_experts, num_ranks, num_nodes, CHUNK_B=chunk_b, num_warps=num_warps, **meta)
-    return DispatchLayout(num_tokens_per_rank, num_tokens_per_node, num_tokens_per_expert, is_token_in_rank,
-                          rank_send_offsets, node_send_offsets)
+                rank_send_offsets,
+                node_send_offsets,
+                block_rank_counts,
+                block_node_counts,
+                block_expert_counts,
+                num_tokens_per_rank,
+                num_tokens_per_node,
+                num_tokens_per_expert,
+                num_tokens,
+                num_blocks,
+                num_experts,
+                num_ranks,
+                num_nodes,
+                CHUNK_B=chunk_b,
+                num_warps=num_warps,
+                **meta,
+            )
+    return DispatchLayout(
+        num_tokens_per_rank,
+        num_tokens_per_node,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        rank_send_offsets,
+        node_send_offsets,
+    )
 
 
 def get_dispatch_layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int, *,
-    validate: bool = True, backend: str = "auto",
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    num_ranks: int,
+    ranks_per_node: int,
+    *,
+    validate: bool = True,
+    backend: str = "auto",
 ) -> DispatchLayout:
     """Routing layout plus the send offsets a sender packs its buffers with.
 
@@ -306,6 +394,7 @@ def get_dispatch_layout(
 # Megatron's routing_map / probs  <->  top-k form
 # ---------------------------------------------------------------------------------------------
 
+
 def routing_map_to_topk(
     routing_map: torch.Tensor, probs: torch.Tensor | None, num_topk: int, *, validate: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -337,8 +426,10 @@ def routing_map_to_topk(
         raise ValueError(f"num_topk must be a positive int, got {num_topk!r}")
     if probs is not None:
         if not isinstance(probs, torch.Tensor) or probs.shape != routing_map.shape or not probs.dtype.is_floating_point:
-            raise ValueError(f"probs must be a floating tensor of routing_map's shape "
-                             f"{list(routing_map.shape)}, got {_describe(probs)}")
+            raise ValueError(
+                f"probs must be a floating tensor of routing_map's shape "
+                f"{list(routing_map.shape)}, got {_describe(probs)}"
+            )
     num_tokens, num_experts = routing_map.shape
     selected = routing_map.bool()
     if validate and num_tokens > 0:
@@ -394,10 +485,15 @@ def topk_to_routing_map(
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     if topk_weights is not None:
-        if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_idx.shape \
-                or not topk_weights.dtype.is_floating_point:
-            raise ValueError(f"topk_weights must be a floating tensor of topk_idx's shape "
-                             f"{list(topk_idx.shape)}, got {_describe(topk_weights)}")
+        if (
+            not isinstance(topk_weights, torch.Tensor)
+            or topk_weights.shape != topk_idx.shape
+            or not topk_weights.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"topk_weights must be a floating tensor of topk_idx's shape "
+                f"{list(topk_idx.shape)}, got {_describe(topk_weights)}"
+            )
     num_tokens = topk_idx.shape[0]
     idx = topk_idx.long()
     idx = torch.where((idx >= 0) & (idx < num_experts), idx, num_experts)  # column E = "nowhere"

@@ -22,8 +22,8 @@ from ..semantics.permute import (
     permute_rows_reference,
     unpermute_rows_reference,
 )
-from .layout import _accumulate_hits, _block_prefix, _device_of, _next_pow2, resolve_backend
 from ..semantics.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, check_topk_idx
+from .layout import _accumulate_hits, _block_prefix, _device_of, _next_pow2, resolve_backend
 
 _INT32_MAX = 2**31 - 1
 _FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)

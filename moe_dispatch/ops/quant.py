@@ -15,15 +15,19 @@ import triton
 import triton.language as tl
 
 from ..semantics.quant import FP8_DTYPE, per_token_cast_back_reference, per_token_cast_to_fp8_reference
-from .layout import _device_of, _next_pow2, resolve_backend
 from ..semantics.validation import FLOAT_DTYPES, check_tensor
+from .layout import _device_of, _next_pow2, resolve_backend
 
 NON_FINITE_MODES = ("nan", "raise")
 
 
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 16 \
-            or block_size & (block_size - 1):
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or block_size < 16
+        or block_size & (block_size - 1)
+    ):
         raise ValueError(f"block_size must be a power of two >= 16 (128 is the dispatch format), got {block_size!r}")
 
 
@@ -36,8 +40,14 @@ def _check_hidden_multiple(name: str, hidden: int, block_size: int) -> None:
         )
 
 
-def check_fp8_pair(x_fp8: torch.Tensor, scales: torch.Tensor, block_size: int = 128, *,
-                   num_tokens: int | None = None, device: torch.device | None = None) -> None:
+def check_fp8_pair(
+    x_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = 128,
+    *,
+    num_tokens: int | None = None,
+    device: torch.device | None = None,
+) -> None:
     """Validates an fp8 dispatch tuple ``(x_fp8 [T, H] float8_e4m3fn, scales [T, H/block] fp32)``.
 
     Raises:
@@ -50,8 +60,10 @@ def check_fp8_pair(x_fp8: torch.Tensor, scales: torch.Tensor, block_size: int = 
     num_rows, hidden = x_fp8.shape
     _check_hidden_multiple("x_fp8", hidden, block_size)
     if tuple(scales.shape) != (num_rows, hidden // block_size):
-        raise ValueError(f"scales must have shape [{num_rows}, {hidden // block_size}] for x_fp8 of shape "
-                         f"[{num_rows}, {hidden}] and block size {block_size}, got {list(scales.shape)}")
+        raise ValueError(
+            f"scales must have shape [{num_rows}, {hidden // block_size}] for x_fp8 of shape "
+            f"[{num_rows}, {hidden}] and block size {block_size}, got {list(scales.shape)}"
+        )
     if num_tokens is not None and num_rows != num_tokens:
         raise ValueError(f"x_fp8 has {num_rows} rows but topk_idx has {num_tokens} tokens")
 
@@ -59,6 +71,7 @@ def check_fp8_pair(x_fp8: torch.Tensor, scales: torch.Tensor, block_size: int = 
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def _fp32_to_e4m3_bits(v):
@@ -92,8 +105,16 @@ def _e4m3_bits_to_fp32(code):
 
 @triton.jit
 def _per_token_cast_to_fp8_kernel(
-    x_ptr, x_fp8_ptr, scales_ptr, num_tokens, hidden, num_groups,
-    BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, USE_UE8M0: tl.constexpr,
+    x_ptr,
+    x_fp8_ptr,
+    scales_ptr,
+    num_tokens,
+    hidden,
+    num_groups,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
 ):
     """Program (i, j) quantizes rows ``[i*BLOCK_T, ...)`` x blocks ``[j*GROUPS_PER_PROGRAM, ...)``."""
     pid_t = tl.program_id(0)
@@ -122,8 +143,15 @@ def _per_token_cast_to_fp8_kernel(
 
 @triton.jit
 def _per_token_cast_back_kernel(
-    x_fp8_ptr, scales_ptr, out_ptr, num_tokens, hidden, num_groups,
-    BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+    x_fp8_ptr,
+    scales_ptr,
+    out_ptr,
+    num_tokens,
+    hidden,
+    num_groups,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -145,8 +173,9 @@ def _per_token_cast_back_kernel(
 GPU_CONFIG = {"block_t": 16, "groups_per_program": 8, "num_warps": 4}
 
 
-def _grid(num_tokens: int, num_groups: int, block_size: int, on_gpu: bool,
-          block_t: int | None = None, gpp: int | None = None):
+def _grid(
+    num_tokens: int, num_groups: int, block_size: int, on_gpu: bool, block_t: int | None = None, gpp: int | None = None
+):
     """(rows per program, blocks per program, grid); explicit values win."""
     if on_gpu:
         block_t = block_t or GPU_CONFIG["block_t"]
@@ -157,9 +186,14 @@ def _grid(num_tokens: int, num_groups: int, block_size: int, on_gpu: bool,
     return block_t, gpp, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_groups, gpp))
 
 
-def per_token_cast_to_fp8_triton(x: torch.Tensor, block_size: int = 128, use_ue8m0: bool = False, *,
-                                 block_t: int | None = None, groups_per_program: int | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_cast_to_fp8_triton(
+    x: torch.Tensor,
+    block_size: int = 128,
+    use_ue8m0: bool = False,
+    *,
+    block_t: int | None = None,
+    groups_per_program: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton quantization; bit-identical to :func:`per_token_cast_to_fp8_reference`. No
     validation, no host synchronisation. ``block_t``/``groups_per_program`` override the
     launch shape (tests)."""
@@ -171,15 +205,29 @@ def per_token_cast_to_fp8_triton(x: torch.Tensor, block_size: int = 128, use_ue8
         block_t, gpp, grid = _grid(num_tokens, num_groups, block_size, x.is_cuda, block_t, groups_per_program)
         with _device_of(x):
             _per_token_cast_to_fp8_kernel[grid](
-                x, x_fp8.view(torch.uint8), scales, num_tokens, hidden, num_groups,
-                BLOCK_T=block_t, BLOCK_SIZE=block_size, GROUPS_PER_PROGRAM=gpp, USE_UE8M0=use_ue8m0,
-                num_warps=GPU_CONFIG["num_warps"] if x.is_cuda else 4)
+                x,
+                x_fp8.view(torch.uint8),
+                scales,
+                num_tokens,
+                hidden,
+                num_groups,
+                BLOCK_T=block_t,
+                BLOCK_SIZE=block_size,
+                GROUPS_PER_PROGRAM=gpp,
+                USE_UE8M0=use_ue8m0,
+                num_warps=GPU_CONFIG["num_warps"] if x.is_cuda else 4,
+            )
     return x_fp8, scales
 
 
-def per_token_cast_back_triton(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                               *, block_t: int | None = None, groups_per_program: int | None = None
-                               ) -> torch.Tensor:
+def per_token_cast_back_triton(
+    x_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_t: int | None = None,
+    groups_per_program: int | None = None,
+) -> torch.Tensor:
     """Triton dequantization; matches :func:`per_token_cast_back_reference` exactly in fp32
     (bf16/fp16 outputs differ by the final rounding under the interpreter, which truncates)."""
     num_tokens, hidden = x_fp8.shape
@@ -190,9 +238,17 @@ def per_token_cast_back_triton(x_fp8: torch.Tensor, scales: torch.Tensor, dtype:
         block_t, gpp, grid = _grid(num_tokens, num_groups, block_size, x_fp8.is_cuda, block_t, groups_per_program)
         with _device_of(x_fp8):
             _per_token_cast_back_kernel[grid](
-                x_fp8.view(torch.uint8), scales, out, num_tokens, hidden, num_groups,
-                BLOCK_T=block_t, BLOCK_SIZE=block_size, GROUPS_PER_PROGRAM=gpp,
-                num_warps=GPU_CONFIG["num_warps"] if x_fp8.is_cuda else 4)
+                x_fp8.view(torch.uint8),
+                scales,
+                out,
+                num_tokens,
+                hidden,
+                num_groups,
+                BLOCK_T=block_t,
+                BLOCK_SIZE=block_size,
+                GROUPS_PER_PROGRAM=gpp,
+                num_warps=GPU_CONFIG["num_warps"] if x_fp8.is_cuda else 4,
+            )
     return out
 
 
@@ -200,8 +256,13 @@ def per_token_cast_back_triton(x_fp8: torch.Tensor, scales: torch.Tensor, dtype:
 # Public API
 # ---------------------------------------------------------------------------------------------
 
+
 def per_token_cast_to_fp8(
-    x: torch.Tensor, block_size: int = 128, *, use_ue8m0: bool = False, non_finite: str = "nan",
+    x: torch.Tensor,
+    block_size: int = 128,
+    *,
+    use_ue8m0: bool = False,
+    non_finite: str = "nan",
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` to the fp8 dispatch format (see the module doc for the exact rule).
@@ -230,15 +291,21 @@ def per_token_cast_to_fp8(
         raise ValueError(f"non_finite must be one of {NON_FINITE_MODES}, got {non_finite!r}")
     if non_finite == "raise" and x.numel() and not bool(torch.isfinite(x).all()):
         t, h = (int(i) for i in (~torch.isfinite(x)).nonzero()[0])
-        raise ValueError(f"x has a non-finite value {x[t, h].item()} at [{t}, {h}]; e4m3 has no Inf "
-                         f"(use non_finite='nan' to carry it as NaN)")
+        raise ValueError(
+            f"x has a non-finite value {x[t, h].item()} at [{t}, {h}]; e4m3 has no Inf "
+            f"(use non_finite='nan' to carry it as NaN)"
+        )
     if resolve_backend(backend, x):
         return per_token_cast_to_fp8_triton(x, block_size, use_ue8m0)
     return per_token_cast_to_fp8_reference(x, block_size, use_ue8m0)
 
 
 def per_token_cast_back(
-    x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto",
+    x_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Dequantizes the fp8 dispatch format: ``out[t, h] = float(x_fp8[t, h]) * scales[t, h // B]``.
 
@@ -261,8 +328,10 @@ def per_token_cast_back(
     num_tokens, hidden = x_fp8.shape
     groups = scales.shape[1]
     if scales.shape[0] != num_tokens or groups == 0 and hidden != 0 or groups and hidden % groups:
-        raise ValueError(f"scales of shape {list(scales.shape)} do not fit x_fp8 of shape {list(x_fp8.shape)}: "
-                         f"expected [{num_tokens}, H / block_size]")
+        raise ValueError(
+            f"scales of shape {list(scales.shape)} do not fit x_fp8 of shape {list(x_fp8.shape)}: "
+            f"expected [{num_tokens}, H / block_size]"
+        )
     if groups:
         _check_block_size(hidden // groups)
     if resolve_backend(backend, x_fp8):

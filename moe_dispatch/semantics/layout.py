@@ -36,16 +36,18 @@ def get_dispatch_layout_reference(
     return get_dispatch_layout_torch(topk_idx, num_experts, num_ranks, ranks_per_node)
 
 
-def get_dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                              ranks_per_node: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def get_dispatch_layout_torch(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`get_dispatch_layout_reference`'s four outputs without its checks, for inputs
     the caller checked (``Buffer`` on CPU); unchecked ids outside ``[0, E)`` count as ``-1``,
     as in the Triton kernels. Same shapes and dtypes; raises nothing of its own."""
     num_tokens = topk_idx.shape[0]
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
     # Shifted by one so that "no expert" counts in bin 0 (no masked copy of the ids).
-    num_tokens_per_expert = torch.bincount(torch.where(valid, topk_idx.long() + 1, 0).flatten(),
-                                           minlength=num_experts + 1)[1:].clone()
+    num_tokens_per_expert = torch.bincount(
+        torch.where(valid, topk_idx.long() + 1, 0).flatten(), minlength=num_experts + 1
+    )[1:].clone()
     is_token_in_rank = _is_token_in_rank(topk_idx, valid, num_experts, num_ranks)
     num_tokens_per_rank = is_token_in_rank.sum(0)
     in_node = is_token_in_rank.view(num_tokens, num_ranks // ranks_per_node, ranks_per_node).any(2)
@@ -73,13 +75,9 @@ def check_layout_sizes(num_experts: int, num_ranks: int, ranks_per_node: int) ->
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if num_experts % num_ranks != 0:
-        raise ValueError(
-            f"num_experts must be divisible by the EP world size {num_ranks}, got {num_experts}"
-        )
+        raise ValueError(f"num_experts must be divisible by the EP world size {num_ranks}, got {num_experts}")
     if num_ranks % ranks_per_node != 0:
-        raise ValueError(
-            f"ranks_per_node must divide the EP world size {num_ranks}, got {ranks_per_node}"
-        )
+        raise ValueError(f"ranks_per_node must divide the EP world size {num_ranks}, got {ranks_per_node}")
 
 
 def get_send_offsets_reference(

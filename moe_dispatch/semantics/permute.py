@@ -70,7 +70,9 @@ class PermuteHandle:
 
 
 def permute_map_reference(
-    topk_idx: torch.Tensor, num_local_experts: int, pad_multiple: int = 1,
+    topk_idx: torch.Tensor,
+    num_local_experts: int,
+    pad_multiple: int = 1,
     num_permuted_tokens: int | None = None,
 ) -> PermuteHandle:
     """Torch reference of the index phase: the row of every (token, slot) (see module doc).
@@ -113,13 +115,17 @@ def permute_map_reference(
         expert_offsets=start.to(torch.int32),
         num_rows_needed=needed.reshape(()),
         overflow=(needed > num_rows).reshape(()),
-        num_tokens=num_tokens, num_rows=num_rows, num_local_experts=e, pad_multiple=pad_multiple,
+        num_tokens=num_tokens,
+        num_rows=num_rows,
+        num_local_experts=e,
+        pad_multiple=pad_multiple,
         num_permuted_tokens=num_permuted_tokens,
     )
 
 
-def permute_rows_reference(x: torch.Tensor, handle: PermuteHandle, probs: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def permute_rows_reference(
+    x: torch.Tensor, handle: PermuteHandle, probs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch reference of the data phase: ``x [R, H]`` -> ``[P, H]`` (zero rows where no copy
     lands); ``probs [R, K]`` -> ``[P]``. Pure data movement (bit-exact for any dtype)."""
     row = handle.row_id_map
@@ -135,8 +141,9 @@ def permute_rows_reference(x: torch.Tensor, handle: PermuteHandle, probs: torch.
     return out, permuted_probs
 
 
-def unpermute_rows_reference(y: torch.Tensor, handle: PermuteHandle,
-                             row_weights: torch.Tensor | None = None) -> torch.Tensor:
+def unpermute_rows_reference(
+    y: torch.Tensor, handle: PermuteHandle, row_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Torch reference of unpermute: ``out[r] = sum_k w[row] * y[row]`` over r's rows in
     ascending order (= ascending expert), accumulated in fp32, returned in y's dtype."""
     num_rows = y.shape[0]

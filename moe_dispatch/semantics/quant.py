@@ -36,8 +36,9 @@ def _round_up_pow2_reference(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
 
 
-def per_token_cast_to_fp8_reference(x: torch.Tensor, block_size: int = 128, use_ue8m0: bool = False
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_cast_to_fp8_reference(
+    x: torch.Tensor, block_size: int = 128, use_ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`~moe_dispatch.ops.quant.per_token_cast_to_fp8` (non-finite elements
     become NaN)."""
     num_tokens, hidden = x.shape
@@ -53,8 +54,9 @@ def per_token_cast_to_fp8_reference(x: torch.Tensor, block_size: int = 128, use_
     return q.to(FP8_DTYPE).view(num_tokens, hidden), scales.contiguous()
 
 
-def per_token_cast_back_reference(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-                                  ) -> torch.Tensor:
+def per_token_cast_back_reference(
+    x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Torch reference of :func:`~moe_dispatch.ops.quant.per_token_cast_back`."""
     num_tokens, hidden = x_fp8.shape
     groups = scales.shape[1]

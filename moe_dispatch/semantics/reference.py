@@ -1,8 +1,9 @@
 """Single-process oracle: every rank's dispatch/combine results from every rank's inputs.
 
 The executable statement of the semantics that ``Buffer.dispatch`` and ``Buffer.combine``
-document (``moe_dispatch/buffer.py``); tests compare each transport against it bit for bit. It is deliberately written per rank and per node with boolean masks,
-independently of the transports' index plans.
+document (``moe_dispatch/buffer.py``); tests compare each transport against it bit for bit. It
+is deliberately written per rank and per node with boolean masks, independently of the
+transports' index plans.
 
 Combine's reduction order is part of the semantics (so results are deterministic and equal
 on every transport): for a token of source rank s, the holders inside each node n are summed
@@ -40,8 +41,14 @@ def _layouts(topk_idxs, num_experts, ranks_per_node):
     return [get_dispatch_layout_reference(t, num_experts, world_size, ranks_per_node)[3] for t in topk_idxs]
 
 
-def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor] | None,
-             num_experts: int, ranks_per_node: int, ranks: list[int] | None = None) -> list[RankDispatch]:
+def dispatch(
+    xs: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    topk_weights: list[torch.Tensor] | None,
+    num_experts: int,
+    ranks_per_node: int,
+    ranks: list[int] | None = None,
+) -> list[RankDispatch]:
     """Dispatch for a whole world at once.
 
     Args:
@@ -61,7 +68,7 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights
     experts_per_rank = num_experts // world_size
     in_rank = _layouts(topk_idxs, num_experts, ranks_per_node)
     results = []
-    for r in (range(world_size) if ranks is None else ranks):
+    for r in range(world_size) if ranks is None else ranks:
         rows = [torch.nonzero(in_rank[s][:, r]).flatten() for s in range(world_size)]
         idx = torch.cat([topk_idxs[s][rows[s]] for s in range(world_size)])
         local = idx - r * experts_per_rank
@@ -71,19 +78,27 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights
         if topk_weights is not None:
             w = torch.cat([topk_weights[s][rows[s]] for s in range(world_size)])
             recv_w = torch.where(mine, w, torch.zeros_like(w))
-        results.append(RankDispatch(
-            recv_x=torch.cat([xs[s][rows[s]] for s in range(world_size)]),
-            recv_topk_idx=recv_topk_idx,
-            recv_topk_weights=recv_w,
-            num_recv_tokens_per_expert=torch.bincount(recv_topk_idx[mine].long(), minlength=experts_per_rank),
-            src_rank=torch.cat([torch.full((len(rows[s]),), s, dtype=torch.int64) for s in range(world_size)]),
-            src_idx=torch.cat(rows),
-        ))
+        results.append(
+            RankDispatch(
+                recv_x=torch.cat([xs[s][rows[s]] for s in range(world_size)]),
+                recv_topk_idx=recv_topk_idx,
+                recv_topk_weights=recv_w,
+                num_recv_tokens_per_expert=torch.bincount(recv_topk_idx[mine].long(), minlength=experts_per_rank),
+                src_rank=torch.cat([torch.full((len(rows[s]),), s, dtype=torch.int64) for s in range(world_size)]),
+                src_idx=torch.cat(rows),
+            )
+        )
     return results
 
 
-def combine(ys: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int, ranks_per_node: int,
-            weights: list[torch.Tensor] | None = None, ranks: list[int] | None = None) -> list[torch.Tensor]:
+def combine(
+    ys: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    num_experts: int,
+    ranks_per_node: int,
+    weights: list[torch.Tensor] | None = None,
+    ranks: list[int] | None = None,
+) -> list[torch.Tensor]:
     """Combine for a whole world at once: the adjoint of :func:`dispatch`.
 
     Args:
@@ -105,7 +120,7 @@ def combine(ys: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: 
     counts = torch.stack([m.sum(0) for m in in_rank])  # [src, dst]
     starts = torch.cumsum(counts, 0) - counts
     outs = []
-    for s in (range(world_size) if ranks is None else ranks):
+    for s in range(world_size) if ranks is None else ranks:
         num_tokens = in_rank[s].shape[0]
         acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
         for n in range(num_nodes):

@@ -12,8 +12,9 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def check_tensor(name: str, t, *, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None,
-                 device: torch.device | None = None) -> None:
+def check_tensor(
+    name: str, t, *, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None, device: torch.device | None = None
+) -> None:
     """Checks that ``t`` is a contiguous tensor of rank ``ndim`` with an allowed dtype on ``device``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -32,8 +33,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_topk_idx(topk_idx, num_experts: int, *, num_tokens: int | None = None,
-                   device: torch.device | None = None) -> None:
+def check_topk_idx(
+    topk_idx, num_experts: int, *, num_tokens: int | None = None, device: torch.device | None = None
+) -> None:
     """Validates ``topk_idx [T, K]`` int32/int64 with entries in ``[-1, num_experts)`` and no
     expert repeated within a row."""
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES, device=device)
@@ -52,22 +54,19 @@ def check_topk_idx(topk_idx, num_experts: int, *, num_tokens: int | None = None,
         dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
         if bool(dup.any()):
             row = int(dup.any(1).nonzero()[0, 0])
-            raise ValueError(
-                f"topk_idx row {row} selects an expert more than once: {topk_idx[row].tolist()}"
-            )
+            raise ValueError(f"topk_idx row {row} selects an expert more than once: {topk_idx[row].tolist()}")
 
 
 def check_topk_weights(topk_weights, topk_idx: torch.Tensor, device: torch.device | None = None) -> None:
     """Validates ``topk_weights [T, K]`` fp32 matching ``topk_idx``."""
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=device)
     if topk_weights.shape != topk_idx.shape:
-        raise ValueError(
-            f"topk_weights has shape {_shape(topk_weights)} but topk_idx has shape {_shape(topk_idx)}"
-        )
+        raise ValueError(f"topk_weights has shape {_shape(topk_weights)} but topk_idx has shape {_shape(topk_idx)}")
 
 
-def check_hidden(name: str, x, device: torch.device | None = None, *, num_rows: int | None = None,
-                 rows_what: str = "") -> None:
+def check_hidden(
+    name: str, x, device: torch.device | None = None, *, num_rows: int | None = None, rows_what: str = ""
+) -> None:
     """Validates a ``[rows, hidden]`` floating tensor with hidden >= 1."""
     check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES, device=device)
     if x.shape[1] < 1:
@@ -82,8 +81,12 @@ def check_timeout_s(timeout_s) -> float:
     Raises:
         ValueError: not a number, a bool, <= 0, inf or NaN.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-            math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive, finite number of seconds (every wait is bounded), "
-                         f"got {timeout_s!r}")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not (math.isfinite(timeout_s) and timeout_s > 0)
+    ):
+        raise ValueError(
+            f"timeout_s must be a positive, finite number of seconds (every wait is bounded), got {timeout_s!r}"
+        )
     return float(timeout_s)

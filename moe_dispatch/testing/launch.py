@@ -45,8 +45,13 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_
 
     torch.set_num_threads(1)  # W processes share the machine's cores
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         try:
@@ -71,8 +76,14 @@ def _exited_silently(procs, out: dict, errors: list) -> list[int]:
     return [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported]
 
 
-def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
-                timeout_s: float = 600.0, env: dict[str, str] | None = None) -> list[Any]:
+def spawn_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
     Args:
@@ -103,9 +114,12 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
     results = ctx.Queue()
     port = free_port()
     env = ({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}) | (env or {})
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, backend, results, fn_ref, args, env, timeout_s))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main, daemon=True, args=(r, world_size, port, backend, results, fn_ref, args, env, timeout_s)
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -115,8 +129,9 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
         while len(out) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(f"world of {world_size} ranks did not finish within {timeout_s:g} s; "
-                                   f"ranks done: {sorted(out)}")
+                raise RuntimeError(
+                    f"world of {world_size} ranks did not finish within {timeout_s:g} s; ranks done: {sorted(out)}"
+                )
             try:
                 _record(results.get(timeout=min(remaining, 1.0)), out, errors)
             except queue.Empty:
@@ -130,9 +145,10 @@ def spawn_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: st
                         pass
                     silent = _exited_silently(procs, out, errors)
                 if silent:
-                    raise RuntimeError(f"ranks {silent} exited without a result (exit codes "
-                                       f"{[procs[r].exitcode for r in silent]})"
-                                       + ("\n" + "\n".join(errors) if errors else ""))
+                    raise RuntimeError(
+                        f"ranks {silent} exited without a result (exit codes "
+                        f"{[procs[r].exitcode for r in silent]})" + ("\n" + "\n".join(errors) if errors else "")
+                    ) from None  # the empty queue is how the silence showed, not a cause
         if errors:
             raise RuntimeError("\n".join(errors))
     finally:
@@ -163,8 +179,10 @@ def retain_freed_memory() -> bool:
     # One arena for every thread (a thread arena's heaps are at most 64 MiB: bigger blocks would be
     # mmap'd whatever M_MMAP_MAX says), no mmap'd blocks (each block comes from the arena and
     # returns to it), and no trimming.
-    return all(libc.mallopt(option, value) for option, value in
-               ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2 ** 31 - 1)))
+    return all(
+        libc.mallopt(option, value)
+        for option, value in ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
+    )
 
 
 def local_device(local_rank: int, device_count: int) -> int:
@@ -178,7 +196,8 @@ def local_device(local_rank: int, device_count: int) -> int:
         raise RuntimeError(
             f"LOCAL_RANK={local_rank} on host {socket.gethostname()}, but only {device_count} GPU(s) are visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most one rank per "
-            f"GPU, e.g. torchrun --nproc-per-node {device_count}")
+            f"GPU, e.g. torchrun --nproc-per-node {device_count}"
+        )
     return local_rank
 
 

@@ -63,8 +63,10 @@ class ModelPreset:
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"{self.name}: topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
         if self.n_group > 1 and self.topk > self.topk_group * (self.num_experts // self.n_group):
-            raise ValueError(f"{self.name}: topk={self.topk} exceeds the {self.topk_group} groups x "
-                             f"{self.num_experts // self.n_group} experts a token may use")
+            raise ValueError(
+                f"{self.name}: topk={self.topk} exceeds the {self.topk_group} groups x "
+                f"{self.num_experts // self.n_group} experts a token may use"
+            )
         if self.hidden < 1:
             raise ValueError(f"{self.name}: hidden must be positive, got {self.hidden}")
 
@@ -83,16 +85,24 @@ class ModelPreset:
 
 # Values from the models' published Hugging Face configs.
 PRESETS: dict[str, ModelPreset] = {
-    p.name: p for p in (
+    p.name: p
+    for p in (
         # DeepSeek-V3 (arXiv 2412.19437, sec. 2.1.2): sigmoid affinities, node-limited routing
         # through 8 groups of 32 experts, top-4 groups by the sum of each group's 2 best scores.
-        ModelPreset("deepseek-v3", num_experts=256, topk=8, hidden=7168, score_func="sigmoid",
-                    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
-        ModelPreset("qwen3-30b-a3b", num_experts=128, topk=8, hidden=2048, score_func="softmax",
-                    norm_topk_prob=True),
+        ModelPreset(
+            "deepseek-v3",
+            num_experts=256,
+            topk=8,
+            hidden=7168,
+            score_func="sigmoid",
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        ModelPreset("qwen3-30b-a3b", num_experts=128, topk=8, hidden=2048, score_func="softmax", norm_topk_prob=True),
         # Mixtral: softmax over the 2 selected logits = renormalised top-2 of the full softmax.
-        ModelPreset("mixtral-8x7b", num_experts=8, topk=2, hidden=4096, score_func="softmax",
-                    norm_topk_prob=True),
+        ModelPreset("mixtral-8x7b", num_experts=8, topk=2, hidden=4096, score_func="softmax", norm_topk_prob=True),
     )
 }
 
@@ -116,8 +126,9 @@ def router_logits(num_tokens: int, num_experts: int, generator: torch.Generator)
     return torch.randn(num_tokens, num_experts, generator=generator, dtype=torch.float32)
 
 
-def select_experts(logits: torch.Tensor, preset: ModelPreset,
-                   expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    logits: torch.Tensor, preset: ModelPreset, expert_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The preset's top-k routing of router logits.
 
     Scores are ``softmax(logits)`` or ``sigmoid(logits)``. With ``n_group > 1`` (DeepSeek-V3's
@@ -159,8 +170,7 @@ def select_experts(logits: torch.Tensor, preset: ModelPreset,
     return topk_idx, (weights * preset.routed_scaling_factor).contiguous()
 
 
-def generate_routing(preset: ModelPreset, num_tokens: int, seed: int, rank: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_routing(preset: ModelPreset, num_tokens: int, seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing of ``rank``'s ``num_tokens`` tokens: :func:`select_experts` of random logits drawn
     from :func:`make_generator` ``(seed, rank)``. Deterministic; CPU tensors.
 
@@ -185,8 +195,9 @@ def zipf_popularity(num_experts: int, s: float, seed: int) -> torch.Tensor:
     return (p / p.sum()).float()
 
 
-def zipf_routing(num_tokens: int, num_experts: int, topk: int, s: float, seed: int, rank: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def zipf_routing(
+    num_tokens: int, num_experts: int, topk: int, s: float, seed: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Skewed routing: each token draws K distinct experts without replacement with probabilities
     :func:`zipf_popularity` ``(E, s, seed)`` (Gumbel-top-k, so it is exact sampling), from the
     stream :func:`make_generator` ``(seed, rank)``. ``s = 0`` is uniform; s ~ 1 is strongly skewed.
@@ -208,8 +219,9 @@ def zipf_routing(num_tokens: int, num_experts: int, topk: int, s: float, seed: i
     return topk_idx, torch.softmax(values, dim=-1)
 
 
-def drop_entries(topk_idx: torch.Tensor, topk_weights: torch.Tensor, prob: float, generator: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def drop_entries(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, prob: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the routing with each entry independently set to ``-1`` (weight 0) with
     probability ``prob`` (e.g. capacity drops, padded slots).
 
@@ -227,8 +239,9 @@ def drop_entries(topk_idx: torch.Tensor, topk_weights: torch.Tensor, prob: float
     return topk_idx.masked_fill(drop, -1), topk_weights.masked_fill(drop, 0.0)
 
 
-def drop_tokens(topk_idx: torch.Tensor, topk_weights: torch.Tensor, prob: float, generator: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def drop_tokens(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, prob: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the routing where each token independently becomes empty (all ``-1``, weights 0)
     with probability ``prob``: tokens that go nowhere and must come back as zero rows.
 
@@ -243,5 +256,6 @@ def _check_drop(topk_idx: torch.Tensor, topk_weights: torch.Tensor, prob: float)
     if not (isinstance(prob, (int, float)) and 0.0 <= prob <= 1.0 and not math.isnan(prob)):
         raise ValueError(f"drop probability must be in [0, 1], got {prob!r}")
     if topk_idx.shape != topk_weights.shape:
-        raise ValueError(f"topk_weights has shape {list(topk_weights.shape)} but topk_idx has shape "
-                         f"{list(topk_idx.shape)}")
+        raise ValueError(
+            f"topk_weights has shape {list(topk_weights.shape)} but topk_idx has shape {list(topk_idx.shape)}"
+        )

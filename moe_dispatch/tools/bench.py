@@ -40,12 +40,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..semantics import reference
-from ..testing import routing
 from ..buffer import Buffer
-from .env import source_commit
-from ..testing.launch import launch_ranks, spawn_world
+from ..semantics import reference
 from ..semantics.layout import get_dispatch_layout_reference
+from ..testing import routing
+from ..testing.launch import launch_ranks, spawn_world
+from .env import source_commit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GOAL_RATIO = 1.2  # goal figure: (ours dispatch + combine) / (flat dispatch + combine), medians
@@ -56,16 +56,16 @@ DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails
 # What the figures mean: printed under every table and stored in the JSON.
 DEFINITIONS = {
     "bytes": "rows x H x element size of hidden payload moved per direction (dispatch; combine moves the same "
-             "rows back), summed over ranks; metadata excluded; rows a rank keeps for itself are not counted",
+    "rows back), summed over ranks; metadata excluded; rows a rank keeps for itself are not counted",
     "lower_bound_internode": "sum over tokens t of |nodes(t) minus the source's node| x H x element size",
     "latency_ms": "per iteration the max over ranks; median, min, max, p10, p90 over the timed iterations",
     "ours": "Buffer.dispatch / Buffer.combine, layout and checks included",
     "flat": "one bare all_to_all_single over all ranks moving each token once to each rank holding it "
-            "(splits precomputed, send buffer prebuilt), and its reverse for combine; timed in the same iterations",
+    "(splits precomputed, send buffer prebuilt), and its reverse for combine; timed in the same iterations",
     "ratio_ours_over_flat": "median(ours) / median(flat); total = (dispatch + combine) medians",
     "bandwidth_gbs_per_rank": "bytes (above) / world size / median latency, in GB/s (1e9 B/s): the average rate per "
-                              "rank (per GPU), cross-node (RDMA on a GPU cluster) and intra-node (NVLink); "
-                              "None where no bytes cross",
+    "rank (per GPU), cross-node (RDMA on a GPU cluster) and intra-node (NVLink); "
+    "None where no bytes cross",
 }
 # glibc settings for the CPU world's processes (unless already set): freed buffers stay in the
 # heap, so the tens of MB each dispatch allocates do not page-fault afresh on every call (what
@@ -113,31 +113,58 @@ def _parse_args(argv: list[str] | None, torchrun: tuple[int, int, int] | None) -
     parser = argparse.ArgumentParser(
         prog="moe-dispatch-bench",
         description="Hierarchical MoE dispatch/combine on DeepSeek-V3, Qwen3-30B-A3B and Mixtral-8x7B routing: "
-                    "checked against the oracle, bytes against the de-dup lower bound, time against a flat "
-                    "all_to_all_single. CPU world (gloo) by default; under torchrun one rank per process.")
-    parser.add_argument("--models", nargs="+", choices=sorted(routing.PRESETS), default=list(routing.PRESETS),
-                        help="model presets to run (default: all)")
+        "checked against the oracle, bytes against the de-dup lower bound, time against a flat "
+        "all_to_all_single. CPU world (gloo) by default; under torchrun one rank per process.",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(routing.PRESETS),
+        default=list(routing.PRESETS),
+        help="model presets to run (default: all)",
+    )
     parser.add_argument("--num-tokens", type=int, default=4096, help="tokens per rank (default 4096)")
-    parser.add_argument("--hidden-scale", type=float, default=None,
-                        help=f"factor on each model's hidden size (default {CPU_HIDDEN_SCALE} on the CPU world, "
-                             "1.0 with GPUs)")
+    parser.add_argument(
+        "--hidden-scale",
+        type=float,
+        default=None,
+        help=f"factor on each model's hidden size (default {CPU_HIDDEN_SCALE} on the CPU world, 1.0 with GPUs)",
+    )
     parser.add_argument("--full", action="store_true", help="full hidden sizes (same as --hidden-scale 1)")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="ranks of the CPU world (default 8); under torchrun: WORLD_SIZE")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="ranks per node L (default 4 on the CPU world, LOCAL_WORLD_SIZE under torchrun)")
-    parser.add_argument("--iters", type=int, default=None,
-                        help=f"timed iterations (default {CPU_ITERS} on CPU, {GPU_ITERS} on GPU)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help=f"untimed warm-up iterations (default {CPU_WARMUP} on CPU, {GPU_WARMUP} on GPU)")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="ranks of the CPU world (default 8); under torchrun: WORLD_SIZE"
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node L (default 4 on the CPU world, LOCAL_WORLD_SIZE under torchrun)",
+    )
+    parser.add_argument(
+        "--iters", type=int, default=None, help=f"timed iterations (default {CPU_ITERS} on CPU, {GPU_ITERS} on GPU)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed warm-up iterations (default {CPU_WARMUP} on CPU, {GPU_WARMUP} on GPU)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="hidden payload dtype (default bf16)")
     parser.add_argument("--seed", type=int, default=0, help="shared seed of every rank's inputs (default 0)")
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                        help=f"bound in seconds on every collective: a rank that fails or never joins makes the others "
-                             f"raise CommError naming it (default {DEFAULT_TIMEOUT_S:g}; under torchrun also the "
-                             f"process group's timeout)")
-    parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/bench.json"),
-                        help="where to write the figures (default bench_results/bench.json)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"bound in seconds on every collective: a rank that fails or never joins makes the others "
+        f"raise CommError naming it (default {DEFAULT_TIMEOUT_S:g}; under torchrun also the "
+        f"process group's timeout)",
+    )
+    parser.add_argument(
+        "--json",
+        type=pathlib.Path,
+        default=pathlib.Path("bench_results/bench.json"),
+        help="where to write the figures (default bench_results/bench.json)",
+    )
     args = parser.parse_args(argv)
 
     gpu = torchrun is not None and torch.cuda.is_available()
@@ -156,9 +183,13 @@ def _parse_args(argv: list[str] | None, torchrun: tuple[int, int, int] | None) -
         ranks_per_node = min(4, world_size) if args.ranks_per_node is None else args.ranks_per_node
     iters = args.iters if args.iters is not None else (GPU_ITERS if gpu else CPU_ITERS)
     warmup = args.warmup if args.warmup is not None else (GPU_WARMUP if gpu else CPU_WARMUP)
-    for name, value, low in (("--num-tokens", args.num_tokens, 1), ("--world-size", world_size, 1),
-                             ("--ranks-per-node", ranks_per_node, 1), ("--iters", iters, 1),
-                             ("--warmup", warmup, 0)):
+    for name, value, low in (
+        ("--num-tokens", args.num_tokens, 1),
+        ("--world-size", world_size, 1),
+        ("--ranks-per-node", ranks_per_node, 1),
+        ("--iters", iters, 1),
+        ("--warmup", warmup, 0),
+    ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
     if world_size % ranks_per_node != 0:
@@ -167,15 +198,25 @@ def _parse_args(argv: list[str] | None, torchrun: tuple[int, int, int] | None) -
         parser.error(f"--hidden-scale must be positive, got {hidden_scale}")
     if not args.timeout_s > 0:
         parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
-    config = BenchConfig(models=tuple(dict.fromkeys(args.models)), num_tokens=args.num_tokens,
-                         hidden_scale=hidden_scale, world_size=world_size, ranks_per_node=ranks_per_node,
-                         iters=iters, warmup=warmup, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout_s)
+    config = BenchConfig(
+        models=tuple(dict.fromkeys(args.models)),
+        num_tokens=args.num_tokens,
+        hidden_scale=hidden_scale,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        iters=iters,
+        warmup=warmup,
+        dtype=args.dtype,
+        seed=args.seed,
+        timeout_s=args.timeout_s,
+    )
     return config, args.json
 
 
 # -- one rank ------------------------------------------------------------------------------------
-def _rank_inputs(preset: routing.ModelPreset, config: BenchConfig, rank: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rank_inputs(
+    preset: routing.ModelPreset, config: BenchConfig, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s ``(x [T, H], topk_idx [T, K] int64, topk_weights [T, K] fp32)`` on the CPU,
     from the shared seed; each model gets its own streams."""
     model_seed = routing.rank_seed(config.seed, sorted(routing.PRESETS).index(preset.name))
@@ -201,21 +242,29 @@ def _mismatches(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]
             if got is not want:
                 out.append(f"rank {rank}: {name}: got {type(got).__name__}, oracle {type(want).__name__}")
         elif got.shape != want.shape or got.dtype != want.dtype:
-            out.append(f"rank {rank}: {name}: got {list(got.shape)} {got.dtype}, "
-                       f"oracle {list(want.shape)} {want.dtype}")
+            out.append(
+                f"rank {rank}: {name}: got {list(got.shape)} {got.dtype}, oracle {list(want.shape)} {want.dtype}"
+            )
         elif not torch.equal(got, want):
             bad = (got != want).reshape(got.shape[0], -1).any(1)
             rows = torch.nonzero(bad).flatten()
-            out.append(f"rank {rank}: {name}: {rows.numel()} of {got.shape[0]} rows differ from the oracle "
-                       f"(first: {rows[:5].tolist()})")
+            out.append(
+                f"rank {rank}: {name}: {rows.numel()} of {got.shape[0]} rows differ from the oracle "
+                f"(first: {rows[:5].tolist()})"
+            )
     return out
 
 
 def _summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     n = len(ordered)
-    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
-            "p10": ordered[int(0.1 * (n - 1))], "p90": ordered[round(0.9 * (n - 1))]}
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "p10": ordered[int(0.1 * (n - 1))],
+        "p90": ordered[round(0.9 * (n - 1))],
+    }
 
 
 def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, sync: Callable[[], None]) -> dict:
@@ -223,9 +272,16 @@ def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, 
     (reduced over ranks, identical on every rank)."""
     rank, world_size, ranks_per_node = buf.rank, buf.world_size, buf.topology.ranks_per_node
     device, dtype, num_experts = buf.device, DTYPES[config.dtype], preset.num_experts
-    figures: dict = {"model": preset.name, "num_experts": num_experts, "topk": preset.topk,
-                     "hidden": preset.hidden, "hidden_full": routing.PRESETS[preset.name].hidden,
-                     "n_group": preset.n_group, "topk_group": preset.topk_group, "score_func": preset.score_func}
+    figures: dict = {
+        "model": preset.name,
+        "num_experts": num_experts,
+        "topk": preset.topk,
+        "hidden": preset.hidden,
+        "hidden_full": routing.PRESETS[preset.name].hidden,
+        "n_group": preset.n_group,
+        "topk_group": preset.topk_group,
+        "score_func": preset.score_func,
+    }
     if num_experts % world_size != 0:
         figures["skipped"] = f"num_experts={num_experts} is not divisible by the world size {world_size}"
         return figures
@@ -255,13 +311,17 @@ def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, 
     flat_back = flat_send.new_empty(flat_send.shape)
     dist.all_to_all_single(flat_recv, flat_send, flat_recv_splits, flat_send_splits, group=buf.group)
 
-    errors = _mismatches([
-        ("recv_x", recv_x, want.recv_x), ("recv_topk_idx", recv_idx, want.recv_topk_idx),
-        ("recv_topk_weights", recv_w, want.recv_topk_weights),
-        ("num_recv_tokens_per_expert", recv_per_expert, want.num_recv_tokens_per_expert),
-        ("combine output", out, want_out),
-        ("flat baseline recv", flat_recv.view(dtype), want.recv_x),
-    ], rank)
+    errors = _mismatches(
+        [
+            ("recv_x", recv_x, want.recv_x),
+            ("recv_topk_idx", recv_idx, want.recv_topk_idx),
+            ("recv_topk_weights", recv_w, want.recv_topk_weights),
+            ("num_recv_tokens_per_expert", recv_per_expert, want.num_recv_tokens_per_expert),
+            ("combine output", out, want_out),
+            ("flat baseline recv", flat_recv.view(dtype), want.recv_x),
+        ],
+        rank,
+    )
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, errors, group=buf.group)
     errors = [e for rank_errors in gathered for e in rank_errors]
@@ -273,23 +333,36 @@ def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, 
     node, num_nodes = buf.topology.node, buf.num_nodes
     held_nodes = in_rank[rank].view(-1, num_nodes, ranks_per_node).any(2)
     other_node = torch.ones(world_size, dtype=torch.bool)
-    other_node[node * ranks_per_node:(node + 1) * ranks_per_node] = False
+    other_node[node * ranks_per_node : (node + 1) * ranks_per_node] = False
     same_node_peer = ~other_node
     same_node_peer[rank] = False
-    rows = torch.tensor([
-        handle.num_intranode_tokens, handle.num_internode_tokens,
-        int(held_nodes.sum() - held_nodes[:, node].sum()),  # sum_t |nodes(t) \ {my node}|
-        int(in_rank[rank][:, same_node_peer].sum()), int(in_rank[rank][:, other_node].sum()),
-    ], dtype=torch.int64, device=device)
+    rows = torch.tensor(
+        [
+            handle.num_intranode_tokens,
+            handle.num_internode_tokens,
+            int(held_nodes.sum() - held_nodes[:, node].sum()),  # sum_t |nodes(t) \ {my node}|
+            int(in_rank[rank][:, same_node_peer].sum()),
+            int(in_rank[rank][:, other_node].sum()),
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
     dist.all_reduce(rows, group=buf.group)
     row_bytes = preset.hidden * dtype.itemsize
     ours_intra, ours_inter, lower, flat_intra, flat_inter = (int(v) * row_bytes for v in rows.tolist())
     figures["bytes"] = {
-        "row_bytes": row_bytes, "lower_bound_internode": lower,
-        "ours": {"intranode": ours_intra, "internode": ours_inter,
-                 "internode_over_lower_bound": ours_inter / lower if lower else None},
-        "flat": {"intranode": flat_intra, "internode": flat_inter,
-                 "internode_over_lower_bound": flat_inter / lower if lower else None},
+        "row_bytes": row_bytes,
+        "lower_bound_internode": lower,
+        "ours": {
+            "intranode": ours_intra,
+            "internode": ours_inter,
+            "internode_over_lower_bound": ours_inter / lower if lower else None,
+        },
+        "flat": {
+            "intranode": flat_intra,
+            "internode": flat_inter,
+            "internode_over_lower_bound": flat_inter / lower if lower else None,
+        },
     }
 
     # Timing: ours and the bare flat all_to_all_single interleaved in each iteration.
@@ -306,17 +379,21 @@ def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, 
         (recv_x, *_, handle, _), t_dispatch = timed(lambda: buf.dispatch(x, topk_idx, weights, num_experts))
         y = _expert(recv_x, rank)
         _, t_combine = timed(lambda: buf.combine(y, handle))
-        _, t_flat_dispatch = timed(lambda: dist.all_to_all_single(
-            flat_recv, flat_send, flat_recv_splits, flat_send_splits, group=buf.group))
-        _, t_flat_combine = timed(lambda: dist.all_to_all_single(
-            flat_back, flat_recv, flat_send_splits, flat_recv_splits, group=buf.group))
+        _, t_flat_dispatch = timed(
+            lambda: dist.all_to_all_single(flat_recv, flat_send, flat_recv_splits, flat_send_splits, group=buf.group)
+        )
+        _, t_flat_combine = timed(
+            lambda: dist.all_to_all_single(flat_back, flat_recv, flat_send_splits, flat_recv_splits, group=buf.group)
+        )
         if it >= config.warmup:
             samples[it - config.warmup] = torch.tensor([t_dispatch, t_combine, t_flat_dispatch, t_flat_combine])
     samples = samples.to(device)
     dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=buf.group)  # an iteration lasts as long as its slowest rank
     columns = samples.cpu().t().tolist()
-    latency = {"ours": {"dispatch": _summary(columns[0]), "combine": _summary(columns[1])},
-               "flat": {"dispatch": _summary(columns[2]), "combine": _summary(columns[3])}}
+    latency = {
+        "ours": {"dispatch": _summary(columns[0]), "combine": _summary(columns[1])},
+        "flat": {"dispatch": _summary(columns[2]), "combine": _summary(columns[3])},
+    }
     for side, (d, c) in (("ours", columns[:2]), ("flat", columns[2:])):
         latency[side]["total"] = _summary([a + b for a, b in zip(d, c)])
     figures["latency_ms"] = latency
@@ -327,9 +404,15 @@ def _bench_model(buf: Buffer, preset: routing.ModelPreset, config: BenchConfig, 
         "total": (ours["dispatch"] + ours["combine"]) / (flat["dispatch"] + flat["combine"]),
     }
     figures["bandwidth_gbs_per_rank"] = {
-        side: {op: {where: _gbs_per_rank(figures["bytes"][side][where], latency[side][op]["median"], world_size)
-                    for where in ("internode", "intranode")} for op in ("dispatch", "combine")}
-        for side in ("ours", "flat")}
+        side: {
+            op: {
+                where: _gbs_per_rank(figures["bytes"][side][where], latency[side][op]["median"], world_size)
+                for where in ("internode", "intranode")
+            }
+            for op in ("dispatch", "combine")
+        }
+        for side in ("ours", "flat")
+    }
     return figures
 
 
@@ -347,20 +430,26 @@ def node_hosts(hosts: list[str], ranks_per_node: int) -> list[list[str]]:
     under torchrun) does not match the machines: the "intra-node" hop would cross the network.
     Several nodes on one host is fine (a simulated cluster, or a CPU world).
     """
-    return [list(dict.fromkeys(hosts[n:n + ranks_per_node])) for n in range(0, len(hosts), ranks_per_node)]
+    return [list(dict.fromkeys(hosts[n : n + ranks_per_node])) for n in range(0, len(hosts), ranks_per_node)]
 
 
 def _layout(hosts: list[str], ranks_per_node: int) -> tuple[list[str], list[str]]:
     """``(lines describing where each node runs, warnings)`` for rank 0 to print."""
     per_node = node_hosts(hosts, ranks_per_node)
-    lines = [f"node {n}: {', '.join(h)} (ranks {n * ranks_per_node}-{(n + 1) * ranks_per_node - 1})"
-             for n, h in enumerate(per_node)]
+    lines = [
+        f"node {n}: {', '.join(h)} (ranks {n * ranks_per_node}-{(n + 1) * ranks_per_node - 1})"
+        for n, h in enumerate(per_node)
+    ]
     if len(lines) > 8:  # 64 nodes need not fill the screen: first 4, last 2
         lines = lines[:4] + [f"... ({len(lines) - 6} more)"] + lines[-2:]
-    warnings = [f"node {n} (ranks {n * ranks_per_node}-{(n + 1) * ranks_per_node - 1}) spans hosts {', '.join(h)}: "
-                f"ranks_per_node={ranks_per_node} does not match the ranks per host, so the hierarchy's intra-node "
-                f"hop crosses the network; set --ranks-per-node (torchrun: LOCAL_WORLD_SIZE = --nproc-per-node) "
-                f"to the GPUs per host" for n, h in enumerate(per_node) if len(h) > 1]
+    warnings = [
+        f"node {n} (ranks {n * ranks_per_node}-{(n + 1) * ranks_per_node - 1}) spans hosts {', '.join(h)}: "
+        f"ranks_per_node={ranks_per_node} does not match the ranks per host, so the hierarchy's intra-node "
+        f"hop crosses the network; set --ranks-per-node (torchrun: LOCAL_WORLD_SIZE = --nproc-per-node) "
+        f"to the GPUs per host"
+        for n, h in enumerate(per_node)
+        if len(h) > 1
+    ]
     return lines, warnings
 
 
@@ -374,8 +463,11 @@ def _run_rank(config: BenchConfig) -> tuple[list[dict], list[str]]:
     dist.all_gather_object(hosts, socket.gethostname(), group=buf.group)
     if buf.rank == 0:
         lines, warnings = _layout(hosts, config.ranks_per_node)
-        print(f"[moe-dispatch-bench] {buf.world_size} ranks = {buf.num_nodes} nodes x {config.ranks_per_node} "
-              f"({dist.get_backend()}): " + "; ".join(lines), flush=True)
+        print(
+            f"[moe-dispatch-bench] {buf.world_size} ranks = {buf.num_nodes} nodes x {config.ranks_per_node} "
+            f"({dist.get_backend()}): " + "; ".join(lines),
+            flush=True,
+        )
         for line in warnings:
             print(f"[moe-dispatch-bench] WARNING: {line}", flush=True)
     results = []
@@ -397,8 +489,14 @@ def _world_rank(rank: int, world_size: int, config: BenchConfig) -> tuple[list[d
 
 
 # -- reporting (rank 0) ---------------------------------------------------------------------------
-def _report(results: list[dict], config: BenchConfig, device: str, json_path: pathlib.Path,
-            environment: dict | None = None, hosts: list[str] | None = None) -> int:
+def _report(
+    results: list[dict],
+    config: BenchConfig,
+    device: str,
+    json_path: pathlib.Path,
+    environment: dict | None = None,
+    hosts: list[str] | None = None,
+) -> int:
     """Prints the tables and the goal line, writes the JSON; returns the exit status.
     ``hosts``: the host of each rank (stored per node in the JSON's ``layout``)."""
     from rich.console import Console
@@ -414,20 +512,31 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
         routing_desc = f"E={fig['num_experts']}, top-{fig['topk']}"
         if fig["n_group"] > 1:
             routing_desc += f", {fig['n_group']} groups / top-{fig['topk_group']}"
-        title = (f"{fig['model']}: {routing_desc}, H={fig['hidden']} (full {fig['hidden_full']}), {config.dtype}, "
-                 f"{config.num_tokens} tokens/rank, W={config.world_size} = {nodes} nodes x {config.ranks_per_node}")
+        title = (
+            f"{fig['model']}: {routing_desc}, H={fig['hidden']} (full {fig['hidden_full']}), {config.dtype}, "
+            f"{config.num_tokens} tokens/rank, W={config.world_size} = {nodes} nodes x {config.ranks_per_node}"
+        )
         if "skipped" in fig:
             console.print(f"[yellow]{title}: skipped ({fig['skipped']})[/yellow]")
             continue
         b, lat, ratio = fig["bytes"], fig["latency_ms"], fig["ratio_ours_over_flat"]
         table = Table(title=title, title_justify="left")
-        for col in ("", "intra-node MB", "cross-node MB", "cross / lower bound", "dispatch ms", "combine ms",
-                    "total ms", "cross-node GB/s/rank"):
+        for col in (
+            "",
+            "intra-node MB",
+            "cross-node MB",
+            "cross / lower bound",
+            "dispatch ms",
+            "combine ms",
+            "total ms",
+            "cross-node GB/s/rank",
+        ):
             table.add_column(col, justify="left" if not col else "right")
 
         def ms(s: dict) -> str:
             def num(v: float) -> str:  # about 3 significant digits, no exponent
                 return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f}"
+
             return f"{num(s['median'])} ({num(s['min'])}-{num(s['max'])})"
 
         def over_lb(v: float | None) -> str:
@@ -438,14 +547,32 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
             return "n/a" if None in rates else " / ".join(f"{r:.{3 if r < 1 else 1}f}" for r in rates)
 
         for label, side in (("ours (hierarchical)", "ours"), ("flat all_to_all_single", "flat")):
-            table.add_row(label, f"{b[side]['intranode'] / mb:.2f}", f"{b[side]['internode'] / mb:.2f}",
-                          over_lb(b[side]["internode_over_lower_bound"]), ms(lat[side]["dispatch"]),
-                          ms(lat[side]["combine"]), ms(lat[side]["total"]),
-                          gbs(fig["bandwidth_gbs_per_rank"][side]))
-        table.add_row("ours / flat", "", "", "", f"{ratio['dispatch']:.2f}", f"{ratio['combine']:.2f}",
-                      f"{ratio['total']:.2f}", "", style="bold")
-        check = ("[green]passed[/green]" if fig["oracle_check"] == "passed"
-                 else f"[bold red]FAILED ({len(fig['mismatches'])} mismatches)[/bold red]")
+            table.add_row(
+                label,
+                f"{b[side]['intranode'] / mb:.2f}",
+                f"{b[side]['internode'] / mb:.2f}",
+                over_lb(b[side]["internode_over_lower_bound"]),
+                ms(lat[side]["dispatch"]),
+                ms(lat[side]["combine"]),
+                ms(lat[side]["total"]),
+                gbs(fig["bandwidth_gbs_per_rank"][side]),
+            )
+        table.add_row(
+            "ours / flat",
+            "",
+            "",
+            "",
+            f"{ratio['dispatch']:.2f}",
+            f"{ratio['combine']:.2f}",
+            f"{ratio['total']:.2f}",
+            "",
+            style="bold",
+        )
+        check = (
+            "[green]passed[/green]"
+            if fig["oracle_check"] == "passed"
+            else f"[bold red]FAILED ({len(fig['mismatches'])} mismatches)[/bold red]"
+        )
         elem = b["row_bytes"] // fig["hidden"]
         table.caption = (
             f"MB = rows x H x {elem} B of hidden payload per direction (combine moves the same back), summed over "
@@ -454,7 +581,8 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
             f"iterations of the max over ranks; ours = Buffer.dispatch/combine (layout included), flat = a bare "
             f"all_to_all_single of the flat payload (prebuilt send buffer), in the same iterations. "
             f"GB/s/rank = cross-node MB / W / median ms, dispatch / combine (per GPU: the RDMA rate). "
-            f"Oracle check (torch.equal, every rank): {check}")
+            f"Oracle check (torch.equal, every rank): {check}"
+        )
         table.caption_justify = "left"
         console.print(table)
         for line in fig["mismatches"][:20]:
@@ -463,26 +591,35 @@ def _report(results: list[dict], config: BenchConfig, device: str, json_path: pa
     timed = [f for f in results if "skipped" not in f]
     failed = [f["model"] for f in timed if f["oracle_check"] != "passed"]
     worst = max(timed, key=lambda f: f["ratio_ours_over_flat"]["total"]) if timed else None
-    goal = {"max_ratio_ours_over_flat_total": GOAL_RATIO,
-            "worst_ratio": worst["ratio_ours_over_flat"]["total"] if worst else None,
-            "worst_model": worst["model"] if worst else None,
-            "met": bool(worst) and worst["ratio_ours_over_flat"]["total"] <= GOAL_RATIO}
+    goal = {
+        "max_ratio_ours_over_flat_total": GOAL_RATIO,
+        "worst_ratio": worst["ratio_ours_over_flat"]["total"] if worst else None,
+        "worst_model": worst["model"] if worst else None,
+        "met": bool(worst) and worst["ratio_ours_over_flat"]["total"] <= GOAL_RATIO,
+    }
     if worst:
         mark = "[green]met[/green]" if goal["met"] else "[red]not met[/red]"
-        console.print(f"goal: ours / flat all_to_all time (dispatch + combine medians) <= {GOAL_RATIO} on {device}: "
-                      f"{mark} ("
-                      + ", ".join(f"{f['model']} {f['ratio_ours_over_flat']['total']:.2f}" for f in timed) + ")")
+        console.print(
+            f"goal: ours / flat all_to_all time (dispatch + combine medians) <= {GOAL_RATIO} on {device}: "
+            f"{mark} (" + ", ".join(f"{f['model']} {f['ratio_ours_over_flat']['total']:.2f}" for f in timed) + ")"
+        )
     if failed:
-        console.print(f"[bold red]ORACLE CHECK FAILED for {', '.join(failed)}: results differ from "
-                      f"moe_dispatch.reference[/bold red]")
+        console.print(
+            f"[bold red]ORACLE CHECK FAILED for {', '.join(failed)}: results differ from "
+            f"moe_dispatch.reference[/bold red]"
+        )
 
     payload = {
         "config": dataclasses.asdict(config) | {"device": device, "environment": environment or {}},
-        "torch_version": torch.__version__, "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": source_commit()["commit"],
-        "layout": {"num_nodes": nodes, "ranks_per_node": config.ranks_per_node,
-                   "node_hosts": node_hosts(hosts, config.ranks_per_node) if hosts else None},
+        "layout": {
+            "num_nodes": nodes,
+            "ranks_per_node": config.ranks_per_node,
+            "node_hosts": node_hosts(hosts, config.ranks_per_node) if hosts else None,
+        },
         "models": {f["model"]: f for f in results},
         "goal": goal,
         "definitions": DEFINITIONS,
@@ -502,9 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     torchrun = _torchrun_env()
     config, json_path = _parse_args(argv, torchrun)
-    run_desc = (f"{config.world_size // config.ranks_per_node} nodes x {config.ranks_per_node}), "
-                f"{config.num_tokens} tokens/rank, hidden x{config.hidden_scale:g}, {config.iters} iterations, "
-                f"collective timeout {config.timeout_s:g} s")
+    run_desc = (
+        f"{config.world_size // config.ranks_per_node} nodes x {config.ranks_per_node}), "
+        f"{config.num_tokens} tokens/rank, hidden x{config.hidden_scale:g}, {config.iters} iterations, "
+        f"collective timeout {config.timeout_s:g} s"
+    )
     if torchrun is None:
         print(f"[moe-dispatch-bench] CPU world: {config.world_size} processes (gloo, {run_desc}", flush=True)
         # The ranks inherit the environment of the forkserver, which starts with the first world of
@@ -528,8 +667,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results, hosts = out
     nodes = world_size // config.ranks_per_node
-    device = (f"{nodes} nodes x {config.ranks_per_node} x {torch.cuda.get_device_name()} (NCCL)"
-              if torch.cuda.is_available() else f"torchrun CPU world of {nodes} nodes x {config.ranks_per_node} (gloo)")
+    device = (
+        f"{nodes} nodes x {config.ranks_per_node} x {torch.cuda.get_device_name()} (NCCL)"
+        if torch.cuda.is_available()
+        else f"torchrun CPU world of {nodes} nodes x {config.ranks_per_node} (gloo)"
+    )
     return _report(results, config, device, json_path, hosts=hosts)
 
 

@@ -30,9 +30,11 @@ NOT_INSTALLED = "not installed"
 PACKAGES = ("torch", "triton", "numpy", "megatron-core", "transformer-engine")
 # Variables read by moe_dispatch or by the libraries under it (CUDA, NVSHMEM, NCCL, torch
 # distributed, torchrun, the dynamic loader).
-ENV_VAR_PATTERN = re.compile(r"^(MOE_DISPATCH_\w+|NVSHMEM_\w+|NCCL_\w+|TORCH_NCCL_\w+|TORCH_DISTRIBUTED_DEBUG|"
-                             r"CUDA_DEVICE_MAX_CONNECTIONS|CUDA_VISIBLE_DEVICES|CUDA_HOME|LD_LIBRARY_PATH|"
-                             r"MASTER_ADDR|MASTER_PORT|WORLD_SIZE|LOCAL_WORLD_SIZE|TRITON_INTERPRET)$")
+ENV_VAR_PATTERN = re.compile(
+    r"^(MOE_DISPATCH_\w+|NVSHMEM_\w+|NCCL_\w+|TORCH_NCCL_\w+|TORCH_DISTRIBUTED_DEBUG|"
+    r"CUDA_DEVICE_MAX_CONNECTIONS|CUDA_VISIBLE_DEVICES|CUDA_HOME|LD_LIBRARY_PATH|"
+    r"MASTER_ADDR|MASTER_PORT|WORLD_SIZE|LOCAL_WORLD_SIZE|TRITON_INTERPRET)$"
+)
 TOOL_TIMEOUT_S = 10
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_dispatch/
 
@@ -108,9 +110,16 @@ def _nvcc_on_path() -> dict:
 def _extension() -> dict:
     status = extension_status()
     build = _build_info()
-    info = {"built": status.built, "error": status.error, "with_nvshmem": status.with_nvshmem,
-            "cuda_archs": status.cuda_archs, "nvshmem_lib": status.nvshmem_lib, "device_count": None,
-            "nvcc_version": build["nvcc_version"] if build else None, "nvcc_on_path": _nvcc_on_path()}
+    info = {
+        "built": status.built,
+        "error": status.error,
+        "with_nvshmem": status.with_nvshmem,
+        "cuda_archs": status.cuda_archs,
+        "nvshmem_lib": status.nvshmem_lib,
+        "device_count": None,
+        "nvcc_version": build["nvcc_version"] if build else None,
+        "nvcc_on_path": _nvcc_on_path(),
+    }
     if status.built:
         from .._ext import _C
 
@@ -134,8 +143,10 @@ def _nvshmem() -> dict:
     host_lib = package_dir / "lib" / NVSHMEM_HOST_LIB if package_dir else None
     return {
         "package_dir": str(package_dir) if package_dir else None,
-        "package_version": next((v for v in (_version("nvidia-nvshmem-cu13"), _version("nvidia-nvshmem-cu12"))
-                                 if v != NOT_INSTALLED), NOT_INSTALLED),
+        "package_version": next(
+            (v for v in (_version("nvidia-nvshmem-cu13"), _version("nvidia-nvshmem-cu12")) if v != NOT_INSTALLED),
+            NOT_INSTALLED,
+        ),
         "host_lib": str(host_lib) if host_lib and host_lib.exists() else None,
         "linked_version": linked,
         "build_version": build["nvshmem_version"] if build else None,
@@ -205,36 +216,64 @@ def collect() -> dict:
 def _sections(info: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """The report as (section title, [(label, value)]) for either printer."""
     md, ext, nvs, gpus, tr = info["moe_dispatch"], info["extension"], info["nvshmem"], info["gpus"], info["transport"]
-    commit = f"{md['commit']}{' + uncommitted changes' if md['dirty'] else ''} ({md['source']})" if md["commit"] \
+    commit = (
+        f"{md['commit']}{' + uncommitted changes' if md['dirty'] else ''} ({md['source']})"
+        if md["commit"]
         else md["source"]
+    )
     extension = [("CUDA extension", "built" if ext["built"] else f"not built: {ext['error']}")]
     if ext["built"]:
-        extension += [("CUDA archs", ext["cuda_archs"]),
-                      ("built with nvcc", ext["nvcc_version"] or "not recorded (source checkout)"),
-                      ("with NVSHMEM", str(ext["with_nvshmem"]) if ext["with_nvshmem"] else
-                       "False: the build found neither NVSHMEM_HOME nor the nvidia-nvshmem-cu13 package (no "
-                       "internode kernels); rebuild where it is installed, e.g. pip wheel --no-build-isolation"),
-                      ("GPUs seen by extension", str(ext["device_count"]))]
+        extension += [
+            ("CUDA archs", ext["cuda_archs"]),
+            ("built with nvcc", ext["nvcc_version"] or "not recorded (source checkout)"),
+            (
+                "with NVSHMEM",
+                str(ext["with_nvshmem"])
+                if ext["with_nvshmem"]
+                else "False: the build found neither NVSHMEM_HOME nor the nvidia-nvshmem-cu13 package (no "
+                "internode kernels); rebuild where it is installed, e.g. pip wheel --no-build-isolation",
+            ),
+            ("GPUs seen by extension", str(ext["device_count"])),
+        ]
     on_path = ext["nvcc_on_path"]
-    extension.append(("nvcc for a rebuild", f"{on_path['path']} ({on_path['version']})" if on_path["path"] else "not found"))
+    extension.append(
+        ("nvcc for a rebuild", f"{on_path['path']} ({on_path['version']})" if on_path["path"] else "not found")
+    )
     nvshmem = [
-        ("NVSHMEM package", f"{nvs['package_dir']} ({nvs['package_version']})" if nvs["package_dir"] else NOT_INSTALLED),
+        (
+            "NVSHMEM package",
+            f"{nvs['package_dir']} ({nvs['package_version']})" if nvs["package_dir"] else NOT_INSTALLED,
+        ),
         ("NVSHMEM host library", nvs["host_lib"] or f"{NVSHMEM_HOST_LIB} not found"),
         ("NVSHMEM loaded by _C", nvs["linked_version"] or "no"),
     ]
     if nvs["build_version"]:
         nvshmem.append(("NVSHMEM at build", nvs["build_version"]))
         if nvs["package_version"] and nvs["package_version"] != nvs["build_version"]:
-            nvshmem.append(("NVSHMEM mismatch", f"_C was built against {nvs['build_version']} but this environment "
-                            f"has {nvs['package_version']}: _C needs the same version (rebuild here with "
-                            "pip wheel --no-build-isolation, or install that nvidia-nvshmem-cu13)"))
+            nvshmem.append(
+                (
+                    "NVSHMEM mismatch",
+                    f"_C was built against {nvs['build_version']} but this environment "
+                    f"has {nvs['package_version']}: _C needs the same version (rebuild here with "
+                    "pip wheel --no-build-isolation, or install that nvidia-nvshmem-cu13)",
+                )
+            )
     gpu_rows = [("GPUs seen by torch", str(gpus["count"])), ("torch CUDA", str(gpus["torch_cuda"]))]
     gpu_rows += [(f"GPU {d['index']}", f"{d['name']} (sm {d['capability']})") for d in gpus["devices"]]
     topo = info["nvlink_topology"]
     gpu_rows.append(("topology", "none (nvidia-smi not found)" if topo is None else "below (nvidia-smi topo -m)"))
     return [
-        ("Versions", [("moe_dispatch", md["version"]), ("commit", commit), ("location", md["location"]),
-                      ("Python", info["python"]), ("platform", info["platform"])] + list(info["packages"].items())),
+        (
+            "Versions",
+            [
+                ("moe_dispatch", md["version"]),
+                ("commit", commit),
+                ("location", md["location"]),
+                ("Python", info["python"]),
+                ("platform", info["platform"]),
+            ]
+            + list(info["packages"].items()),
+        ),
         ("Extension", extension + nvshmem),
         ("GPUs", gpu_rows),
         ("Transport", [("auto transport", f"{tr['name']} (for {tr['device']})"), ("why", tr["reason"])]),

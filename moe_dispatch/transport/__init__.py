@@ -25,7 +25,9 @@ def choose_transport(device: torch.device) -> tuple[str, str]:
         ``(name, reason)``, e.g. ``("torch_dist", "CPU tensors: gloo collectives ...")``.
     """
     if device.type == "cuda":
-        return ("torch_dist", "CUDA tensors: NCCL sub-group all_to_all; the intranode kernels "
-                              "(transport='kernels', one node) are opt-in until their multi-GPU path has run on GPUs")
-    return ("torch_dist", f"{device.type} tensors: the hierarchy runs on torch.distributed "
-                          "sub-group all_to_all (gloo)")
+        return (
+            "torch_dist",
+            "CUDA tensors: NCCL sub-group all_to_all; the intranode kernels "
+            "(transport='kernels', one node) are opt-in until their multi-GPU path has run on GPUs",
+        )
+    return ("torch_dist", f"{device.type} tensors: the hierarchy runs on torch.distributed sub-group all_to_all (gloo)")

@@ -133,14 +133,25 @@ class Transport(Protocol):
         exchanged (combine, cached dispatch); ValueError names the first field and rank that
         differ. May be empty where the backend cannot afford the check."""
 
-    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
-             on_comm_thread: bool = False) -> Steps[Plan]:
+    def plan(
+        self,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        what: str = "dispatch",
+        on_comm_thread: bool = False,
+    ) -> Steps[Plan]:
         """Steps exchanging a fresh dispatch's counts (``is_token_in_rank [T, W]`` bool) and
         comparing ``fields`` across ranks; returns the :class:`Plan`. ``on_comm_thread``: the
         steps run on the communication thread, not the caller's."""
 
-    def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: Plan,
-                 out: list[torch.Tensor], what: str = "dispatch") -> Steps[None]:
+    def dispatch(
+        self,
+        tensors: list[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        plan: Plan,
+        out: list[torch.Tensor],
+        what: str = "dispatch",
+    ) -> Steps[None]:
         """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` (``[T, ...]``
         each) into ``out`` (``[R, ...]`` each) in (source rank, source token) order; top-k ids
         arrive in global numbering."""
@@ -149,8 +160,14 @@ class Transport(Protocol):
         """Steps replaying ``plan``'s dispatch for row tensors ``[T, ...]`` into ``out`` ``[R, ...]``
         (cached dispatch, combine's backward)."""
 
-    def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: Plan,
-                out: list[torch.Tensor], what: str) -> Steps[None]:
+    def combine(
+        self,
+        tensors: list[torch.Tensor],
+        scales: list[torch.Tensor | None],
+        plan: Plan,
+        out: list[torch.Tensor],
+        what: str,
+    ) -> Steps[None]:
         """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any) in
         fp32 onto their source tokens in ``out`` ``[T, ...]``, in the order of
         ``moe_dispatch.reference.combine``."""

@@ -45,10 +45,10 @@ from .intranode import (
     _ext,
     _Launcher,
     _loopback_device,
-    _slot_bytes,
     _prepare_world,
     _ptr,
     _rank_results,
+    _slot_bytes,
     default_timeout_s,
 )
 

@@ -508,7 +508,8 @@ def _alloc_outputs(inp: _Input, rows: int, experts_per_rank: int, device: torch.
 
 
 def _check_combine(ys: list[torch.Tensor], handles: list, row_scales: list[torch.Tensor | None], rank_begin: int,
-                   device: torch.device, slot_bytes: int, slots: str = "the buffer's slots") -> tuple[int, torch.dtype, int]:
+                   device: torch.device, slot_bytes: int,
+                   slots: str = "the buffer's slots") -> tuple[int, torch.dtype, int]:
     """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
     handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
     from ..semantics.validation import check_hidden
@@ -517,7 +518,8 @@ def _check_combine(ys: list[torch.Tensor], handles: list, row_scales: list[torch
         raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
     hidden, dtype = ys[0].shape[1], ys[0].dtype
     for i, (y, h, s) in enumerate(zip(ys, handles, row_scales)):
-        check_hidden(f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows, rows_what="the handle (rows received)")
+        check_hidden(f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows,
+                     rows_what="the handle (rows received)")
         if y.shape[1] != hidden or y.dtype != dtype:
             raise ValueError(f"every rank must combine the same hidden size and dtype: rank {rank_begin + i} has "
                              f"[{y.shape[1]}] {y.dtype}, rank {rank_begin} has [{hidden}] {dtype}")

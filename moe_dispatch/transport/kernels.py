@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ..config import MAX_RANKS, Config
 from ..topology import Topology
+from .base import Field, Steps, completed
 from .intranode import (
     COMBINE_DTYPES,
     IntranodeHandle,
@@ -50,7 +51,6 @@ from .intranode import (
     _launch_dispatch,
     _notify,
 )
-from .base import Field, Steps, completed
 from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
@@ -108,21 +108,26 @@ class KernelTransport:
 
     plans_on_comm_thread = True
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config,
-                 device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config, device: torch.device
+    ):
         if topology.num_nodes != 1:
-            raise ValueError(f"transport='kernels' runs the intranode kernels, for an EP group on one node, but this "
-                             f"one spans {topology.num_nodes} nodes ({topology.ranks_per_node} ranks per node); use "
-                             "transport='torch_dist' across nodes (the internode kernels are not wired into Buffer "
-                             "yet)")
+            raise ValueError(
+                f"transport='kernels' runs the intranode kernels, for an EP group on one node, but this "
+                f"one spans {topology.num_nodes} nodes ({topology.ranks_per_node} ranks per node); use "
+                "transport='torch_dist' across nodes (the internode kernels are not wired into Buffer "
+                "yet)"
+            )
         from .. import _ext
 
         status = _ext.extension_status()
         if not status.built:
             raise RuntimeError(f"transport='kernels' needs the built extension moe_dispatch._C: {status.error}")
         if topology.world_size > MAX_RANKS:
-            raise ValueError(f"transport='kernels' serves EP groups of at most {MAX_RANKS} ranks on one node (an "
-                             f"NVLink domain), this one has {topology.world_size}; use transport='torch_dist'")
+            raise ValueError(
+                f"transport='kernels' serves EP groups of at most {MAX_RANKS} ranks on one node (an "
+                f"NVLink domain), this one has {topology.world_size}; use transport='torch_dist'"
+            )
         self.config = config
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
         # The argument checks and progress records are the torch_dist transport's; its
@@ -138,8 +143,13 @@ class KernelTransport:
         return self._dist.agree(fields, what)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
-             on_comm_thread: bool = True) -> Steps:
+    def plan(
+        self,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        what: str = "dispatch",
+        on_comm_thread: bool = True,
+    ) -> Steps:
         """Steps that check the arguments across ranks, size the buffers and run notify;
         returns the :class:`KernelPlan` (a host sync: R is read back)."""
         # On any backend (the plan synchronises the host anyway); the operation first, so it is
@@ -149,29 +159,52 @@ class KernelTransport:
         self._check_errors()
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens = is_token_in_rank.shape[0]
-        inp = _Input(self.topology.rank, torch.empty(num_tokens, 0, device=self.device), None,
-                     torch.empty(num_tokens, fields["top-k"], dtype=torch.int64, device=self.device), None,
-                     is_token_in_rank.contiguous(), torch.int64)
+        inp = _Input(
+            self.topology.rank,
+            torch.empty(num_tokens, 0, device=self.device),
+            None,
+            torch.empty(num_tokens, fields["top-k"], dtype=torch.int64, device=self.device),
+            None,
+            is_token_in_rank.contiguous(),
+            torch.int64,
+        )
         experts_per_rank = fields["num_experts"] // self.topology.world_size
-        (handle,), _ = _notify(kernels.engine, [inp], experts_per_rank, num_sms=self.config.num_sms,
-                               num_worst_tokens=None, skip_rank=None)
+        (handle,), _ = _notify(
+            kernels.engine, [inp], experts_per_rank, num_sms=self.config.num_sms, num_worst_tokens=None, skip_rank=None
+        )
         return KernelPlan(handle, experts_per_rank, self.topology.rank)
 
-    def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: KernelPlan,
-                 out: list[torch.Tensor], what: str = "dispatch") -> Steps:
+    def dispatch(
+        self,
+        tensors: list[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        plan: KernelPlan,
+        out: list[torch.Tensor],
+        what: str = "dispatch",
+    ) -> Steps:
         """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``out``
         (the same list, ``[R, ...]``); top-k ids arrive in global numbering (-1 where the expert
         is another rank's), weights 0 there."""
         k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
         x, scales = tensors[0], (tensors[1] if k == 2 else None)
         topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
-        inp = _Input(self.topology.rank, _rows16(x), scales.contiguous() if scales is not None else None,
-                     topk_idx.to(torch.int64).contiguous(),
-                     weights.contiguous() if weights is not None else None, is_token_in_rank.contiguous(),
-                     topk_idx.dtype)
+        inp = _Input(
+            self.topology.rank,
+            _rows16(x),
+            scales.contiguous() if scales is not None else None,
+            topk_idx.to(torch.int64).contiguous(),
+            weights.contiguous() if weights is not None else None,
+            is_token_in_rank.contiguous(),
+            topk_idx.dtype,
+        )
         recv_x = _landing(out[0], inp.x.shape[1])
-        launched = self._outputs(plan, recv_x, out[1] if scales is not None else None,
-                                 out[-1] if weights is not None else None, topk_idx.shape[1])
+        launched = self._outputs(
+            plan,
+            recv_x,
+            out[1] if scales is not None else None,
+            out[-1] if weights is not None else None,
+            topk_idx.shape[1],
+        )
         self._launch(inp, plan, launched)
         _land(out[0], recv_x)
         first = self.topology.rank * plan.experts_per_rank
@@ -186,17 +219,29 @@ class KernelTransport:
         groups = [(tensors, out)] if fp8 else [([t], [o]) for t, o in zip(tensors, out)]
         for (x, *scales), (dst, *dst_scales) in groups:
             x2d = _rows16(_flat(x))
-            inp = _Input(self.topology.rank, x2d, scales[0].contiguous() if scales else None,
-                         torch.empty(x.shape[0], 0, dtype=torch.int64, device=self.device), None,
-                         plan.handle.is_token_in_rank, None)
+            inp = _Input(
+                self.topology.rank,
+                x2d,
+                scales[0].contiguous() if scales else None,
+                torch.empty(x.shape[0], 0, dtype=torch.int64, device=self.device),
+                None,
+                plan.handle.is_token_in_rank,
+                None,
+            )
             dst2d = _flat(dst)
             recv_x = _landing(dst2d, x2d.shape[1])
             self._launch(inp, plan, self._outputs(plan, recv_x, dst_scales[0] if scales else None, None, 0))
             _land(dst2d, recv_x)
         return completed()
 
-    def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: KernelPlan,
-                out: list[torch.Tensor], what: str) -> Steps:
+    def combine(
+        self,
+        tensors: list[torch.Tensor],
+        scales: list[torch.Tensor | None],
+        plan: KernelPlan,
+        out: list[torch.Tensor],
+        what: str,
+    ) -> Steps:
         """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any)
         onto their source tokens in ``out`` ``[T, ...]``."""
         for y, scale, dst in zip(tensors, scales, out):
@@ -207,11 +252,17 @@ class KernelTransport:
             y2d = _rows16(_flat(y))
             self._check_errors()  # before a resize could drop the record with the old buffers
             kernels = self._sized(_row_elements(y2d), 0)
-            summed = _combine(kernels.engine, self.topology.rank, [y2d], [plan.handle],
-                              [scale.contiguous() if scale is not None else None], None)[0]
+            summed = _combine(
+                kernels.engine,
+                self.topology.rank,
+                [y2d],
+                [plan.handle],
+                [scale.contiguous() if scale is not None else None],
+                None,
+            )[0]
             kernels.check_errors()
             dst2d = _flat(dst)
-            dst2d.copy_(summed[:, :dst2d.shape[1]])
+            dst2d.copy_(summed[:, : dst2d.shape[1]])
         return completed()
 
     # -- helpers -----------------------------------------------------------------------------
@@ -223,22 +274,39 @@ class KernelTransport:
             capacity = (max(row_elements, held_rows), max(num_topk, held_topk))
             # Made before the old one is freed: if a peer fails here, the old buffers stay valid.
             # Its collective setup also means every rank's earlier launches have finished.
-            kernels = IntranodeTransport(self._group, self.topology.rank, *capacity, config=self.config,
-                                         element_bytes=4, timeout_s=self.timeout_s, device=self.device)
+            kernels = IntranodeTransport(
+                self._group,
+                self.topology.rank,
+                *capacity,
+                config=self.config,
+                element_bytes=4,
+                timeout_s=self.timeout_s,
+                device=self.device,
+            )
             old, self._kernels, self._capacity = self._kernels, kernels, capacity
             if old is not None:
                 old.close()
         return self._kernels
 
-    def _outputs(self, plan: KernelPlan, recv_x: torch.Tensor, recv_scales: torch.Tensor | None,
-                 recv_weights: torch.Tensor | None, num_topk: int) -> dict:
+    def _outputs(
+        self,
+        plan: KernelPlan,
+        recv_x: torch.Tensor,
+        recv_scales: torch.Tensor | None,
+        recv_weights: torch.Tensor | None,
+        num_topk: int,
+    ) -> dict:
         """A dispatch launch's outputs: the rows the caller keeps, and scratch for what the
         Buffer derives itself (local top-k ids, source indices, per-expert counts)."""
         rows, device = plan.num_recv_tokens, self.device
-        return {"x": recv_x, "scales": recv_scales, "topk_weights": recv_weights,
-                "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=device),
-                "src_idx": torch.empty(rows, dtype=torch.int32, device=device),
-                "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=device)}
+        return {
+            "x": recv_x,
+            "scales": recv_scales,
+            "topk_weights": recv_weights,
+            "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=device),
+            "src_idx": torch.empty(rows, dtype=torch.int32, device=device),
+            "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=device),
+        }
 
     def _launch(self, inp: _Input, plan: KernelPlan, out: dict) -> None:
         # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
@@ -285,7 +353,7 @@ def _rows16(x: torch.Tensor) -> torch.Tensor:
     if width == x.shape[1] and x.is_contiguous() and x.data_ptr() % _VECTOR == 0:
         return x
     padded = x.new_zeros(x.shape[0], width)
-    padded[:, :x.shape[1]] = x
+    padded[:, : x.shape[1]] = x
     return padded
 
 
@@ -298,4 +366,4 @@ def _landing(dst: torch.Tensor, width: int) -> torch.Tensor:
 
 def _land(dst: torch.Tensor, landed: torch.Tensor) -> None:
     if landed is not dst:
-        dst.copy_(landed[:, :dst.shape[1]])
+        dst.copy_(landed[:, : dst.shape[1]])

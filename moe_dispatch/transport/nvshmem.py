@@ -25,16 +25,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import ERROR_RECORD_INTS, Config
-from .intranode import (
-    IntranodeTransport,
-    _ext,
-    _map_peers,
-    _prepare,
-    _loopback_device,
-    _SharedMemoryBuffer,
-    _slot_bytes,
-    default_timeout_s,
-)
 from .internode import (
     InternodeDispatch,
     InternodeHandle,
@@ -46,6 +36,16 @@ from .internode import (
     check_rdma_config,
     describe_timeout,
     rdma_layout,
+)
+from .intranode import (
+    IntranodeTransport,
+    _ext,
+    _loopback_device,
+    _map_peers,
+    _prepare,
+    _SharedMemoryBuffer,
+    _slot_bytes,
+    default_timeout_s,
 )
 
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"

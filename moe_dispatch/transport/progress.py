@@ -126,11 +126,12 @@ class Progress:
         if behind:
             return f"; not yet at this operation (#{seq} {what}): EP rank {', EP rank '.join(behind)}"
         if elsewhere:
-            return (f"; at this operation (#{seq} {what}) but running it differently: EP rank "
-                    f"{', EP rank '.join(elsewhere)} (every rank must pass the same arguments, num_worst_tokens "
-                    f"given or not included)")
-        return (f"; every peer reached this operation (#{seq} {what}), so one failed or was cut off "
-                f"inside it")
+            return (
+                f"; at this operation (#{seq} {what}) but running it differently: EP rank "
+                f"{', EP rank '.join(elsewhere)} (every rank must pass the same arguments, num_worst_tokens "
+                f"given or not included)"
+            )
+        return f"; every peer reached this operation (#{seq} {what}), so one failed or was cut off inside it"
 
 
 def _kind(what: str) -> str:

@@ -52,8 +52,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology
 from ..errors import CommError
+from ..topology import Topology
 from .base import Field, Steps
 from .progress import Progress
 
@@ -134,14 +134,19 @@ def _pack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
     copies element by element and is several times slower on uint8 rows on CPU."""
     num_rows = next(t.shape[0] if index is None else index.numel() for t, index in rows)
     widths = [_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t, _ in rows]
-    if len(rows) == 1 and rows[0][1] is None and rows[0][0].is_contiguous() and rows[0][0].numel() \
-            and widths[0] == _row_bytes(rows[0][0].dtype, tuple(rows[0][0].shape[1:])):
+    if (
+        len(rows) == 1
+        and rows[0][1] is None
+        and rows[0][0].is_contiguous()
+        and rows[0][0].numel()
+        and widths[0] == _row_bytes(rows[0][0].dtype, tuple(rows[0][0].shape[1:]))
+    ):
         return _as_bytes(rows[0][0])
     buf = torch.empty((num_rows, sum(widths)), dtype=torch.uint8, device=rows[0][0].device)
     offset = 0
     for (t, index), width in zip(rows, widths):
         src = _as_bytes(t)
-        dst = buf[:, offset:offset + src.shape[1]]
+        dst = buf[:, offset : offset + src.shape[1]]
         if index is None:
             dst.copy_(src)
         else:
@@ -159,7 +164,7 @@ def _fields(buf: torch.Tensor, like: list[tuple[torch.dtype, tuple[int, ...]]]) 
         if buf.shape[0] == 0:  # an empty slice keeps the packed strides, which view() rejects
             out.append(buf.new_empty((0, *shape), dtype=dtype))
         else:
-            out.append(buf[:, offset:offset + width].view(dtype).view(buf.shape[0], *shape))
+            out.append(buf[:, offset : offset + width].view(dtype).view(buf.shape[0], *shape))
         offset += _padded(width)
     return out
 
@@ -172,9 +177,9 @@ def _unpack_rows(buf: torch.Tensor, index: torch.Tensor | None, out: list[torch.
         assert dst.is_contiguous(), "_unpack_rows writes through a byte view: out tensors must be contiguous"
         width = _row_bytes(dst.dtype, tuple(dst.shape[1:]))
         if index is None:
-            _as_bytes(dst).copy_(buf[:, offset:offset + width])
+            _as_bytes(dst).copy_(buf[:, offset : offset + width])
         else:
-            torch.index_select(buf[:, offset:offset + width], 0, index, out=_as_bytes(dst))
+            torch.index_select(buf[:, offset : offset + width], 0, index, out=_as_bytes(dst))
         offset += _padded(width)
 
 
@@ -185,8 +190,19 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
 
 # Arguments compared across ranks travel as int64: dtypes and words by their index here.
-_FIELD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64,
-                 torch.float64, torch.float8_e5m2, torch.int8, torch.uint8, torch.bool)
+_FIELD_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.int32,
+    torch.int64,
+    torch.float64,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
 AGREE_FIELDS = 8  # every argument check on the comm thread's group moves this many codes, so ranks that
 # run different operations there compare their first field (the operation) instead of aborting in gloo
@@ -253,8 +269,7 @@ class TorchDistTransport:
     # A fresh dispatch's counts run on the caller's thread, on a group of their own.
     plans_on_comm_thread = False
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float,
-                 num_chunks: int | None = None):
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_chunks: int | None = None):
         if num_chunks is None:
             num_chunks = NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
         if not (isinstance(num_chunks, int) and num_chunks >= 1):
@@ -267,15 +282,25 @@ class TorchDistTransport:
         backend = dist.get_backend(group)
         self._gloo = str(backend) == "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.peers = {INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
-                      INTRA: topology.node_ranks(topology.node),
-                      ALL: list(range(topology.world_size)), ALL_COMM: list(range(topology.world_size))}
+        self.peers = {
+            INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
+            INTRA: topology.node_ranks(topology.node),
+            ALL: list(range(topology.world_size)),
+            ALL_COMM: list(range(topology.world_size)),
+        }
         # Only members create a sub-group (use_local_synchronization), so EP groups that are
         # themselves sub-groups of the world (Megatron) need no world-wide agreement. Our own
         # groups carry our timeout, whatever the caller's group has.
-        self.groups = {kind: (dist.new_group([group_ranks[r] for r in ranks], timeout=timeout, backend=backend,
-                                             use_local_synchronization=True) if len(ranks) > 1 else None)
-                       for kind, ranks in self.peers.items()}
+        self.groups = {
+            kind: (
+                dist.new_group(
+                    [group_ranks[r] for r in ranks], timeout=timeout, backend=backend, use_local_synchronization=True
+                )
+                if len(ranks) > 1
+                else None
+            )
+            for kind, ranks in self.peers.items()
+        }
 
     def close(self) -> None:
         """Nothing to free: the payload lives in the tensors of each call."""
@@ -288,11 +313,20 @@ class TorchDistTransport:
         topo = self.topology
         others = [r for r in self.peers[kind] if r != topo.rank]
         how = f"timed out after timeout_s={self.timeout_s:g}" if "timed out" in str(err).lower() else "failed"
-        return (f"EP rank {topo.rank} (node {topo.node}): {what} {how} waiting for EP ranks {others} "
-                f"(nodes {[r // topo.ranks_per_node for r in others]}){self.progress.describe_peers(others)}: {err}")
+        return (
+            f"EP rank {topo.rank} (node {topo.node}): {what} {how} waiting for EP ranks {others} "
+            f"(nodes {[r // topo.ranks_per_node for r in others]}){self.progress.describe_peers(others)}: {err}"
+        )
 
-    def _all_to_all(self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
-                    kind: str, what: str, recv: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending | None]:
+    def _all_to_all(
+        self,
+        send: torch.Tensor,
+        send_splits: list[int] | None,
+        recv_splits: list[int] | None,
+        kind: str,
+        what: str,
+        recv: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Pending | None]:
         """Starts ``all_to_all_single`` on the ``kind`` group (equal splits when None) into
         ``recv`` (contiguous, allocated when None). In a group of one the rows are already this
         rank's: ``send`` itself comes back (no ``recv`` then)."""
@@ -319,9 +353,11 @@ class TorchDistTransport:
         for rank, row in enumerate(theirs.tolist()):
             for (name, value), code, other in zip(fields.items(), mine, row):
                 if other != code:
-                    raise ValueError(f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
-                                     f"{_show(value)} here but {_show(_decode(value, other))} on EP rank {rank}; "
-                                     f"every rank must pass the same {', '.join(fields)}")
+                    raise ValueError(
+                        f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
+                        f"{_show(value)} here but {_show(_decode(value, other))} on EP rank {rank}; "
+                        f"every rank must pass the same {', '.join(fields)}"
+                    )
 
     def agree(self, fields: dict[str, Field], what: str, device: torch.device | None = None) -> Steps:
         """Steps comparing ``fields`` across all EP ranks (one small all_gather on the comm
@@ -351,8 +387,13 @@ class TorchDistTransport:
         self._check_fields(fields, torch.stack(gathered).cpu(), what)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(self, is_token_in_rank: torch.Tensor, fields: dict[str, Field], what: str = "dispatch",
-             on_comm_thread: bool = False) -> Steps:
+    def plan(
+        self,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        what: str = "dispatch",
+        on_comm_thread: bool = False,
+    ) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
         (stage-2 send indices still unset); one all_to_all on the all-ranks group.
 
@@ -387,28 +428,44 @@ class TorchDistTransport:
         # Row for destination d = (n_d, l_d): the fields, then per chunk my counts for d's
         # node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
-        chunk_counts = torch.cat([to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node],
-                                  to_node[:, dest_node].unsqueeze(2)], 2)  # [C, W, L + 1]
-        meta = torch.cat([_field_codes(fields, device).expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1)
+        chunk_counts = torch.cat(
+            [to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
+        )  # [C, W, L + 1]
+        meta = torch.cat(
+            [_field_codes(fields, device).expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1
+        )
         got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
         yield pending
         got = got.view(world, -1)  # [source rank, row]
-        self._check_fields(fields, got[:, :len(fields)], what)
-        counts = got[:, len(fields):].reshape(world, num_chunks, local_ranks + 1)
-        peers = counts[topo.local_rank::local_ranks]  # [N, C, L + 1]: my inter-node peers, one per node
+        self._check_fields(fields, got[:, : len(fields)], what)
+        counts = got[:, len(fields) :].reshape(world, num_chunks, local_ranks + 1)
+        peers = counts[topo.local_rank :: local_ranks]  # [N, C, L + 1]: my inter-node peers, one per node
         # Stage-2 arrivals [c, l, m]: tokens of source (m, l) in chunk c for me, in arrival order.
         arrivals = counts[:, :, topo.local_rank].reshape(num_nodes, local_ranks, num_chunks).permute(2, 1, 0)
         # Every split as host ints in one transfer (one host sync on GPU).
-        host = iter(torch.cat([to_node.flatten(), peers[:, :, -1].t().flatten(), peers[:, :, :-1].sum(0).flatten(),
-                               arrivals.sum(2).flatten()]).tolist())
-        s1_send, s1_recv, s2_send, s2_recv = ([[next(host) for _ in range(n)] for _ in range(num_chunks)]
-                                              for n in (num_nodes, num_nodes, local_ranks, local_ranks))
+        host = iter(
+            torch.cat(
+                [
+                    to_node.flatten(),
+                    peers[:, :, -1].t().flatten(),
+                    peers[:, :, :-1].sum(0).flatten(),
+                    arrivals.sum(2).flatten(),
+                ]
+            ).tolist()
+        )
+        s1_send, s1_recv, s2_send, s2_recv = (
+            [[next(host) for _ in range(n)] for _ in range(num_chunks)]
+            for n in (num_nodes, num_nodes, local_ranks, local_ranks)
+        )
         chunks = []
         for c in range(num_chunks):
             begin, end = bounds[c], bounds[c + 1]
             node, token = torch.nonzero(in_node[begin:end].t()).unbind(1)  # node-major, tokens ascending
-            chunks.append(TorchDistChunk(begin, end, token, token * num_nodes + node,
-                                         s1_send[c], s1_recv[c], s2_send[c], s2_recv[c]))
+            chunks.append(
+                TorchDistChunk(
+                    begin, end, token, token * num_nodes + node, s1_send[c], s1_recv[c], s2_send[c], s2_recv[c]
+                )
+            )
         num_recv_tokens = sum(map(sum, s2_recv))
         return TorchDistPlan(
             num_tokens=num_tokens,
@@ -416,14 +473,23 @@ class TorchDistTransport:
             chunks=chunks,
             # With one chunk, arrival order (local rank, node) is final order (node, local rank)
             # when either has one value.
-            recv_perm=(None if num_chunks == 1 and (local_ranks == 1 or num_nodes == 1)
-                       else _reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens)),
+            recv_perm=(
+                None
+                if num_chunks == 1 and (local_ranks == 1 or num_nodes == 1)
+                else _reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens)
+            ),
             internode_rows=sum(sum(s) - s[topo.node] for s in s1_send),
             intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
         )
 
-    def dispatch(self, tensors: list[torch.Tensor], is_token_in_rank: torch.Tensor, plan: TorchDistPlan,
-                 out: list[torch.Tensor], what: str = "dispatch") -> Steps:
+    def dispatch(
+        self,
+        tensors: list[torch.Tensor],
+        is_token_in_rank: torch.Tensor,
+        plan: TorchDistPlan,
+        out: list[torch.Tensor],
+        what: str = "dispatch",
+    ) -> Steps:
         """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
         them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); they
         also fill the chunks' stage-2 indices."""
@@ -435,8 +501,12 @@ class TorchDistTransport:
             # Each row also carries the destination node's L columns of is_token_in_rank: the
             # forwarder's routing.
             rows = slice(chunk.begin, chunk.end)
-            return _pack([*[(t[rows], chunk.s1_send_idx) for t in tensors],
-                          (routing[chunk.begin * topo.num_nodes:chunk.end * topo.num_nodes], chunk.s1_route_idx)])
+            return _pack(
+                [
+                    *[(t[rows], chunk.s1_send_idx) for t in tensors],
+                    (routing[chunk.begin * topo.num_nodes : chunk.end * topo.num_nodes], chunk.s1_route_idx),
+                ]
+            )
 
         specs = [*_specs(tensors), (torch.bool, (local_ranks,))]
 
@@ -446,20 +516,25 @@ class TorchDistTransport:
             in_local = _fields(recv1, specs)[-1]
             chunk.s2_send_idx = torch.nonzero(in_local.t())[:, 1]  # local-rank-major, rows ascending
             if chunk.s2_send_idx.numel() != sum(chunk.s2_send_splits):
-                raise RuntimeError(f"EP rank {topo.rank}: {what}: forwarded rows ({chunk.s2_send_idx.numel()}) "
-                                   f"disagree with the metadata ({sum(chunk.s2_send_splits)}); did every rank "
-                                   f"pass the same num_experts?")
+                raise RuntimeError(
+                    f"EP rank {topo.rank}: {what}: forwarded rows ({chunk.s2_send_idx.numel()}) "
+                    f"disagree with the metadata ({sum(chunk.s2_send_splits)}); did every rank "
+                    f"pass the same num_experts?"
+                )
             return chunk.s2_send_idx
 
         yield from self._dispatch_pipeline(send1, route2, plan, out, what)
 
-    def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor],
-                what: str) -> Steps:
+    def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
         """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
         (cached dispatch, combine's backward)."""
         yield from self._dispatch_pipeline(
-            lambda chunk: _pack([(t[chunk.begin:chunk.end], chunk.s1_send_idx) for t in tensors]),
-            lambda chunk, recv1: chunk.s2_send_idx, plan, out, what)
+            lambda chunk: _pack([(t[chunk.begin : chunk.end], chunk.s1_send_idx) for t in tensors]),
+            lambda chunk, recv1: chunk.s2_send_idx,
+            plan,
+            out,
+            what,
+        )
 
     def _dispatch_pipeline(self, send1, route2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
         """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
@@ -470,16 +545,18 @@ class TorchDistTransport:
         that buffer, or, with one chunk, stage 1 delivered the buffer itself."""
         chunks = plan.chunks
         recv2, landed, in_flight = None, 0, []
-        inter = self._all_to_all(send1(chunks[0]), chunks[0].s1_send_splits, chunks[0].s1_recv_splits, INTER,
-                                 f"{what} stage 1")
+        inter = self._all_to_all(
+            send1(chunks[0]), chunks[0].s1_send_splits, chunks[0].s1_recv_splits, INTER, f"{what} stage 1"
+        )
         for c, chunk in enumerate(chunks):
             following = chunks[c + 1] if c + 1 < len(chunks) else None
             packed = send1(following) if following is not None else None  # packed while chunk c is on the wire
             recv1, pending = inter
             yield pending
             if following is not None:
-                inter = self._all_to_all(packed, following.s1_send_splits, following.s1_recv_splits, INTER,
-                                         f"{what} stage 1")
+                inter = self._all_to_all(
+                    packed, following.s1_send_splits, following.s1_recv_splits, INTER, f"{what} stage 1"
+                )
             index = route2(chunk, recv1)
             if self.groups[INTRA] is None and len(chunks) == 1 and index.numel() == recv1.shape[0]:
                 recv2 = recv1  # every row forwarded to itself, in order
@@ -488,11 +565,16 @@ class TorchDistTransport:
                 recv2 = recv1.new_empty((plan.num_recv_tokens, recv1.shape[1]))
             rows = sum(chunk.s2_recv_splits)
             if self.groups[INTRA] is None:
-                torch.index_select(recv1, 0, index, out=recv2[landed:landed + rows])
+                torch.index_select(recv1, 0, index, out=recv2[landed : landed + rows])
             else:
-                _, pending = self._all_to_all(torch.index_select(recv1, 0, index), chunk.s2_send_splits,
-                                              chunk.s2_recv_splits, INTRA, f"{what} stage 2",
-                                              recv=recv2[landed:landed + rows])
+                _, pending = self._all_to_all(
+                    torch.index_select(recv1, 0, index),
+                    chunk.s2_send_splits,
+                    chunk.s2_recv_splits,
+                    INTRA,
+                    f"{what} stage 2",
+                    recv=recv2[landed : landed + rows],
+                )
                 in_flight.append(pending)
             landed += rows
         for pending in in_flight:
@@ -500,8 +582,14 @@ class TorchDistTransport:
         _unpack_rows(recv2, plan.recv_perm, out)
 
     # -- combine -----------------------------------------------------------------------------
-    def combine(self, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], plan: TorchDistPlan,
-                out: list[torch.Tensor], what: str = "combine") -> Steps:
+    def combine(
+        self,
+        tensors: list[torch.Tensor],
+        scales: list[torch.Tensor | None],
+        plan: TorchDistPlan,
+        out: list[torch.Tensor],
+        what: str = "combine",
+    ) -> Steps:
         """Steps summing received rows back onto their source tokens.
 
         Args:
@@ -523,7 +611,7 @@ class TorchDistTransport:
         bounds = [0, *itertools.accumulate(sum(chunk.s2_recv_splits) for chunk in chunks)]
 
         def send2(c):
-            index = None if arrival is None else arrival[bounds[c]:bounds[c + 1]]  # None: in arrival order already
+            index = None if arrival is None else arrival[bounds[c] : bounds[c + 1]]  # None: in arrival order already
             return _pack([(t, index) for t in payload])
 
         def forwarder_sums(chunk, back2):
@@ -533,13 +621,21 @@ class TorchDistTransport:
             for s in scales:
                 row_scales.append(None if s is None else back2[k].view(-1))
                 k += s is not None
-            return [_block_sum(t, sc, chunk.s2_send_idx, chunk.s2_send_splits, num_forwarded)
-                    for t, sc in zip(back2[:len(tensors)], row_scales)]
+            return [
+                _block_sum(t, sc, chunk.s2_send_idx, chunk.s2_send_splits, num_forwarded)
+                for t, sc in zip(back2[: len(tensors)], row_scales)
+            ]
 
         def land(chunk, back1):
             for dst, rows in zip(out, _fields(back1, _specs(tensors))):
-                _block_sum(rows, None, chunk.s1_send_idx, chunk.s1_send_splits, chunk.end - chunk.begin,
-                           out=dst[chunk.begin:chunk.end])
+                _block_sum(
+                    rows,
+                    None,
+                    chunk.s1_send_idx,
+                    chunk.s1_send_splits,
+                    chunk.end - chunk.begin,
+                    out=dst[chunk.begin : chunk.end],
+                )
 
         # With one rank per node and no scales a forwarder's sums are its own rows, which stage 2
         # returned packed just as stage 1 sends them (a sum of one term is the term).
@@ -547,22 +643,23 @@ class TorchDistTransport:
 
         # The intra-node return and forwarder sums of chunk c + 1 overlap the inter-node return
         # of chunk c; the source's sums of chunk c overlap the inter-node return of chunk c + 1.
-        intra = self._all_to_all(send2(0), chunks[0].s2_recv_splits, chunks[0].s2_send_splits, INTRA,
-                                 f"{what} stage 2")
+        intra = self._all_to_all(send2(0), chunks[0].s2_recv_splits, chunks[0].s2_send_splits, INTRA, f"{what} stage 2")
         in_flight = None  # (chunk, back1, pending): the inter-node return on the wire
         for c, chunk in enumerate(chunks):
             packed = send2(c + 1) if c + 1 < len(chunks) else None
             back2, pending = intra
             yield pending
             if packed is not None:
-                intra = self._all_to_all(packed, chunks[c + 1].s2_recv_splits, chunks[c + 1].s2_send_splits, INTRA,
-                                         f"{what} stage 2")
+                intra = self._all_to_all(
+                    packed, chunks[c + 1].s2_recv_splits, chunks[c + 1].s2_send_splits, INTRA, f"{what} stage 2"
+                )
             send1 = back2 if passthrough else _pack([(p, None) for p in forwarder_sums(chunk, back2)])
             arrived = in_flight
             if arrived is not None:
                 yield arrived[2]  # the inter-node link is free again
-            back1, pending = self._all_to_all(send1, chunk.s1_recv_splits, chunk.s1_send_splits, INTER,
-                                              f"{what} stage 1")
+            back1, pending = self._all_to_all(
+                send1, chunk.s1_recv_splits, chunk.s1_send_splits, INTER, f"{what} stage 1"
+            )
             in_flight = (chunk, back1, pending)
             if arrived is not None:
                 land(*arrived[:2])  # while chunk c crosses back
@@ -570,8 +667,14 @@ class TorchDistTransport:
         land(*in_flight[:2])
 
 
-def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, splits: list[int],
-               num_out: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _block_sum(
+    rows: torch.Tensor,
+    scale: torch.Tensor | None,
+    index: torch.Tensor,
+    splits: list[int],
+    num_out: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``out[index[i]] += rows[i] * scale[i]`` in fp32, rounded to ``rows.dtype``; ``out``
     (``[num_out, ...]`` of ``rows.dtype``) is allocated when None, else overwritten.
 
@@ -586,16 +689,16 @@ def _block_sum(rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tens
         # there; so the values are the same bit for bit, with no fp32 copies.
         out = rows.new_zeros((num_out, *rows.shape[1:])) if out is None else out.zero_()
         for start, num in blocks:
-            out.index_add_(0, index[start:start + num], rows[start:start + num])
+            out.index_add_(0, index[start : start + num], rows[start : start + num])
         return out
     acc = torch.zeros((num_out, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
     start = 0
     for num in splits:
         if num:
-            vals = rows[start:start + num].float()
+            vals = rows[start : start + num].float()
             if scale is not None:
-                vals.mul_(scale[start:start + num].view(-1, *([1] * (rows.dim() - 1))))
-            acc.index_add_(0, index[start:start + num], vals)
+                vals.mul_(scale[start : start + num].view(-1, *([1] * (rows.dim() - 1))))
+            acc.index_add_(0, index[start : start + num], vals)
         start += num
     return acc.to(rows.dtype) if out is None else out.copy_(acc)
 
