@@ -30,6 +30,13 @@ print(f"== {sys.argv[1]}: Python {platform.python_version()}, torch {md.version(
       flush=True)
 endef
 export VERSIONS_PY
+# A pytest.ini holding only the markers that pyproject.toml registers.
+define MARKERS_INI_PY
+import tomllib
+markers = tomllib.load(open("pyproject.toml", "rb"))["tool"]["pytest"]["ini_options"]["markers"]
+print("[pytest]\nmarkers =\n" + "".join(f"    {m}\n" for m in markers), end="")
+endef
+export MARKERS_INI_PY
 DEMO_ARGS   ?=
 TRAIN_ARGS  ?=
 SIMCLUSTER_ARGS ?=
@@ -103,7 +110,8 @@ test-compat: venv-compat
 	mkdir -p $(COMPAT_DIR)/tests
 	cp -r python_tests $(COMPAT_DIR)/tests/
 	find $(COMPAT_DIR)/tests -name __pycache__ -prune -exec rm -rf {} +
-	printf '[pytest]\n' > $(COMPAT_DIR)/tests/pytest.ini  # its own rootdir: no settings from the source tree
+	@# its own rootdir: no settings from the source tree but the markers of pyproject.toml
+	$(CPY) -c "$$MARKERS_INI_PY" > $(COMPAT_DIR)/tests/pytest.ini
 	@cd $(COMPAT_DIR)/tests && $(CPY) -c "$$VERSIONS_PY" "make test-compat: Megatron tests and a core subset, moe_dispatch from its wheel"
 	cd $(COMPAT_DIR)/tests && $(CPY) -m moe_dispatch.env
 	cd $(COMPAT_DIR)/tests && MOE_DISPATCH_EXPECT_INSTALLED=1 $(CPY) -m pytest -rs -p no:cacheprovider \
@@ -119,7 +127,7 @@ simcluster: install
 	$(PY) -m benchmarks.simcluster bench $(SIMCLUSTER_ARGS)
 	$(PY) -m benchmarks.simcluster faults
 
-# Wheels the lent GPU machine lacks (it has no package index): carried as .whl by the device tool.
+# Wheels a GPU machine without network lacks (megatron-core), into .whl, which gpu_check.sh installs from.
 gpu-wheels: venv
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform any \

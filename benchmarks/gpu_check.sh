@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check: build the extension, run every test (GPU tests included), run the
-# kernel benchmarks, print a summary table last. Made for a single lent GPU machine with no
-# network: only what is installed there, plus wheels handed over in a folder.
+# kernel benchmarks, print a summary table last. Made for a single GPU machine with no network
+# and a short time budget: only what is installed there, plus wheels handed over in a folder.
 #
 #   benchmarks/gpu_check.sh --out DIR [--wheels DIR] [--dry-run]
 #
@@ -9,7 +9,7 @@
 #   --wheels DIR  wheels to install first without an index (default: .whl if it exists);
 #                 `make gpu-wheels` fills .whl with what the GPU image lacks (megatron-core)
 #   --dry-run     build + the CPU-quick tests only: checks the script itself on a CPU machine
-#   --budget-s S  whole-script bound in seconds (default 540, inside the device tool's 600 s per call)
+#   --budget-s S  whole-script bound in seconds (default 540)
 #   --steps LIST  only these steps, comma-separated (wheels, build and env always run): a short
 #                 rerun of what failed, e.g. --steps tests_kernels,tests_rest; a name this run
 #                 has no step of (a typo, an ncu step without ncu) is reported at the end and
@@ -93,10 +93,14 @@ step build 300 "$PY" setup.py -q build_ext --inplace
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step env 60 "$PY" -m moe_dispatch.env
 
-# The tests only a GPU can really check (kernels): first on a GPU, and the dry run's selection.
-GPU_TESTS="intranode or internode or gpu or cuda or extension or layout or permute or quant"
+# Tests are selected by their markers (pyproject.toml): `gpu` needs a CUDA GPU. The kernel families'
+# test files hold those and the same kernels' CPU-backend / Triton-interpreter tests: on a GPU they
+# run first, and they are the dry run's selection.
+KERNEL_FILES=(python_tests/test_intranode_cuda.py python_tests/test_internode_cuda.py python_tests/test_extension.py
+              python_tests/test_layout.py python_tests/test_permute.py python_tests/test_quant.py)
 if [[ "$DRY_RUN" == 1 ]]; then
-  step tests 300 "$PY" -m pytest python_tests -q -x -p no:cacheprovider -k "$GPU_TESTS or env" --junitxml="$OUT/tests.xml"
+  step tests 300 "$PY" -m pytest "${KERNEL_FILES[@]}" python_tests/test_env.py -q -x -p no:cacheprovider \
+       --junitxml="$OUT/tests.xml"
   # The CPU backends of the intranode and internode protocols on tiny shapes: checks the benchmark scripts.
   step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
   step bench_internode 120 "$PY" benchmarks/bench_internode.py --json "$OUT/bench_internode.json"
@@ -108,7 +112,7 @@ else
   # A machine without InfiniBand devices: NVSHMEM stays on NVLink / the local GPU instead of
   # failing to open a NIC (a cluster's own setting, when exported, wins).
   if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"; fi
-  step tests_intranode 120 "${PYTEST[@]}" python_tests/test_intranode_cuda.py -k gpu --junitxml="$OUT/tests_intranode.xml"
+  step tests_intranode 120 "${PYTEST[@]}" python_tests/test_intranode_cuda.py -m gpu --junitxml="$OUT/tests_intranode.xml"
   # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, rings 32x8 and 4x2, each without and
   # with l2_discard, vs a d2d copy in the same run.
   step bench_intranode 150 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
@@ -133,7 +137,7 @@ else
          "$0" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings "$rings" --l2-discard "$discard" \
          --warmup 1 --iters 3 || exit 1; done; done' "$PY"
   fi
-  step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -k gpu --junitxml="$OUT/tests_internode.xml"
+  step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -m gpu --junitxml="$OUT/tests_internode.xml"
   # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
   # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
   step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
@@ -152,9 +156,9 @@ else
   step bench_kernels 60 "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
   # torch_dist on NCCL with the communication stream; Megatron's GPU tests (EP >= 2 ones skip on one GPU).
   step tests_torch_dist 120 "${PYTEST[@]}" python_tests/test_gpu_torch_dist.py python_tests/test_megatron_overlap.py \
-       -k gpu --junitxml="$OUT/tests_torch_dist.xml"
-  step tests_rest 300 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --timeout 120 \
-       -k "not ($GPU_TESTS)" --junitxml="$OUT/tests_rest.xml"
+       -m gpu --junitxml="$OUT/tests_torch_dist.xml"
+  step tests_rest 300 "$PY" -m pytest python_tests -q -p no:cacheprovider -rs --timeout 120 -m "not gpu" \
+       "${KERNEL_FILES[@]/#/--ignore=}" --junitxml="$OUT/tests_rest.xml"
   # Megatron's EP-overlap schedule needs EP >= 2, hence two GPUs.
   if [[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]]; then
     step bench_megatron_overlap 300 "$PY" -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \

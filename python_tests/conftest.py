@@ -51,6 +51,14 @@ def pytest_configure(config):
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def needs_gpu(test):
+    """Marks ``test`` ``gpu`` and skips it without a CUDA GPU and the built extension."""
+    from moe_dispatch import _ext
+
+    skip = pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA GPU and the built extension")
+    return pytest.mark.gpu(skip(test))
+
+
 @pytest.fixture
 def on_kernel_device():
     """Makes KERNEL_DEVICE the default device of the test (kernel tests opt in with pytestmark)."""

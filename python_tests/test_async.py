@@ -15,6 +15,8 @@ from moe_dispatch import BudgetOverflowError, Buffer, _ext
 from .test_dispatch import expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
 
+pytestmark = pytest.mark.world
+
 LATE_S = 1.0  # how late the last rank joins, to show the others do not wait for it
 
 

@@ -116,6 +116,7 @@ def test_preset_validation_and_hidden_scale():
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
+@pytest.mark.world
 def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
     out = tmp_path / "bench.json"
     status = bench.main(
@@ -168,6 +169,7 @@ def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
     assert isinstance(figures["goal"]["met"], bool)
 
 
+@pytest.mark.world
 def test_bench_overlap_tiny_world_writes_consistent_figures(tmp_path, capsys):
     from benchmarks import bench_overlap
 

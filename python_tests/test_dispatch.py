@@ -317,6 +317,7 @@ def _world_entry(rank, world_size, ranks_per_node, transport="auto"):
 CASE_NAMES = list(_cases(1))
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("case", CASE_NAMES + list(TORCH_DIST_CASES))
 @pytest.mark.parametrize("world_size,ranks_per_node", WORLDS, ids=[f"w{w}-l{rpn}" for w, rpn in WORLDS])
 def test_world(world_size, ranks_per_node, case):
@@ -443,12 +444,14 @@ def _kernel_entry(rank, world_size):
     return run_cases(rank, world_size, KERNEL_CASES, Buffer(transport="kernels", timeout_s=60))
 
 
+@pytest.mark.world
 @pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_transport_only(case):
     assert_case(world_results(_kernel_entry, 2), case)
 
 
+@pytest.mark.world
 @pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("world_size", KERNEL_WORLDS, ids=[f"w{w}" for w in KERNEL_WORLDS])

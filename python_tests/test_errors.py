@@ -237,6 +237,7 @@ def _case_names():
     return list(_bad_input_cases(None)) + list(_handle_cases(None, None))
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("case", _case_names())
 def test_bad_input(case):
     assert_case(world_results(_errors_entry, 2), case)
@@ -261,6 +262,7 @@ def _withheld_rank_entry(rank, world_size, ranks_per_node, absent, transport="au
     return time.monotonic() - start, "no error"
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("world_size,ranks_per_node,transport", [(2, 1, "auto"), (4, 2, "auto"), (3, 3, "kernels")])
 def test_withheld_rank_times_out(world_size, ranks_per_node, transport):
     absent = world_size - 1
@@ -294,6 +296,7 @@ def _mode_mismatch_entry(rank, world_size):
     return "no error"
 
 
+@pytest.mark.world
 def test_ranks_disagreeing_on_num_worst_tokens_are_named():
     first, second = world_results(_mode_mismatch_entry, 2)
     assert (
@@ -336,6 +339,7 @@ def _inconsistent_entry(rank, world_size):
     return messages
 
 
+@pytest.mark.world
 def test_arguments_differ_across_ranks():
     """Every rank raises, naming the field, the other rank and both values readably."""
     # case -> (the field the message names, (rank 0's value, rank 1's value) where pinned)
@@ -370,6 +374,7 @@ def _ranks_per_node_entry(rank, world_size):
     return {name: default_ranks_per_node(group) for name, group in made.items() if rank in groups[name]}
 
 
+@pytest.mark.world
 def test_default_ranks_per_node_follows_where_ranks_run():
     """LOCAL_WORLD_SIZE=2: 4 ranks are 2 nodes x 2; a strided EP group (Megatron with TP=2) has
     one rank per node; uneven groups fall back to one node."""
@@ -388,6 +393,7 @@ def _environment_entry(rank, world_size):
     return _PROBE_AT_IMPORT, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
 
 
+@pytest.mark.world
 def test_gloo_world_sees_its_environment_and_no_gpu_from_the_first_import():
     """A gloo world is a CPU world also where a GPU is visible: CUDA_VISIBLE_DEVICES='' and any
     env= value hold before fn's module is imported (Megatron's import already asks CUDA for its

@@ -21,6 +21,8 @@ import torch
 from moe_dispatch import _ext
 from moe_dispatch.semantics.layout import get_dispatch_layout_reference
 
+from .conftest import needs_gpu
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,6 @@ def _load_setup_py():
 setup_py = _load_setup_py()
 STATUS = _ext.extension_status()
 built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not available: {STATUS.error}")
-needs_gpu = pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA GPU and the built extension")
 
 
 # --- the build -------------------------------------------------------------------------------

@@ -13,7 +13,11 @@ from moe_dispatch.semantics import reference
 from .test_dispatch import expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL world)")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.world,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL world)"),
+]
 
 
 def _roundtrip(rank, world_size, buf, **launch):

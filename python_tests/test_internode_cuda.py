@@ -34,6 +34,7 @@ from moe_dispatch.transport.internode import (
     rdma_layout,
 )
 from moe_dispatch.transport.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
+from python_tests.conftest import needs_gpu
 from python_tests.test_intranode_cuda import (
     ROOT,
     assert_dispatch_equal,
@@ -47,7 +48,6 @@ from python_tests.worlds import assert_case, run_cases, world_results
 
 STATUS = _ext.extension_status()
 built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not available: {STATUS.error}")
-needs_gpu = pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA GPU and the built extension")
 
 
 def lower_bound_bytes(idxs, num_experts: int, num_nodes: int, ranks_per_node: int, row_bytes: int) -> int:
@@ -363,6 +363,7 @@ def _shm_entry(rank, world_size, ranks_per_node):
     return run_cases(rank, world_size, {"roundtrip": lambda r, w: _shm_world_roundtrip(r, w, ranks_per_node)})
 
 
+@pytest.mark.world
 @built
 @pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (3, 1), (6, 3)])
 def test_cpu_shared_memory_world_matches_oracle(world_size, ranks_per_node):
@@ -373,6 +374,7 @@ def _nvshmem_entry(rank, world_size):
     return run_cases(rank, world_size, {"roundtrip": _nvshmem_world_roundtrip})
 
 
+@pytest.mark.world
 @needs_gpu
 @pytest.mark.skipif(not STATUS.with_nvshmem, reason="moe_dispatch._C was built without NVSHMEM")
 def test_gpu_nvshmem_world_matches_oracle():

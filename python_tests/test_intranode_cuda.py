@@ -37,12 +37,12 @@ from moe_dispatch.transport.intranode import (
     Loopback,
     describe_timeout,
 )
+from python_tests.conftest import needs_gpu
 from python_tests.worlds import assert_case, run_cases, world_results
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = _ext.extension_status()
 built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not available: {STATUS.error}")
-needs_gpu = pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA GPU and the built extension")
 
 
 # --- routing and data (one seed builds every rank's inputs) ------------------------------------
@@ -514,6 +514,7 @@ def _shm_entry(rank, world_size):
     return run_cases(rank, world_size, {"roundtrip": _shm_world_roundtrip, "withheld rank": _shm_world_withheld_rank})
 
 
+@pytest.mark.world
 @built
 @pytest.mark.parametrize("case", ["roundtrip", "withheld rank"])
 def test_cpu_shared_memory_world_matches_oracle(case):
@@ -538,6 +539,7 @@ def _failed_setup(rank, world_size):
     return "no error"
 
 
+@pytest.mark.world
 @built
 def test_cpu_failed_setup_leaves_no_shared_memory():
     before = set(os.listdir("/dev/shm"))
@@ -584,6 +586,7 @@ def _ipc_entry(rank, world_size):
     return run_cases(rank, world_size, {"roundtrip": _ipc_world_roundtrip})
 
 
+@pytest.mark.world
 @needs_gpu
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpu_ipc_world_matches_oracle(world_size):

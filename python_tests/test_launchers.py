@@ -420,6 +420,7 @@ def test_scripts_are_shellcheck_clean():
 
 
 # -- real runs -----------------------------------------------------------------------------------
+@pytest.mark.world
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
     """1 node x 2 ranks (gloo on loopback); --ranks-per-node 1 makes them 2 benchmark nodes, so
@@ -459,6 +460,7 @@ def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
     assert "oracle check passed" in log.read_text()
 
 
+@pytest.mark.world
 def test_torchrun_launcher_names_the_failed_step(tmp_path):
     # Node 1 of 2 with nobody at the master: the rendezvous times out.
     port = free_port()
@@ -514,6 +516,7 @@ def test_torchrun_launcher_names_the_failed_step(tmp_path):
     assert "step 'torchrun'" in done.stderr and "the wall-clock bound of 1 s struck" in done.stderr, done.stderr
 
 
+@pytest.mark.world
 def test_sbatch_runs_two_simulated_nodes(tmp_path, fake_slurm):
     """sbatch_bench.sh for real on 2 nodes x 2 ranks: the fake srun runs one task per node inside
     that node's network namespace of a simulated cluster; the nodes meet at node 0's address."""

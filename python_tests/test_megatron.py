@@ -25,6 +25,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
 
 from .worlds import assert_case, run_cases, world_results  # noqa: E402
 
@@ -371,6 +372,7 @@ def world_entry(rank: int, world_size: int):
     return run_cases(rank, world_size, ALL_CASES)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("case", list(ALL_CASES))
 def test_megatron_world(case):
     assert_case(world_results(world_entry, WORLD_SIZE), case)

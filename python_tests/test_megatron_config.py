@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
 
 import moe_dispatch.megatron as mdm  # noqa: E402
 from moe_dispatch.megatron import compat  # noqa: E402

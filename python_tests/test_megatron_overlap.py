@@ -30,6 +30,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
 
 from .test_megatron import HIDDEN, NUM_EXPERTS, TOPK, _config, _init_parallel  # noqa: E402
 from .worlds import assert_case, run_cases, world_results  # noqa: E402
@@ -292,6 +293,7 @@ def world_entry(rank: int, world_size: int):
     return run_cases(rank, world_size, CPU_CASES)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_megatron_overlap_world(case):
     assert_case(world_results(world_entry, WORLD_SIZE), case)
@@ -353,6 +355,8 @@ def _gpu_entry(rank: int, world_size: int):
     return alltoall, custom
 
 
+@pytest.mark.gpu
+@pytest.mark.world
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs (Megatron EP overlap with NCCL)")
 def test_gpu_ep_overlap_delay_wgrad_matches_alltoall():
     gpus = torch.cuda.device_count()

@@ -10,8 +10,10 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
 pytest.importorskip("rich")
+pytestmark = pytest.mark.megatron
 
 
+@pytest.mark.world
 def test_training_script_runs_and_curves_agree(tmp_path):
     from benchmarks import train_megatron_moe as train
 

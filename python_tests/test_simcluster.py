@@ -54,6 +54,7 @@ def _check(outcome: faults.FaultOutcome) -> None:
         )
 
 
+@pytest.mark.world
 def test_link_cut_during_dispatch(cluster_support):
     outcome = faults.run_fault(
         "link-cut", num_nodes=2, ranks_per_node=2, timeout_s=TIMEOUT_S, slack_s=SLACK_S, log=lambda _: None
@@ -67,6 +68,7 @@ def test_link_cut_during_dispatch(cluster_support):
         assert r["seconds_after_fault"] >= 0.25 * TIMEOUT_S, r
 
 
+@pytest.mark.world
 def test_rank_kill_during_combine(cluster_support):
     outcome = faults.run_fault(
         "rank-kill", num_nodes=2, ranks_per_node=2, timeout_s=TIMEOUT_S, slack_s=SLACK_S, log=lambda _: None
@@ -83,6 +85,7 @@ def test_rank_kill_during_combine(cluster_support):
     )
 
 
+@pytest.mark.world
 def test_intra_node_traffic_stays_off_the_uplinks(cluster_support, tmp_path):
     """Ranks of one node talk over its loopback; only inter-node traffic crosses the shaped link."""
     run_dir = tmp_path
