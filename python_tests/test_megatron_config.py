@@ -1,6 +1,6 @@
 """``moe_dispatch.megatron`` in one process: ``configure()`` and its checks (each error names the
 knob, the reason and the fix), the patch points ``install()`` wraps, Megatron-Bridge's helper
-(against a stand-in module: Bridge is not a dependency), and the import guard."""
+(against stand-in modules; test_megatron_bridge.py runs the real one), and the import guard."""
 
 from __future__ import annotations
 
@@ -353,7 +353,7 @@ def test_setup_metadata_compiles_without_graph_breaks():
 
 
 # ---------------------------------------------------------------------------------------------
-# Megatron-Bridge (stand-in module with Bridge's helper signature; Bridge is not a dependency)
+# Megatron-Bridge (stand-in modules with its helpers' signatures; test_megatron_bridge.py runs the real one)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -413,8 +413,40 @@ def test_bridge_helper_accepts_custom(fake_bridge):
 
 
 def test_no_bridge_no_patch():
-    assert compat._BRIDGE_MODULE not in sys.modules
+    """Importing moe_dispatch.megatron never imports Bridge (its package imports every model bridge)."""
+    assert not any(name.startswith("megatron.bridge") for name in sys.modules)
     assert mdm.patch_bridge() is False
+
+
+def test_bridge_module_is_patched_when_imported(tmp_path, monkeypatch):
+    """The import hook install() sets up: a Bridge module imported after moe_dispatch.megatron is
+    patched before its importer binds the names (a stand-in file tree on sys.path: ``megatron`` is
+    a namespace package, so it joins the installed megatron-core as Bridge's wheel does)."""
+    root = tmp_path / "megatron" / "bridge" / "training"
+    root.mkdir(parents=True)
+    for pkg in (root.parent, root):
+        (pkg / "__init__.py").write_text("")
+    (root / "flex_dispatcher_backend.py").write_text(
+        "def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None):\n"
+        "    model_config.seen_by_bridge = moe_flex_dispatcher_backend\n\n"
+        "def validate_flex_dispatcher_backend(model_config):\n"
+        "    model_config.validated_by_bridge = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("megatron.bridge", "megatron.bridge.training", compat._BRIDGE_MODULE):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # and removed again at teardown
+    from megatron.bridge.training.flex_dispatcher_backend import (apply_flex_dispatcher_backend,
+                                                                   validate_flex_dispatcher_backend)
+
+    assert getattr(apply_flex_dispatcher_backend, "_moe_dispatch_patched", False)
+    assert getattr(validate_flex_dispatcher_backend, "_moe_dispatch_patched", False)
+    cfg = _config()
+    apply_flex_dispatcher_backend(cfg, "custom")
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend) == ("flex", "custom")
+    assert not hasattr(cfg, "seen_by_bridge")
+    validate_flex_dispatcher_backend(cfg)
+    assert not hasattr(cfg, "validated_by_bridge")
+    apply_flex_dispatcher_backend(cfg, "deepep")  # other names: Bridge's own function
+    assert cfg.seen_by_bridge == "deepep"
 
 
 # ---------------------------------------------------------------------------------------------
