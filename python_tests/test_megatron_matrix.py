@@ -13,8 +13,8 @@ nodes (``ranks_per_node`` 4 and 2 over the TP x EP group). Each phase runs:
   shapes), for four modes:
 
   * dropless: the input comes back (times the expert-TP size) and so does its gradient;
-  * capacity (factor 0.5, drop policy "probs"): no expert gets more than ``capacity * ep *
-    tp`` rows, and the input comes back scaled by the sum of its kept probs;
+  * capacity (factor 0.5, drop policy "probs", and "position" too): no expert gets more than
+    ``capacity * ep * tp`` rows, and the input comes back scaled by the sum of its kept probs;
   * drop-and-pad (factor 0.6, ``moe_pad_expert_input_to_capacity``): every expert gets exactly
     ``capacity * ep * tp`` rows, and output and gradient equal the unpadded run's;
   * router padding for quantization (32 experts, top-4, fp8): every expert block is a
@@ -53,6 +53,7 @@ SHAPES = {"fp32_h16": (torch.float32, 16), "bf16_h1024": (torch.bfloat16, 1024)}
 MODES = {
     "dropless": (8, 2, (32, 8), {}),
     "capacity": (8, 2, (16,), dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")),
+    "capacity_position": (8, 2, (16,), dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position")),
     "drop_and_pad": (8, 2, (16,), dict(moe_expert_capacity_factor=0.6, moe_token_drop_policy="probs",
                                        moe_pad_expert_input_to_capacity=True)),
     "router_padding": (32, 4, (32,), dict(moe_router_padding_for_quantization=True, fp8="hybrid")),
@@ -185,7 +186,7 @@ def _dispatcher_case(tp: int, ep: int, nodes: int, mode: str, shape_name: str, s
                 torch.testing.assert_close(out, x.detach() * tp, **tol)
                 out.backward(x.detach())
                 torch.testing.assert_close(x.grad, x.detach() * tp, **tol)
-            elif mode == "capacity":
+            elif mode.startswith("capacity"):
                 kept = {}
 
                 def probs_fn(p):
