@@ -10,8 +10,8 @@ micro-batch and layer (the semantics come from megatron-core's ``token_dispatche
    combine). Fused (HybridEP layout): the received rows are permuted to expert-major blocks
    padded to ``pad_multiple``, optionally into a static budget of ``P`` rows or (drop-and-pad)
    into blocks of exactly ``capacity x group size`` rows, and ``dispatched_probs [P]`` follows
-   the rows. Unfused (DeepEP layout): the received rows come
-   back as is (``[R, H]``, source rank then source token) with ``dispatched_probs [R, K]``.
+   the rows. Unfused (DeepEP layout): the received rows come back as is (``[R, H]``, source
+   rank then source token) with ``dispatched_probs [R, K]``.
 3. ``get_permuted_hidden_states_by_experts(hidden)`` -> ``(tokens [P, H], probs [P])``: the
    permute when unfused, the identity when fused. Experts multiply by the probs themselves.
 4. ``get_number_of_tokens_per_expert()`` -> ``[E_local]`` int64 split sizes of the rows.
@@ -189,17 +189,15 @@ class CustomDispatchManager(_DispatchManager):
                       pad_multiple=self.pad_multiple, num_permuted_tokens=budget, expert_capacity=capacity,
                       validate=False)
         state.permute_handle, state.tokens_per_expert = res.handle, res.tokens_per_expert
-        if capacity is not None:  # fixed blocks: the split sizes sum to P already
-            self.over_budget |= res.handle.overflow.to(self.over_budget.device)
-            if self.options.raise_on_overflow:
-                check_permute_overflow(res.handle)
         if budget is not None:
             # The unused tail of the budget (zero rows, no token, prob 0) joins the last expert's
             # block, so the split sizes sum to P as Megatron's experts (torch.split, grouped
             # GEMMs) require; its outputs are never gathered back. Device ops, no host sync.
+            # (Fixed drop-and-pad blocks sum to P already.)
             tokens_per_expert = res.tokens_per_expert.clone()
             tokens_per_expert[-1] += budget - tokens_per_expert.sum()
             state.tokens_per_expert = tokens_per_expert
+        if budget is not None or capacity is not None:
             self.over_budget |= res.handle.overflow.to(self.over_budget.device)
             if self.options.raise_on_overflow:
                 check_permute_overflow(res.handle)
