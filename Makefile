@@ -18,6 +18,7 @@ COMPAT_DIR  := build/compat
 # subset (oracle, Buffer dispatch/combine in gloo worlds, Triton kernels under the interpreter, errors);
 # COMPAT_K leaves out the 8-rank dispatch worlds (the Megatron worlds and the 2- and 4-rank ones cover it).
 COMPAT_TESTS ?= test_installed_wheel.py test_megatron.py test_megatron_config.py test_megatron_overlap.py \
+                test_megatron_matrix.py test_megatron_bridge.py \
                 test_reference.py test_dispatch.py test_permute.py test_layout.py test_errors.py test_env.py
 COMPAT_K    ?= not w8
 COMPAT_PYTEST_ARGS ?=
@@ -41,21 +42,24 @@ DEMO_ARGS   ?=
 TRAIN_ARGS  ?=
 SIMCLUSTER_ARGS ?=
 
-# A virtual environment's recipe: $(call make_venv,DIR,PYTHON,VERSION,VENV_PYTHON) makes DIR with PYTHON
-# (Python VERSION) and installs the target's prerequisite (a requirements file) with DIR's VENV_PYTHON.
+# A virtual environment's recipe: $(call make_venv,DIR,PYTHON,VERSION,VENV_PYTHON[,NO_DEPS]) makes DIR with
+# PYTHON (Python VERSION) and installs the target's first prerequisite (a requirements file) with DIR's
+# VENV_PYTHON, then the requirements file NO_DEPS (if given) without dependencies.
 define make_venv
 	@test -n "$(2)" || { echo "error: Python $(3) not found (install python$(3), or pyenv $(3).x)"; exit 1; }
 	rm -rf $(1)
 	$(2) -m venv $(1)
 	$(4) -m pip install -q --upgrade pip
 	$(4) -m pip install -q -r $<
+	$(if $(5),$(4) -m pip install -q --no-deps -r $(5))
 	touch $@
 endef
 
 .PHONY: venv install lint demo test test-main test-compat venv-compat train simcluster gpu-wheels gpu-check-dry clean
 
-$(VENV)/.deps: requirements/dev.txt
-	$(call make_venv,$(VENV),$(PYTHON312),3.12,$(PY))
+# Megatron-Bridge (requirements/bridge.txt) without its dependencies: see that file.
+$(VENV)/.deps: requirements/dev.txt requirements/bridge.txt
+	$(call make_venv,$(VENV),$(PYTHON312),3.12,$(PY),requirements/bridge.txt)
 
 venv: $(VENV)/.deps
 

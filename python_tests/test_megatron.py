@@ -8,7 +8,9 @@ expert-TP 2 x EP 2 (the flex dispatcher's TP x EP group).
   token_dispatch -> dispatch_postprocess -> scale by probs -> combine_preprocess ->
   token_combine -> combine_postprocess restores the input, and the gradient of the input is
   the output gradient; dropless, padded (fused permute), with a static budget (overflow
-  detected), and with tokens that lost experts to a capacity drop.
+  detected), with tokens that lost experts to a capacity drop, and in drop-and-pad mode with
+  uneven token counts per rank (fixed expert blocks; a rank receiving more than its blocks
+  hold flags it).
 - The expert input (rows, split sizes, probs) equals the alltoall dispatcher's row for row.
 - Equivalence: one MoELayer's weights and inputs through alltoall and through "custom" give
   the same output and the same gradients (input, router, experts).
@@ -200,6 +202,33 @@ def _check_budget(ep: int, seed: int):
     return case
 
 
+def _check_drop_and_pad(ep: int, seed: int):
+    """Drop-and-pad outside the router: every local expert block has capacity x EP rows, where
+    capacity is Megatron's get_capacity of this rank's tokens; blocks too small for what the
+    other ranks (more tokens) send set the overflow flag, and raise_on_overflow names it."""
+
+    def case(rank, world_size):
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        from moe_dispatch import BudgetOverflowError as PermuteOverflowError
+
+        num_tokens = (5 + rank) * 2
+        for factor, overflows in ((4.0, False), (0.1, True)):
+            knobs = dict(moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=True, ranks_per_node=2)
+            d, _, (tokens, tpe, _) = _check_roundtrip(_config(ep, "custom", **knobs), rank, seed,
+                                                      exact_restore=not overflows)
+            block = get_capacity(num_tokens * TOPK, NUM_EXPERTS, factor) * ep
+            assert tpe.tolist() == [block] * (NUM_EXPERTS // ep) and tokens.shape[0] == block * NUM_EXPERTS // ep
+            assert bool(d.check_over_budget().any()) == overflows
+        d = _dispatcher(_config(ep, "custom", raise_on_overflow=True, **knobs))
+        x, routing_map, probs = _inputs(rank, seed)
+        hidden, p = d.dispatch_preprocess(x, routing_map, probs)
+        with pytest.raises(PermuteOverflowError, match=r"copies for one expert .* expert_capacity="):
+            d.token_dispatch(hidden, p)
+
+    return case
+
+
 def _check_raise_on_overflow(ep: int, seed: int):
     def case(rank, world_size):
         from moe_dispatch import BudgetOverflowError
@@ -331,6 +360,7 @@ EP4_CASES = {
     "expert_input_ep4_2nodes_padded": _check_same_expert_input(4, 5, pad_multiple=4, ranks_per_node=2),
     "budget_ep4_2nodes": _check_budget(4, 6),
     "raise_on_overflow_ep4": _check_raise_on_overflow(4, 7),
+    "drop_and_pad_ep4_2nodes": _check_drop_and_pad(4, 10),
     "layer_equivalence_ep4_2nodes": _check_layer_equivalence(4, 8, ranks_per_node=2),
     "layer_equivalence_ep4_2nodes_padded": _check_layer_equivalence(4, 9, ranks_per_node=2, pad_multiple=8),
     "ranks_per_node_ep4": _check_ranks_per_node(4),
@@ -354,8 +384,7 @@ EP2_CASES = {
 ETP2_CASES = {  # expert tensor parallelism 2 x EP 2: the TP x EP group of 4, experts and top-k folded
     "contract_etp2_ep2_2nodes": _check_contract(2, 21, etp=2, ranks_per_node=2),
     "contract_etp2_ep2_2nodes_padded": _check_contract(2, 22, etp=2, ranks_per_node=2, pad_multiple=4),
-    # (no alltoall comparison here: with expert TP, Megatron's alltoall dispatcher all-gathers
-    # uneven row counts over the TP group, which gloo's all_gather does not support)
+    # (test_megatron_matrix.py compares expert TP with the alltoall dispatcher, 1 and 2 nodes)
 }
 ALL_CASES = {**_phase(4, EP4_CASES), **_phase(2, EP2_CASES), **_phase(2, ETP2_CASES, etp=2)}
 

@@ -1,6 +1,6 @@
 """``moe_dispatch.megatron`` in one process: ``configure()`` and its checks (each error names the
 knob, the reason and the fix), the patch points ``install()`` wraps, Megatron-Bridge's helper
-(against a stand-in module: Bridge is not a dependency), and the import guard."""
+(against stand-in modules; test_megatron_bridge.py runs the real one), and the import guard."""
 
 from __future__ import annotations
 
@@ -72,12 +72,44 @@ def test_resolved_layout():
     assert not resolve_fuse_permute(cfg)
 
 
+def test_expert_tp_without_ep_configures():
+    """The flex dispatcher communicates over expert TP x EP: EP 1 with expert TP 4 is a group of 4."""
+    from moe_dispatch.megatron.config import dispatch_group_size
+
+    cfg = mdm.configure(_config(expert_model_parallel_size=1, expert_tensor_parallel_size=4, add_bias_linear=False),
+                        ranks_per_node=2)
+    assert dispatch_group_size(cfg) == 4 and mdm.is_custom_backend(cfg)
+    assert dispatch_group_size(_config(tensor_model_parallel_size=2, add_bias_linear=False)) == 4  # ETP = TP
+
+
+def test_drop_and_pad_and_router_padding_resolve():
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    from moe_dispatch.megatron.config import resolve_expert_capacity, resolve_fuse_permute, resolve_pad_multiple
+
+    cfg = mdm.configure(_config(), moe_expert_capacity_factor=0.6, moe_pad_expert_input_to_capacity=True)
+    assert resolve_fuse_permute(cfg) and resolve_pad_multiple(cfg) == 1
+    capacity = get_capacity(16 * 2, 8, 0.6)  # the router's capacity of a rank's 16 tokens, top-2 of 8 experts
+    assert resolve_expert_capacity(cfg, 16, 4) == capacity * 4
+    cfg.moe_pad_expert_input_to_capacity = False  # capacity factor alone: the router drops, no fixed blocks
+    assert resolve_expert_capacity(cfg, 16, 4) is None and not resolve_fuse_permute(cfg)
+    # router padding: fp8 set after construction (TransformerConfig refuses fp8 without Transformer Engine)
+    cfg = mdm.configure(_config(), moe_router_padding_for_quantization=True, fp8="hybrid")
+    assert resolve_pad_multiple(cfg) == 16 and resolve_fuse_permute(cfg)
+    cfg = mdm.configure(_config(), moe_router_padding_for_quantization=True, fp8="hybrid", pad_multiple=32)
+    assert resolve_pad_multiple(cfg) == 32
+    cfg = mdm.configure(_config(), moe_expert_capacity_factor=0.6, moe_pad_expert_input_to_capacity=True,
+                        pad_multiple=16)  # fixed blocks round up to the padding multiple
+    assert resolve_expert_capacity(cfg, 16, 4) == -(-capacity * 4 // 16) * 16
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(moe_token_dispatcher_type="alltoall"),
      r"configure\(\) selects moe_token_dispatcher_type='flex'.*got moe_token_dispatcher_type='alltoall'.*Drop "
      r"those keywords"),
     (dict(expert_model_parallel_size=1),
-     r"expert_model_parallel_size=1: there is nothing to dispatch\. Set expert_model_parallel_size > 1"),
+     r"expert_tensor_parallel_size x expert_model_parallel_size = 1 x 1 = 1: there is nothing to dispatch\. Set "
+     r"expert_model_parallel_size > 1 or expert_tensor_parallel_size > 1"),
     (dict(num_moe_experts=1), r"num_moe_experts=1: set num_moe_experts >= 2"),
     (dict(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2),
      r"pipeline_model_parallel_size=2 needs the interleaved schedule: set virtual_pipeline_model_parallel_size"),
@@ -85,9 +117,17 @@ def test_resolved_layout():
      r"moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other.*set "
      r"moe_shared_expert_overlap=False"),
     (dict(delay_wgrad_compute=True), r"set overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False"),
-    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0),
-     r"moe_pad_expert_input_to_capacity=True is not supported.*pad_multiple"),
-    (dict(moe_router_padding_for_quantization=True), r"set it False and use configure\(config, pad_multiple=16\)"),
+    (dict(moe_pad_expert_input_to_capacity=True),
+     r"moe_pad_expert_input_to_capacity=True pads every expert's input to its capacity, which "
+     r"moe_expert_capacity_factor defines: set moe_expert_capacity_factor"),
+    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0, expert_rank_capacity_factor=1.5),
+     r"already fixes the expert input \(capacity rows per expert\).*drop the static budget"),
+    (dict(moe_router_padding_for_quantization=True),
+     r"the config has neither fp8 nor fp4 \(Megatron requires one\): set fp8/fp4, or set "
+     r"moe_router_padding_for_quantization=False"),
+    (dict(moe_router_padding_for_quantization=True, fp8="hybrid", pad_multiple=8),
+     r"needs expert blocks padded to a multiple of 16 \(the fp8/fp4 recipe's alignment\), but "
+     r"configure\(pad_multiple=8\) is not one"),
     (dict(moe_expert_rank_capacity_factor=1.5), r"HybridEP's/NCCL EP's knob.*expert_rank_capacity_factor=\.\.\."),
 ])
 def test_configure_rejects_with_the_fix(fields, match):
@@ -315,7 +355,7 @@ def test_setup_metadata_compiles_without_graph_breaks():
 
 
 # ---------------------------------------------------------------------------------------------
-# Megatron-Bridge (stand-in module with Bridge's helper signature; Bridge is not a dependency)
+# Megatron-Bridge (stand-in modules with its helpers' signatures; test_megatron_bridge.py runs the real one)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -359,7 +399,7 @@ def test_bridge_helper_accepts_custom(fake_bridge):
     assert mdm.get_options(cfg) == mdm.CustomBackendOptions()
     flex.validate_flex_dispatcher_backend(cfg)  # ours: passes
     cfg.expert_model_parallel_size = 1
-    with pytest.raises(ValueError, match="expert_model_parallel_size=1"):
+    with pytest.raises(ValueError, match="nothing to dispatch"):
         flex.validate_flex_dispatcher_backend(cfg)
 
     other = _config()
@@ -375,8 +415,42 @@ def test_bridge_helper_accepts_custom(fake_bridge):
 
 
 def test_no_bridge_no_patch():
-    assert compat._BRIDGE_MODULE not in sys.modules
+    """Importing moe_dispatch.megatron never imports Bridge (its package imports every model bridge)."""
+    assert not any(name.startswith("megatron.bridge") for name in sys.modules)
     assert mdm.patch_bridge() is False
+
+
+def test_bridge_module_is_patched_when_imported(tmp_path, monkeypatch):
+    """The import hook install() sets up: a Bridge module imported after moe_dispatch.megatron is
+    patched before its importer binds the names (a stand-in file tree on sys.path: ``megatron`` is
+    a namespace package, so it joins the installed megatron-core as Bridge's wheel does)."""
+    root = tmp_path / "megatron" / "bridge" / "training"
+    root.mkdir(parents=True)
+    for pkg in (root.parent, root):
+        (pkg / "__init__.py").write_text("")
+    (root / "flex_dispatcher_backend.py").write_text(
+        "def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None):\n"
+        "    model_config.seen_by_bridge = moe_flex_dispatcher_backend\n\n"
+        "def validate_flex_dispatcher_backend(model_config):\n"
+        "    model_config.validated_by_bridge = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("megatron.bridge", "megatron.bridge.training", compat._BRIDGE_MODULE):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # and removed again at teardown
+    from megatron.bridge.training.flex_dispatcher_backend import (
+        apply_flex_dispatcher_backend,
+        validate_flex_dispatcher_backend,
+    )
+
+    assert getattr(apply_flex_dispatcher_backend, "_moe_dispatch_patched", False)
+    assert getattr(validate_flex_dispatcher_backend, "_moe_dispatch_patched", False)
+    cfg = _config()
+    apply_flex_dispatcher_backend(cfg, "custom")
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend) == ("flex", "custom")
+    assert not hasattr(cfg, "seen_by_bridge")
+    validate_flex_dispatcher_backend(cfg)
+    assert not hasattr(cfg, "validated_by_bridge")
+    apply_flex_dispatcher_backend(cfg, "deepep")  # other names: Bridge's own function
+    assert cfg.seen_by_bridge == "deepep"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,7 +486,7 @@ def test_configure_rejects_what_would_fail_later():
     """Settings that pass Megatron's own checks but cannot work with the backend fail at configure()."""
     with pytest.raises(ValueError, match=r"num_moe_experts=6 is not divisible by expert_model_parallel_size=4"):
         mdm.configure(_config(expert_model_parallel_size=4), num_moe_experts=6)
-    with pytest.raises(ValueError, match=r"configure\(ranks_per_node=3\) must divide expert_model_parallel_size=4"):
+    with pytest.raises(ValueError, match=r"configure\(ranks_per_node=3\) must divide the expert TP x EP group size 4"):
         mdm.configure(_config(expert_model_parallel_size=4), ranks_per_node=3)
     with pytest.raises(ValueError, match=r"moe_flex_dispatcher_backend='deepep'. Drop those keywords"):
         mdm.configure(_config(), moe_flex_dispatcher_backend="deepep")

@@ -1,5 +1,6 @@
 """Fused permute / unpermute: Triton (under the interpreter on CPU) against the torch reference,
-the reference against first principles, the static budget, autograd and the fp8 pair.
+the reference against first principles, the static budget, fixed expert blocks (drop-and-pad),
+autograd and the fp8 pair.
 
 Data movement and indices compare exactly (bitwise); unpermute is a reduction and compares
 with a tolerance (see ``assert_sum_close``).
@@ -68,18 +69,19 @@ def assert_sum_close(got, want):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
 
 
-def naive_permute(x, idx, probs, num_experts, pad, budget=None):
-    """First-principles layout with Python loops (small inputs only)."""
+def naive_permute(x, idx, probs, num_experts, pad, capacity=None):
+    """First-principles layout with Python loops (small inputs only); ``capacity``: every
+    expert block has exactly that many rows, an expert's later copies left out."""
     rows, row_probs, tokens_per_expert, row_of = [], [], [], {}
     for e in range(num_experts):
         start = len(rows)
         for r in range(idx.shape[0]):
             for k in range(idx.shape[1]):
-                if int(idx[r, k]) == e:
+                if int(idx[r, k]) == e and (capacity is None or len(rows) - start < capacity):
                     row_of[(r, k)] = len(rows)
                     rows.append(x[r])
                     row_probs.append(float(probs[r, k]))
-        while (len(rows) - start) % pad:
+        while (len(rows) - start) % pad or (capacity is not None and len(rows) - start < capacity):
             rows.append(torch.zeros_like(x[0]))
             row_probs.append(0.0)
         tokens_per_expert.append(len(rows) - start)
@@ -244,6 +246,50 @@ def test_budget_overflow_flag(gen, pad):
     assert not check_permute_overflow(full.handle)
 
 
+@pytest.mark.parametrize("pad", [1, 4])
+def test_fixed_expert_blocks(gen, pad):
+    """expert_capacity (Megatron's drop-and-pad layout): exactly C rows per expert whatever the
+    counts, the first C copies of an expert kept, overflow flagged exactly when one has more."""
+    num_tokens, num_topk, num_experts, hidden = 40, 3, 4, 12
+    idx = random_local_topk(num_tokens, num_topk, num_experts, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    probs = torch.rand(num_tokens, num_topk, generator=gen)
+    counts = torch.bincount(idx[idx >= 0], minlength=num_experts)
+    for capacity in (0, pad, int(counts.max()) // pad * pad, -(-int(counts.max()) // pad) * pad + pad):
+        rows, row_probs, tpe, row_of = naive_permute(x, idx, probs, num_experts, pad, capacity)
+        results = [permute(x, idx, probs, num_local_experts=num_experts, pad_multiple=pad, expert_capacity=capacity,
+                           backend=backend) for backend in ("torch", "triton")]
+        assert_handles_equal(results[1].handle, results[0].handle)
+        for res in results:
+            assert res.permuted_x.shape == (num_experts * capacity, hidden)
+            assert res.tokens_per_expert.tolist() == tpe == [capacity] * num_experts
+            if rows:
+                assert_bits_equal(res.permuted_x, torch.stack(rows))
+            assert res.permuted_probs.tolist() == pytest.approx(row_probs, abs=0)
+            assert bool(res.handle.overflow) == bool((counts > capacity).any())
+            assert int(res.handle.num_rows_needed) == int(torch.maximum(
+                torch.full_like(counts, capacity), (counts + pad - 1) // pad * pad).sum())
+            got = {(r, k): int(res.handle.row_id_map[r, k]) for r in range(num_tokens) for k in range(num_topk)}
+            assert got == {(r, k): row_of.get((r, k), -1) for r in range(num_tokens) for k in range(num_topk)}
+        if bool(results[0].handle.overflow):
+            with pytest.raises(PermuteOverflowError, match=rf"got {int(counts.max())} copies for one expert .* "
+                                                           rf"expert_capacity={capacity}"):
+                check_permute_overflow(results[0].handle)
+        else:
+            assert not check_permute_overflow(results[0].handle)
+    for backend in ("torch", "triton"):  # no tokens: still C zero rows per expert
+        res = permute(x[:0], idx[:0], probs[:0], num_local_experts=num_experts, pad_multiple=pad,
+                      expert_capacity=2 * pad, backend=backend)
+        assert res.permuted_x.shape == (num_experts * 2 * pad, hidden) and not res.permuted_x.any()
+        assert res.tokens_per_expert.tolist() == [2 * pad] * num_experts
+        assert res.handle.expert_offsets.tolist() == [2 * pad * e for e in range(num_experts)]
+    if pad > 1:
+        with pytest.raises(ValueError, match=rf"expert_capacity must be .* a multiple of pad_multiple={pad}"):
+            permute(x, idx, num_local_experts=num_experts, pad_multiple=pad, expert_capacity=pad + 1)
+    with pytest.raises(ValueError, match=r"pass it or num_permuted_tokens \(8\), not both"):
+        permute(x, idx, num_local_experts=num_experts, expert_capacity=pad, num_permuted_tokens=8)
+
+
 def _dense_maps(handle):
     """M [R, P] with M[r, p] = 1 when row p holds a copy of token r."""
     m = torch.zeros(handle.num_tokens, handle.num_rows)
@@ -345,10 +391,10 @@ cases = [
     (P._permute_finalize_kernel, dict(topk_idx_ptr="*i64", row_id_map_ptr="*i32", block_counts_ptr="*i32",
         tokens_per_expert_ptr="*i64", num_tokens_per_expert_ptr="*i64", expert_offsets_ptr="*i32",
         num_rows_needed_ptr="*i64", overflow_ptr="*u8", num_tokens=i, num_blocks=i, num_rows=i, num_experts=i,
-        pad_multiple=i), dict(NUM_TOPK=8, BLOCK_R=512, EXPERTS_PAD=8, CHUNK_B=8), 8),
+        pad_multiple=i, expert_capacity=i), dict(NUM_TOPK=8, BLOCK_R=512, EXPERTS_PAD=8, CHUNK_B=8), 8),
     (P._permute_scatter_kernel, dict(x_ptr="*i16", row_id_map_ptr="*i32", probs_ptr="*fp32", out_ptr="*i16",
-        permuted_probs_ptr="*fp32", expert_offsets_ptr="*i32", num_tokens_per_expert_ptr="*i64", num_tokens=i,
-        hidden=i, num_rows=i, num_token_blocks=i, num_experts=i),
+        permuted_probs_ptr="*fp32", expert_offsets_ptr="*i32", num_tokens_per_expert_ptr="*i64",
+        tokens_per_expert_ptr="*i64", num_tokens=i, hidden=i, num_rows=i, num_token_blocks=i, num_experts=i),
         dict(NUM_TOPK=8, EXPERTS_PAD=8, BLOCK_R=8, BLOCK_H=1024, BLOCK_Z=64, HAS_PROBS=True), 4),
     (P._unpermute_gather_kernel, dict(y_ptr="*bf16", row_id_map_ptr="*i32", row_weights_ptr="*fp32",
         out_ptr="*bf16", num_tokens=i, hidden=i),

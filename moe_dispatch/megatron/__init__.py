@@ -12,7 +12,10 @@ Every ``MoELayer`` built from such a config gets a ``MoEFlexTokenDispatcher`` wh
 hierarchical dispatch/combine), with the permute fused into dispatch when padding or a static
 budget is configured. EP overlap (``overlap_moe_expert_parallel_comm``) and
 ``delay_wgrad_compute`` are wired as for Megatron's own deepep/hybridep backends. With
-Megatron-Bridge installed, ``apply_flex_dispatcher_backend(model_config, "custom")`` works too.
+Megatron-Bridge, ``apply_flex_dispatcher_backend(model_config, "custom")`` works too (patched
+when Bridge's module is imported). Megatron's expert-input knobs work as its alltoall
+dispatcher defines them: any expert TP x EP group > 1, capacity factors, drop-and-pad
+(``moe_pad_expert_input_to_capacity``) and router padding for quantization.
 
 ``enable_delayed_wgrad(model)`` (explicit opt-in, ``moe_dispatch.megatron.delayed_wgrad``) defers
 the weight gradients of Megatron's local (non-TE) experts, so ``delay_wgrad_compute`` works

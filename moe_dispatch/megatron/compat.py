@@ -15,8 +15,11 @@ Megatron-Core has no backend registry, so :func:`install` wraps, for the install
   ``_comm_manager.token_probs`` and its expert node ``_comm_manager.dispatched_probs`` to
   the detached node inputs, and keeps ``tokens_per_expert`` referenced, as Megatron hard-codes
   for deepep/hybridep/ncclep.
-- Megatron-Bridge, when installed: ``apply_flex_dispatcher_backend(model_config, "custom")``
-  and ``validate_flex_dispatcher_backend`` (``megatron/bridge/training/flex_dispatcher_backend.py``).
+- Megatron-Bridge: ``apply_flex_dispatcher_backend(model_config, "custom")`` and
+  ``validate_flex_dispatcher_backend`` (``megatron/bridge/training/flex_dispatcher_backend.py``),
+  when that module is imported: at once if it already is, else by an import hook the moment it
+  is (importing ``moe_dispatch.megatron`` never imports Bridge, whose package imports every
+  model conversion bridge).
 
 Supported: megatron-core 0.16.x (tested 0.16.1, the newest release for Python 3.11) and 0.19.x
 (tested 0.19.2). What 0.16 does differently, each handled by one field of its
@@ -58,7 +61,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import importlib.util
+import importlib.abc
+import importlib.machinery
 import inspect
 import logging
 import sys
@@ -373,35 +377,27 @@ def _patch_callables(points: PatchPoints, version) -> None:
             importer.build_transformer_layer_callables = patched
 
 
-def _bridge_installed() -> bool:
-    try:
-        return importlib.util.find_spec(_BRIDGE_MODULE) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def patch_bridge() -> bool:
-    """Teaches Megatron-Bridge's flex-backend helpers the name "custom" (when Bridge is importable).
+    """Teaches Megatron-Bridge's flex-backend helpers the name "custom", if Bridge's module
+    ``megatron.bridge.training.flex_dispatcher_backend`` is imported (``install()`` also
+    arranges for this to happen when it is imported later).
 
     ``apply_flex_dispatcher_backend(model_config, "custom")`` sets flex + custom +
     ``moe_shared_expert_overlap=False`` (no GPU-architecture gate: the backend runs anywhere
     torch.distributed does; a config without experts is left alone with a warning, as Bridge
-    does); ``validate_flex_dispatcher_backend`` runs ``validate_config`` for "custom". Modules
-    that imported the helpers by name before this call are re-bound.
+    does); ``validate_flex_dispatcher_backend`` runs ``validate_config`` for "custom". Other
+    backend names reach Bridge's own functions. Modules that imported the helpers by name
+    before this call are re-bound. Idempotent.
 
     Returns:
-        True when Bridge was found and patched.
+        True when Bridge's module is imported (and now patched), False when it is not.
     """
-    if _BRIDGE_MODULE not in sys.modules and not _bridge_installed():
+    module = sys.modules.get(_BRIDGE_MODULE)
+    if module is None:
         return False
     from .config import BACKEND_NAME, OPTIONS_ATTR, CustomBackendOptions, validate_config
 
-    module = importlib.import_module(_BRIDGE_MODULE)
-    originals = {}
-
     def make_apply(original):
-        originals["apply_flex_dispatcher_backend"] = original
-
         def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None, *args, **kwargs):
             if moe_flex_dispatcher_backend != BACKEND_NAME:
                 return original(model_config, moe_flex_dispatcher_backend, *args, **kwargs)
@@ -419,8 +415,6 @@ def patch_bridge() -> bool:
         return apply_flex_dispatcher_backend
 
     def make_validate(original):
-        originals["validate_flex_dispatcher_backend"] = original
-
         def validate_flex_dispatcher_backend(model_config, *args, **kwargs):
             if getattr(model_config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME:
                 return validate_config(model_config)
@@ -435,6 +429,48 @@ def patch_bridge() -> bool:
             _wrap(module, name, make)
             _rebind(original, getattr(module, name), prefix="megatron.bridge")
     return True
+
+
+def _patch_bridge_or_warn() -> None:
+    try:
+        patch_bridge()
+    except Exception as err:  # noqa: BLE001 - Bridge is optional: never block its import or the backend
+        logger.warning("Megatron-Bridge's %s could not be patched for the 'custom' backend (%s: %s); use "
+                       "moe_dispatch.megatron.configure(config) instead of apply_flex_dispatcher_backend",
+                       _BRIDGE_MODULE, type(err).__name__, err)
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Runs a module's own loader, then :func:`patch_bridge` (the module is in sys.modules)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the module's own loader
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _patch_bridge_or_warn()
+
+
+class _BridgeImportHook(importlib.abc.MetaPathFinder):
+    """Finds Bridge's flex-backend module as the path finder does, with a loader that patches
+    it right after it runs (before any importer binds its functions)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _BRIDGE_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchAfterExec(spec.loader)
+        return spec
+
+
+_BRIDGE_HOOK = _BridgeImportHook()
 
 
 def _rebind(old, new, *, prefix: str) -> None:
@@ -455,9 +491,9 @@ def install() -> None:
 
     Run by ``import moe_dispatch.megatron``. Patches, for the installed megatron-core (see the
     module docstring): the flex dispatcher's constructor, the EP-overlap schedule's
-    ``should_free_input`` and layer callables, and Megatron-Bridge's helpers when installed;
-    on versions that lack them, adds the flex dispatcher's over-budget methods and
-    ``RowParallelLinear.backward_dw`` (0.19's behaviour).
+    ``should_free_input`` and layer callables, and Megatron-Bridge's helpers (now if their
+    module is imported, else when it is); on versions that lack them, adds the flex
+    dispatcher's over-budget methods and ``RowParallelLinear.backward_dw`` (0.19's behaviour).
 
     Raises:
         UnsupportedMegatronVersionError: a megatron-core version without patch points here, or
@@ -471,13 +507,10 @@ def install() -> None:
         _patch_free_input(points, version)
         _patch_callables(points, version)
         _patch_row_parallel_backward_dw(points)
+        if _BRIDGE_HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _BRIDGE_HOOK)
         _INSTALLED = True
-    try:  # Bridge may have been installed or imported since the last call
-        patch_bridge()
-    except Exception as err:  # noqa: BLE001 - Bridge is optional: never block the Megatron-Core backend
-        logger.warning("Megatron-Bridge is installed but could not be patched for the 'custom' backend (%s: %s); "
-                       "use moe_dispatch.megatron.configure(config) instead of apply_flex_dispatcher_backend",
-                       type(err).__name__, err)
+    _patch_bridge_or_warn()  # Bridge's module may have been imported before this package
 
 
 def installed() -> bool:

@@ -10,6 +10,24 @@ Megatron checks its EP-overlap constraints once, in ``TransformerConfig.__post_i
 config changed afterwards (what ``configure()`` and Megatron-Bridge do) is not checked again,
 so :func:`validate_config` repeats the checks that matter to this backend, each message naming
 the knob, the reason and the fix.
+
+Megatron's knobs that shape the expert input, as this backend honours them:
+
+- ``moe_expert_capacity_factor`` (token dropping): the router drops the tokens
+  (``moe_utils.apply_router_token_dropping``, by ``moe_token_drop_policy``) before any
+  dispatcher, so "custom" dispatches exactly the routing entries the alltoall dispatcher does.
+- ``moe_pad_expert_input_to_capacity`` (drop-and-pad): every local expert block has exactly
+  ``capacity x`` (TP x EP group size) rows, with ``capacity = moe_utils.get_capacity(T *
+  moe_router_topk, num_moe_experts, moe_expert_capacity_factor)`` for the T tokens of a rank,
+  as Megatron's alltoall dispatcher sizes them (``MoEAlltoAllTokenDispatcher.preprocess``).
+  The router's padding entries (in its routing map with probability 0) are not sent: the
+  fused permute fills the blocks with zero rows of probability 0 instead of copies of other
+  tokens. See :func:`resolve_expert_capacity`.
+- ``moe_router_padding_for_quantization``: every local expert block is padded to a multiple of
+  ``get_align_size_for_quantization(config)`` (the fp8/fp4 recipe's 16 or 32), with zero rows
+  of probability 0 on the receiving rank, where Megatron's alltoall dispatcher pads on the
+  sending rank with copies of other tokens (``moe_utils.pad_routing_map``). The expert GEMMs
+  then skip their own padding (``moe_utils.skip_routed_expert_padding``), as for deepep.
 """
 
 from __future__ import annotations
@@ -37,12 +55,14 @@ class CustomBackendOptions:
     """The knobs of the "custom" backend that Megatron's ``TransformerConfig`` has no field for.
 
     Attributes:
-        ranks_per_node: EP ranks per node (NVLink domain) for the hierarchy. None: derived from
-            the EP group's global ranks and ``LOCAL_WORLD_SIZE`` (torchrun), or the visible GPU
-            count; a CPU world may declare any divisor of the EP size to simulate nodes.
+        ranks_per_node: ranks of the dispatch group (Megatron's expert TP x EP group) per node
+            (NVLink domain) for the hierarchy. None: derived from the group's global ranks and
+            ``LOCAL_WORLD_SIZE`` (torchrun), or the visible GPU count; a CPU world may declare
+            any divisor of the group size to simulate nodes.
         pad_multiple: pad each local expert's rows to a multiple of this (zero rows), as
             HybridEP's fused permute does for fp8/fp4 grouped GEMMs. None: Megatron's
-            ``get_align_size_for_quantization(config)`` (0 -> 1, no padding).
+            ``get_align_size_for_quantization(config)`` (0 -> 1, no padding). With
+            ``moe_router_padding_for_quantization`` it must be a multiple of that alignment.
         num_permuted_tokens: static receive budget P: the permuted expert input has exactly P
             rows (rows beyond it are dropped and flagged in ``manager.over_budget``).
         expert_rank_capacity_factor: budget as a factor of the balanced load, like Megatron's
@@ -53,7 +73,7 @@ class CustomBackendOptions:
             expert-major rows) or after it (the DeepEP layout: ``get_permuted_hidden_states_by_experts``
             permutes). None: fused exactly when padding or a budget is in use.
         raise_on_overflow: read the overflow flag on the host after every budgeted dispatch and
-            raise ``moe_dispatch.permute.PermuteOverflowError`` (a host synchronisation; for
+            raise ``moe_dispatch.BudgetOverflowError`` (a host synchronisation; for
             debugging). Default: only accumulate the device flag ``over_budget``.
         timeout_s: bound on every collective of the backend's ``Buffer``.
         transport: the ``Buffer``'s transport: ``"auto"`` (torch.distributed), ``"torch_dist"``
@@ -79,8 +99,8 @@ class CustomBackendOptions:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be a positive int (EP ranks per node) or None to derive it "
-                             f"from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}")
+            raise ValueError(f"ranks_per_node must be a positive int (dispatch-group ranks per node) or None to "
+                             f"derive it from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}")
         if self.pad_multiple is not None and (not _is_int(self.pad_multiple) or self.pad_multiple < 1):
             raise ValueError(f"pad_multiple must be a positive int (1 = no padding; 16, 32, 128, 256 for fp8/fp4 "
                              f"grouped GEMMs) or None, got {self.pad_multiple!r}")
@@ -139,12 +159,47 @@ def resolve_pad_multiple(config) -> int:
     return max(1, compat.quantization_align_size(config))
 
 
+def dispatch_group_size(config) -> int:
+    """Ranks of the group the flex dispatcher communicates over for ``config``: expert TP x EP
+    (Megatron's ``tp_ep`` group; expert TP defaults to the tensor-parallel size)."""
+    etp = getattr(config, "expert_tensor_parallel_size", None) or getattr(config, "tensor_model_parallel_size", 1)
+    return (etp or 1) * (getattr(config, "expert_model_parallel_size", 1) or 1)
+
+
+def is_drop_and_pad(config) -> bool:
+    """Megatron's drop-and-pad mode (``moe_pad_expert_input_to_capacity`` with a capacity factor)."""
+    return bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+
+
+def resolve_expert_capacity(config, num_tokens: int, group_size: int) -> int | None:
+    """Rows of every local expert block in drop-and-pad mode for T = ``num_tokens`` tokens per
+    rank, or None (the mode is off).
+
+    ``capacity x group_size`` rounded up to :func:`resolve_pad_multiple`, where ``capacity =
+    get_capacity(T * moe_router_topk, num_moe_experts, moe_expert_capacity_factor)`` is the
+    router's per-expert capacity of one rank (``moe_utils.get_capacity`` and
+    ``apply_router_token_dropping``) and each of the ``group_size`` ranks of the TP x EP group
+    sends at most that many rows to an expert: Megatron's alltoall dispatcher gives each local
+    expert ``capacity * tp_size * ep_size`` rows (``MoEAlltoAllTokenDispatcher.preprocess``).
+    All ranks are assumed to route the same T (Megatron's alltoall makes the same assumption);
+    a rank receiving more is flagged in ``over_budget``.
+    """
+    if not is_drop_and_pad(config):
+        return None
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    capacity = get_capacity(num_tokens=num_tokens * config.moe_router_topk, num_experts=config.num_moe_experts,
+                            capacity_factor=config.moe_expert_capacity_factor)
+    pad = resolve_pad_multiple(config)
+    return -(-capacity * group_size // pad) * pad
+
+
 def resolve_fuse_permute(config) -> bool:
     """Whether the permute runs inside ``dispatch`` (HybridEP layout) for this config."""
     options = get_options(config)
     if options.fuse_permute is not None:
         return options.fuse_permute
-    return options.has_budget or resolve_pad_multiple(config) > 1
+    return options.has_budget or is_drop_and_pad(config) or resolve_pad_multiple(config) > 1
 
 
 def is_custom_backend(config) -> bool:
@@ -159,13 +214,14 @@ def validate_config(config) -> None:
 
     Raises:
         ValueError: the backend is named but the dispatcher type is not "flex" (Megatron would
-            silently keep the other dispatcher); expert_model_parallel_size == 1;
-            num_moe_experts < 2 or not divisible by EP; ranks_per_node not dividing EP; EP
-            overlap with pipeline parallelism and no virtual pipeline;
+            silently keep the other dispatcher); a TP x EP group of one rank (expert TP 1 and
+            EP 1); num_moe_experts < 2 or not divisible by EP; ranks_per_node not dividing the
+            TP x EP group size; EP overlap with pipeline parallelism and no virtual pipeline;
             shared-expert overlap together with EP overlap; delay_wgrad_compute without EP
-            overlap; a Megatron knob this backend replaces (capacity padding, router padding,
-            moe_expert_rank_capacity_factor) or does not support; an SM budget
-            (moe_flex_dispatcher_num_sms) that is not an even int in [2, 128].
+            overlap; drop-and-pad without a capacity factor or with a static budget; router
+            padding without fp8/fp4 or with a ``pad_multiple`` that is not a multiple of the
+            recipe's alignment; moe_expert_rank_capacity_factor (HybridEP's knob); an SM
+            budget (moe_flex_dispatcher_num_sms) that is not an even int in [2, 128].
 
     Warns:
         UserWarning: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` while EP overlap is on (the hardware
@@ -180,12 +236,14 @@ def validate_config(config) -> None:
             f"moe_flex_dispatcher_backend='custom' takes effect only with moe_token_dispatcher_type='flex', got "
             f"moe_token_dispatcher_type={dispatcher!r}: Megatron-Core would silently build the {dispatcher!r} "
             "dispatcher. Set moe_token_dispatcher_type='flex' (moe_dispatch.megatron.configure(config) does)")
-    ep = getattr(config, "expert_model_parallel_size", 1)
-    if ep is None or ep <= 1:
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    group_size = dispatch_group_size(config)
+    if group_size <= 1:
         raise ValueError(
-            f"the 'custom' flex backend moves tokens between expert-parallel ranks, but expert_model_parallel_size="
-            f"{ep}: there is nothing to dispatch. Set expert_model_parallel_size > 1, or use "
-            "moe_token_dispatcher_type='alltoall' for a single EP rank")
+            "the 'custom' flex backend moves tokens between the ranks of the expert TP x EP group (what Megatron's "
+            f"flex dispatcher communicates over), but expert_tensor_parallel_size x expert_model_parallel_size = "
+            f"{group_size // ep} x {ep} = 1: there is nothing to dispatch. Set expert_model_parallel_size > 1 or "
+            "expert_tensor_parallel_size > 1, or use moe_token_dispatcher_type='alltoall' for a single rank")
     experts = getattr(config, "num_moe_experts", None)
     if experts is None or experts <= 1:
         raise ValueError(
@@ -199,11 +257,13 @@ def validate_config(config) -> None:
     if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
         raise ValueError(f"{compat.num_sms_attr()} (the SM budget the 'custom' backend's Buffer gets) {error}; set it "
                          "so, or to None for the default (configure(config, num_sms=...) does)")
-    rpn = get_options(config).ranks_per_node
-    if rpn is not None and ep % rpn != 0:
+    options = get_options(config)
+    rpn = options.ranks_per_node
+    if rpn is not None and group_size % rpn != 0:
         raise ValueError(
-            f"configure(ranks_per_node={rpn}) must divide expert_model_parallel_size={ep} (the EP group is split "
-            f"into nodes of ranks_per_node ranks): pass a divisor of {ep}, or None to take it from LOCAL_WORLD_SIZE")
+            f"configure(ranks_per_node={rpn}) must divide the expert TP x EP group size {group_size} (the group is "
+            f"split into nodes of ranks_per_node ranks): pass a divisor of {group_size}, or None to take it from "
+            "LOCAL_WORLD_SIZE")
     overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
     if overlap:
         pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
@@ -227,16 +287,29 @@ def validate_config(config) -> None:
         raise ValueError(
             "delay_wgrad_compute=True defers the experts' weight gradients into the EP-overlap schedule: set "
             "overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False")
-    if getattr(config, "moe_pad_expert_input_to_capacity", False):
-        raise ValueError(
-            "moe_pad_expert_input_to_capacity=True is not supported by the 'custom' backend: set it False and use "
-            "configure(config, pad_multiple=...) for aligned expert blocks, or num_permuted_tokens=/"
-            "expert_rank_capacity_factor= for a static budget")
+    if is_drop_and_pad(config):
+        if getattr(config, "moe_expert_capacity_factor", None) is None:
+            raise ValueError(
+                "moe_pad_expert_input_to_capacity=True pads every expert's input to its capacity, which "
+                "moe_expert_capacity_factor defines: set moe_expert_capacity_factor (e.g. 1.0), or set "
+                "moe_pad_expert_input_to_capacity=False")
+        if options.has_budget:
+            raise ValueError(
+                "moe_pad_expert_input_to_capacity=True already fixes the expert input (capacity rows per expert), so "
+                "configure(num_permuted_tokens=/expert_rank_capacity_factor=) has nothing to bound: drop the static "
+                "budget, or set moe_pad_expert_input_to_capacity=False")
     if getattr(config, "moe_router_padding_for_quantization", False):
-        raise ValueError(
-            "moe_router_padding_for_quantization=True adds routing entries beyond moe_router_topk, which the "
-            "'custom' backend's top-k dispatch cannot carry: set it False and use configure(config, pad_multiple=16) "
-            "(or the fp8 recipe's alignment): the fused permute pads each expert block instead")
+        align = compat.quantization_align_size(config)
+        if align <= 1:
+            raise ValueError(
+                "moe_router_padding_for_quantization=True pads each expert's rows to the fp8/fp4 recipe's alignment, "
+                "but the config has neither fp8 nor fp4 (Megatron requires one): set fp8/fp4, or set "
+                "moe_router_padding_for_quantization=False")
+        if options.pad_multiple is not None and options.pad_multiple % align:
+            raise ValueError(
+                f"moe_router_padding_for_quantization=True needs expert blocks padded to a multiple of {align} (the "
+                f"fp8/fp4 recipe's alignment), but configure(pad_multiple={options.pad_multiple}) is not one: pass a "
+                f"multiple of {align}, or None for {align}")
     if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
         raise ValueError(
             "moe_expert_rank_capacity_factor is HybridEP's/NCCL EP's knob: set it to None and pass "

@@ -28,6 +28,9 @@ CPU tensors and gloo process groups:
 6. On a CPU-only torch build (e.g. ``torch==2.13.0+cpu``), whose ``torch.cuda.nvtx`` functions
    raise "NVTX functions not installed", NVTX ranges and marks become no-ops (the EP-overlap
    schedule's nodes open one around every forward and backward). CUDA builds keep theirs.
+7. Megatron's all-gather of uneven row counts (``_gather_along_first_dim`` with
+   ``output_split_sizes``: the alltoall dispatcher's expert-TP gather) runs as one
+   ``all_to_all_single`` on a gloo group, whose ``all_gather`` needs equal sizes.
 
 Call it in every rank before building the model; it refuses to run where a GPU is visible.
 The changes are process-wide and stay until the process exits (spawned ranks are the place).
@@ -241,6 +244,29 @@ def _shim_all_to_all_splits() -> None:
     mappings._AllToAll.forward = staticmethod(forward)
 
 
+def _shim_uneven_all_gather() -> None:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+    if getattr(original, "_moe_dispatch_cpu", False):
+        return
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        # every rank sends its rows to every rank; the receive splits are the gathered sizes
+        sizes = _as_list(output_split_sizes)
+        output = input_.new_empty(sum(sizes), *input_.shape[1:])
+        send = input_.contiguous().repeat(group.size(), *([1] * (input_.dim() - 1)))
+        dist.all_to_all_single(output, send, output_split_sizes=sizes,
+                               input_split_sizes=[input_.shape[0]] * group.size(), group=group)
+        return output
+
+    gather_along_first_dim._moe_dispatch_cpu = True
+    mappings._gather_along_first_dim = gather_along_first_dim
+
+
 def enable(*, redirect_cuda_tensors: bool = True) -> None:
     """Installs the CPU shims in this process (idempotent; see the module docstring).
 
@@ -264,6 +290,7 @@ def enable(*, redirect_cuda_tensors: bool = True) -> None:
             _shim_cuda_rng()
             _shim_te_symbols()
             _shim_all_to_all_splits()
+            _shim_uneven_all_gather()
             _ENABLED = True
         if redirect_cuda_tensors and _MODE is None:
             _MODE = _CudaToCpu()

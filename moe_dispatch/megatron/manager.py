@@ -8,9 +8,10 @@ micro-batch and layer (the semantics come from megatron-core's ``token_dispatche
    probs); ``dispatch_preprocess`` hands ``token_probs`` on as "the probs".
 2. ``dispatch(hidden [T, H])``: the hierarchical dispatch (differentiable; its backward is a
    combine). Fused (HybridEP layout): the received rows are permuted to expert-major blocks
-   padded to ``pad_multiple``, optionally into a static budget of ``P`` rows, and
-   ``dispatched_probs [P]`` follows the rows. Unfused (DeepEP layout): the received rows come
-   back as is (``[R, H]``, source rank then source token) with ``dispatched_probs [R, K]``.
+   padded to ``pad_multiple``, optionally into a static budget of ``P`` rows or (drop-and-pad)
+   into blocks of exactly ``capacity x group size`` rows, and ``dispatched_probs [P]`` follows
+   the rows. Unfused (DeepEP layout): the received rows come back as is (``[R, H]``, source
+   rank then source token) with ``dispatched_probs [R, K]``.
 3. ``get_permuted_hidden_states_by_experts(hidden)`` -> ``(tokens [P, H], probs [P])``: the
    permute when unfused, the identity when fused. Experts multiply by the probs themselves.
 4. ``get_number_of_tokens_per_expert()`` -> ``[E_local]`` int64 split sizes of the rows.
@@ -39,7 +40,15 @@ from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
 from ..ops.layout import routing_map_to_topk
 from ..ops.permute import PermuteHandle, check_permute_overflow, permute, unpermute
-from .config import get_options, resolve_fuse_permute, resolve_num_sms, resolve_pad_multiple, validate_config
+from .config import (
+    get_options,
+    is_drop_and_pad,
+    resolve_expert_capacity,
+    resolve_fuse_permute,
+    resolve_num_sms,
+    resolve_pad_multiple,
+    validate_config,
+)
 
 _BUFFERS: dict[tuple, Buffer] = {}
 
@@ -86,7 +95,7 @@ class InflightDispatch:
         handle: the Buffer's :class:`~moe_dispatch.DispatchHandle` (combine replays it backwards).
         num_tokens: T, tokens this rank dispatched.
         recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
-        permute_handle: the :class:`~moe_dispatch.permute.PermuteHandle` once permuted.
+        permute_handle: the :class:`~moe_dispatch.semantics.permute.PermuteHandle` once permuted.
         tokens_per_expert: ``[E_local]`` int64 rows of each expert block (grouped-GEMM splits).
         fused: whether dispatch returned permuted rows.
     """
@@ -103,8 +112,8 @@ class CustomDispatchManager(_DispatchManager):
     """Megatron-Core's flex-dispatcher manager for ``moe_flex_dispatcher_backend="custom"``.
 
     Built by ``MoEFlexTokenDispatcher.__init__`` (patched by ``moe_dispatch.megatron.install``)
-    once per MoE layer, over the TP x EP group, with the experts and top-k folded over TP as
-    Megatron does for DeepEP.
+    once per MoE layer, over the TP x EP group (any size > 1: EP only, expert TP only, or both),
+    with the experts and top-k folded over TP as Megatron does for DeepEP.
 
     Args:
         group: the TP x EP process group (``pg_collection.tp_ep``).
@@ -120,8 +129,9 @@ class CustomDispatchManager(_DispatchManager):
         dispatched_probs: ``[P]`` (fused) or ``[R, K]`` (unfused) fp32 probs of the received rows.
         wgrad_store: None, or the experts' :class:`~moe_dispatch.overlap.DelayedWgrad` (set by
             ``enable_delayed_wgrad``): the dispatch backward runs it while its combine is in flight.
-        over_budget: ``[1]`` bool, set once any budgeted dispatch dropped rows (never reset here;
-            Megatron's ``dispatcher.reset_over_budget()`` clears it).
+        over_budget: ``[1]`` bool, set once any budgeted dispatch dropped rows, or a drop-and-pad
+            expert got more rows than its capacity (never reset here; Megatron's
+            ``dispatcher.reset_over_budget()`` clears it).
 
     Raises:
         ValueError: an invalid config (see ``validate_config``), or E' not divisible by the group.
@@ -142,6 +152,7 @@ class CustomDispatchManager(_DispatchManager):
                              f"num_local_experts ({num_local_experts}) x the TP x EP group size ({group_size}); "
                              "make num_moe_experts divisible by expert_model_parallel_size")
         self.pad_multiple = resolve_pad_multiple(config)
+        self.drop_and_pad = is_drop_and_pad(config)
         self.fused = resolve_fuse_permute(config)
         self.num_sms = resolve_num_sms(config)
         self.router_dtype = getattr(config, "moe_router_dtype", None)
@@ -179,17 +190,21 @@ class CustomDispatchManager(_DispatchManager):
 
     def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
         budget = self.budget(state.num_tokens)
+        capacity = resolve_expert_capacity(self.config, state.num_tokens, dist.get_world_size(self.group))
         # recv_topk_idx comes from Buffer.dispatch (checked there, local ids): no second host check
         res = permute(hidden, state.recv_topk_idx, probs, num_local_experts=self.num_local_experts,
-                      pad_multiple=self.pad_multiple, num_permuted_tokens=budget, validate=False)
+                      pad_multiple=self.pad_multiple, num_permuted_tokens=budget, expert_capacity=capacity,
+                      validate=False)
         state.permute_handle, state.tokens_per_expert = res.handle, res.tokens_per_expert
         if budget is not None:
             # The unused tail of the budget (zero rows, no token, prob 0) joins the last expert's
             # block, so the split sizes sum to P as Megatron's experts (torch.split, grouped
             # GEMMs) require; its outputs are never gathered back. Device ops, no host sync.
+            # (Fixed drop-and-pad blocks sum to P already.)
             tokens_per_expert = res.tokens_per_expert.clone()
             tokens_per_expert[-1] += budget - tokens_per_expert.sum()
             state.tokens_per_expert = tokens_per_expert
+        if budget is not None or capacity is not None:
             self.over_budget |= res.handle.overflow.to(self.over_budget.device)
             if self.options.raise_on_overflow:
                 check_permute_overflow(res.handle)
@@ -206,6 +221,13 @@ class CustomDispatchManager(_DispatchManager):
         """Routing of this micro-batch: ``routing_map [T, W, E_local]`` bool and ``probs`` of the
         same shape (or already ``[T, E']``) -> ``token_indices``/``token_probs`` ``[T, K]``.
 
+        In drop-and-pad mode the router's routing map also holds the padding entries that fill
+        each expert to its capacity, with probability 0 (``apply_router_token_dropping(...,
+        pad_to_capacity=True)``); they are left out here (the fused permute pads with zero
+        rows instead), so K routed experts per token remain. A routed entry whose probability
+        is exactly 0 is left out too: its expert output is scaled by 0 and, through the
+        router's top-k scatter, its probability gradient reaches no logit either.
+
         Raises:
             ValueError: a token selects more than K experts (checked on CPU tensors only, to
                 keep GPU dispatch free of an extra host synchronisation).
@@ -213,6 +235,8 @@ class CustomDispatchManager(_DispatchManager):
         num_tokens = routing_map.shape[0]
         routing_map = routing_map.reshape(num_tokens, self.num_experts)
         probs = probs.reshape(num_tokens, self.num_experts)
+        if self.drop_and_pad:
+            routing_map = routing_map & (probs != 0)
         self.token_indices, self.token_probs = routing_map_to_topk(routing_map, probs, self.router_topk,
                                                                    validate=False)
 
@@ -265,7 +289,8 @@ class CustomDispatchManager(_DispatchManager):
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
         """``[E_local]`` int64 rows of each local expert block (padded to ``pad_multiple``,
         clipped to the budget; with a budget the last block also holds the unused tail rows,
-        so the sizes sum to P): the grouped-GEMM split sizes, on the Buffer's device."""
+        so the sizes sum to P; drop-and-pad: the capacity of each, ``capacity x group size``):
+        the grouped-GEMM split sizes, on the Buffer's device."""
         state = self._state("get_number_of_tokens_per_expert")
         if state.tokens_per_expert is None:
             raise RuntimeError("get_number_of_tokens_per_expert called before the permute: Megatron's "

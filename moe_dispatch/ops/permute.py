@@ -83,15 +83,19 @@ def _permute_count_kernel(
 def _permute_finalize_kernel(
     topk_idx_ptr, row_id_map_ptr, block_counts_ptr, tokens_per_expert_ptr, num_tokens_per_expert_ptr,
     expert_offsets_ptr, num_rows_needed_ptr, overflow_ptr, num_tokens, num_blocks, num_rows, num_experts,
-    pad_multiple, NUM_TOPK: tl.constexpr, BLOCK_R: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK_B: tl.constexpr,
+    pad_multiple, expert_capacity, NUM_TOPK: tl.constexpr, BLOCK_R: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    CHUNK_B: tl.constexpr,
 ):
     """Index pass 2: row = padded start of the expert + copies in earlier blocks + rank in the
-    block; rows >= num_rows are dropped (-1). Program 0 writes the per-expert tables."""
+    block; rows >= num_rows or past the expert's block are dropped (-1). Program 0 writes the
+    per-expert tables. ``expert_capacity`` >= 0: every block has that many rows (-1: none)."""
     pid = tl.program_id(0)
     before, count = _block_prefix(block_counts_ptr, pid, num_blocks, num_experts, EXPERTS_PAD, CHUNK_B)
-    padded = (count + pad_multiple - 1) // pad_multiple * pad_multiple
+    rounded = (count + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = tl.where(expert_capacity >= 0, tl.zeros_like(rounded) + expert_capacity, rounded)
     start = tl.cumsum(padded, axis=0) - padded
     base = start + before
+    end = start + padded
     experts = tl.arange(0, EXPERTS_PAD)
     tokens = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     token_mask = tokens < num_tokens
@@ -100,8 +104,10 @@ def _permute_finalize_kernel(
         expert = tl.load(topk_idx_ptr + rows * NUM_TOPK + k, mask=token_mask, other=-1).to(tl.int32)
         valid = (expert >= 0) & (expert < num_experts)
         local = tl.load(row_id_map_ptr + rows * NUM_TOPK + k, mask=token_mask, other=-1)
-        row = tl.sum(tl.where(experts[None, :] == expert[:, None], base[None, :], 0), axis=1) + local
-        tl.store(row_id_map_ptr + rows * NUM_TOPK + k, tl.where(valid & (row < num_rows), row, -1),
+        match = experts[None, :] == expert[:, None]
+        row = tl.sum(tl.where(match, base[None, :], 0), axis=1) + local
+        row_end = tl.sum(tl.where(match, end[None, :], 0), axis=1)
+        tl.store(row_id_map_ptr + rows * NUM_TOPK + k, tl.where(valid & (row < num_rows) & (row < row_end), row, -1),
                  mask=token_mask)
     if pid == 0:
         emask = experts < num_experts
@@ -109,7 +115,7 @@ def _permute_finalize_kernel(
         tl.store(tokens_per_expert_ptr + experts, clipped.to(tl.int64), mask=emask)
         tl.store(num_tokens_per_expert_ptr + experts, count.to(tl.int64), mask=emask)
         tl.store(expert_offsets_ptr + experts, start, mask=emask)
-        needed = tl.sum(padded.to(tl.int64), axis=0)
+        needed = tl.sum(tl.maximum(padded, rounded).to(tl.int64), axis=0)
         tl.store(num_rows_needed_ptr, needed)
         tl.store(overflow_ptr, (needed > num_rows).to(tl.uint8))
 
@@ -117,7 +123,7 @@ def _permute_finalize_kernel(
 @triton.jit
 def _permute_scatter_kernel(
     x_ptr, row_id_map_ptr, probs_ptr, out_ptr, permuted_probs_ptr, expert_offsets_ptr,
-    num_tokens_per_expert_ptr, num_tokens, hidden, num_rows, num_token_blocks, num_experts,
+    num_tokens_per_expert_ptr, tokens_per_expert_ptr, num_tokens, hidden, num_rows, num_token_blocks, num_experts,
     NUM_TOPK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr, HAS_PROBS: tl.constexpr,
 ):
@@ -126,7 +132,8 @@ def _permute_scatter_kernel(
     Token programs read each token's ``[BLOCK_H]`` slice once and write it to each of its rows
     (R*H read, P*H written: no gather re-reads). Zero programs cover output rows
     ``[z*BLOCK_Z, (z+1)*BLOCK_Z)`` and write zeros to the rows no token fills (expert
-    padding, and the tail of a budget); the two sets of rows are disjoint.
+    padding, the unused rows of fixed blocks, and the tail of a budget); the two sets of rows
+    are disjoint (an expert's copies fill at most its block: ``tokens_per_expert``).
     """
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -152,7 +159,8 @@ def _permute_scatter_kernel(
         experts = tl.arange(0, EXPERTS_PAD)
         emask = experts < num_experts
         start = tl.load(expert_offsets_ptr + experts, mask=emask, other=0)
-        count = tl.load(num_tokens_per_expert_ptr + experts, mask=emask, other=0).to(tl.int32)
+        count = tl.minimum(tl.load(num_tokens_per_expert_ptr + experts, mask=emask, other=0),
+                           tl.load(tokens_per_expert_ptr + experts, mask=emask, other=0)).to(tl.int32)
         filled = (out_rows[:, None] >= start[None, :]) & (out_rows[:, None] < (start + count)[None, :])
         hole = (tl.max(filled.to(tl.int32), axis=1) == 0) & (out_rows < num_rows)
         if tl.max(hole.to(tl.int32), axis=0) > 0:
@@ -217,11 +225,11 @@ def _index_block(num_tokens: int, experts_pad: int, on_gpu: bool) -> int:
 
 def permute_map_triton(
     topk_idx: torch.Tensor, num_local_experts: int, pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None, *, block_r: int | None = None,
+    num_permuted_tokens: int | None = None, expert_capacity: int | None = None, *, block_r: int | None = None,
 ) -> PermuteHandle:
     """Triton index phase; same result as :func:`permute_map_reference`. Two kernels (block
-    counts and ranks, then block prefixes). Synchronises the host only when
-    ``num_permuted_tokens`` is None (to size the output)."""
+    counts and ranks, then block prefixes). Synchronises the host only when neither
+    ``num_permuted_tokens`` nor ``expert_capacity`` is given (to size the output)."""
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
     e = num_local_experts
@@ -233,7 +241,10 @@ def permute_map_triton(
     expert_offsets = alloc(e, dtype=torch.int32, device=device)
     num_rows_needed = alloc((), dtype=torch.int64, device=device)
     overflow = alloc((), dtype=torch.bool, device=device)
-    budget = _INT32_MAX if num_permuted_tokens is None else num_permuted_tokens
+    if expert_capacity is not None:
+        budget = e * expert_capacity
+    else:
+        budget = _INT32_MAX if num_permuted_tokens is None else num_permuted_tokens
     if num_tokens > 0:
         block = block_r or _index_block(num_tokens, experts_pad, topk_idx.is_cuda)
         num_blocks = triton.cdiv(num_tokens, block)
@@ -246,15 +257,22 @@ def permute_map_triton(
             _permute_finalize_kernel[(num_blocks,)](
                 topk_idx, row_id_map, block_counts, tokens_per_expert, num_tokens_per_expert, expert_offsets,
                 num_rows_needed, overflow.view(torch.uint8), num_tokens, num_blocks, budget, e, pad_multiple,
-                NUM_TOPK=num_topk, BLOCK_R=block,
+                -1 if expert_capacity is None else expert_capacity, NUM_TOPK=num_topk, BLOCK_R=block,
                 EXPERTS_PAD=experts_pad, CHUNK_B=max(1, min(_next_pow2(num_blocks), 4096 // experts_pad)),
                 num_warps=num_warps)
-    num_rows = int(num_rows_needed) if num_permuted_tokens is None else num_permuted_tokens
+    if num_tokens == 0 and expert_capacity is not None:  # no kernel ran: the fixed blocks' tables
+        tokens_per_expert.fill_(expert_capacity)
+        expert_offsets.copy_(torch.arange(e, dtype=torch.int32, device=device) * expert_capacity)
+        num_rows_needed.fill_(budget)
+    if expert_capacity is not None:
+        num_rows = budget
+    else:
+        num_rows = int(num_rows_needed) if num_permuted_tokens is None else num_permuted_tokens
     return PermuteHandle(
         row_id_map=row_id_map, tokens_per_expert=tokens_per_expert, num_tokens_per_expert=num_tokens_per_expert,
         expert_offsets=expert_offsets, num_rows_needed=num_rows_needed, overflow=overflow,
         num_tokens=num_tokens, num_rows=num_rows, num_local_experts=e, pad_multiple=pad_multiple,
-        num_permuted_tokens=num_permuted_tokens,
+        num_permuted_tokens=num_permuted_tokens, expert_capacity=expert_capacity,
     )
 
 
@@ -293,7 +311,7 @@ def permute_rows_triton(x: torch.Tensor, handle: PermuteHandle, probs: torch.Ten
         _permute_scatter_kernel[grid](
             _int_view(x), handle.row_id_map, probs if has_probs else x, _int_view(out),
             permuted_probs if has_probs else x, handle.expert_offsets, handle.num_tokens_per_expert,
-            num_tokens, hidden, num_rows, num_token_blocks, handle.num_local_experts,
+            handle.tokens_per_expert, num_tokens, hidden, num_rows, num_token_blocks, handle.num_local_experts,
             NUM_TOPK=handle.row_id_map.shape[1], EXPERTS_PAD=_next_pow2(handle.num_local_experts),
             BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_Z=block_z, HAS_PROBS=has_probs,
             num_warps=GPU_CONFIG["num_warps"] if on_gpu else 4)
@@ -386,7 +404,7 @@ class _UnpermuteFunction(torch.autograd.Function):
 # Public API
 # ---------------------------------------------------------------------------------------------
 
-def _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens):
+def _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity):
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES)
     if not isinstance(num_local_experts, int) or isinstance(num_local_experts, bool) or num_local_experts < 1:
         raise ValueError(f"num_local_experts must be a positive int, got {num_local_experts!r}")
@@ -394,11 +412,21 @@ def _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_
         raise ValueError(f"pad_multiple must be a positive int (1, 16, 64, 128, 256 are usual), got {pad_multiple!r}")
     if num_permuted_tokens is not None and (not isinstance(num_permuted_tokens, int) or num_permuted_tokens < 0):
         raise ValueError(f"num_permuted_tokens must be None or an int >= 0, got {num_permuted_tokens!r}")
+    if expert_capacity is None:
+        return
+    if not isinstance(expert_capacity, int) or isinstance(expert_capacity, bool) or expert_capacity < 0 \
+            or expert_capacity % pad_multiple:
+        raise ValueError(f"expert_capacity must be None or an int >= 0 that is a multiple of pad_multiple="
+                         f"{pad_multiple} (rows of every expert block), got {expert_capacity!r}")
+    if num_permuted_tokens is not None:
+        raise ValueError(f"expert_capacity ({expert_capacity}) fixes the output at E_local * expert_capacity rows: "
+                         f"pass it or num_permuted_tokens ({num_permuted_tokens}), not both")
 
 
 def make_permute_handle(
     topk_idx: torch.Tensor, num_local_experts: int, *, pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None, validate: bool | None = None, backend: str = "auto",
+    num_permuted_tokens: int | None = None, expert_capacity: int | None = None,
+    validate: bool | None = None, backend: str = "auto",
 ) -> PermuteHandle:
     """Computes only the index phase of :func:`permute` (the row of every copy, the split sizes).
 
@@ -409,10 +437,13 @@ def make_permute_handle(
         pad_multiple: each expert's rows are padded with zero rows to a multiple of this.
         num_permuted_tokens: static output budget P (no host sync; overflow flagged), or None
             for exactly the rows needed (synchronises the host to size the output).
+        expert_capacity: C, rows of every expert block (a multiple of ``pad_multiple``): the
+            output has E_local * C rows, no host sync, copies beyond C flagged (Megatron's
+            drop-and-pad layout); excludes ``num_permuted_tokens``. None: blocks as needed.
         validate: check ``topk_idx`` values on the host (a sync). Default: when there is no
-            budget. Unvalidated ids outside ``[0, E_local)`` count as -1; a repeated expert in
-            a row makes two copies share one row (the sum in unpermute counts it twice).
-            The torch backend always validates.
+            budget and no ``expert_capacity``. Unvalidated ids outside ``[0, E_local)`` count
+            as -1; a repeated expert in a row makes two copies share one row (the sum in
+            unpermute counts it twice). The torch backend always validates.
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -421,22 +452,21 @@ def make_permute_handle(
     Raises:
         TypeError / ValueError: bad arguments (named in the message).
     """
-    _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens)
+    _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
     use_triton = resolve_backend(backend, topk_idx)
     if validate is None:
-        validate = num_permuted_tokens is None
+        validate = num_permuted_tokens is None and expert_capacity is None
     if validate or not use_triton:
         check_topk_idx(topk_idx, num_local_experts)
-    if use_triton:
-        return permute_map_triton(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens)
-    return permute_map_reference(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens)
+    build = permute_map_triton if use_triton else permute_map_reference
+    return build(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
 
 
 def permute(
     x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor,
     probs: torch.Tensor | None = None, *, num_local_experts: int, pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None, handle: PermuteHandle | None = None,
-    validate: bool | None = None, backend: str = "auto",
+    num_permuted_tokens: int | None = None, expert_capacity: int | None = None,
+    handle: PermuteHandle | None = None, validate: bool | None = None, backend: str = "auto",
 ) -> PermuteResult:
     """Received tokens -> expert-major, padded rows (fused: one kernel moves the data).
 
@@ -451,6 +481,7 @@ def permute(
         pad_multiple: zero-row padding multiple per expert block.
         num_permuted_tokens: static budget P: output rows fixed, no host synchronisation,
             overflow flagged in ``handle.overflow`` (check with :func:`check_permute_overflow`).
+        expert_capacity: fixed expert blocks of this many rows (see :func:`make_permute_handle`).
         handle: reuse a handle from :func:`make_permute_handle` / an earlier permute.
         validate: see :func:`make_permute_handle`.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -475,7 +506,8 @@ def permute(
         check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if handle is None:
         handle = make_permute_handle(topk_idx, num_local_experts, pad_multiple=pad_multiple,
-                                     num_permuted_tokens=num_permuted_tokens, validate=validate, backend=backend)
+                                     num_permuted_tokens=num_permuted_tokens, expert_capacity=expert_capacity,
+                                     validate=validate, backend=backend)
     if data.shape[0] != handle.num_tokens:
         raise ValueError(f"x has {data.shape[0]} rows but topk_idx has {handle.num_tokens} tokens")
     if handle.row_id_map.device != data.device:
@@ -533,7 +565,8 @@ def unpermute(
 
 
 def check_permute_overflow(handle: PermuteHandle, *, allow_drop: bool = False) -> bool:
-    """Reads the overflow flag of a budgeted permute on the host (synchronises the device).
+    """Reads the overflow flag of a budgeted or fixed-block permute on the host (synchronises
+    the device).
 
     Args:
         handle: from :func:`permute` / :func:`make_permute_handle`.
@@ -545,12 +578,19 @@ def check_permute_overflow(handle: PermuteHandle, *, allow_drop: bool = False) -
 
     Raises:
         BudgetOverflowError (alias ``PermuteOverflowError``): the padded layout needed more rows
-            than ``num_permuted_tokens``.
+            than ``num_permuted_tokens``, or an expert more copies than ``expert_capacity``.
     """
-    if handle.num_permuted_tokens is None or not bool(handle.overflow):
+    if (handle.num_permuted_tokens is None and handle.expert_capacity is None) or not bool(handle.overflow):
         return False
     if allow_drop:
         return True
+    if handle.expert_capacity is not None:
+        counts = handle.num_tokens_per_expert.tolist()
+        raise BudgetOverflowError(
+            f"permute got {max(counts)} copies for one expert (per expert: {counts}) but expert_capacity="
+            f"{handle.expert_capacity}; the copies beyond an expert's capacity were dropped. Raise expert_capacity, "
+            f"or pass allow_drop=True to accept the loss"
+        )
     raise BudgetOverflowError(
         f"permute needed {int(handle.num_rows_needed)} rows (pad_multiple={handle.pad_multiple}, "
         f"{handle.num_local_experts} local experts) but num_permuted_tokens={handle.num_permuted_tokens}; "

@@ -16,6 +16,10 @@ Semantics (the layout Megatron-Core's HybridEP path hands its experts):
 - Static budget ``num_permuted_tokens = P``: the output has exactly P rows, no host
   synchronisation; rows >= P are not written and the device flag ``handle.overflow`` is set
   exactly when the padded layout needs more than P rows.
+- Fixed expert blocks ``expert_capacity = C`` (Megatron's drop-and-pad,
+  ``moe_pad_expert_input_to_capacity``): every expert block has exactly C rows, P = E_local * C,
+  no host synchronisation; an expert's copies beyond C (the last in received-row order) are not
+  written and set ``handle.overflow``; the unused rows of a block are zero rows (prob 0).
   :func:`~moe_dispatch.ops.permute.check_permute_overflow` turns the flag into an error on the
   host (or accepts the loss when asked).
 - Autograd: permute's backward is the unweighted unpermute of the gradient, unpermute's
@@ -44,16 +48,20 @@ class PermuteHandle:
         row_id_map: ``[R, K]`` int32, output row of (received token r, slot k); ``-1`` where the
             slot has no local expert or the row fell beyond the budget.
         tokens_per_expert: ``[E_local]`` int64, rows of each expert block in the output
-            (padded to ``pad_multiple``, clipped to the budget): the grouped-GEMM split sizes.
+            (padded to ``pad_multiple``, clipped to the budget; ``expert_capacity`` each with fixed
+            blocks): the grouped-GEMM split sizes.
         num_tokens_per_expert: ``[E_local]`` int64, real copies per expert (unpadded, unclipped).
         expert_offsets: ``[E_local]`` int32, first output row of each expert block.
-        num_rows_needed: ``[]`` int64, rows the padded layout needs (sum of padded counts).
-        overflow: ``[]`` bool, ``num_rows_needed > num_rows`` (only possible with a budget).
+        num_rows_needed: ``[]`` int64, rows the padded layout needs to keep every copy (sum over
+            experts of the padded count, or of the larger of it and ``expert_capacity``).
+        overflow: ``[]`` bool, ``num_rows_needed > num_rows`` (only possible with a budget or
+            fixed blocks).
         num_tokens: R.
         num_rows: P, rows of the permuted output.
         num_local_experts: E_local.
         pad_multiple: the padding multiple.
         num_permuted_tokens: the static budget, or None.
+        expert_capacity: rows of every expert block (fixed blocks), or None.
     """
 
     row_id_map: torch.Tensor
@@ -67,6 +75,7 @@ class PermuteHandle:
     num_local_experts: int
     pad_multiple: int
     num_permuted_tokens: int | None
+    expert_capacity: int | None = None
 
 
 def permute_map_reference(
@@ -74,6 +83,7 @@ def permute_map_reference(
     num_local_experts: int,
     pad_multiple: int = 1,
     num_permuted_tokens: int | None = None,
+    expert_capacity: int | None = None,
 ) -> PermuteHandle:
     """Torch reference of the index phase: the row of every (token, slot) (see module doc).
 
@@ -83,6 +93,7 @@ def permute_map_reference(
         num_local_experts: E_local.
         pad_multiple: each expert block's row count is rounded up to a multiple of this.
         num_permuted_tokens: static budget P, or None for exactly the rows needed.
+        expert_capacity: C, rows of every expert block (P = E_local * C; excludes a budget), or None.
 
     Returns:
         :class:`PermuteHandle` on topk_idx's device.
@@ -95,9 +106,10 @@ def permute_map_reference(
     flat = torch.where(valid, idx, e).flatten()  # row-major: token-major, slot-minor
     counts_all = torch.bincount(flat, minlength=e + 1)
     counts = counts_all[:e]
-    padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    rounded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = rounded if expert_capacity is None else torch.full_like(counts, expert_capacity)
     start = torch.cumsum(padded, 0) - padded
-    needed = padded.sum()
+    needed = torch.maximum(padded, rounded).sum()
     # stable sort by expert keeps ascending token order inside each expert (no repeats in a row)
     order = torch.argsort(flat, stable=True)
     first = torch.cumsum(counts_all, 0) - counts_all
@@ -105,9 +117,13 @@ def permute_map_reference(
     rank = torch.empty_like(rank_sorted)
     rank[order] = rank_sorted
     start_ext = torch.cat([start, start.new_zeros(1)])
+    padded_ext = torch.cat([padded, padded.new_zeros(1)])
     row = start_ext[flat] + rank
-    num_rows = int(needed) if num_permuted_tokens is None else num_permuted_tokens
-    row = torch.where((flat < e) & (row < num_rows), row, -1)
+    if expert_capacity is not None:
+        num_rows = e * expert_capacity
+    else:
+        num_rows = int(needed) if num_permuted_tokens is None else num_permuted_tokens
+    row = torch.where((flat < e) & (row < num_rows) & (rank < padded_ext[flat]), row, -1)
     return PermuteHandle(
         row_id_map=row.view(num_tokens, num_topk).to(torch.int32),
         tokens_per_expert=torch.minimum(torch.clamp(num_rows - start, min=0), padded),
@@ -120,6 +136,7 @@ def permute_map_reference(
         num_local_experts=e,
         pad_multiple=pad_multiple,
         num_permuted_tokens=num_permuted_tokens,
+        expert_capacity=expert_capacity,
     )
 
 
