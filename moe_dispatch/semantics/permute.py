@@ -37,7 +37,7 @@ import dataclasses
 
 import torch
 
-_INT32_MAX = 2**31 - 1
+from .sums import SumPlan, ordered_sum, plan_sum
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,6 +62,8 @@ class PermuteHandle:
         pad_multiple: the padding multiple.
         num_permuted_tokens: the static budget, or None.
         expert_capacity: rows of every expert block (fixed blocks), or None.
+        sources: ``(src, entry)`` of :func:`permuted_sources`, once computed.
+        sum_plans: unpermute's sum plans (:func:`unpermute_plan`), once computed.
     """
 
     row_id_map: torch.Tensor
@@ -76,6 +78,9 @@ class PermuteHandle:
     pad_multiple: int
     num_permuted_tokens: int | None
     expert_capacity: int | None = None
+    # Derived once per handle, on first use (permuted_sources, unpermute_plan):
+    sources: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    sum_plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def permute_map_reference(
@@ -140,41 +145,62 @@ def permute_map_reference(
     )
 
 
+def permuted_sources(handle: PermuteHandle) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(src [P], entry [P])`` int64: the received row each output row holds a copy of, and that
+    copy's entry ``row * K + slot`` of ``topk_idx``; ``-1`` for zero rows (padding, the unused tail of a
+    budget or block). Computed once per handle."""
+    if handle.sources is None:
+        num_topk = handle.row_id_map.shape[1]
+        flat = handle.row_id_map.reshape(-1)
+        where = torch.nonzero(flat >= 0).flatten()
+        rows = flat[where].long()
+        src = torch.full((handle.num_rows,), -1, dtype=torch.int64, device=flat.device)
+        entry = torch.full_like(src, -1)
+        src[rows] = where // num_topk
+        entry[rows] = where
+        handle.sources = (src, entry)
+    return handle.sources
+
+
+def gather_rows(x: torch.Tensor, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = x[src[i]]``, a zero row where ``src[i]`` is -1: one gather, then the zero rows."""
+    out = torch.empty((src.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device) if out is None else out
+    if x.shape[0] == 0:
+        return out.zero_()
+    torch.index_select(x, 0, src.clamp(min=0), out=out)
+    holes = torch.nonzero(src < 0).flatten()
+    if holes.numel():  # zero bits are +0.0 in every float format; bytes also cover fp8 (no index_fill_)
+        out.view(torch.uint8).index_fill_(0, holes, 0)
+    return out
+
+
 def permute_rows_reference(
     x: torch.Tensor, handle: PermuteHandle, probs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch reference of the data phase: ``x [R, H]`` -> ``[P, H]`` (zero rows where no copy
-    lands); ``probs [R, K]`` -> ``[P]``. Pure data movement (bit-exact for any dtype)."""
-    row = handle.row_id_map
-    sel = row >= 0
-    src = torch.arange(handle.num_tokens, device=x.device).unsqueeze(1).expand_as(row)[sel]
-    dst = row[sel].long()
-    out = torch.zeros(handle.num_rows, *x.shape[1:], dtype=x.dtype, device=x.device)
-    out[dst] = x[src]
-    permuted_probs = None
-    if probs is not None:
-        permuted_probs = torch.zeros(handle.num_rows, dtype=probs.dtype, device=probs.device)
-        permuted_probs[dst] = probs[sel]
+    lands); ``probs [R, K]`` -> ``[P]``. Pure data movement (bit-exact for any dtype): one gather."""
+    src, entry = permuted_sources(handle)
+    out = gather_rows(x, src)
+    permuted_probs = None if probs is None else gather_rows(probs.reshape(-1, 1), entry).view(-1)
     return out, permuted_probs
+
+
+def unpermute_plan(handle: PermuteHandle, scaled: bool = False) -> SumPlan:
+    """The :class:`~moe_dispatch.semantics.sums.SumPlan` of unpermute: each output row onto its
+    received row (zero rows left out), ascending row = ascending expert. Cached on the handle."""
+    key = "unpermute (scaled)" if scaled else "unpermute"
+    if key not in handle.sum_plans:
+        src, _ = permuted_sources(handle)
+        index = torch.where(src >= 0, src, handle.num_tokens)
+        handle.sum_plans[key] = plan_sum(index, handle.num_tokens, scaled=scaled)
+    return handle.sum_plans[key]
 
 
 def unpermute_rows_reference(
     y: torch.Tensor, handle: PermuteHandle, row_weights: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Torch reference of unpermute: ``out[r] = sum_k w[row] * y[row]`` over r's rows in
-    ascending order (= ascending expert), accumulated in fp32, returned in y's dtype."""
-    num_rows = y.shape[0]
-    key = torch.where(handle.row_id_map >= 0, handle.row_id_map, _INT32_MAX)
-    key = torch.sort(key, dim=1).values.long()
-    key = torch.where(key == _INT32_MAX, num_rows, key)  # -> an extra zero row
-    y_ext = torch.cat([y, y.new_zeros(1, y.shape[1])])
-    w_ext = None
-    if row_weights is not None:
-        w_ext = torch.cat([row_weights.float(), row_weights.new_zeros(1, dtype=torch.float32)])
-    acc = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-    for i in range(key.shape[1]):  # K steps of vectorised work, in the kernel's order
-        v = y_ext.index_select(0, key[:, i]).float()
-        if w_ext is not None:
-            v = v * w_ext.index_select(0, key[:, i]).unsqueeze(1)
-        acc += v
-    return acc.to(y.dtype)
+    ascending order (= ascending expert), accumulated in fp32, returned in y's dtype
+    (:func:`~moe_dispatch.semantics.sums.ordered_sum`: each copy read once, no fp32 copy of y)."""
+    scale = None if row_weights is None else row_weights.float()
+    return ordered_sum(unpermute_plan(handle, scale is not None), y, scale)

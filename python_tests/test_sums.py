@@ -1,0 +1,63 @@
+"""``ordered_sum``: the fp32 row sums in ascending row order that combine and unpermute share,
+against a loop that adds row by row in fp32 (the order ``moe_dispatch.reference`` defines)."""
+
+import pytest
+import torch
+
+from moe_dispatch.semantics.sums import ordered_sum, plan_sum
+
+
+def loop_sum(rows, index, num_out, scale=None):
+    """Row by row from +0.0 in fp32, then one rounding: the definition."""
+    acc = torch.zeros(num_out + 1, *rows.shape[1:], dtype=torch.float32)
+    for i in range(rows.shape[0]):
+        term = rows[i].float()
+        if scale is not None:
+            term = term * scale[i]
+        acc[index[i]] += term
+    return acc[:num_out].to(rows.dtype)
+
+
+def tricky_rows(num_rows, hidden, dtype, gen):
+    """Magnitudes from 1e-3 to 1e3, rows that cancel exactly, -0.0 entries."""
+    rows = torch.randn(num_rows, hidden, generator=gen) * torch.logspace(-3, 3, num_rows).view(-1, 1)
+    rows = rows[torch.randperm(num_rows, generator=gen)]
+    rows[1::7] = -rows[0::7][: rows[1::7].shape[0]]
+    rows[2::5, :3] = -0.0
+    return rows.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("max_terms", [1, 2, 3, 8])
+def test_ordered_sum_equals_the_row_by_row_fp32_sum(dtype, max_terms):
+    gen = torch.Generator().manual_seed(max_terms)
+    num_out, hidden = 40, 24
+    terms = torch.randint(0, max_terms + 1, (num_out,), generator=gen)
+    terms[0] = max_terms
+    index = torch.repeat_interleave(torch.arange(num_out), terms)
+    index = index[torch.randperm(index.numel(), generator=gen)]  # terms of an output spread over the rows
+    dropped = torch.full((5,), num_out)  # rows left out
+    index = torch.cat([index, dropped])[torch.randperm(index.numel() + 5, generator=gen)]
+    rows = tricky_rows(index.numel(), hidden, dtype, gen)
+    plan = plan_sum(index, num_out)
+    assert plan.max_terms == max_terms and plan.dropped
+    assert (plan.slot_outputs is None) == (max_terms <= 2)  # the fp32 path only for 3 terms or more
+    got = ordered_sum(plan, rows)
+    want = loop_sum(rows, index, num_out)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bits, signed zeros included
+    scale = torch.rand(index.numel(), generator=gen) * 4 - 2
+    scaled = ordered_sum(plan_sum(index, num_out, scaled=True), rows, scale)
+    assert torch.equal(scaled.view(torch.uint8), loop_sum(rows, index, num_out, scale).view(torch.uint8))
+
+
+def test_ordered_sum_writes_out_and_zeroes_untouched_outputs():
+    index = torch.tensor([2, 0, 2, 2])
+    rows = torch.tensor([[1.0], [2.0], [3.0], [-0.0]], dtype=torch.bfloat16)
+    out = torch.full((4, 1), 7.0, dtype=torch.bfloat16)
+    assert ordered_sum(plan_sum(index, 4), rows, out=out) is out
+    assert out.flatten().tolist() == [2.0, 0.0, 4.0, 0.0]
+    assert not torch.signbit(ordered_sum(plan_sum(torch.tensor([0]), 1), -torch.zeros(1, 3))).any()  # -0 -> +0
+    with pytest.raises(ValueError, match="scaled=True"):
+        ordered_sum(plan_sum(index, 4), rows, torch.ones(4))
+    empty = ordered_sum(plan_sum(torch.zeros(0, dtype=torch.int64), 3), torch.zeros(0, 5))
+    assert empty.shape == (3, 5) and not empty.any()
