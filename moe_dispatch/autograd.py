@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .semantics.permute import permuted_sources
 from .transport.base import Call
 
 
@@ -20,7 +21,9 @@ class DispatchFn(torch.autograd.Function):
 
     ``call`` carries the plan slot, the layout, the output ``recv_topk_idx`` and the launch
     mode, and receives the event or hook. Gradients of ``recv_topk_weights`` flow back only
-    where ``recv_topk_idx`` names a local expert (elsewhere the output is 0).
+    where ``recv_topk_idx`` names a local expert (elsewhere the output is 0). With a fused
+    permute (``call.dispatch.layout``) the outputs are expert-major (``[P, H]`` and ``[P]``): the
+    backward combine sums each token's copies, and a row's weight gradient returns to its entry.
     """
 
     @staticmethod
@@ -32,14 +35,24 @@ class DispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):
         routing = ctx.call.dispatch
+        permute = routing.slot.permute
         tensors = [grad_recv_x.contiguous()]
         if grad_recv_weights is not None:
+            if permute is not None:  # [P] per row -> [R, K] per entry (0 where no row holds it)
+                entries = torch.zeros(
+                    routing.recv_topk_idx.numel(), dtype=grad_recv_weights.dtype, device=grad_recv_weights.device
+                )
+                _, entry = permuted_sources(permute)
+                kept = entry >= 0
+                entries[entry[kept]] = grad_recv_weights[kept]
+                grad_recv_weights = entries.view(routing.recv_topk_idx.shape)
             mine = routing.recv_topk_idx >= 0
             tensors.append(torch.where(mine, grad_recv_weights, torch.zeros_like(grad_recv_weights)))
         store = ctx.call.wgrad_store
         launch = Call(mode="async" if store is not None else "sync")
+        major = [permute is not None] + [False] * (len(tensors) - 1)
         grads = ctx.transfers.combine(
-            routing.slot, tensors, [None] * len(tensors), launch, "dispatch backward (combine)"
+            routing.slot, tensors, [None] * len(tensors), launch, "dispatch backward (combine)", major
         )
         if store is not None:  # the experts' weight gradients overlap the combine in flight
             store.backward_dw()

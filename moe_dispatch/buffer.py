@@ -18,12 +18,15 @@ from . import autograd
 from .config import Config, check_config, num_sms_error
 from .errors import BudgetOverflowError
 from .ops.layout import get_dispatch_layout
+from .ops.permute import check_permute_args, make_permute_handle
 from .ops.quant import check_fp8_pair
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
+from .semantics.permute import PermuteHandle, gather_rows, permuted_sources, unpermute_plan
+from .semantics.sums import ordered_sum
 from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 from .topology import Topology
 from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
-from .transport.base import Call, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
+from .transport.base import Call, ExpertLayout, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistTransport
 
@@ -78,6 +81,12 @@ class DispatchHandle:
                 "(or call its hook) before reading the plan"
             )
         return self.slot.plan
+
+    @property
+    def permute(self) -> PermuteHandle | None:
+        """The fused permute of a :meth:`Buffer.dispatch_to_experts` (its received rows' expert-major
+        layout: ``row_id_map``, ``tokens_per_expert``, ``overflow``), else None."""
+        return self.slot.permute
 
     @property
     def num_internode_tokens(self) -> int:
@@ -428,6 +437,86 @@ class Buffer:
                 recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
             return (recv_x, None, None, None, handle, *self._completion(call))
 
+        routing = self._fresh(call, x, topk_idx, topk_weights, num_experts, num_worst_tokens)
+        if fp8:  # fp8 is a forward-only format: no autograd
+            *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
+            recv_x = tuple(recv_x)
+        else:
+            recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+        return (
+            recv_x,
+            routing.recv_topk_idx,
+            recv_weights,
+            routing.num_recv_tokens_per_expert,
+            self._handle(call),
+            *self._completion(call),
+        )
+
+    def dispatch_to_experts(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        num_experts: int,
+        *,
+        pad_multiple: int = 1,
+        num_permuted_tokens: int | None = None,
+        expert_capacity: int | None = None,
+        async_finish: bool = False,
+        previous_event: EventOverlap | None = None,
+        allocate_on_comm_stream: bool = False,
+        wgrad_store: "DelayedWgrad | None" = None,
+    ):
+        """:meth:`dispatch` with the permute fused (HybridEP's layout): the received rows land
+        in expert-major blocks for the grouped GEMM, straight from the receive buffer, as
+        :func:`moe_dispatch.ops.permute.permute` of ``dispatch``'s outputs would lay them out
+        (bit for bit). :meth:`combine` given this handle takes the expert outputs in that layout
+        and sums each token's copies (in fp32, ascending expert) as it returns them.
+
+        Collective over the EP group, as :meth:`dispatch`. Differentiable w.r.t. ``x`` and
+        ``topk_weights``.
+
+        Args:
+            x, topk_idx, topk_weights, num_experts: as in :meth:`dispatch` (``x`` one
+                bf16/fp16/fp32 tensor; fp8 is not fused).
+            pad_multiple: each local expert's block is padded with zero rows to a multiple of this.
+            num_permuted_tokens: static P: the output has exactly P rows (no host wait on the
+                receive side); copies beyond it are dropped and ``handle.permute.overflow`` set.
+            expert_capacity: fixed blocks of exactly this many rows per local expert (P =
+                E/W x expert_capacity; a multiple of ``pad_multiple``); excludes
+                ``num_permuted_tokens``. Copies beyond a block are dropped and flagged.
+            async_finish, previous_event, allocate_on_comm_stream, wgrad_store: as in
+                :meth:`dispatch`; without a static P the call returns complete (the output size
+                follows the received ids), whatever ``async_finish`` says.
+
+        Returns:
+            ``permuted_x [P, H]`` (x's dtype; zero padding rows), ``permuted_weights [P]`` fp32 (the
+            weight of each row's copy, 0 on padding; None without topk_weights),
+            ``tokens_per_expert [E/W]`` int64 (rows of each block: the grouped-GEMM split sizes),
+            ``handle`` (``handle.permute``: the permute's
+            :class:`~moe_dispatch.semantics.permute.PermuteHandle`, set once the operation
+            completed), ``event``.
+
+        Raises:
+            ValueError/TypeError: as :meth:`dispatch`; bad pad_multiple, num_permuted_tokens or
+                expert_capacity.
+            CommError: a peer failed or did not join within ``timeout_s``.
+        """
+        self._check_open()
+        if isinstance(x, tuple):
+            raise TypeError("dispatch_to_experts takes x as one bf16/fp16/fp32 tensor; dispatch fp8 with dispatch()")
+        call = self._call(async_finish, False, previous_event, allocate_on_comm_stream)
+        call.wgrad_store = wgrad_store
+        layout = (pad_multiple, num_permuted_tokens, expert_capacity)
+        self._fresh(call, x, topk_idx, topk_weights, num_experts, 0, layout)
+        permuted_x, permuted_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+        sizes = call.dispatch.layout.tokens_per_expert
+        return (permuted_x, permuted_weights, sizes, self._handle(call), *self._completion(call))
+
+    def _fresh(self, call: Call, x, topk_idx, topk_weights, num_experts, num_worst_tokens: int, permute=None):
+        """Checks a fresh dispatch's arguments, plans it (unless ``num_worst_tokens``: the
+        transfer does) and sets ``call.dispatch``; returns it. ``permute``: a fused permute's
+        ``(pad_multiple, num_permuted_tokens, expert_capacity)``, or None."""
         self._check_x(x)
         if isinstance(topk_weights, int) and num_experts is None:
             raise TypeError(
@@ -436,11 +525,17 @@ class Buffer:
             )
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
+        fp8 = isinstance(x, tuple)
         num_tokens = x[0].shape[0] if fp8 else x.shape[0]
         check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
         self._check_num_experts(num_experts)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
+        layout = None
+        if permute is not None:
+            check_permute_args(topk_idx, num_experts // self.world_size, *permute)
+            sizes = torch.empty(num_experts // self.world_size, dtype=torch.int64, device=self.device)
+            layout = ExpertLayout(num_experts // self.world_size, *permute, tokens_per_expert=sizes)
         x0 = x[0] if fp8 else x
         fields = {
             "num_experts": num_experts,
@@ -457,7 +552,7 @@ class Buffer:
         else:
             plan = self._transfers.plan(call, is_token_in_rank, fields)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
-        call.dispatch = routing = FreshDispatch(
+        call.dispatch = FreshDispatch(
             slot=slot,
             fields=fields,
             is_token_in_rank=is_token_in_rank,
@@ -467,27 +562,19 @@ class Buffer:
             num_recv_tokens_per_expert=torch.empty(
                 num_experts // self.world_size, dtype=torch.int64, device=self.device
             ),
+            layout=layout,
         )
-        if fp8:  # fp8 is a forward-only format: no autograd
-            *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
-            recv_x = tuple(recv_x)
-        else:
-            recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
-        handle = DispatchHandle(
+        return call.dispatch
+
+    def _handle(self, call: Call) -> DispatchHandle:
+        routing = call.dispatch
+        return DispatchHandle(
             buffer_id=self._uid,
-            num_experts=num_experts,
+            num_experts=routing.num_experts,
             recv_topk_idx=routing.recv_topk_idx,
-            is_token_in_rank=is_token_in_rank,
-            slot=slot,
+            is_token_in_rank=routing.is_token_in_rank,
+            slot=routing.slot,
             _hook=call.hook,
-        )
-        return (
-            recv_x,
-            routing.recv_topk_idx,
-            recv_weights,
-            routing.num_recv_tokens_per_expert,
-            handle,
-            *self._completion(call),
         )
 
     def combine(
@@ -509,7 +596,9 @@ class Buffer:
         Differentiable w.r.t. ``y`` and ``topk_weights`` (backward is a dispatch).
 
         Args:
-            y: ``[R, H]`` bf16/fp16/fp32 rows in the handle's receive order.
+            y: ``[R, H]`` bf16/fp16/fp32 rows in the handle's receive order; for a handle of
+                :meth:`dispatch_to_experts`, ``[P, H]`` in its expert-major layout (each token then
+                gets the fp32 sum of its copies, in ascending expert order, before the combine's sums).
             handle: from this Buffer's ``dispatch`` (its receive hook, if any, already called).
             topk_weights: None (unweighted sum, Megatron's contract), ``[R]`` fp32 row scales,
                 or ``[R, K]`` fp32 (e.g. ``recv_topk_weights``), whose row sums scale the rows.
@@ -533,7 +622,15 @@ class Buffer:
                 "combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
                 "format (dequantize the expert output, or keep it in bf16)"
             )
-        check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
+        if handle.permute is not None:
+            check_hidden("y", y, self.device, num_rows=handle.permute.num_rows, rows_what="handle (expert-major rows)")
+            if topk_weights is not None:
+                raise ValueError(
+                    "combine of a dispatch_to_experts handle sums the expert outputs unweighted (experts apply "
+                    "the permuted weights themselves): pass topk_weights=None"
+                )
+        else:
+            check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
         row_scale = None
         if topk_weights is not None:
             if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
@@ -687,6 +784,7 @@ class Transfers:
         into ``call.dispatch.recv_topk_idx`` (-1 for other ranks' experts), zeroes the weights
         of other ranks' experts and counts ``num_recv_tokens_per_expert``. A slot without a
         plan (static ``num_worst_tokens`` size) gets it here, first, and pads the outputs.
+        With ``call.dispatch.layout`` the rows land expert-major (:meth:`_dispatch_permuted`).
 
         Returns:
             The received x tensors (``[num_rows, ...]`` each), then the received weights
@@ -696,13 +794,13 @@ class Transfers:
             BudgetOverflowError: more rows arrived than ``num_worst_tokens``.
         """
         routing = call.dispatch
-        slot = routing.slot
         xs = x if isinstance(x, list) else [x]
+        if routing.layout is not None:
+            return self._dispatch_permuted(call, xs, topk_weights)
+        slot = routing.slot
         tensors = [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
         out[len(xs)] = routing.recv_topk_idx
-        experts_per_rank = routing.num_experts // self.topology.world_size
-        first = self.topology.rank * experts_per_rank
 
         def steps():
             if slot.plan is None:
@@ -725,52 +823,151 @@ class Transfers:
                 if o is not recv_idx:
                     o[rows:].zero_()
             recv_idx[rows:] = -1
-            local = recv_idx.sub_(first)  # in place: local ids, negative or too large elsewhere
-            other = (local < 0) | (local >= experts_per_rank)
-            local.masked_fill_(other, -1)
-            # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
-            # per-expert counts, so its size is the same on every rank whatever num_experts each
-            # one passed.
-            routing.num_recv_tokens_per_expert.copy_(
-                torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:]
-            )
-            if topk_weights is not None:
-                out[-1].masked_fill_(other, 0.0)
+            self._localize(routing, out[-1] if topk_weights is not None else None)
 
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
         return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
 
-    def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
-        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
-        outputs (rows past the received ones zero); returns them."""
-        out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
+    def _localize(self, routing: FreshDispatch, recv_weights: torch.Tensor | None) -> None:
+        """The received top-k ids (``routing.recv_topk_idx``, global) in local numbering, -1 for
+        other ranks' experts (their weights zeroed), and ``num_recv_tokens_per_expert``."""
+        experts_per_rank = routing.num_experts // self.topology.world_size
+        local = routing.recv_topk_idx.sub_(self.topology.rank * experts_per_rank)  # in place
+        other = (local < 0) | (local >= experts_per_rank)
+        local.masked_fill_(other, -1)
+        # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
+        # per-expert counts, so its size is the same on every rank whatever num_experts each
+        # one passed.
+        routing.num_recv_tokens_per_expert.copy_(torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:])
+        if recv_weights is not None:
+            recv_weights.masked_fill_(other, 0.0)
+
+    def _dispatch_permuted(
+        self, call: Call, xs: list[torch.Tensor], topk_weights: torch.Tensor | None
+    ) -> list[torch.Tensor | None]:
+        """A fresh dispatch whose x tensors land expert-major (``call.dispatch.layout``, the
+        permute of :func:`moe_dispatch.ops.permute.permute` over the received rows): straight from
+        the receive buffer where the transport fuses it, else permuted after the transfer. Sets
+        ``slot.permute``. With a dynamic P (no budget, no fixed blocks) the outputs exist only
+        once the ids arrived: the call then completes before it returns.
+
+        Returns:
+            The permuted x tensors (``[P, ...]`` each), then the permuted weights ``[P]`` fp32
+            (0 on zero rows; or None).
+        """
+        routing = call.dispatch
+        slot, layout, k = routing.slot, routing.layout, len(xs)
+        tensors = [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])
+        rows = slot.num_rows  # the plan is known: no num_worst_tokens here
+        static = layout.num_rows
+        if static is None:
+            call.mode = "sync"
+        recv = self._alloc(call, [(t, (rows, *t.shape[1:])) for t in tensors[k + 1 :]])
+        permuted = self._alloc(call, [(t, (static or 0, *t.shape[1:])) for t in xs])
+        if topk_weights is not None:
+            permuted += self._alloc(call, [(topk_weights, (static or 0,))])
+        dst = [*permuted[:k], routing.recv_topk_idx, *recv]
+
+        def expert_rows() -> torch.Tensor:
+            # The top-k ids arrived: the permute's index phase, then (dynamic P) its outputs.
+            self._localize(routing, recv[0] if recv else None)
+            handle = make_permute_handle(
+                routing.recv_topk_idx,
+                layout.num_local_experts,
+                pad_multiple=layout.pad_multiple,
+                num_permuted_tokens=layout.num_permuted_tokens,
+                expert_capacity=layout.expert_capacity,
+                validate=False,
+            )
+            slot.permute = handle
+            layout.tokens_per_expert.copy_(handle.tokens_per_expert)
+            if static is None:
+                for j, t in enumerate(permuted):
+                    permuted[j] = t.new_empty((handle.num_rows, *t.shape[1:]))
+                dst[:k] = permuted[:k]
+            return permuted_sources(handle)[0]
 
         def steps():
-            yield from self._agree("dispatch", tensors, 0, what)
+            if getattr(self.transport, "fuses_layout", False):
+                yield from self.transport.dispatch(
+                    tensors, routing.is_token_in_rank, slot.plan, dst, permute=(k, expert_rows)
+                )
+            else:
+                scratch = [t.new_empty((rows, *t.shape[1:])) for t in xs]
+                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, [*scratch, *dst[k:]])
+                src = expert_rows()
+                for s, o in zip(scratch, permuted[:k]):
+                    gather_rows(_bytes(s), src, out=_bytes(o))
+            if topk_weights is not None:
+                gather_rows(recv[0].view(-1, 1), permuted_sources(slot.permute)[1], out=permuted[-1].view(-1, 1))
+
+        self._run(steps(), call, [*tensors, *recv, *permuted], "dispatch")
+        return [*permuted[:k], permuted[-1] if topk_weights is not None else None]
+
+    def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
+        """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
+        outputs (rows past the received ones zero), or, on a fused permute's slot, into
+        ``[P, ...]`` expert-major ones; returns them."""
+        permute = slot.permute
+        num_rows = slot.num_rows if permute is None else permute.num_rows
+        out = self._alloc(call, [(t, (num_rows, *t.shape[1:])) for t in tensors])
+        fuses = getattr(self.transport, "fuses_layout", False)
+
+        def steps():
+            check = self._agree("dispatch", tensors, 0, what)
             rows = slot.plan.num_recv_tokens
-            yield from self.transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
-            for o in out:
-                o[rows:].zero_()
+            src = None if permute is None else permuted_sources(permute)[0]
+            if fuses:
+                dst = out if permute is not None else [o[:rows] for o in out]
+                yield from self.transport.forward(tensors, slot.plan, dst, what, sources=src, check=check)
+            else:
+                yield from check
+                dst = [o[:rows] if permute is None else o.new_empty((rows, *o.shape[1:])) for o in out]
+                yield from self.transport.forward(tensors, slot.plan, dst, what)
+                if permute is not None:
+                    for s, o in zip(dst, out):
+                        gather_rows(_bytes(s), src, out=_bytes(o))
+            if permute is None:
+                for o in out:
+                    o[rows:].zero_()
 
         self._run(steps(), call, [*tensors, *out], what)
         return out
 
     def combine(
-        self, slot: PlanSlot, tensors: list[torch.Tensor], scales: list[torch.Tensor | None], call: Call, what: str
+        self,
+        slot: PlanSlot,
+        tensors: list[torch.Tensor],
+        scales: list[torch.Tensor | None],
+        call: Call,
+        what: str,
+        expert_major: list[bool] | None = None,
     ) -> list[torch.Tensor]:
         """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
         its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
-        outputs; returns them."""
+        outputs; returns them. On a fused permute's slot a tensor flagged in ``expert_major``
+        (default: every tensor there) is ``[P, ...]`` expert-major: each received row is the fp32
+        sum of its copies (unpermute), fused into the transfer where the transport can."""
         out = self._alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
+        if expert_major is None:
+            expert_major = [slot.permute is not None] * len(tensors)
+        fuses = getattr(self.transport, "fuses_layout", False)
 
         def steps():
-            yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
+            check = self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
-            yield from self.transport.combine(
-                [t[:rows] for t in tensors], [None if sc is None else sc[:rows] for sc in scales], slot.plan, out, what
-            )
+            src = permuted_sources(slot.permute)[0] if any(expert_major) else None
+            ins = [t if major else t[:rows] for t, major in zip(tensors, expert_major)]
+            row_scales = [None if sc is None else sc[:rows] for sc in scales]
+            if fuses:
+                sources = [src if major else None for major in expert_major]
+                yield from self.transport.combine(ins, row_scales, slot.plan, out, what, sources=sources, check=check)
+                return
+            yield from check
+            ins = [ordered_sum(unpermute_plan(slot.permute), t) if major else t for t, major in zip(ins, expert_major)]
+            yield from self.transport.combine(ins, row_scales, slot.plan, out, what)
 
         self._run(steps(), call, uses, what)
         return out
@@ -855,6 +1052,11 @@ class Transfers:
             },
             what,
         )
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, ...]`` contiguous -> its ``[rows, bytes]`` uint8 view (row gathers of any dtype)."""
+    return t.view(t.shape[0], -1).view(torch.uint8)
 
 
 class RecvHook:

@@ -14,6 +14,7 @@ import torch
 
 from moe_dispatch import Buffer, _ext
 from moe_dispatch.config import Config
+from moe_dispatch.ops.permute import permute, unpermute
 from moe_dispatch.semantics import reference
 
 from .worlds import assert_case, run_cases, world_results
@@ -130,14 +131,16 @@ def _cases(ranks_per_node: int) -> dict:
     cases["no-topk-weights"] = _no_weights
     cases["fp8-tuple"] = _fp8
     cases["backward-with-empty-rank"] = _backward_empty_rank
+    cases["dispatch-to-experts"] = _dispatch_to_experts
+    cases["dispatch-to-experts-backward"] = _dispatch_to_experts_backward
     cases["close"] = _close  # last: the Buffer is done afterwards
     return cases
 
 
 def _pipeline_depths(rank, world_size, buf):
-    """The transport's paths for one chunk (stage 2's arrivals in final order when a node has one
-    rank or the world one node; a reorder gather otherwise) and for several chunks, whatever
-    default the topology picks: the same bits as the oracle."""
+    """The transport's two-stage paths for one chunk (stage 2's arrivals in final order when a
+    node has one rank or the world one node; a reorder gather otherwise) and for several chunks,
+    whatever route the sizes pick by default: the same bits as the oracle, fused permute too."""
     L = buf.topology.ranks_per_node
     for num_chunks in (1, 3):
         deep = Buffer(buf.group, ranks_per_node=L, num_chunks=num_chunks, timeout_s=buf.timeout_s)
@@ -153,6 +156,8 @@ def _pipeline_depths(rank, world_size, buf):
                 torch.bfloat16,
                 seed=20 + num_chunks,
             )
+            _dispatch_to_experts(rank, world_size, deep)
+            _dispatch_to_experts_backward(rank, world_size, deep)
         finally:
             deep.close()
 
@@ -290,6 +295,75 @@ def _backward_empty_rank(rank, world_size, buf):
     out.sum().backward()
     holders = handle.is_token_in_rank.sum(1, keepdim=True).float()
     assert torch.equal(x.grad, holders.expand_as(x)), "grad of sum(combine(dispatch(x))) must count the holders"
+
+
+EXPERT_LAYOUTS = ({}, {"pad_multiple": 4}, {"num_permuted_tokens": 9, "pad_multiple": 2}, {"expert_capacity": 4})
+
+
+def _permuted_oracle(refs, rank, layout, experts_per_rank):
+    """Rank ``rank``'s permute of the oracle's dispatch (the torch reference of ``permute``)."""
+    r = refs[rank]
+    return permute(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, num_local_experts=experts_per_rank, backend="torch", **layout
+    )
+
+
+def _dispatch_to_experts(rank, world_size, buf):
+    """The fused permute equals permute(dispatch(...)) bit for bit (rows, weights, split sizes,
+    row map), and a combine of its expert-major rows equals the oracle's combine of each rank's
+    unpermuted rows: dropless, padded, with a budget that drops copies, and fixed blocks."""
+    L = buf.topology.ranks_per_node
+    num_tokens = [20 + 3 * r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=41)
+    xs = make_x(num_tokens, 32, torch.bfloat16, seed=41)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, L)
+    per_rank = num_experts // world_size
+    for layout in EXPERT_LAYOUTS:
+        want = _permuted_oracle(refs, rank, layout, per_rank)
+        px, pw, sizes, handle, _ = buf.dispatch_to_experts(xs[rank], idxs[rank], ws[rank], num_experts, **layout)
+        assert torch.equal(px, want.permuted_x) and torch.equal(pw, want.permuted_probs), layout
+        assert torch.equal(sizes, want.tokens_per_expert) and torch.equal(
+            handle.permute.row_id_map, want.handle.row_id_map
+        )
+        assert bool(handle.permute.overflow) == bool(want.handle.overflow)
+        ys = []
+        for r in range(world_size):
+            theirs = _permuted_oracle(refs, r, layout, per_rank)
+            ys.append(unpermute(expert(theirs.permuted_x, r), theirs.handle, backend="torch"))
+        out, _ = buf.combine(expert(px, rank), handle)
+        assert torch.equal(out, reference.combine(ys, idxs, num_experts, L, ranks=[rank])[0]), layout
+        cached = buf.dispatch(xs[rank] * 2, handle=handle)[0]  # a cached dispatch lands the same way
+        assert torch.equal(
+            cached,
+            _permuted_oracle(
+                reference.dispatch([x * 2 for x in xs], idxs, ws, num_experts, L), rank, layout, per_rank
+            ).permuted_x,
+        )
+
+
+def _dispatch_to_experts_backward(rank, world_size, buf):
+    """Backward of the fused permute: x gets the oracle's combine of each rank's unpermuted row
+    gradients, topk_weights the combine of each entry's row gradient (0 where no row holds it)."""
+    L = buf.topology.ranks_per_node
+    _, idxs, ws, num_experts, xs = _world_inputs(world_size, seed=42)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, L)
+    per_rank = num_experts // world_size
+    layout = {"pad_multiple": 4}
+    perms = [_permuted_oracle(refs, r, layout, per_rank) for r in range(world_size)]
+    gen = torch.Generator().manual_seed(43)
+    gxs = [torch.randn(p.permuted_x.shape, generator=gen) for p in perms]
+    gws = [torch.randn(p.permuted_probs.shape, generator=gen) for p in perms]
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    px, pw, *_ = buf.dispatch_to_experts(x, idxs[rank], w, num_experts, **layout)
+    ((px * gxs[rank]).sum() + (pw * gws[rank]).sum()).backward()
+    unpermuted = [unpermute(g, p.handle, backend="torch") for g, p in zip(gxs, perms)]
+    assert torch.equal(x.grad, reference.combine(unpermuted, idxs, num_experts, L, ranks=[rank])[0]), "grad x"
+    per_entry = []
+    for g, p, r in zip(gws, perms, refs):
+        row = p.handle.row_id_map.long()
+        got = torch.where(row >= 0, g[row.clamp(min=0)], torch.zeros(()))
+        per_entry.append(torch.where(r.recv_topk_idx >= 0, got, torch.zeros(())))
+    assert torch.equal(w.grad, reference.combine(per_entry, idxs, num_experts, L, ranks=[rank])[0]), "grad w"
 
 
 def _close(rank, world_size, buf):
@@ -459,26 +533,3 @@ def test_world_kernel_transport(world_size, case):
     """The same cases through Buffer(transport="kernels") (one node): on CPU tensors the
     kernels' CPU backend in every process, over shared memory."""
     assert_case(world_results(_world_entry, world_size, world_size, "kernels"), case)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_block_sums_in_the_row_dtype_equal_the_fp32_sum(dtype):
-    """The transport sums one or two blocks in the row dtype (adds that torch computes in fp32 and
-    rounds to the row dtype): bit for bit the fp32 path's values, signed zeros included, on rows
-    of magnitudes from 1e-3 to 1e3, exactly cancelling pairs and -0.0 + -0.0."""
-    from moe_dispatch.transport.torch_dist import _block_sum
-
-    gen = torch.Generator().manual_seed(0)
-    num_out, hidden = 64, 48
-    index = torch.cat([torch.randperm(num_out, generator=gen)[:40], torch.randperm(num_out, generator=gen)[:50]])
-    rows = (torch.randn(90, hidden, generator=gen) * torch.logspace(-3, 3, 90).view(-1, 1)).to(dtype)
-    first = {int(t): j for j, t in enumerate(index[:40])}
-    pairs = [(j, i) for i in range(40, 90) if (j := first.get(int(index[i]))) is not None]
-    for j, i in pairs[:5]:
-        rows[i] = -rows[j]  # cancels exactly
-    for j, i in pairs[5:8]:
-        rows[j, :4] = rows[i, :4] = -0.0
-    ones = torch.ones(90)  # a scale takes the fp32 path
-    for splits in ([40, 50], [0, 40, 0, 50], [40], [0, 40]):
-        got, want = _block_sum(rows, None, index, splits, num_out), _block_sum(rows, ones, index, splits, num_out)
-        assert torch.equal(got.view(torch.int8), want.view(torch.int8)), splits  # bits, not ==

@@ -404,7 +404,8 @@ class _UnpermuteFunction(torch.autograd.Function):
 # Public API
 # ---------------------------------------------------------------------------------------------
 
-def _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity):
+def check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity):
+    """Raises TypeError/ValueError naming the first bad argument of a permute (see :func:`permute`)."""
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES)
     if not isinstance(num_local_experts, int) or isinstance(num_local_experts, bool) or num_local_experts < 1:
         raise ValueError(f"num_local_experts must be a positive int, got {num_local_experts!r}")
@@ -452,7 +453,7 @@ def make_permute_handle(
     Raises:
         TypeError / ValueError: bad arguments (named in the message).
     """
-    _check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
+    check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
     use_triton = resolve_backend(backend, topk_idx)
     if validate is None:
         validate = num_permuted_tokens is None and expert_capacity is None

@@ -26,6 +26,7 @@ import torch
 if TYPE_CHECKING:
     from ..buffer import EventOverlap, RecvHook
     from ..overlap import DelayedWgrad
+    from ..semantics.permute import PermuteHandle
     from .progress import Progress
 
 T = TypeVar("T")
@@ -123,6 +124,16 @@ class Transport(Protocol):
             every other operation (the kernels: their launches share one set of rings).
         progress: the :class:`~moe_dispatch.transport.progress.Progress` records that name,
             in a timeout's message, the operation each peer had reached.
+
+    Optional capability ``fuses_layout = True`` (the torch_dist transport): :meth:`dispatch` takes
+    ``permute=(k, rows)`` (its first ``k`` tensors land expert-major, output row i a copy of
+    received row ``rows()[i]``, -1 a zero row; ``rows`` is called once the other tensors landed),
+    :meth:`forward` takes ``sources`` (``[P]``: every tensor lands so), :meth:`combine` takes
+    ``sources`` (per tensor None, or ``[P]``: the tensor is ``[P, ...]`` expert-major and each
+    received row is the fp32 sum of its copies, ascending), and :meth:`forward` and
+    :meth:`combine` take ``check``, the argument check's steps, which they start before packing
+    their first payload and complete before it moves. Without it the Buffer permutes around
+    the transport and runs the check first.
     """
 
     plans_on_comm_thread: bool
@@ -188,11 +199,36 @@ class PlanSlot:
         num_tokens: T, tokens the source sent.
         num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
         plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
+        permute: a fused permute's handle (set once the top-k ids arrived): then the receive-side
+            row tensors of every operation on this slot are expert-major, ``[P, ...]``.
     """
 
     num_tokens: int
     num_rows: int
     plan: Plan | None = None
+    permute: PermuteHandle | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class ExpertLayout:
+    """A fused permute's layout (``Buffer.dispatch_to_experts``): the received rows land in
+    expert-major blocks for the local experts, as :func:`moe_dispatch.ops.permute.permute` defines
+    them (``pad_multiple``, the static budget ``num_permuted_tokens`` or the fixed blocks
+    ``expert_capacity``). ``tokens_per_expert`` ``[E_local]`` int64 is an output: the blocks'
+    rows, written once the top-k ids arrived."""
+
+    num_local_experts: int
+    pad_multiple: int = 1
+    num_permuted_tokens: int | None = None
+    expert_capacity: int | None = None
+    tokens_per_expert: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int | None:
+        """P when static (a budget or fixed blocks), else None (it follows the received ids)."""
+        if self.expert_capacity is not None:
+            return self.num_local_experts * self.expert_capacity
+        return self.num_permuted_tokens
 
 
 @dataclasses.dataclass(eq=False)
@@ -208,6 +244,7 @@ class FreshDispatch:
         recv_topk_idx: ``[num_rows, K]`` output: local expert ids of the received rows, -1
             elsewhere.
         num_recv_tokens_per_expert: ``[E/W]`` int64 output.
+        layout: a fused permute's layout, or None (rows in receive order).
     """
 
     slot: PlanSlot
@@ -217,6 +254,7 @@ class FreshDispatch:
     num_experts: int
     recv_topk_idx: torch.Tensor
     num_recv_tokens_per_expert: torch.Tensor
+    layout: ExpertLayout | None = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -5,41 +5,54 @@ orchestration. Rank (n, l) is node n, local index l (see ``Topology``).
 
 Dispatch:
   metadata (group: all EP ranks): each source tells each destination d how many of its
-    tokens reach d's node, each rank of d's node, and each of d's experts, per chunk (below).
-    From that every rank knows every split below and its receive count before any payload
-    moves (so outputs can be allocated up front and the payload can move asynchronously).
-  stage 1 (inter-node, group {(m, l) for all m}): each token goes once to every node m that
-    holds it, to the forwarder (m, l) with the sender's local index; the copy for the
-    sender's own node stays local.
-  stage 2 (intra-node, group {(n, l') for all l'}): the forwarder hands each token to the
-    local ranks that own its experts. The receiver reorders rows to (source rank, source
-    token) order.
+    tokens reach d's node, each rank of d's node, and each of d's experts, per sub-range of its
+    tokens, plus its own send sizes. From that every rank knows every split below and its
+    receive count before any payload moves (so outputs can be allocated up front and the
+    payload can move asynchronously), and every rank takes the same route:
+  flat (small calls, and worlds of one node or one rank per node): one exchange over all ranks,
+    each token once to each rank that holds it; rows arrive in final order.
+  two-stage (the rest):
+    stage 1 (inter-node, group {(m, l) for all m}): each token goes once to every node m that
+      holds it, to the forwarder (m, l) with the sender's local index; the copy for the
+      sender's own node stays local.
+    stage 2 (intra-node, group {(n, l') for all l'}): the forwarder hands each token to the
+      local ranks that own its experts.
+  Landing: the receiver writes each row tensor in (source rank, source token) order, or, for a
+  fused permute, each expert-major output row straight from the receive buffer (one gather).
 Combine runs backwards: receivers return rows to forwarders, forwarders sum their node's
 contributions in fp32 (ascending local rank) and round to the payload dtype, so each
 (token, node) pair crosses the network once; sources sum node partials in fp32 (ascending
-node) and round. Exactly the order of ``moe_dispatch.reference.combine``.
+node) and round. Exactly the order of ``moe_dispatch.reference.combine``; the flat route runs
+both sums at the source, the same sums in the same order. A fused permute's expert-major rows
+are summed per received row (ascending expert, fp32) straight into the send buffer. Every sum
+is :func:`moe_dispatch.semantics.sums.ordered_sum`, planned once per dispatch.
 
-Pipeline. Each source splits its tokens into ``num_chunks`` contiguous ranges; every stage
-runs once per chunk, and the inter-node and intra-node groups (separate process groups) carry
+Pipeline (two-stage). Each source splits its tokens into contiguous chunks; every stage runs
+once per chunk, and the inter-node and intra-node groups (separate process groups) carry
 different chunks at the same time, so the slow inter-node link never waits for the node::
 
     dispatch   inter-node | S1(0) | S1(1) | S1(2) | S1(3) |
-               intra-node         | S2(0) | S2(1) | S2(2) | S2(3) | reorder
+               intra-node         | S2(0) | S2(1) | S2(2) | S2(3) | land
     combine    intra-node | S2(0) | S2(1) | S2(2) | S2(3) |
                forwarder          | sum 0 | sum 1 | sum 2 | sum 3 |
                inter-node         | S1(0) | S1(1) | S1(2) | S1(3) | (sum i lands after S1(i))
 
 A token lives in exactly one chunk, so every sum above runs over the same rows in the same
-order as without chunks: results are bit-identical for any chunk count. Stage 2 of all
-chunks lands in one buffer that a single gather puts in final order (a per-chunk scatter
-would be many times slower on CPU).
+order as without chunks: results are bit-identical for any chunk count and either route.
+Stage 2 of all chunks lands in one buffer that a single gather puts in final order (a
+per-chunk scatter would be many times slower on CPU). The depth follows the size: one chunk
+per :data:`CHUNK_BYTES` of the largest stage-1 payload, at most :data:`NUM_CHUNKS`; calls whose
+largest flat payload is at most :data:`FLAT_BYTES` take the flat route (one collective instead
+of two; the combine order is the semantics', not the route's). An explicit ``num_chunks``
+fixes the two-stage route at that depth.
 
 Every stage moves all row tensors of one call as a single packed uint8 buffer, so a stage is
 one collective per chunk whatever the number of tensors. Operations are written as generators
 that yield each collective they wait for (a :class:`Pending`; others may be in flight
 meanwhile): the steps of :mod:`moe_dispatch.transport.base`, which ``drive`` runs to
 completion; callers may instead stop after the first yield to overlap the first transfer with
-their own work.
+their own work. A combine or cached dispatch given its argument check (``check``) starts it,
+packs its first payload meanwhile, and completes it before that payload moves.
 """
 
 from __future__ import annotations
@@ -48,22 +61,29 @@ import dataclasses
 import datetime
 import itertools
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CommError
+from ..semantics.permute import gather_rows
+from ..semantics.sums import SumPlan, ordered_sum, plan_sum
 from ..topology import Topology
 from .base import Field, Steps
 from .progress import Progress
 
-NUM_CHUNKS = 4  # default pipeline depth: enough to hide stage 2 behind stage 1, few collectives
+NUM_CHUNKS = 4  # deepest automatic pipeline: enough to hide stage 2 behind stage 1, few collectives
+CHUNK_BYTES = 8 << 20  # automatic depth: one chunk per this many stage-1 bytes of the largest sender
+# Automatic route: flat when no rank sends more payload bytes than this (the sizes where a second
+# collective's latency costs more than the de-duplicated bytes save).
+FLAT_BYTES = 1 << 20
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class TorchDistChunk:
-    """One chunk of a dispatch's plan: source tokens ``[begin, end)``. Splits are host ints
-    (gloo and ``all_to_all_single`` take lists)."""
+    """One chunk of a two-stage dispatch's plan: source tokens ``[begin, end)``. Splits are host
+    ints (gloo and ``all_to_all_single`` take lists)."""
 
     begin: int
     end: int
@@ -77,19 +97,54 @@ class TorchDistChunk:
     s2_send_idx: torch.Tensor | None = None  # [S2] stage-1 row of each stage-2 send row, by destination local rank
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
+class _Counts:
+    """What the metadata exchange told a rank, per sub-range of the sources' tokens (a plan's
+    input until its route is chosen)."""
+
+    is_token_in_rank: torch.Tensor  # [T, W] bool, this rank's layout
+    in_node: torch.Tensor  # [T, N] bool
+    bounds: list[int]  # [S + 1] sub-range bounds of this rank's tokens
+    to_rank: list[list[int]]  # [S][W] my tokens for each rank
+    to_node: list[list[int]]  # [S][N] my tokens for each node
+    from_rank: list[int]  # [W] each source's tokens for me (the flat receive splits)
+    s1_recv: list[list[int]]  # [S][N] rows the sources (m, my l) forward through me
+    s2_send: list[list[int]]  # [S][L] rows I forward to each rank of my node
+    arrivals: torch.Tensor  # [S, L, N] rows of source (m, l') reaching me through forwarder (n, l')
+    max_flat_rows: int  # the largest flat payload of any rank, in rows
+    max_stage1_rows: int  # the largest stage-1 payload of any rank, in rows
+
+
+@dataclasses.dataclass(eq=False)
 class TorchDistPlan:
     """The index plan of one dispatch (a rank's share of the handle); its combine replays it
-    backwards. A :class:`~moe_dispatch.transport.base.Plan`."""
+    backwards. A :class:`~moe_dispatch.transport.base.Plan`.
+
+    The route (flat or two-stage, and the depth) is chosen by the first payload transfer, from
+    the row width every rank agreed on; until then ``chunks`` is empty and the row counts are
+    the two-stage ones."""
 
     num_tokens: int
     num_recv_tokens: int
-    chunks: list[TorchDistChunk]
-    # [R] final row i is row recv_perm[i] of the chunks' stage-2 arrivals, concatenated; None when they
-    # arrive in final order (one chunk, and one rank per node or one node)
-    recv_perm: torch.Tensor | None
-    internode_rows: int  # rows this rank sends to other nodes per dispatch (and receives back in combine)
-    intranode_rows: int  # rows this rank forwards to other local ranks per dispatch
+    counts: _Counts | None  # until routed
+    flat: bool = False
+    chunks: list[TorchDistChunk] = dataclasses.field(default_factory=list)
+    # [R] final row i is row recv_perm[i] of the arrivals (two-stage: the chunks' stage-2 arrivals,
+    # concatenated); None when they arrive in final order
+    recv_perm: torch.Tensor | None = None
+    flat_send_idx: torch.Tensor | None = None  # [F] token of each flat send row, by destination rank
+    flat_send_splits: list[int] = dataclasses.field(default_factory=list)  # [W]
+    flat_recv_splits: list[int] = dataclasses.field(default_factory=list)  # [W]
+    internode_rows: int = 0  # rows this rank sends to other nodes per dispatch (and receives back in combine)
+    intranode_rows: int = 0  # rows this rank sends to other local ranks per dispatch
+    # Derived on first use and kept for every later call (combine, backward): sum plans, indices
+    cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def cached(self, key, make):
+        """``make()``, computed once per plan under ``key``."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
 
 
 class Pending:
@@ -245,7 +300,7 @@ def _show(value: Field) -> str:
     return str(value).removeprefix("torch.")
 
 
-ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whole on the comm thread
+ALL_COMM = "all-ranks (comm thread)"  # argument checks, flat payloads, the kernels' plans: the comm thread's
 
 
 class TorchDistTransport:
@@ -257,10 +312,10 @@ class TorchDistTransport:
         topology: this rank's place in the group.
         timeout_s: bound on every collective; a peer that never joins makes it raise
             :class:`CommError` naming the operation and the peers.
-        num_chunks: pipeline depth (module docstring), the same on every rank; 1 runs the
-            stages one after the other. Default: :data:`NUM_CHUNKS` where both stages cross
-            processes, else 1 (with one node, or one rank per node, one stage is a local copy,
-            so chunks would only add per-collective overhead).
+        num_chunks: the two-stage pipeline depth (module docstring), the same on every rank; 1
+            runs the stages one after the other. None (default): the route and depth follow each
+            dispatch's size (flat for small calls and for worlds of one node or one rank per
+            node; one chunk per :data:`CHUNK_BYTES`, at most :data:`NUM_CHUNKS`).
 
     Collective: construction creates the sub-groups and must be called by every rank of
     ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
@@ -268,12 +323,13 @@ class TorchDistTransport:
 
     # A fresh dispatch's counts run on the caller's thread, on a group of their own.
     plans_on_comm_thread = False
+    # dispatch / forward / combine take the fused permute (``permute``, ``sources``) and the
+    # argument check to overlap (``check``) as keywords (see base.Transport).
+    fuses_layout = True
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_chunks: int | None = None):
-        if num_chunks is None:
-            num_chunks = NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
-        if not (isinstance(num_chunks, int) and num_chunks >= 1):
-            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+        if num_chunks is not None and not (isinstance(num_chunks, int) and num_chunks >= 1):
+            raise ValueError(f"num_chunks must be a positive int or None (automatic), got {num_chunks!r}")
         self.topology = topology
         self.timeout_s = timeout_s
         self.num_chunks = num_chunks
@@ -394,12 +450,12 @@ class TorchDistTransport:
         what: str = "dispatch",
         on_comm_thread: bool = False,
     ) -> Steps:
-        """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
-        (stage-2 send indices still unset); one all_to_all on the all-ranks group.
+        """Steps that exchange the layout counts and return the :class:`TorchDistPlan` (its route
+        is chosen by the first payload transfer); one all_to_all on the all-ranks group.
 
         Args:
             is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
-                per-node counts are taken per chunk from it.
+                per-node counts are taken per sub-range of the tokens from it.
             fields: arguments that must agree on every rank (ints, bools, dtypes, the same keys
                 everywhere). They ride in front of the counts, so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
@@ -413,74 +469,174 @@ class TorchDistTransport:
         """
         topo = self.topology
         world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
-        num_chunks, device = self.num_chunks, is_token_in_rank.device
-        num_tokens = is_token_in_rank.shape[0]
-        bounds = [c * num_tokens // num_chunks for c in range(num_chunks + 1)]
-        # My tokens per chunk for each rank and each node: running counts at the chunk bounds.
+        device, num_tokens = is_token_in_rank.device, is_token_in_rank.shape[0]
+        subs = self.num_chunks or (NUM_CHUNKS if self._two_stage_world else 1)
+        bounds = [c * num_tokens // subs for c in range(subs + 1)]
+        # My tokens per sub-range for each rank and each node: running counts at the bounds.
         in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
-        if num_chunks == 1:
-            per_chunk = torch.cat([is_token_in_rank.sum(0), in_node.sum(0)]).unsqueeze(0)  # [1, W + N]
+        if subs == 1:
+            per_sub = torch.cat([is_token_in_rank.sum(0), in_node.sum(0)]).unsqueeze(0)  # [1, W + N]
         else:
             running = torch.zeros((num_tokens + 1, world + num_nodes), dtype=torch.int64, device=device)
             torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
-            per_chunk = running[bounds[1:]] - running[bounds[:-1]]  # [C, W + N]
-        to_rank, to_node = per_chunk[:, :world], per_chunk[:, world:]
-        # Row for destination d = (n_d, l_d): the fields, then per chunk my counts for d's
-        # node's ranks and d's node.
+            per_sub = running[bounds[1:]] - running[bounds[:-1]]  # [S, W + N]
+        to_rank, to_node = per_sub[:, :world], per_sub[:, world:]
+        sizes = torch.stack([to_rank.sum(), to_node.sum()])  # my flat and stage-1 payload, in rows
+        # Row for destination d = (n_d, l_d): the fields, my sizes, then per sub-range my counts
+        # for d's node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
-        chunk_counts = torch.cat(
-            [to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
-        )  # [C, W, L + 1]
+        sub_counts = torch.cat(
+            [to_rank.view(subs, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
+        )  # [S, W, L + 1]
         meta = torch.cat(
-            [_field_codes(fields, device).expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1
+            [
+                _field_codes(fields, device).expand(world, -1),
+                sizes.expand(world, -1),
+                sub_counts.transpose(0, 1).reshape(world, -1),
+            ],
+            1,
         )
         got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
         yield pending
         got = got.view(world, -1)  # [source rank, row]
         self._check_fields(fields, got[:, : len(fields)], what)
-        counts = got[:, len(fields) :].reshape(world, num_chunks, local_ranks + 1)
-        peers = counts[topo.local_rank :: local_ranks]  # [N, C, L + 1]: my inter-node peers, one per node
-        # Stage-2 arrivals [c, l, m]: tokens of source (m, l) in chunk c for me, in arrival order.
-        arrivals = counts[:, :, topo.local_rank].reshape(num_nodes, local_ranks, num_chunks).permute(2, 1, 0)
+        head = len(fields) + 2
+        counts = got[:, head:].reshape(world, subs, local_ranks + 1)
+        peers = counts[topo.local_rank :: local_ranks]  # [N, S, L + 1]: my inter-node peers, one per node
+        mine = counts[:, :, topo.local_rank]  # [W, S]: each source's tokens for me
         # Every split as host ints in one transfer (one host sync on GPU).
         host = iter(
             torch.cat(
                 [
+                    to_rank.flatten(),
                     to_node.flatten(),
+                    mine.sum(1),
                     peers[:, :, -1].t().flatten(),
                     peers[:, :, :-1].sum(0).flatten(),
-                    arrivals.sum(2).flatten(),
+                    got[:, len(fields) : head].max(0).values,
                 ]
             ).tolist()
         )
-        s1_send, s1_recv, s2_send, s2_recv = (
-            [[next(host) for _ in range(n)] for _ in range(num_chunks)]
-            for n in (num_nodes, num_nodes, local_ranks, local_ranks)
+
+        def take(n: int, times: int) -> list[list[int]]:
+            return [[next(host) for _ in range(n)] for _ in range(times)]
+
+        to_rank_l, to_node_l = take(world, subs), take(num_nodes, subs)
+        (from_rank,) = take(world, 1)
+        s1_recv, s2_send = take(num_nodes, subs), take(local_ranks, subs)
+        ((max_flat, max_stage1),) = take(2, 1)
+        counts_of = _Counts(
+            is_token_in_rank=is_token_in_rank,
+            in_node=in_node,
+            bounds=bounds,
+            to_rank=to_rank_l,
+            to_node=to_node_l,
+            from_rank=from_rank,
+            s1_recv=s1_recv,
+            s2_send=s2_send,
+            # [c, l', m]: tokens of source (m, l') in sub-range c for me, in stage-2 arrival order
+            arrivals=mine.reshape(num_nodes, local_ranks, subs).permute(2, 1, 0),
+            max_flat_rows=max_flat,
+            max_stage1_rows=max_stage1,
         )
-        chunks = []
-        for c in range(num_chunks):
-            begin, end = bounds[c], bounds[c + 1]
-            node, token = torch.nonzero(in_node[begin:end].t()).unbind(1)  # node-major, tokens ascending
-            chunks.append(
-                TorchDistChunk(
-                    begin, end, token, token * num_nodes + node, s1_send[c], s1_recv[c], s2_send[c], s2_recv[c]
-                )
-            )
-        num_recv_tokens = sum(map(sum, s2_recv))
         return TorchDistPlan(
             num_tokens=num_tokens,
-            num_recv_tokens=num_recv_tokens,
-            chunks=chunks,
-            # With one chunk, arrival order (local rank, node) is final order (node, local rank)
-            # when either has one value.
-            recv_perm=(
-                None
-                if num_chunks == 1 and (local_ranks == 1 or num_nodes == 1)
-                else _reorder_blocks(arrivals, (2, 1, 0), num_recv_tokens)
-            ),
-            internode_rows=sum(sum(s) - s[topo.node] for s in s1_send),
+            num_recv_tokens=sum(from_rank),
+            counts=counts_of,
+            internode_rows=sum(sum(s) - s[topo.node] for s in to_node_l),
             intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
         )
+
+    @property
+    def _two_stage_world(self) -> bool:
+        """Both stages cross processes (several nodes of several ranks)."""
+        return self.topology.num_nodes > 1 and self.topology.ranks_per_node > 1
+
+    def _route(self, plan: TorchDistPlan, row_bytes: int) -> None:
+        """Chooses ``plan``'s route and depth for rows of ``row_bytes`` packed bytes (first payload
+        of the plan; every rank decides the same, from the sizes of every rank and the agreed width)."""
+        counts = plan.counts
+        if counts is None or plan.chunks or plan.flat:
+            return
+        topo = self.topology
+        local_ranks, num_nodes = topo.ranks_per_node, topo.num_nodes
+        if self.num_chunks is None and (not self._two_stage_world or counts.max_flat_rows * row_bytes <= FLAT_BYTES):
+            plan.flat = True
+            plan.flat_send_idx = torch.nonzero(counts.is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
+            plan.flat_send_splits = [sum(col) for col in zip(*counts.to_rank)]
+            plan.flat_recv_splits = counts.from_rank
+            plan.internode_rows = sum(n for d, n in enumerate(plan.flat_send_splits) if d // local_ranks != topo.node)
+            plan.intranode_rows = sum(
+                n for d, n in enumerate(plan.flat_send_splits) if d // local_ranks == topo.node and d != topo.rank
+            )
+            return
+        subs = len(counts.to_node)
+        depth = self.num_chunks or max(1, min(subs, -(-counts.max_stage1_rows * row_bytes // CHUNK_BYTES)))
+        spans = [(c * subs // depth, (c + 1) * subs // depth) for c in range(depth)]
+
+        def merged(per_sub: list[list[int]], a: int, b: int) -> list[int]:
+            return [sum(col) for col in zip(*per_sub[a:b])]
+
+        arrivals = torch.stack([counts.arrivals[a:b].sum(0) for a, b in spans])  # [C, L, N]
+        s2_recv = arrivals.sum(2).tolist()
+        for c, (a, b) in enumerate(spans):
+            begin, end = counts.bounds[a], counts.bounds[b]
+            node, token = torch.nonzero(counts.in_node[begin:end].t()).unbind(1)  # node-major, tokens ascending
+            plan.chunks.append(
+                TorchDistChunk(
+                    begin,
+                    end,
+                    token,
+                    token * num_nodes + node,
+                    merged(counts.to_node, a, b),
+                    merged(counts.s1_recv, a, b),
+                    merged(counts.s2_send, a, b),
+                    s2_recv[c],
+                )
+            )
+        # With one chunk, arrival order (local rank, node) is final order (node, local rank) when
+        # either has one value.
+        if not (depth == 1 and (local_ranks == 1 or num_nodes == 1)):
+            plan.recv_perm = _reorder_blocks(arrivals, (2, 1, 0), plan.num_recv_tokens)
+
+    def _final_of_arrival(self, plan: TorchDistPlan) -> torch.Tensor | None:
+        """``[R]``: the final row of each arrival row, the gather index from final order into
+        arrival order (None when they coincide); the inverse of ``plan.recv_perm``."""
+        if plan.recv_perm is None:
+            return None
+
+        def inverse():
+            arrival = torch.empty_like(plan.recv_perm)
+            arrival[plan.recv_perm] = torch.arange(arrival.numel(), device=arrival.device)
+            return arrival
+
+        return plan.cached("arrival", inverse)
+
+    def _land(
+        self,
+        recv: torch.Tensor,
+        plan: TorchDistPlan,
+        specs: list[tuple[torch.dtype, tuple[int, ...]]],
+        out: list[torch.Tensor],
+        permute: tuple[int, Callable[[], torch.Tensor]] | None,
+        sources: torch.Tensor | None = None,
+    ) -> None:
+        """Writes the packed arrivals ``recv`` into ``out``: in final order; or, for the first ``k``
+        tensors of ``permute = (k, rows)``, expert-major, output row i a copy of final row
+        ``rows()[i]`` (zero where -1; ``rows`` is called once the other tensors landed). With
+        ``sources`` every tensor lands expert-major from those final rows. One gather per tensor."""
+        k, rows = permute if permute is not None else (len(out) if sources is not None else 0, None)
+        offsets = list(itertools.accumulate([0, *(_padded(_row_bytes(*spec)) for spec in specs)]))
+        fields = [recv[:, offsets[j] : offsets[j] + _row_bytes(*spec)] for j, spec in enumerate(specs)]
+        for field, dst in zip(fields[k:], out[k:]):
+            _unpack_rows(field, plan.recv_perm, [dst])
+        if not k:
+            return
+        src = sources if sources is not None else rows()
+        if plan.recv_perm is not None:  # final rows -> arrival rows
+            src = torch.where(src >= 0, plan.recv_perm[src.clamp(min=0)], -1)
+        for field, dst in zip(fields[:k], out[:k]):
+            gather_rows(field, src, out=_as_bytes(dst))
 
     def dispatch(
         self,
@@ -489,10 +645,20 @@ class TorchDistTransport:
         plan: TorchDistPlan,
         out: list[torch.Tensor],
         what: str = "dispatch",
+        permute: tuple[int, Callable[[], torch.Tensor]] | None = None,
     ) -> Steps:
         """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
-        them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); they
-        also fill the chunks' stage-2 indices."""
+        them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); the first
+        payload chooses the plan's route, and two-stage ones fill the chunks' stage-2 indices.
+
+        ``permute = (k, rows)`` fuses a permute: ``tensors[:k]`` land expert-major into
+        ``out[:k]`` (``[P, ...]``), output row i a copy of received row ``rows()[i]`` (a zero row
+        where -1); ``rows`` is called once ``out[k:]`` hold their rows (it reads the received
+        top-k ids)."""
+        self._route(plan, sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors))
+        if plan.flat:
+            yield from self._flat_dispatch(tensors, plan, out, what, permute)
+            return
         topo = self.topology
         num_tokens, local_ranks = is_token_in_rank.shape[0], topo.ranks_per_node
         routing = is_token_in_rank.view(num_tokens * topo.num_nodes, local_ranks)  # row t * N + node
@@ -523,30 +689,62 @@ class TorchDistTransport:
                 )
             return chunk.s2_send_idx
 
-        yield from self._dispatch_pipeline(send1, route2, plan, out, what)
+        recv2 = yield from self._dispatch_pipeline(send1, route2, plan, what)
+        self._land(recv2, plan, specs[:-1], out, permute)
 
-    def forward(self, tensors: list[torch.Tensor], plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
-        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
-        (cached dispatch, combine's backward)."""
-        yield from self._dispatch_pipeline(
-            lambda chunk: _pack([(t[chunk.begin : chunk.end], chunk.s1_send_idx) for t in tensors]),
-            lambda chunk, recv1: chunk.s2_send_idx,
-            plan,
-            out,
-            what,
+    def _flat_dispatch(self, tensors, plan, out, what, permute=None, sources=None, check=None) -> Steps:
+        """The flat route: one exchange, rows arrive in final order."""
+        begun = _begin(check)
+        send = _pack([(t, plan.flat_send_idx) for t in tensors])
+        yield from _complete(check, begun)
+        recv, pending = self._all_to_all(
+            send, plan.flat_send_splits, plan.flat_recv_splits, ALL_COMM, f"{what} (flat exchange)"
         )
+        yield pending
+        self._land(recv, plan, _specs(tensors), out, permute, sources)
 
-    def _dispatch_pipeline(self, send1, route2, plan: TorchDistPlan, out: list[torch.Tensor], what: str) -> Steps:
+    def forward(
+        self,
+        tensors: list[torch.Tensor],
+        plan: TorchDistPlan,
+        out: list[torch.Tensor],
+        what: str,
+        sources: torch.Tensor | None = None,
+        check: Steps | None = None,
+    ) -> Steps:
+        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
+        (cached dispatch, combine's backward); with ``sources`` (``[P]`` int64, -1 = zero row)
+        into ``[P, ...]`` expert-major outputs (a fused permute's replay). ``check``: the
+        argument check, started before the first payload is packed and completed before it moves."""
+        if plan.flat:
+            yield from self._flat_dispatch(tensors, plan, out, what, None, sources, check)
+            return
+        begun = _begin(check)
+
+        def send1(chunk):
+            return _pack([(t[chunk.begin : chunk.end], chunk.s1_send_idx) for t in tensors])
+
+        first = send1(plan.chunks[0])
+        yield from _complete(check, begun)
+        recv2 = yield from self._dispatch_pipeline(send1, lambda chunk, recv1: chunk.s2_send_idx, plan, what, first)
+        self._land(recv2, plan, _specs(tensors), out, None, sources)
+
+    def _dispatch_pipeline(self, send1, route2, plan: TorchDistPlan, what: str, first=None) -> Steps:
         """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
-        packs a chunk's stage-1 rows, ``route2(chunk, recv1)`` returns the index of its stage-2
-        send rows in what stage 1 delivered; the stage-2 rows of every chunk land back to back in
-        one buffer, gathered into ``out`` at the end. With one rank per node stage 2 stays on this
-        rank and forwards every row (the index is ``arange``): its rows are gathered straight into
-        that buffer, or, with one chunk, stage 1 delivered the buffer itself."""
+        packs a chunk's stage-1 rows (``first``: chunk 0's, already packed), ``route2(chunk,
+        recv1)`` returns the index of its stage-2 send rows in what stage 1 delivered; the stage-2
+        rows of every chunk land back to back in one buffer, which the steps return (in arrival
+        order). With one rank per node stage 2 stays on this rank and forwards every row (the
+        index is ``arange``): its rows are gathered straight into that buffer, or, with one chunk,
+        stage 1 delivered the buffer itself."""
         chunks = plan.chunks
         recv2, landed, in_flight = None, 0, []
         inter = self._all_to_all(
-            send1(chunks[0]), chunks[0].s1_send_splits, chunks[0].s1_recv_splits, INTER, f"{what} stage 1"
+            send1(chunks[0]) if first is None else first,
+            chunks[0].s1_send_splits,
+            chunks[0].s1_recv_splits,
+            INTER,
+            f"{what} stage 1",
         )
         for c, chunk in enumerate(chunks):
             following = chunks[c + 1] if c + 1 < len(chunks) else None
@@ -559,8 +757,7 @@ class TorchDistTransport:
                 )
             index = route2(chunk, recv1)
             if self.groups[INTRA] is None and len(chunks) == 1 and index.numel() == recv1.shape[0]:
-                recv2 = recv1  # every row forwarded to itself, in order
-                break
+                return recv1  # every row forwarded to itself, in order
             if recv2 is None:  # stage 2 forwards whole packed rows
                 recv2 = recv1.new_empty((plan.num_recv_tokens, recv1.shape[1]))
             rows = sum(chunk.s2_recv_splits)
@@ -579,7 +776,7 @@ class TorchDistTransport:
             landed += rows
         for pending in in_flight:
             yield pending
-        _unpack_rows(recv2, plan.recv_perm, out)
+        return recv2
 
     # -- combine -----------------------------------------------------------------------------
     def combine(
@@ -589,53 +786,69 @@ class TorchDistTransport:
         plan: TorchDistPlan,
         out: list[torch.Tensor],
         what: str = "combine",
+        sources: list[torch.Tensor | None] | None = None,
+        check: Steps | None = None,
     ) -> Steps:
         """Steps summing received rows back onto their source tokens.
 
         Args:
-            tensors: ``[R, ...]`` floating row tensors in dispatch's receive order.
+            tensors: floating row tensors: ``[R, ...]`` in dispatch's receive order, or, where
+                ``sources`` gives ``src [P]`` int64, ``[P, ...]`` expert-major rows, each a copy of
+                received row ``src[i]`` (-1: a padding row, ignored): a received row is then the
+                fp32 sum of its copies in ascending row order (unpermute), rounded.
             scales: per tensor, None or ``[R]`` fp32 row scales applied (in fp32) before summing.
             plan: the dispatch's plan.
             out: per tensor ``[T, ...]`` in its dtype, written with the sums in the order of the
                 module docstring.
+            sources: per tensor None or ``src``; None = all None.
+            check: the argument check, started before the first payload is prepared and
+                completed before it moves.
         """
-        # Scales travel as extra fp32 columns so the forwarder multiplies in fp32.
-        payload = [*tensors, *[s.view(-1, 1) for s in scales if s is not None]]
+        sources = sources if sources is not None else [None] * len(tensors)
+        if any(s is not None for s in scales) and any(s is not None for s in sources):
+            raise ValueError("combine: row scales apply to received rows, not to expert-major ones")
+        begun = _begin(check)
+        arrival = None if plan.flat else self._final_of_arrival(plan)
+        # Each tensor's received rows in arrival order: the expert-major ones summed straight there
+        # (one pass), the others gathered there as they are packed (index None: in order already).
+        rows_of = [t if src is None else self._unpermute(plan, t, src) for t, src in zip(tensors, sources)]
+        index_of = [arrival if src is None else None for src in sources]
+        # Scales travel as extra fp32 columns so whoever sums multiplies in fp32.
+        payload = [*rows_of, *[s.view(-1, 1) for s in scales if s is not None]]
+        payload_index = [*index_of, *[arrival for s in scales if s is not None]]
         specs = _specs(payload)
+        if plan.flat:
+            send = _pack(list(zip(payload, payload_index)))
+            yield from _complete(check, begun)
+            back, pending = self._all_to_all(
+                send, plan.flat_recv_splits, plan.flat_send_splits, ALL_COMM, f"{what} (flat exchange)"
+            )
+            yield pending
+            fields = _fields(back, specs)
+            row_scales = self._row_scales(fields, scales, len(tensors))
+            for dst, rows, sc in zip(out, fields[: len(tensors)], row_scales):
+                self._flat_sums(plan, rows, sc, dst)
+            return
         chunks = plan.chunks
-        # Rows go back in stage-2 arrival order: the inverse of the dispatch's final gather.
-        arrival = None
-        if plan.recv_perm is not None:
-            arrival = torch.empty_like(plan.recv_perm)
-            arrival[plan.recv_perm] = torch.arange(arrival.numel(), device=arrival.device)
         bounds = [0, *itertools.accumulate(sum(chunk.s2_recv_splits) for chunk in chunks)]
 
         def send2(c):
-            index = None if arrival is None else arrival[bounds[c] : bounds[c + 1]]  # None: in arrival order already
-            return _pack([(t, index) for t in payload])
+            b = slice(bounds[c], bounds[c + 1])
+            return _pack([(p[b], None) if i is None else (p, i[b]) for p, i in zip(payload, payload_index)])
 
-        def forwarder_sums(chunk, back2):
+        def forwarder_sums(c, chunk, back2):
             back2 = _fields(back2, specs)
             num_forwarded = sum(chunk.s1_recv_splits)
-            row_scales, k = [], len(tensors)
-            for s in scales:
-                row_scales.append(None if s is None else back2[k].view(-1))
-                k += s is not None
+            row_scales = self._row_scales(back2, scales, len(tensors))
             return [
-                _block_sum(t, sc, chunk.s2_send_idx, chunk.s2_send_splits, num_forwarded)
+                ordered_sum(_sum_plan(plan, ("forwarder", c), chunk.s2_send_idx, num_forwarded, sc is not None), t, sc)
                 for t, sc in zip(back2[: len(tensors)], row_scales)
             ]
 
         def land(chunk, back1):
+            source_sum = _sum_plan(plan, ("source", chunk.begin), chunk.s1_send_idx, chunk.end - chunk.begin)
             for dst, rows in zip(out, _fields(back1, _specs(tensors))):
-                _block_sum(
-                    rows,
-                    None,
-                    chunk.s1_send_idx,
-                    chunk.s1_send_splits,
-                    chunk.end - chunk.begin,
-                    out=dst[chunk.begin : chunk.end],
-                )
+                ordered_sum(source_sum, rows, out=dst[chunk.begin : chunk.end])
 
         # With one rank per node and no scales a forwarder's sums are its own rows, which stage 2
         # returned packed just as stage 1 sends them (a sum of one term is the term).
@@ -643,7 +856,9 @@ class TorchDistTransport:
 
         # The intra-node return and forwarder sums of chunk c + 1 overlap the inter-node return
         # of chunk c; the source's sums of chunk c overlap the inter-node return of chunk c + 1.
-        intra = self._all_to_all(send2(0), chunks[0].s2_recv_splits, chunks[0].s2_send_splits, INTRA, f"{what} stage 2")
+        first = send2(0)
+        yield from _complete(check, begun)
+        intra = self._all_to_all(first, chunks[0].s2_recv_splits, chunks[0].s2_send_splits, INTRA, f"{what} stage 2")
         in_flight = None  # (chunk, back1, pending): the inter-node return on the wire
         for c, chunk in enumerate(chunks):
             packed = send2(c + 1) if c + 1 < len(chunks) else None
@@ -653,7 +868,7 @@ class TorchDistTransport:
                 intra = self._all_to_all(
                     packed, chunks[c + 1].s2_recv_splits, chunks[c + 1].s2_send_splits, INTRA, f"{what} stage 2"
                 )
-            send1 = back2 if passthrough else _pack([(p, None) for p in forwarder_sums(chunk, back2)])
+            send1 = back2 if passthrough else _pack([(p, None) for p in forwarder_sums(c, chunk, back2)])
             arrived = in_flight
             if arrived is not None:
                 yield arrived[2]  # the inter-node link is free again
@@ -666,41 +881,83 @@ class TorchDistTransport:
         yield in_flight[2]
         land(*in_flight[:2])
 
-
-def _block_sum(
-    rows: torch.Tensor,
-    scale: torch.Tensor | None,
-    index: torch.Tensor,
-    splits: list[int],
-    num_out: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``out[index[i]] += rows[i] * scale[i]`` in fp32, rounded to ``rows.dtype``; ``out``
-    (``[num_out, ...]`` of ``rows.dtype``) is allocated when None, else overwritten.
-
-    ``rows`` come in one block per destination (``splits``, ascending destination) and an index
-    occurs at most once per block, so adding block after block accumulates every output row in
-    ascending destination order: the fixed order of the module docstring, with no masks, gathers
-    or full-size fp32 copies."""
-    blocks = [(start, num) for start, num in zip(itertools.accumulate([0, *splits]), splits) if num]
-    if scale is None and len(blocks) <= 2:
-        # At most two terms per output row: an add in the row dtype rounds fl32(a + b) to the row
-        # dtype, as the fp32 path below does for two terms, and 0 + a turns a -0.0 into +0.0 as
-        # there; so the values are the same bit for bit, with no fp32 copies.
-        out = rows.new_zeros((num_out, *rows.shape[1:])) if out is None else out.zero_()
-        for start, num in blocks:
-            out.index_add_(0, index[start : start + num], rows[start : start + num])
+    @staticmethod
+    def _row_scales(fields: list[torch.Tensor], scales: list[torch.Tensor | None], num_tensors: int) -> list:
+        """Per tensor its scale column among the packed ``fields`` (``[rows]`` fp32), or None."""
+        out, k = [], num_tensors
+        for s in scales:
+            out.append(None if s is None else fields[k].view(-1))
+            k += s is not None
         return out
-    acc = torch.zeros((num_out, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
-    start = 0
-    for num in splits:
-        if num:
-            vals = rows[start : start + num].float()
-            if scale is not None:
-                vals.mul_(scale[start : start + num].view(-1, *([1] * (rows.dim() - 1))))
-            acc.index_add_(0, index[start : start + num], vals)
-        start += num
-    return acc.to(rows.dtype) if out is None else out.copy_(acc)
+
+    def _unpermute(self, plan: TorchDistPlan, rows: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``[R, ...]`` in arrival order: each received row the fp32 sum of its expert-major copies
+        ``rows [P, ...]`` (``src``: the final row of each, -1 = none), ascending row."""
+
+        def make():
+            perm = plan.recv_perm
+            index = src if perm is None else torch.where(src >= 0, perm[src.clamp(min=0)], -1)
+            return src, plan_sum(torch.where(index >= 0, index, plan.num_recv_tokens), plan.num_recv_tokens)
+
+        made_for, sum_plan = plan.cached("unpermute", make)
+        if made_for is not src:  # another expert layout over the same dispatch
+            made_for, sum_plan = plan.cache["unpermute"] = make()
+        return ordered_sum(sum_plan, rows)
+
+    def _flat_sums(
+        self, plan: TorchDistPlan, rows: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """The flat route's combine at the source: ``rows`` come back from every holder in rank
+        order (each holder's in token order); inside each node they are summed in fp32 over its
+        ranks (ascending) and rounded, then the node partials in fp32 over the nodes (ascending)."""
+        topo = self.topology
+        local_ranks, num_nodes, num_tokens = topo.ranks_per_node, topo.num_nodes, plan.num_tokens
+        if num_nodes == 1 or (local_ranks == 1 and scale is None):
+            # one level: with one node the node sum is the sum; with one rank per node and no
+            # scales a node partial is its one row
+            sum_plan = _sum_plan(plan, "flat", plan.flat_send_idx, num_tokens, scale is not None)
+            ordered_sum(sum_plan, rows, scale, out=out)
+            return
+
+        def levels():
+            pairs = torch.nonzero(plan.counts.in_node.t())  # (node, token), node-major: the node partials
+            where = torch.full((num_nodes, num_tokens), -1, dtype=torch.int64, device=rows.device)
+            where[pairs[:, 0], pairs[:, 1]] = torch.arange(pairs.shape[0], device=rows.device)
+            holder_node = torch.repeat_interleave(
+                torch.arange(topo.world_size, device=rows.device) // local_ranks,
+                torch.tensor(plan.flat_send_splits, device=rows.device),
+                output_size=plan.flat_send_idx.numel(),
+            )
+            pair_of_row = where[holder_node, plan.flat_send_idx]
+            return (
+                plan_sum(pair_of_row, pairs.shape[0], scaled=scale is not None),
+                plan_sum(pairs[:, 1].contiguous(), num_tokens),
+            )
+
+        level1, level2 = plan.cached(("flat levels", scale is not None), levels)
+        ordered_sum(level2, ordered_sum(level1, rows, scale), out=out)
+
+
+def _sum_plan(plan: TorchDistPlan, key, index: torch.Tensor, num_out: int, scaled: bool = False) -> SumPlan:
+    """The plan's :class:`SumPlan` of rows onto ``num_out`` outputs by ``index``, made once per key."""
+    return plan.cached((key, scaled), lambda: plan_sum(index, num_out, scaled=scaled))
+
+
+def _begin(check: Steps | None):
+    """Issues ``check``'s first collective; returns ``(waitable,)`` to complete later, or None."""
+    if check is None:
+        return None
+    try:
+        return (next(check),)
+    except StopIteration:
+        return None
+
+
+def _complete(check: Steps | None, begun) -> Steps:
+    """Steps finishing a check begun with :func:`_begin` (its ValueError is raised here)."""
+    if begun is not None:
+        yield begun[0]
+        yield from check
 
 
 def _reorder_blocks(counts: torch.Tensor, dims: tuple[int, ...], total: int) -> torch.Tensor:
