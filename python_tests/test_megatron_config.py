@@ -63,7 +63,9 @@ def test_resolved_layout():
     from moe_dispatch.megatron.config import resolve_fuse_permute, resolve_pad_multiple
 
     cfg = mdm.configure(_config())
-    assert resolve_pad_multiple(cfg) == 1 and not resolve_fuse_permute(cfg)  # DeepEP layout: permute after
+    assert resolve_pad_multiple(cfg) == 1 and resolve_fuse_permute(cfg)  # fused by default
+    cfg = mdm.configure(_config(), fuse_permute=False)
+    assert not resolve_fuse_permute(cfg)  # DeepEP layout: permute after
     cfg = mdm.configure(_config(), pad_multiple=16)
     assert resolve_pad_multiple(cfg) == 16 and resolve_fuse_permute(cfg)  # HybridEP layout: fused
     cfg = mdm.configure(_config(), num_permuted_tokens=512)
@@ -92,7 +94,7 @@ def test_drop_and_pad_and_router_padding_resolve():
     capacity = get_capacity(16 * 2, 8, 0.6)  # the router's capacity of a rank's 16 tokens, top-2 of 8 experts
     assert resolve_expert_capacity(cfg, 16, 4) == capacity * 4
     cfg.moe_pad_expert_input_to_capacity = False  # capacity factor alone: the router drops, no fixed blocks
-    assert resolve_expert_capacity(cfg, 16, 4) is None and not resolve_fuse_permute(cfg)
+    assert resolve_expert_capacity(cfg, 16, 4) is None and resolve_fuse_permute(cfg)  # fused by default
     # router padding: fp8 set after construction (TransformerConfig refuses fp8 without Transformer Engine)
     cfg = mdm.configure(_config(), moe_router_padding_for_quantization=True, fp8="hybrid")
     assert resolve_pad_multiple(cfg) == 16 and resolve_fuse_permute(cfg)
@@ -328,8 +330,8 @@ def test_should_free_input_for_custom():
     def free(name, is_moe, cfg, fn=module.should_free_input):
         return fn(name, is_moe, cfg, *extra)
 
-    unfused = mdm.configure(_config())
-    fused = mdm.configure(_config(), pad_multiple=8)
+    unfused = mdm.configure(_config(), fuse_permute=False)
+    fused = mdm.configure(_config())
     for cfg in (unfused, fused):
         assert free("moe_dispatch", True, cfg) is False  # the router saved it
         assert free("moe_combine", True, cfg) is True

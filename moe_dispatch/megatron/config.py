@@ -70,8 +70,10 @@ class CustomBackendOptions:
             ``P = ceil(T * topk * factor)`` rounded up to ``pad_multiple``. Excludes
             ``num_permuted_tokens``.
         fuse_permute: permute inside ``dispatch`` (the HybridEP layout: ``dispatch`` returns
-            expert-major rows) or after it (the DeepEP layout: ``get_permuted_hidden_states_by_experts``
-            permutes). None: fused exactly when padding or a budget is in use.
+            expert-major rows, landed straight from the receive buffer, and ``combine`` sums each
+            token's copies as it returns them) or after it (the DeepEP layout:
+            ``get_permuted_hidden_states_by_experts`` permutes). None (default): fused; the
+            expert input is the same either way, bit for bit.
         raise_on_overflow: read the overflow flag on the host after every budgeted dispatch and
             raise ``moe_dispatch.BudgetOverflowError`` (a host synchronisation; for
             debugging). Default: only accumulate the device flag ``over_budget``.
@@ -197,9 +199,7 @@ def resolve_expert_capacity(config, num_tokens: int, group_size: int) -> int | N
 def resolve_fuse_permute(config) -> bool:
     """Whether the permute runs inside ``dispatch`` (HybridEP layout) for this config."""
     options = get_options(config)
-    if options.fuse_permute is not None:
-        return options.fuse_permute
-    return options.has_budget or is_drop_and_pad(config) or resolve_pad_multiple(config) > 1
+    return options.fuse_permute is not False
 
 
 def is_custom_backend(config) -> bool:

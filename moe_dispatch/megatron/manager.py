@@ -7,16 +7,18 @@ micro-batch and layer (the semantics come from megatron-core's ``token_dispatche
    form, ``token_indices [T, K]`` int64 and ``token_probs [T, K]`` fp32 (differentiable in
    probs); ``dispatch_preprocess`` hands ``token_probs`` on as "the probs".
 2. ``dispatch(hidden [T, H])``: the hierarchical dispatch (differentiable; its backward is a
-   combine). Fused (HybridEP layout): the received rows are permuted to expert-major blocks
-   padded to ``pad_multiple``, optionally into a static budget of ``P`` rows or (drop-and-pad)
-   into blocks of exactly ``capacity x group size`` rows, and ``dispatched_probs [P]`` follows
-   the rows. Unfused (DeepEP layout): the received rows come back as is (``[R, H]``, source
-   rank then source token) with ``dispatched_probs [R, K]``.
+   combine). Fused (HybridEP layout, the default: ``Buffer.dispatch_to_experts``): the received
+   rows land in expert-major blocks straight from the receive buffer, padded to
+   ``pad_multiple``, optionally into a static budget of ``P`` rows or (drop-and-pad) into blocks
+   of exactly ``capacity x group size`` rows, and ``dispatched_probs [P]`` follows the rows.
+   Unfused (DeepEP layout, ``fuse_permute=False``): the received rows come back as is (``[R, H]``,
+   source rank then source token) with ``dispatched_probs [R, K]``.
 3. ``get_permuted_hidden_states_by_experts(hidden)`` -> ``(tokens [P, H], probs [P])``: the
    permute when unfused, the identity when fused. Experts multiply by the probs themselves.
 4. ``get_number_of_tokens_per_expert()`` -> ``[E_local]`` int64 split sizes of the rows.
 5. ``get_restored_hidden_states_by_experts(y [P, H])`` -> unpermute (unweighted) or identity.
-6. ``combine(y)`` -> ``[T, H]``, the unweighted sum of every copy (Megatron's contract).
+6. ``combine(y)`` -> ``[T, H]``, the unweighted sum of every copy (Megatron's contract); fused,
+   the Buffer sums each token's expert-major copies as it returns them.
 
 The attributes ``token_probs`` and ``dispatched_probs`` are part of the contract: Megatron's
 EP-overlap schedule (``overlap_moe_expert_parallel_comm``) replaces them with detached copies
@@ -188,27 +190,35 @@ class CustomDispatchManager(_DispatchManager):
             return None
         return -(-rows // self.pad_multiple) * self.pad_multiple
 
+    def _layout(self, num_tokens: int) -> dict:
+        """The permute's layout for T dispatched tokens: padding, the static budget, drop-and-pad blocks."""
+        return dict(pad_multiple=self.pad_multiple, num_permuted_tokens=self.budget(num_tokens),
+                    expert_capacity=resolve_expert_capacity(self.config, num_tokens, dist.get_world_size(self.group)))
+
     def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
-        budget = self.budget(state.num_tokens)
-        capacity = resolve_expert_capacity(self.config, state.num_tokens, dist.get_world_size(self.group))
+        """The DeepEP layout's permute of the received rows (unfused)."""
         # recv_topk_idx comes from Buffer.dispatch (checked there, local ids): no second host check
         res = permute(hidden, state.recv_topk_idx, probs, num_local_experts=self.num_local_experts,
-                      pad_multiple=self.pad_multiple, num_permuted_tokens=budget, expert_capacity=capacity,
-                      validate=False)
-        state.permute_handle, state.tokens_per_expert = res.handle, res.tokens_per_expert
+                      validate=False, **self._layout(state.num_tokens))
+        self._blocks(state, res.handle)
+        return res.permuted_x, res.permuted_probs
+
+    def _blocks(self, state: InflightDispatch, handle: PermuteHandle) -> None:
+        """Keeps a permute's handle and split sizes on ``state``; records (or raises) an overflow."""
+        state.permute_handle, state.tokens_per_expert = handle, handle.tokens_per_expert
+        budget = handle.num_permuted_tokens
         if budget is not None:
             # The unused tail of the budget (zero rows, no token, prob 0) joins the last expert's
             # block, so the split sizes sum to P as Megatron's experts (torch.split, grouped
             # GEMMs) require; its outputs are never gathered back. Device ops, no host sync.
             # (Fixed drop-and-pad blocks sum to P already.)
-            tokens_per_expert = res.tokens_per_expert.clone()
+            tokens_per_expert = handle.tokens_per_expert.clone()
             tokens_per_expert[-1] += budget - tokens_per_expert.sum()
             state.tokens_per_expert = tokens_per_expert
-        if budget is not None or capacity is not None:
-            self.over_budget |= res.handle.overflow.to(self.over_budget.device)
+        if budget is not None or handle.expert_capacity is not None:
+            self.over_budget |= handle.overflow.to(self.over_budget.device)
             if self.options.raise_on_overflow:
-                check_permute_overflow(res.handle)
-        return res.permuted_x, res.permuted_probs
+                check_permute_overflow(handle)
 
     def _state(self, what: str) -> InflightDispatch:
         if self._inflight is None:
@@ -256,17 +266,23 @@ class CustomDispatchManager(_DispatchManager):
         if self.token_indices is None or self.token_probs is None:
             raise RuntimeError("dispatch called before setup_metadata: Megatron's dispatch_preprocess sets the routing")
         probs = self.token_probs if self.token_probs.dtype == torch.float32 else self.token_probs.float()
-        recv_x, recv_idx, recv_probs, _, handle, event = self.buffer.dispatch(
-            hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts,
-            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-            wgrad_store=self.wgrad_store)
-        event.current_stream_wait()
-        state = InflightDispatch(handle=handle, num_tokens=hidden_states.shape[0], recv_topk_idx=recv_idx,
-                                 fused=self.fused)
-        self._inflight = state
-        if self.fused:
-            out, self.dispatched_probs = self._permute(state, recv_x, recv_probs)
+        num_tokens = hidden_states.shape[0]
+        launch = dict(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                      wgrad_store=self.wgrad_store)
+        if self.fused:  # the rows land expert-major straight from the receive buffer
+            out, self.dispatched_probs, _, handle, event = self.buffer.dispatch_to_experts(
+                hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts,
+                **self._layout(num_tokens), **launch)
+            event.current_stream_wait()
+            state = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=handle.recv_topk_idx,
+                                     fused=True)
+            self._blocks(state, handle.permute)
+            self._inflight = state
             return out
+        recv_x, recv_idx, recv_probs, _, handle, event = self.buffer.dispatch(
+            hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts, **launch)
+        event.current_stream_wait()
+        self._inflight = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=recv_idx, fused=False)
         self.dispatched_probs = recv_probs
         return recv_x
 
@@ -314,8 +330,7 @@ class CustomDispatchManager(_DispatchManager):
         """
         state = self._state("combine")
         self._inflight = None
-        if state.fused:
-            hidden_states = unpermute(hidden_states, state.permute_handle)
+        # fused: the Buffer sums each token's expert-major copies as it returns them
         out, event = self.buffer.combine(hidden_states.contiguous(), state.handle, async_finish=async_finish,
                                          allocate_on_comm_stream=allocate_on_comm_stream)
         event.current_stream_wait()
