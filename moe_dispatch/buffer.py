@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import math
 import os
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -723,7 +724,9 @@ class Transfers:
     :meth:`forward` and :meth:`combine` allocate their outputs, queue the transport's steps and
     return the outputs, launched as their :class:`~moe_dispatch.transport.base.Call` says:
     ``"sync"`` returns complete, ``"async"`` sets ``call.event``, ``"hook"`` issues the first
-    collective and sets ``call.hook``. Each is collective over the EP group.
+    collective and sets ``call.hook``. Each is collective over the EP group. On CPU a
+    synchronous transfer with nothing queued before it runs on the caller's thread: the same
+    order, without handing it to the communication thread and back.
 
     Args:
         transport: the Buffer's transport.
@@ -737,6 +740,8 @@ class Transfers:
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{topology.rank}")
         self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._closed = False
+        self._queued = 0  # CPU: operations submitted to the communication thread and not done yet
+        self._queued_lock = threading.Lock()
 
     def check_open(self) -> None:
         """Raises RuntimeError once the Buffer was closed."""
@@ -977,12 +982,20 @@ class Transfers:
         communication stream current, after the work already queued on the caller's stream."""
         self.check_open()
         if self.device.type != "cuda":
-            return self._comm.submit(fn, *args)
+            with self._queued_lock:
+                self._queued += 1
+            future = self._comm.submit(fn, *args)
+            future.add_done_callback(self._done)
+            return future
         future: Future = Future()
         self._comm_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._comm_stream):
             future.set_result(fn(*args))
         return future
+
+    def _done(self, _future: Future) -> None:
+        with self._queued_lock:
+            self._queued -= 1
 
     def join(self) -> None:
         """Orders the caller's CUDA stream after the communication stream (no host wait)."""
@@ -1007,6 +1020,12 @@ class Transfers:
             first = self.submit(start, steps).result()
             call.hook = RecvHook(self, steps, first)
             self._record(uses)
+            return
+        if call.mode == "sync" and self.device.type != "cuda" and not self._queued:
+            # Nothing queued before it: the caller's thread runs it, in queue order all the same,
+            # without two thread hand-offs.
+            self.check_open()
+            drive(steps)
             return
         future = self.submit(drive, steps)
         if call.mode == "sync":
