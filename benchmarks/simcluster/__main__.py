@@ -45,7 +45,7 @@ def _bench_args(args) -> list[str]:
         "--models",
         *args.models,
         "--num-tokens",
-        str(args.num_tokens),
+        *map(str, args.num_tokens),
         "--hidden-scale",
         str(args.hidden_scale),
         "--iters",
@@ -282,7 +282,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.simcluster",
         description=(
             "A simulated multi-node cluster on one machine (network namespaces, tc-shaped inter-node links, "
-            "intra-node traffic over loopback): moe-dispatch-bench (hierarchical vs flat all_to_all) and fault drills. "
+            "intra-node traffic over loopback): moe-dispatch-bench (ours vs Megatron's alltoall dispatcher) and "
+            "fault drills. "
             "Needs root and iproute2."
         ),
     )
@@ -308,7 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000)")
     bench.add_argument("--probe-mb", type=float, default=2.0, help="MB per peer of the link probe (default 2)")
     bench.add_argument("--models", nargs="+", choices=sorted(routing.PRESETS), default=list(routing.PRESETS))
-    bench.add_argument("--num-tokens", type=int, default=1024, help="tokens per rank (default 1024)")
+    bench.add_argument(
+        "--num-tokens", type=int, nargs="+", default=[1024], help="tokens per rank, a case each (default 1024)"
+    )
     bench.add_argument("--hidden-scale", type=float, default=0.125, help="factor on hidden sizes (default 0.125)")
     bench.add_argument("--iters", type=int, default=10)
     bench.add_argument("--warmup", type=int, default=2)
