@@ -874,7 +874,7 @@ class Transfers:
             permuted += self._alloc(call, [(topk_weights, (static or 0,))])
         dst = [*permuted[:k], routing.recv_topk_idx, *recv]
 
-        def expert_rows() -> torch.Tensor:
+        def expert_layout() -> PermuteHandle:
             # The top-k ids arrived: the permute's index phase, then (dynamic P) its outputs.
             self._localize(routing, recv[0] if recv else None)
             handle = make_permute_handle(
@@ -891,17 +891,17 @@ class Transfers:
                 for j, t in enumerate(permuted):
                     permuted[j] = t.new_empty((handle.num_rows, *t.shape[1:]))
                 dst[:k] = permuted[:k]
-            return permuted_sources(handle)[0]
+            return handle
 
         def steps():
             if getattr(self.transport, "fuses_layout", False):
                 yield from self.transport.dispatch(
-                    tensors, routing.is_token_in_rank, slot.plan, dst, permute=(k, expert_rows)
+                    tensors, routing.is_token_in_rank, slot.plan, dst, permute=(k, expert_layout)
                 )
             else:
                 scratch = [t.new_empty((rows, *t.shape[1:])) for t in xs]
                 yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, [*scratch, *dst[k:]])
-                src = expert_rows()
+                src, _ = permuted_sources(expert_layout())
                 for s, o in zip(scratch, permuted[:k]):
                     gather_rows(_bytes(s), src, out=_bytes(o))
             if topk_weights is not None:
@@ -922,15 +922,15 @@ class Transfers:
         def steps():
             check = self._agree("dispatch", tensors, 0, what)
             rows = slot.plan.num_recv_tokens
-            src = None if permute is None else permuted_sources(permute)[0]
             if fuses:
                 dst = out if permute is not None else [o[:rows] for o in out]
-                yield from self.transport.forward(tensors, slot.plan, dst, what, sources=src, check=check)
+                yield from self.transport.forward(tensors, slot.plan, dst, what, permuted=permute, check=check)
             else:
                 yield from check
                 dst = [o[:rows] if permute is None else o.new_empty((rows, *o.shape[1:])) for o in out]
                 yield from self.transport.forward(tensors, slot.plan, dst, what)
                 if permute is not None:
+                    src, _ = permuted_sources(permute)
                     for s, o in zip(dst, out):
                         gather_rows(_bytes(s), src, out=_bytes(o))
             if permute is None:
@@ -963,12 +963,11 @@ class Transfers:
         def steps():
             check = self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
-            src = permuted_sources(slot.permute)[0] if any(expert_major) else None
             ins = [t if major else t[:rows] for t, major in zip(tensors, expert_major)]
             row_scales = [None if sc is None else sc[:rows] for sc in scales]
             if fuses:
-                sources = [src if major else None for major in expert_major]
-                yield from self.transport.combine(ins, row_scales, slot.plan, out, what, sources=sources, check=check)
+                permuted = [slot.permute if major else None for major in expert_major]
+                yield from self.transport.combine(ins, row_scales, slot.plan, out, what, permuted=permuted, check=check)
                 return
             yield from check
             ins = [ordered_sum(unpermute_plan(slot.permute), t) if major else t for t, major in zip(ins, expert_major)]

@@ -4,7 +4,7 @@ against a loop that adds row by row in fp32 (the order ``moe_dispatch.reference`
 import pytest
 import torch
 
-from moe_dispatch.semantics.sums import ordered_sum, plan_sum
+from moe_dispatch.semantics.sums import ordered_sum, plan_sum, plan_sum_by_output
 
 
 def loop_sum(rows, index, num_out, scale=None):
@@ -40,8 +40,11 @@ def test_ordered_sum_equals_the_row_by_row_fp32_sum(dtype, max_terms):
     index = torch.cat([index, dropped])[torch.randperm(index.numel() + 5, generator=gen)]
     rows = tricky_rows(index.numel(), hidden, dtype, gen)
     plan = plan_sum(index, num_out)
-    assert plan.max_terms == max_terms and plan.dropped
+    assert plan.max_terms == max_terms and plan.scratch
     assert (plan.slot_outputs is None) == (max_terms <= 2)  # the fp32 path only for 3 terms or more
+    if plan.slot_outputs is not None:
+        fp32_terms = torch.bincount(index, minlength=num_out + 1)[plan.slot_outputs]
+        assert bool((fp32_terms >= 3).all()) and (fp32_terms == max_terms).any()
     got = ordered_sum(plan, rows)
     want = loop_sum(rows, index, num_out)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bits, signed zeros included
@@ -59,5 +62,33 @@ def test_ordered_sum_writes_out_and_zeroes_untouched_outputs():
     assert not torch.signbit(ordered_sum(plan_sum(torch.tensor([0]), 1), -torch.zeros(1, 3))).any()  # -0 -> +0
     with pytest.raises(ValueError, match="scaled=True"):
         ordered_sum(plan_sum(index, 4), rows, torch.ones(4))
+    with pytest.raises(ValueError, match="scaled=True"):
+        ordered_sum(plan_sum(index, 4, scaled=True), rows)
     empty = ordered_sum(plan_sum(torch.zeros(0, dtype=torch.int64), 3), torch.zeros(0, 5))
     assert empty.shape == (3, 5) and not empty.any()
+
+
+@pytest.mark.parametrize("max_terms", [2, 3, 8])
+def test_plan_by_output_equals_plan_by_row(max_terms):
+    """The plan from each output's list of rows (a permute's row map) sums like the plan from each
+    row's output: the same bits, rows that no output lists left out."""
+    gen = torch.Generator().manual_seed(10 + max_terms)
+    num_out, num_rows, width = 30, 90, 16
+    terms = torch.full((num_out, max_terms), -1, dtype=torch.int64)
+    rows = torch.randperm(num_rows, generator=gen)
+    used = 0
+    for o in range(num_out):
+        n = int(torch.randint(0, max_terms + 1, (1,), generator=gen)) if o else max_terms
+        n = min(n, num_rows - used)
+        terms[o, torch.randperm(max_terms, generator=gen)[:n]] = rows[used : used + n]  # any order, -1 between
+        used += n
+    index = torch.full((num_rows,), num_out, dtype=torch.int64)
+    listed = terms >= 0
+    index[terms[listed]] = torch.arange(num_out).unsqueeze(1).expand_as(terms)[listed]
+    values = tricky_rows(num_rows, width, torch.bfloat16, gen)
+    for scaled in (False, True):
+        scale = torch.rand(num_rows, generator=gen) if scaled else None
+        got = ordered_sum(plan_sum_by_output(terms, num_rows, scaled=scaled), values, scale)
+        want = ordered_sum(plan_sum(index, num_out, scaled=scaled), values, scale)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(want.view(torch.uint8), loop_sum(values, index, num_out, scale).view(torch.uint8))

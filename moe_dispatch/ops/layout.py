@@ -401,8 +401,8 @@ def routing_map_to_topk(
     """Megatron-Core's ``routing_map [T, E]`` (+ ``probs [T, E]``) to top-k form.
 
     Each row lists its selected experts in ascending expert id, then ``-1`` (weight 0) up to
-    ``num_topk`` columns. Vectorised torch ops (a stable sort per row), the same on CPU and
-    CUDA; no host synchronisation unless ``validate``.
+    ``num_topk`` columns. Vectorised torch ops (a top-k per row), the same on CPU and CUDA; no
+    host synchronisation unless ``validate``.
 
     Args:
         routing_map: ``[T, E]`` bool (or 0/1 integer), True where token t goes to expert e.
@@ -438,11 +438,12 @@ def routing_map_to_topk(
         if worst > num_topk:
             row = int(torch.argmax(counts))
             raise ValueError(f"routing_map row {row} selects {worst} experts but num_topk is {num_topk}")
-    # A stable descending sort of the 0/1 row puts the selected experts first, in ascending id.
-    order = torch.sort(selected.to(torch.uint8), dim=1, descending=True, stable=True).indices
+    # The K largest keys E - e of the selected experts (0 elsewhere) are the selected experts in
+    # ascending id: a top-k, not a sort of all E entries per row.
     width = min(num_topk, num_experts)
-    order = order[:, :width]
-    chosen = torch.gather(selected, 1, order)
+    key = torch.where(selected, num_experts - torch.arange(num_experts, device=selected.device), 0)
+    values, order = torch.topk(key, width, dim=1)
+    chosen = values > 0
     topk_idx = torch.where(chosen, order, torch.full_like(order, -1))
     topk_weights = None
     if probs is not None:

@@ -37,7 +37,7 @@ import dataclasses
 
 import torch
 
-from .sums import SumPlan, ordered_sum, plan_sum
+from .sums import SumPlan, ordered_sum, plan_sum_by_output
 
 
 @dataclasses.dataclass(eq=False)
@@ -190,9 +190,7 @@ def unpermute_plan(handle: PermuteHandle, scaled: bool = False) -> SumPlan:
     received row (zero rows left out), ascending row = ascending expert. Cached on the handle."""
     key = "unpermute (scaled)" if scaled else "unpermute"
     if key not in handle.sum_plans:
-        src, _ = permuted_sources(handle)
-        index = torch.where(src >= 0, src, handle.num_tokens)
-        handle.sum_plans[key] = plan_sum(index, handle.num_tokens, scaled=scaled)
+        handle.sum_plans[key] = plan_sum_by_output(handle.row_id_map.long(), handle.num_rows, scaled=scaled)
     return handle.sum_plans[key]
 
 

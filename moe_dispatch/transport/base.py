@@ -126,11 +126,12 @@ class Transport(Protocol):
             in a timeout's message, the operation each peer had reached.
 
     Optional capability ``fuses_layout = True`` (the torch_dist transport): :meth:`dispatch` takes
-    ``permute=(k, rows)`` (its first ``k`` tensors land expert-major, output row i a copy of
-    received row ``rows()[i]``, -1 a zero row; ``rows`` is called once the other tensors landed),
-    :meth:`forward` takes ``sources`` (``[P]``: every tensor lands so), :meth:`combine` takes
-    ``sources`` (per tensor None, or ``[P]``: the tensor is ``[P, ...]`` expert-major and each
-    received row is the fp32 sum of its copies, ascending), and :meth:`forward` and
+    ``permute=(k, layout)`` (its first ``k`` tensors land expert-major as the
+    :class:`~moe_dispatch.semantics.permute.PermuteHandle` ``layout()`` lays the received rows out;
+    ``layout`` is called once the other tensors landed), :meth:`forward` takes ``permuted`` (a
+    handle: every tensor lands so), :meth:`combine` takes ``permuted`` (per tensor None, or a handle:
+    the tensor is ``[P, ...]`` in its layout and each received row is the fp32 sum of its copies,
+    ascending), and :meth:`forward` and
     :meth:`combine` take ``check``, the argument check's steps, which they start before packing
     their first payload and complete before it moves. Without it the Buffer permutes around
     the transport and runs the check first.

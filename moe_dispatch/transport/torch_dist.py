@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError
-from ..semantics.permute import gather_rows
-from ..semantics.sums import SumPlan, ordered_sum, plan_sum
+from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
+from ..semantics.sums import SumPlan, ordered_sum, plan_sum, plan_sum_by_output
 from ..topology import Topology
 from .base import Field, Steps
 from .progress import Progress
@@ -323,7 +323,7 @@ class TorchDistTransport:
 
     # A fresh dispatch's counts run on the caller's thread, on a group of their own.
     plans_on_comm_thread = False
-    # dispatch / forward / combine take the fused permute (``permute``, ``sources``) and the
+    # dispatch / forward / combine take the fused permute (``permute``, ``permuted``) and the
     # argument check to overlap (``check``) as keywords (see base.Transport).
     fuses_layout = True
 
@@ -618,21 +618,21 @@ class TorchDistTransport:
         plan: TorchDistPlan,
         specs: list[tuple[torch.dtype, tuple[int, ...]]],
         out: list[torch.Tensor],
-        permute: tuple[int, Callable[[], torch.Tensor]] | None,
-        sources: torch.Tensor | None = None,
+        permute: tuple[int, Callable[[], PermuteHandle]] | None,
+        permuted: PermuteHandle | None = None,
     ) -> None:
         """Writes the packed arrivals ``recv`` into ``out``: in final order; or, for the first ``k``
-        tensors of ``permute = (k, rows)``, expert-major, output row i a copy of final row
-        ``rows()[i]`` (zero where -1; ``rows`` is called once the other tensors landed). With
-        ``sources`` every tensor lands expert-major from those final rows. One gather per tensor."""
-        k, rows = permute if permute is not None else (len(out) if sources is not None else 0, None)
+        tensors of ``permute = (k, layout)``, expert-major as the permute handle ``layout()`` lays
+        the received rows out (zero padding rows; ``layout`` is called once the other tensors
+        landed). With ``permuted`` every tensor lands in that handle's layout. One gather per tensor."""
+        k, layout = permute if permute is not None else (len(out) if permuted is not None else 0, None)
         offsets = list(itertools.accumulate([0, *(_padded(_row_bytes(*spec)) for spec in specs)]))
         fields = [recv[:, offsets[j] : offsets[j] + _row_bytes(*spec)] for j, spec in enumerate(specs)]
         for field, dst in zip(fields[k:], out[k:]):
             _unpack_rows(field, plan.recv_perm, [dst])
         if not k:
             return
-        src = sources if sources is not None else rows()
+        src, _ = permuted_sources(permuted if permuted is not None else layout())
         if plan.recv_perm is not None:  # final rows -> arrival rows
             src = torch.where(src >= 0, plan.recv_perm[src.clamp(min=0)], -1)
         for field, dst in zip(fields[:k], out[:k]):
@@ -645,16 +645,16 @@ class TorchDistTransport:
         plan: TorchDistPlan,
         out: list[torch.Tensor],
         what: str = "dispatch",
-        permute: tuple[int, Callable[[], torch.Tensor]] | None = None,
+        permute: tuple[int, Callable[[], PermuteHandle]] | None = None,
     ) -> Steps:
         """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
         them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); the first
         payload chooses the plan's route, and two-stage ones fill the chunks' stage-2 indices.
 
-        ``permute = (k, rows)`` fuses a permute: ``tensors[:k]`` land expert-major into
-        ``out[:k]`` (``[P, ...]``), output row i a copy of received row ``rows()[i]`` (a zero row
-        where -1); ``rows`` is called once ``out[k:]`` hold their rows (it reads the received
-        top-k ids)."""
+        ``permute = (k, layout)`` fuses a permute: ``tensors[:k]`` land expert-major into
+        ``out[:k]`` (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
+        ``layout()`` lays the received rows out (zero padding rows); ``layout`` is called once
+        ``out[k:]`` hold their rows (it reads the received top-k ids)."""
         self._route(plan, sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors))
         if plan.flat:
             yield from self._flat_dispatch(tensors, plan, out, what, permute)
@@ -692,7 +692,7 @@ class TorchDistTransport:
         recv2 = yield from self._dispatch_pipeline(send1, route2, plan, what)
         self._land(recv2, plan, specs[:-1], out, permute)
 
-    def _flat_dispatch(self, tensors, plan, out, what, permute=None, sources=None, check=None) -> Steps:
+    def _flat_dispatch(self, tensors, plan, out, what, permute=None, permuted=None, check=None) -> Steps:
         """The flat route: one exchange, rows arrive in final order."""
         begun = _begin(check)
         send = _pack([(t, plan.flat_send_idx) for t in tensors])
@@ -701,7 +701,7 @@ class TorchDistTransport:
             send, plan.flat_send_splits, plan.flat_recv_splits, ALL_COMM, f"{what} (flat exchange)"
         )
         yield pending
-        self._land(recv, plan, _specs(tensors), out, permute, sources)
+        self._land(recv, plan, _specs(tensors), out, permute, permuted)
 
     def forward(
         self,
@@ -709,15 +709,16 @@ class TorchDistTransport:
         plan: TorchDistPlan,
         out: list[torch.Tensor],
         what: str,
-        sources: torch.Tensor | None = None,
+        permuted: PermuteHandle | None = None,
         check: Steps | None = None,
     ) -> Steps:
         """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
-        (cached dispatch, combine's backward); with ``sources`` (``[P]`` int64, -1 = zero row)
-        into ``[P, ...]`` expert-major outputs (a fused permute's replay). ``check``: the
-        argument check, started before the first payload is packed and completed before it moves."""
+        (cached dispatch, combine's backward); with ``permuted`` (a permute handle of the received
+        rows) into ``[P, ...]`` outputs in its expert-major layout (a fused permute's replay).
+        ``check``: the argument check, started before the first payload is packed and completed
+        before it moves."""
         if plan.flat:
-            yield from self._flat_dispatch(tensors, plan, out, what, None, sources, check)
+            yield from self._flat_dispatch(tensors, plan, out, what, None, permuted, check)
             return
         begun = _begin(check)
 
@@ -727,7 +728,7 @@ class TorchDistTransport:
         first = send1(plan.chunks[0])
         yield from _complete(check, begun)
         recv2 = yield from self._dispatch_pipeline(send1, lambda chunk, recv1: chunk.s2_send_idx, plan, what, first)
-        self._land(recv2, plan, _specs(tensors), out, None, sources)
+        self._land(recv2, plan, _specs(tensors), out, None, permuted)
 
     def _dispatch_pipeline(self, send1, route2, plan: TorchDistPlan, what: str, first=None) -> Steps:
         """Stage 1 of chunk c + 1 crosses nodes while stage 2 forwards chunk c. ``send1(chunk)``
@@ -786,33 +787,33 @@ class TorchDistTransport:
         plan: TorchDistPlan,
         out: list[torch.Tensor],
         what: str = "combine",
-        sources: list[torch.Tensor | None] | None = None,
+        permuted: list[PermuteHandle | None] | None = None,
         check: Steps | None = None,
     ) -> Steps:
         """Steps summing received rows back onto their source tokens.
 
         Args:
             tensors: floating row tensors: ``[R, ...]`` in dispatch's receive order, or, where
-                ``sources`` gives ``src [P]`` int64, ``[P, ...]`` expert-major rows, each a copy of
-                received row ``src[i]`` (-1: a padding row, ignored): a received row is then the
-                fp32 sum of its copies in ascending row order (unpermute), rounded.
+                ``permuted`` gives a permute handle of the received rows, ``[P, ...]`` in its
+                expert-major layout (padding rows ignored): a received row is then the fp32 sum of
+                its copies in ascending row order (unpermute), rounded.
             scales: per tensor, None or ``[R]`` fp32 row scales applied (in fp32) before summing.
             plan: the dispatch's plan.
             out: per tensor ``[T, ...]`` in its dtype, written with the sums in the order of the
                 module docstring.
-            sources: per tensor None or ``src``; None = all None.
+            permuted: per tensor None or the handle; None = all None.
             check: the argument check, started before the first payload is prepared and
                 completed before it moves.
         """
-        sources = sources if sources is not None else [None] * len(tensors)
-        if any(s is not None for s in scales) and any(s is not None for s in sources):
+        permuted = permuted if permuted is not None else [None] * len(tensors)
+        if any(s is not None for s in scales) and any(p is not None for p in permuted):
             raise ValueError("combine: row scales apply to received rows, not to expert-major ones")
         begun = _begin(check)
         arrival = None if plan.flat else self._final_of_arrival(plan)
         # Each tensor's received rows in arrival order: the expert-major ones summed straight there
         # (one pass), the others gathered there as they are packed (index None: in order already).
-        rows_of = [t if src is None else self._unpermute(plan, t, src) for t, src in zip(tensors, sources)]
-        index_of = [arrival if src is None else None for src in sources]
+        rows_of = [t if h is None else self._unpermute(plan, t, h) for t, h in zip(tensors, permuted)]
+        index_of = [arrival if h is None else None for h in permuted]
         # Scales travel as extra fp32 columns so whoever sums multiplies in fp32.
         payload = [*rows_of, *[s.view(-1, 1) for s in scales if s is not None]]
         payload_index = [*index_of, *[arrival for s in scales if s is not None]]
@@ -890,17 +891,18 @@ class TorchDistTransport:
             k += s is not None
         return out
 
-    def _unpermute(self, plan: TorchDistPlan, rows: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """``[R, ...]`` in arrival order: each received row the fp32 sum of its expert-major copies
-        ``rows [P, ...]`` (``src``: the final row of each, -1 = none), ascending row."""
+    def _unpermute(self, plan: TorchDistPlan, rows: torch.Tensor, permute: PermuteHandle) -> torch.Tensor:
+        """``[R, ...]`` in arrival order: each received row the fp32 sum of its copies among the
+        expert-major ``rows [P, ...]`` that ``permute`` laid out, ascending row (unpermute)."""
 
         def make():
-            perm = plan.recv_perm
-            index = src if perm is None else torch.where(src >= 0, perm[src.clamp(min=0)], -1)
-            return src, plan_sum(torch.where(index >= 0, index, plan.num_recv_tokens), plan.num_recv_tokens)
+            final_of_arrival = self._final_of_arrival(plan)
+            terms = permute.row_id_map.long()
+            terms = terms if final_of_arrival is None else terms[final_of_arrival]  # outputs in arrival order
+            return permute, plan_sum_by_output(terms, permute.num_rows)
 
         made_for, sum_plan = plan.cached("unpermute", make)
-        if made_for is not src:  # another expert layout over the same dispatch
+        if made_for is not permute:  # another expert layout over the same dispatch
             made_for, sum_plan = plan.cache["unpermute"] = make()
         return ordered_sum(sum_plan, rows)
 
