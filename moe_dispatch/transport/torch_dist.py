@@ -5,8 +5,8 @@ orchestration. Rank (n, l) is node n, local index l (see ``Topology``).
 
 Dispatch:
   metadata (group: all EP ranks): each source tells each destination d how many of its
-    tokens reach d's node, each rank of d's node, and each of d's experts, per sub-range of its
-    tokens, plus its own send sizes. From that every rank knows every split below and its
+    tokens reach d's node and each rank of d's node, per sub-range of its tokens, plus its own
+    send sizes by either route. From that every rank knows every split below and its
     receive count before any payload moves (so outputs can be allocated up front and the
     payload can move asynchronously), and every rank takes the same route:
   flat (small calls, and worlds of one node or one rank per node): one exchange over all ranks,
@@ -42,9 +42,10 @@ order as without chunks: results are bit-identical for any chunk count and eithe
 Stage 2 of all chunks lands in one buffer that a single gather puts in final order (a
 per-chunk scatter would be many times slower on CPU). The depth follows the size: one chunk
 per :data:`CHUNK_BYTES` of the largest stage-1 payload, at most :data:`NUM_CHUNKS`; calls whose
-largest flat payload is at most :data:`FLAT_BYTES` take the flat route (one collective instead
-of two; the combine order is the semantics', not the route's). An explicit ``num_chunks``
-fixes the two-stage route at that depth.
+largest flat payload is at most :data:`FLAT_BYTES`, or whose routing the two stages would
+de-duplicate by less than :data:`MIN_DEDUP` of the cross-node rows, take the flat route (one
+collective instead of two; the combine order is the semantics', not the route's). An explicit
+``num_chunks`` fixes the two-stage route at that depth.
 
 Every stage moves all row tensors of one call as a single packed uint8 buffer, so a stage is
 one collective per chunk whatever the number of tensors. Operations are written as generators
@@ -74,10 +75,15 @@ from .base import Field, Steps
 from .progress import Progress
 
 NUM_CHUNKS = 4  # deepest automatic pipeline: enough to hide stage 2 behind stage 1, few collectives
-CHUNK_BYTES = 8 << 20  # automatic depth: one chunk per this many stage-1 bytes of the largest sender
+CHUNK_BYTES = 16 << 20  # automatic depth: one chunk per this many stage-1 bytes of the largest sender
 # Automatic route: flat when no rank sends more payload bytes than this (the sizes where a second
-# collective's latency costs more than the de-duplicated bytes save).
-FLAT_BYTES = 1 << 20
+# collective's latency costs more than the de-duplicated bytes save: a few MB at 50 GB/s and tens
+# of microseconds per collective) ...
+FLAT_BYTES = 4 << 20
+# ... or when the two stages would cut the rows crossing nodes by less than this fraction (routing
+# that reaches few ranks per node, e.g. top-2: the second stage's latency and forwarding copy then
+# cost more than they save).
+MIN_DEDUP = 0.25
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,6 +119,8 @@ class _Counts:
     arrivals: torch.Tensor  # [S, L, N] rows of source (m, l') reaching me through forwarder (n, l')
     max_flat_rows: int  # the largest flat payload of any rank, in rows
     max_stage1_rows: int  # the largest stage-1 payload of any rank, in rows
+    flat_cross_rows: int  # rows all ranks would send to other nodes by the flat route
+    stage1_cross_rows: int  # ... and by the two stages (one copy per token and node)
 
 
 @dataclasses.dataclass(eq=False)
@@ -315,7 +323,8 @@ class TorchDistTransport:
         num_chunks: the two-stage pipeline depth (module docstring), the same on every rank; 1
             runs the stages one after the other. None (default): the route and depth follow each
             dispatch's size (flat for small calls and for worlds of one node or one rank per
-            node; one chunk per :data:`CHUNK_BYTES`, at most :data:`NUM_CHUNKS`).
+            node, or little de-duplication; one chunk per :data:`CHUNK_BYTES`, at most
+            :data:`NUM_CHUNKS`).
 
     Collective: construction creates the sub-groups and must be called by every rank of
     ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
@@ -481,7 +490,12 @@ class TorchDistTransport:
             torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
             per_sub = running[bounds[1:]] - running[bounds[:-1]]  # [S, W + N]
         to_rank, to_node = per_sub[:, :world], per_sub[:, world:]
-        sizes = torch.stack([to_rank.sum(), to_node.sum()])  # my flat and stage-1 payload, in rows
+        own_ranks = slice(topo.node * local_ranks, (topo.node + 1) * local_ranks)
+        flat_rows, stage1_rows = to_rank.sum(), to_node.sum()
+        # my flat and stage-1 payload, in rows, then the rows of each that cross nodes
+        sizes = torch.stack(
+            [flat_rows, stage1_rows, flat_rows - to_rank[:, own_ranks].sum(), stage1_rows - to_node[:, topo.node].sum()]
+        )
         # Row for destination d = (n_d, l_d): the fields, my sizes, then per sub-range my counts
         # for d's node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
@@ -500,7 +514,7 @@ class TorchDistTransport:
         yield pending
         got = got.view(world, -1)  # [source rank, row]
         self._check_fields(fields, got[:, : len(fields)], what)
-        head = len(fields) + 2
+        head = len(fields) + 4
         counts = got[:, head:].reshape(world, subs, local_ranks + 1)
         peers = counts[topo.local_rank :: local_ranks]  # [N, S, L + 1]: my inter-node peers, one per node
         mine = counts[:, :, topo.local_rank]  # [W, S]: each source's tokens for me
@@ -513,7 +527,8 @@ class TorchDistTransport:
                     mine.sum(1),
                     peers[:, :, -1].t().flatten(),
                     peers[:, :, :-1].sum(0).flatten(),
-                    got[:, len(fields) : head].max(0).values,
+                    got[:, len(fields) : len(fields) + 2].max(0).values,
+                    got[:, len(fields) + 2 : head].sum(0),
                 ]
             ).tolist()
         )
@@ -524,7 +539,7 @@ class TorchDistTransport:
         to_rank_l, to_node_l = take(world, subs), take(num_nodes, subs)
         (from_rank,) = take(world, 1)
         s1_recv, s2_send = take(num_nodes, subs), take(local_ranks, subs)
-        ((max_flat, max_stage1),) = take(2, 1)
+        ((max_flat, max_stage1, flat_cross, stage1_cross),) = take(4, 1)
         counts_of = _Counts(
             is_token_in_rank=is_token_in_rank,
             in_node=in_node,
@@ -538,6 +553,8 @@ class TorchDistTransport:
             arrivals=mine.reshape(num_nodes, local_ranks, subs).permute(2, 1, 0),
             max_flat_rows=max_flat,
             max_stage1_rows=max_stage1,
+            flat_cross_rows=flat_cross,
+            stage1_cross_rows=stage1_cross,
         )
         return TorchDistPlan(
             num_tokens=num_tokens,
@@ -560,7 +577,11 @@ class TorchDistTransport:
             return
         topo = self.topology
         local_ranks, num_nodes = topo.ranks_per_node, topo.num_nodes
-        if self.num_chunks is None and (not self._two_stage_world or counts.max_flat_rows * row_bytes <= FLAT_BYTES):
+        if self.num_chunks is None and (
+            not self._two_stage_world
+            or counts.max_flat_rows * row_bytes <= FLAT_BYTES
+            or counts.stage1_cross_rows > (1 - MIN_DEDUP) * counts.flat_cross_rows
+        ):
             plan.flat = True
             plan.flat_send_idx = torch.nonzero(counts.is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
             plan.flat_send_splits = [sum(col) for col in zip(*counts.to_rank)]
