@@ -19,10 +19,10 @@ from . import autograd
 from .config import Config, check_config, num_sms_error
 from .errors import BudgetOverflowError
 from .ops.layout import get_dispatch_layout
-from .ops.permute import check_permute_args, make_permute_handle
+from .ops.permute import check_permute_args, permute_map_triton
 from .ops.quant import check_fp8_pair
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
-from .semantics.permute import PermuteHandle, gather_rows, permuted_sources, unpermute_plan
+from .semantics.permute import PermuteHandle, gather_rows, permute_map_reference, permuted_sources, unpermute_plan
 from .semantics.sums import ordered_sum
 from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 from .topology import Topology
@@ -877,13 +877,13 @@ class Transfers:
         def expert_layout() -> PermuteHandle:
             # The top-k ids arrived: the permute's index phase, then (dynamic P) its outputs.
             self._localize(routing, recv[0] if recv else None)
-            handle = make_permute_handle(
+            # the ids are this rank's own (localized above): no second check on the host
+            handle = (permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_reference)(
                 routing.recv_topk_idx,
                 layout.num_local_experts,
-                pad_multiple=layout.pad_multiple,
-                num_permuted_tokens=layout.num_permuted_tokens,
-                expert_capacity=layout.expert_capacity,
-                validate=False,
+                layout.pad_multiple,
+                layout.num_permuted_tokens,
+                layout.expert_capacity,
             )
             slot.permute = handle
             layout.tokens_per_expert.copy_(handle.tokens_per_expert)

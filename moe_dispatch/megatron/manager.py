@@ -220,6 +220,11 @@ class CustomDispatchManager(_DispatchManager):
             if self.options.raise_on_overflow:
                 check_permute_overflow(handle)
 
+    def _async(self, async_finish: bool) -> bool:
+        """Launch asynchronously only on CUDA: there the caller's stream waits for the event; on
+        CPU the host would wait for the communication thread at once, an extra hand-off."""
+        return async_finish and self._device.type == "cuda"
+
     def _state(self, what: str) -> InflightDispatch:
         if self._inflight is None:
             raise RuntimeError(f"{what} called without a dispatch in flight: Megatron's flex dispatcher calls "
@@ -256,8 +261,9 @@ class CustomDispatchManager(_DispatchManager):
 
         Collective over the TP x EP group; synchronises the host once (receive sizes).
         ``async_finish`` launches the Buffer asynchronously and makes the current stream wait
-        for it before returning (what Megatron's DeepEP wrapper does); ``allocate_on_comm_stream``
-        allocates the outputs from the Buffer's communication stream (CUDA).
+        for it before returning (what Megatron's DeepEP wrapper does; on CPU, where that wait is
+        the host's, the call runs synchronously instead); ``allocate_on_comm_stream`` allocates
+        the outputs from the Buffer's communication stream (CUDA).
 
         Returns:
             fused: ``[P, H]`` expert-major rows (zero padding rows), ``dispatched_probs [P]``;
@@ -267,7 +273,7 @@ class CustomDispatchManager(_DispatchManager):
             raise RuntimeError("dispatch called before setup_metadata: Megatron's dispatch_preprocess sets the routing")
         probs = self.token_probs if self.token_probs.dtype == torch.float32 else self.token_probs.float()
         num_tokens = hidden_states.shape[0]
-        launch = dict(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+        launch = dict(async_finish=self._async(async_finish), allocate_on_comm_stream=allocate_on_comm_stream,
                       wgrad_store=self.wgrad_store)
         if self.fused:  # the rows land expert-major straight from the receive buffer
             out, self.dispatched_probs, _, handle, event = self.buffer.dispatch_to_experts(
@@ -331,7 +337,8 @@ class CustomDispatchManager(_DispatchManager):
         state = self._state("combine")
         self._inflight = None
         # fused: the Buffer sums each token's expert-major copies as it returns them
-        out, event = self.buffer.combine(hidden_states.contiguous(), state.handle, async_finish=async_finish,
+        out, event = self.buffer.combine(hidden_states.contiguous(), state.handle,
+                                         async_finish=self._async(async_finish),
                                          allocate_on_comm_stream=allocate_on_comm_stream)
         event.current_stream_wait()
         self.dispatched_probs = None
