@@ -108,19 +108,17 @@ def permute_map_reference(
     e = num_local_experts
     idx = topk_idx.long()
     valid = (idx >= 0) & (idx < e)
-    flat = torch.where(valid, idx, e).flatten()  # row-major: token-major, slot-minor
-    counts_all = torch.bincount(flat, minlength=e + 1)
-    counts = counts_all[:e]
+    col = torch.where(valid, idx, e)  # expert e: none
+    flat = col.flatten()  # row-major: token-major, slot-minor
+    # hits[x, t]: token t has a copy for expert x (no expert twice in a row); the copies of x in
+    # earlier tokens give each copy its rank inside its expert (ascending token order)
+    hits = torch.zeros((e + 1, num_tokens), dtype=torch.int32, device=device).scatter_(0, col.t(), 1)
+    rank = (torch.cumsum(hits, 1, dtype=torch.int32) - hits).gather(0, col.t()).t().flatten().long()
+    counts = hits[:e].sum(1)
     rounded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     padded = rounded if expert_capacity is None else torch.full_like(counts, expert_capacity)
     start = torch.cumsum(padded, 0) - padded
     needed = torch.maximum(padded, rounded).sum()
-    # stable sort by expert keeps ascending token order inside each expert (no repeats in a row)
-    order = torch.argsort(flat, stable=True)
-    first = torch.cumsum(counts_all, 0) - counts_all
-    rank_sorted = torch.arange(flat.numel(), device=device) - first[flat[order]]
-    rank = torch.empty_like(rank_sorted)
-    rank[order] = rank_sorted
     start_ext = torch.cat([start, start.new_zeros(1)])
     padded_ext = torch.cat([padded, padded.new_zeros(1)])
     row = start_ext[flat] + rank
