@@ -4,19 +4,24 @@ CPU (wherever the extension is built): the byte layouts of the Python mirror equ
 ones; the channel split is a partition; ``Config`` validates itself; and the protocol itself -
 the very role code the kernels run, on threads standing in for warps - reproduces the oracle
 bit for bit across world sizes, ring depths down to one slot, warps per group, routing shapes,
-empty ranks, fp8, weights, budget mode and cached dispatch, and names the withheld rank when a
-wait times out. A ThreadSanitizer build of the same code checks that the protocol orders every
-slot access.
+empty ranks, fp8, bf16/fp16/fp32, weights, budget mode and cached dispatch, and names the
+withheld rank when a wait times out. The device-side header check (header.py): a handle of
+another dispatch on one rank, a differing hidden size on one rank, and a refusal (status != 0)
+on one rank, in dispatch, cached dispatch and combine, are recorded by every other rank, raise
+MismatchError and time nothing out; the world works again after. A ThreadSanitizer build of the
+same code (csrc/tests/intranode_tsan.cpp) checks that the protocol orders every slot access.
 
 GPU (skipped without one): the kernels through the loopback harness (W simulated ranks on one
 GPU, one launch) against the oracle for W in {2, 4, 8}, hidden 2880 and 7168, bf16 and fp8,
-random and skewed routing, empty ranks; budget mode inside a CUDA graph; the timeout error.
+random and skewed routing, empty ranks; budget mode inside a CUDA graph; the header cases; the
+timeout error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import zlib
@@ -36,6 +41,7 @@ from moe_dispatch.transport.cuda import (
     Loopback,
     describe_timeout,
 )
+from moe_dispatch.transport.header import STATUS_INVALID_ARGUMENTS, STATUS_TEST, MismatchError, describe_mismatch
 from python_tests.worlds import assert_case, run_cases, world_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +156,9 @@ def test_slot_layout_mirror_matches_extension(x_bytes, scale_bytes, num_topk):
 def test_buffer_layout_mirror_matches_extension(world_size, channels, slots, slot_bytes):
     layout = buffer_layout(world_size, channels, slots, slot_bytes)
     assert layout.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes)
+    relay = buffer_layout(world_size, channels, slots, slot_bytes, relay_nodes=5)  # an internode node's buffers
+    assert relay.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes, 5)
+    assert relay.queue_offset > layout.queue_offset and relay.relay_bytes >= 128 + 4 * 5 * channels
     assert layout.queue_offset % 128 == 0 and layout.tail_offset >= layout.meta_offset + 4 * world_size * channels
     stride = -(-slot_bytes // 128) * 128  # every slot starts on a cache line
     assert layout.slot_bytes == stride and stride - slot_bytes < 128
@@ -262,6 +271,7 @@ def test_cpu_protocol_fp8_fp32_and_no_weights():
     xs, idxs, _ = make_world(3, 4, [20, 0, 31, 8], 256, 4, 8, weights=False)
     run_roundtrip(lb, xs, idxs, None, 8, fp8=True)
     run_roundtrip(lb, [x.float() for x in xs], idxs, None, 8, row_scales=True)  # fp32 rows and combine
+    run_roundtrip(lb, [x.half() for x in xs], idxs, None, 8, row_scales=True)  # fp16: the sum rounded once
 
 
 @built
@@ -360,18 +370,20 @@ def test_bad_arguments_name_the_value():
 
 @built
 def test_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
-    """The CPU backend's own driver, built with -fsanitize=thread: every simulated rank runs
-    notify/dispatch/combine rounds as its own launches, not joined with the others between
-    operations (the real multi-GPU launch shape), over reused buffers. The queue protocol must
-    order every slot write before its read and every read before the slot is rewritten, and
-    the barrier-free reuse of rings and counters must hold while ranks run ahead."""
+    """The CPU backend's driver (csrc/tests/intranode_tsan.cpp), built with -fsanitize=thread:
+    every simulated rank runs notify/dispatch/cached dispatch/combine rounds as its own
+    launches, not joined with the others between operations (the real multi-GPU launch shape),
+    over reused buffers. The queue protocol must order every slot write before its read and
+    every read before the slot is rewritten, the barrier-free reuse of rings, counters and
+    header lines must hold while ranks run ahead, and a last round's mismatched combine must be
+    recorded by every rank without a timeout."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
     exe = tmp_path / "intranode_tsan"
-    build = subprocess.run([gxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-DMOE_INTRANODE_CPU_MAIN",
-                            f"-I{ROOT / 'csrc'}", str(ROOT / "csrc/kernels/intranode_cpu.cpp"), "-o", str(exe),
-                            "-pthread"], capture_output=True, text=True)
+    build = subprocess.run([gxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", f"-I{ROOT / 'csrc'}",
+                            str(ROOT / "csrc/kernels/intranode_cpu.cpp"), str(ROOT / "csrc/tests/intranode_tsan.cpp"),
+                            "-o", str(exe), "-pthread"], capture_output=True, text=True)
     if build.returncode != 0 and "tsan" in build.stderr.lower():
         pytest.skip(f"ThreadSanitizer unavailable: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr
@@ -465,6 +477,77 @@ def test_gpu_withheld_rank_times_out_with_its_name(phase):
     run_roundtrip(lb, xs, idxs, ws, 16)  # after reset() the buffers work again
 
 
+# --- the device-side header check (moe_dispatch.transport.header) -------------------------------
+
+def set_records(records) -> dict[int, list[int]]:
+    """Launched rank -> its set mismatch record (read without clearing)."""
+    return {i: row for i, row in enumerate(records.records.tolist()) if row[0]}
+
+
+def assert_recorded(lb, records, culprit: int, field: str, world_size: int, *, refusal: bool = False):
+    """Every rank (but a refusing culprit, whose host knows) recorded the mismatch naming the
+    culprit (the culprit names another rank), and ``lb.check()`` raises it once."""
+    seen = set_records(records)
+    expected = set(range(world_size)) - ({culprit} if refusal else set())
+    assert set(seen) == expected, f"ranks with a record: {sorted(seen)}, expected {sorted(expected)}"
+    for rank, row in seen.items():
+        message, fields = describe_mismatch(row)
+        assert fields["field"] == field and fields["rank"] == rank, message
+        assert (fields["peer"] == culprit) == (rank != culprit), message
+    with pytest.raises(MismatchError, match=rf"rank {culprit} refused the operation" if field == "status"
+                       else rf"rank {culprit} disagrees on the {re.escape(field)}"):
+        lb.check()
+    assert not set_records(records)  # cleared: the buffers stay usable
+
+
+def header_cases(lb, records, device: str, roundtrip=None) -> None:
+    """A handle of another dispatch on rank 1 (combine and cached dispatch) and a refusal on rank
+    2 (dispatch, cached dispatch, combine), over a loopback of either transport: recorded,
+    raised, and the world works again (``roundtrip(lb, xs, idxs, ws, E, row_scales=True)``,
+    default :func:`run_roundtrip`)."""
+    W, E = lb.world_size, 4 * lb.world_size
+    xs, idxs, ws = make_world(17, W, [24, 0, 30, 12, 9, 40, 7, 16][:W], 32, 2, E, device=device)
+    first = lb.dispatch(xs, idxs, ws, E)
+    second = lb.dispatch(xs, idxs, ws, E)
+    handles = [r.handle for r in second]
+    handles[1] = first[1].handle  # the same routing, another dispatch
+    lb.combine([r.recv_x for r in second], handles, check=False)
+    assert_recorded(lb, records, 1, "dispatch id (handle)", W)
+    lb.dispatch(xs, None, None, E, handles=handles, check=False)
+    assert_recorded(lb, records, 1, "dispatch id (handle)", W)
+    refuse = {2: STATUS_TEST}
+    lb.dispatch(xs, idxs, ws, E, status=refuse, check=False)
+    assert_recorded(lb, records, 2, "status", W, refusal=True)
+    lb.dispatch(xs, idxs, ws, E, handles=[r.handle for r in second], status=refuse, check=False)
+    assert_recorded(lb, records, 2, "status", W, refusal=True)
+    lb.combine([r.recv_x for r in second], [r.handle for r in second], status=refuse, check=False)
+    assert_recorded(lb, records, 2, "status", W, refusal=True)
+    (roundtrip or run_roundtrip)(lb, xs, idxs, ws, E, row_scales=True)
+
+
+@built
+def test_cpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
+    lb = Loopback(4, 32, 2, config=Config(num_sms=2, num_slots=2, chunk_tokens=1), device="cpu", timeout_s=30)
+    header_cases(lb, lb.engine.records, "cpu")
+
+
+def test_mismatch_message_names_ranks_and_field():
+    assert describe_mismatch([0] * 8) is None
+    message, fields = describe_mismatch([1, 3, 1, 1, 7, 9, -1, 0])
+    assert "rank 1 disagrees on the dispatch id (handle): 9 on rank 1, 7 on rank 3" in message
+    assert fields == {"rank": 3, "peer": 1, "field": "dispatch id (handle)", "mine": 7, "theirs": 9, "via": None}
+    message, fields = describe_mismatch([1, 5, 0, 7, 0, STATUS_INVALID_ARGUMENTS, 4, 0])
+    assert "rank 0 refused the operation: its arguments were invalid" in message and fields["via"] == 4
+    message, _ = describe_mismatch([1, 0, 2, 3, 0, 2, -1, 0])
+    assert "dtype: float32 on rank 2, bfloat16 on rank 0" in message
+
+
+@needs_gpu
+def test_gpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
+    lb = Loopback(4, 2880, 4, config=Config(num_sms=4, num_slots=8, chunk_tokens=2), timeout_s=20)
+    header_cases(lb, lb.engine.records, "cuda")
+
+
 def test_handle_is_a_named_dataclass():
     fields = {f for f in IntranodeHandle.__dataclass_fields__}
     assert {"is_token_in_rank", "recv_prefix", "num_rows", "overflow", "num_channels"} <= fields
@@ -508,12 +591,70 @@ def _shm_world_withheld_rank(rank, world_size):
         transport.close()
 
 
+def expect_mismatch(call, rank: int, culprit: int, field: str, *, refusing: type | None = None,
+                    limit_s: float = 5.0) -> None:
+    """``call()`` raises MismatchError naming ``culprit`` and ``field`` (the culprit itself: the
+    ``refusing`` error, or MismatchError naming another rank), within ``limit_s`` (nothing timed
+    out: the transports' bound is longer)."""
+    import time
+
+    start = time.monotonic()
+    expected = refusing if (rank == culprit and refusing is not None) else MismatchError
+    with pytest.raises(expected) as info:
+        call()
+    assert time.monotonic() - start < limit_s, f"rank {rank} took {time.monotonic() - start:.1f} s"
+    if expected is MismatchError:
+        assert info.value.field == field and (info.value.peer == culprit) == (rank != culprit), str(info.value)
+
+
+def transport_header_cases(transport, rank: int, xs, idxs, ws, num_experts: int, roundtrip) -> None:
+    """One rank's part of the header cases over a one-process-per-rank transport: a handle of
+    another dispatch on rank 1, a hidden size of its own on rank 1, a bad argument on rank 1 in
+    dispatch, cached dispatch and combine; then ``roundtrip()`` must still equal the oracle."""
+    device = transport.device
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    first = transport.dispatch(x, idx, w, num_experts)
+    second = transport.dispatch(x, idx, w, num_experts)
+    mine = first.handle if rank == 1 else second.handle
+    expect_mismatch(lambda: transport.combine(second.recv_x, mine), rank, 1, "dispatch id (handle)")
+    expect_mismatch(lambda: transport.dispatch(x, None, None, num_experts, handle=mine), rank, 1,
+                    "dispatch id (handle)")
+    y = second.recv_x[:, :x.shape[1] // 2].contiguous() if rank == 1 else second.recv_x  # fits the slots too
+    expect_mismatch(lambda: transport.combine(y, second.handle), rank, 1, "row bytes")
+    bad_idx = torch.full_like(idx, num_experts) if rank == 1 else idx  # out of range on rank 1
+    expect_mismatch(lambda: transport.dispatch(x, bad_idx, w, num_experts), rank, 1, "status", refusing=ValueError)
+    bad_x = x[:-1] if rank == 1 else x  # one token short of the handle
+    expect_mismatch(lambda: transport.dispatch(bad_x, None, None, num_experts, handle=second.handle), rank, 1,
+                    "status", refusing=ValueError)
+    bad_y = second.recv_x[:-1] if rank == 1 and second.recv_x.shape[0] else second.recv_x
+    if rank == 1 and not second.recv_x.shape[0]:
+        bad_y = torch.zeros(1, x.shape[1], dtype=x.dtype, device=device)
+    expect_mismatch(lambda: transport.combine(bad_y, second.handle), rank, 1, "status", refusing=ValueError)
+    roundtrip()
+
+
+def _shm_world_headers(rank, world_size):
+    """The header cases over IntranodeTransport's CPU path (shared memory, one process per rank)."""
+    import torch.distributed as dist
+
+    hidden, num_topk, num_experts = 64, 2, 4 * world_size
+    xs, idxs, ws = make_world(48, world_size, [40, 12, 0, 33][:world_size], hidden, num_topk, num_experts)
+    transport = IntranodeTransport(dist.group.WORLD, rank, hidden, num_topk, device="cpu",
+                                   config=Config(num_sms=2, num_slots=4, chunk_tokens=2), timeout_s=20)
+    try:
+        transport_header_cases(transport, rank, xs, idxs, ws, num_experts,
+                               lambda: rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size, rounds=1))
+    finally:
+        transport.close()
+
+
 def _shm_entry(rank, world_size):
-    return run_cases(rank, world_size, {"roundtrip": _shm_world_roundtrip, "withheld rank": _shm_world_withheld_rank})
+    return run_cases(rank, world_size, {"roundtrip": _shm_world_roundtrip, "withheld rank": _shm_world_withheld_rank,
+                                        "headers": _shm_world_headers})
 
 
 @built
-@pytest.mark.parametrize("case", ["roundtrip", "withheld rank"])
+@pytest.mark.parametrize("case", ["roundtrip", "withheld rank", "headers"])
 def test_cpu_shared_memory_world_matches_oracle(case):
     assert_case(world_results(_shm_entry, 3), case)
 

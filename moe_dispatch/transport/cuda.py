@@ -56,6 +56,15 @@ from ..config import (
     slot_layout,
 )
 from ..validation import CommError
+from .header import (
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    STATUS_INVALID_ARGUMENTS,
+    MismatchError,
+    Records,
+    header_words,
+)
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
 COOPERATIVE_ENV = "MOE_DISPATCH_COOPERATIVE"
@@ -65,7 +74,7 @@ COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 _PHASES = {1: "notify", 2: "dispatch", 3: "combine"}
 _ROLES = {1: "barrier", 2: "sender", 3: "receiver", 4: "coordinator"}
-_SIGNAL, _TAIL, _HEAD = 1, 2, 3
+_SIGNAL, _TAIL, _HEAD, _HEADER = 1, 2, 3, 4
 
 
 class IntranodeTimeoutError(CommError):
@@ -90,7 +99,7 @@ def describe_timeout(record: list[int], timeout_s: float) -> tuple[str, dict]:
                 f"or recreate the Buffer", {"phase": None, "role": None, "rank": None, "channel": None, "peer": None,
                                             "counter": None, "expected": None, "observed": None})
     fields = {"phase": _PHASES.get(phase, str(phase)), "role": _ROLES.get(role, str(role)), "rank": rank,
-              "channel": channel, "peer": peer, "counter": {_SIGNAL: "signal", _TAIL: "tail", _HEAD: "head"}.get(
+              "channel": channel, "peer": peer, "counter": {_SIGNAL: "signal", _TAIL: "tail", _HEAD: "head", _HEADER: "header"}.get(
                   counter, str(counter)), "expected": expected, "observed": observed}
     where = f"rank {rank} ({fields['role']}, channel {channel})" if channel >= 0 else f"rank {rank}"
     if counter == _SIGNAL:
@@ -99,6 +108,8 @@ def describe_timeout(record: list[int], timeout_s: float) -> tuple[str, dict]:
     elif counter == _TAIL:
         what = (f"waited for tokens from rank {peer}: tail of queue rank {peer} -> rank {rank}, channel {channel} "
                 f"should reach {expected} but stayed at {observed}")
+    elif counter == _HEADER:
+        what = f"waited for the header of rank {peer} (its operation never started)"
     else:
         what = (f"waited for rank {peer} to free queue slots: head of queue rank {rank} -> rank {peer}, "
                 f"channel {channel} should reach {expected} but stayed at {observed}")
@@ -177,11 +188,16 @@ class IntranodeHandle:
         num_tokens: T, tokens this rank sent.
         num_channels: C of the dispatch (combine and replays use the same).
         is_token_in_rank: ``[T, W]`` bool of this rank's tokens.
-        recv_prefix: ``[W * C + 1]`` int32: first receive row of each (source, channel), total last.
+        recv_prefix: ``[W * C + 1]`` int32 on the device: first receive row of each (source,
+            channel), total last.
         num_recv_tokens: R as a host int (None in budget mode: read ``num_recv_tokens_dev``).
         num_recv_tokens_dev: ``[1]`` int32 on the device.
-        overflow: ``[1]`` int32: 1 when R exceeded the rows allocated (budget mode).
+        overflow: ``[1]`` int32 on the device: 1 when R exceeded the rows allocated (budget mode).
         num_rows: rows allocated for the receive (R, or ``num_worst_tokens``).
+        dispatch_id: the dispatch's identity: a combine or cached dispatch with this handle checks
+            on the device that every rank replays the same dispatch (header.py).
+        num_experts: E of the dispatch.
+        peer_ok: ``[W]`` int32 on the device: the notify's verdict on each peer (1: headers agreed).
         topk_dtype: the caller's top-k id dtype (outputs come back in it).
     """
 
@@ -193,7 +209,13 @@ class IntranodeHandle:
     num_recv_tokens_dev: torch.Tensor
     overflow: torch.Tensor
     num_rows: int
+    dispatch_id: int = 0
+    num_experts: int = 0
+    peer_ok: torch.Tensor | None = None
     topk_dtype: torch.dtype = torch.int64
+    # True from the notify until its dispatch launch, which alone reuses the notify's verdicts;
+    # every later launch on the handle exchanges headers (ring.cuh explains why).
+    notified: bool = dataclasses.field(default=False, repr=False)
 
     def check_overflow(self) -> None:
         """Raises ValueError when the budget was too small (reads the device: a host sync)."""
@@ -225,6 +247,7 @@ class _Input:
     topk_weights: torch.Tensor | None
     is_token_in_rank: torch.Tensor
     topk_dtype: torch.dtype | None  # the caller's; None: no topk_idx given
+    token_ids: torch.Tensor | None = None  # [T] int32: what receivers record as a row's source token (None: t)
 
 
 class _Launcher:
@@ -233,12 +256,31 @@ class _Launcher:
     pinned mirror's device address, or None)."""
 
     def __init__(self, error: torch.Tensor, error_host_ptr: int | None, backend: str, timeout_s: float,
-                 cpu_options: dict | None):
+                 cpu_options: dict | None, records: Records, rank_begin: int = 0):
         self.error, self.error_host_ptr = error, error_host_ptr
         self.backend, self.cpu_options = backend, dict(cpu_options or {})
         self.device = error.device
         self.cooperative = os.environ.get(COOPERATIVE_ENV, "1") != "0"
+        self.records, self.record_base = records, rank_begin  # records[r - rank_begin]: rank r's
+        self.launches = 0  # kernel launches so far (a refusal only happens before any)
+        self.next_dispatch_id = 1  # the default identity of the next fresh dispatch
         self.set_timeout(timeout_s)
+
+    def check_fields(self, rank: int, header: list[int]) -> dict:
+        """A launched rank's header-check keys (header.Records.fields)."""
+        return self.records.fields(rank - self.record_base, header)
+
+    def dispatch_ids(self, given: list[int | None] | None, count: int) -> list[int]:
+        """The identities of a fresh dispatch's ``count`` launched ranks: ``given`` (per rank), or
+        the next of this engine's sequence (every rank counts the same) for all."""
+        if given is None:
+            self.next_dispatch_id += 1
+            return [self.next_dispatch_id - 1] * count
+        for dispatch_id in given:
+            if not isinstance(dispatch_id, int) or isinstance(dispatch_id, bool):
+                raise ValueError(f"dispatch_id must be an int (the same on every rank for the same dispatch), got "
+                                 f"{dispatch_id!r}")
+        return list(given)
 
     def set_timeout(self, timeout_s: float) -> None:
         """Bound of every wait from the next launch on (clock64 cycles on the GPU, ns on CPU)."""
@@ -276,27 +318,33 @@ class _Engine(_Launcher):
         error_host_ptr: device address of a pinned mirror of it, or None.
         backend: "cuda" or "cpu".
         timeout_s: bound of every wait.
+        records: the mismatch records of the ranks it launches (rank r's at r - rank_begin).
+        relay_nodes: N when the buffers are an internode transport's NVLink buffers, else 0.
     """
 
     def __init__(self, world_size: int, config: Config, slot_bytes: int, buffers: list[int], error: torch.Tensor,
-                 error_host_ptr: int | None, backend: str, timeout_s: float, cpu_options: dict | None = None):
+                 error_host_ptr: int | None, backend: str, timeout_s: float, cpu_options: dict | None = None, *,
+                 records: Records, rank_begin: int = 0, relay_nodes: int = 0):
         self.world_size, self.config, self.slot_bytes, self.buffers = world_size, config, slot_bytes, buffers
-        self.layout = buffer_layout(world_size, config.num_channels, config.num_slots, slot_bytes)
-        super().__init__(error, error_host_ptr, backend, timeout_s, cpu_options)
+        self.layout = buffer_layout(world_size, config.num_channels, config.num_slots, slot_bytes, relay_nodes)
+        super().__init__(error, error_host_ptr, backend, timeout_s, cpu_options, records, rank_begin)
 
     def common(self, num_channels: int, rank_begin: int, skip_rank: int | None) -> dict:
-        return {"num_ranks": self.world_size,
+        return {"num_ranks": self.world_size, "relay_nodes": self.layout.relay_nodes,
                 **self._common(self.config, self.slot_bytes, self.buffers, num_channels, rank_begin, skip_rank)}
 
     def notify(self, common: dict, ranks: list[dict], num_topk: int) -> None:
+        self.launches += 1
         _ext().intranode_notify(common, ranks, num_topk, self.backend, self._stream(), self.cooperative)
 
     def dispatch(self, common: dict, ranks: list[dict], x_bytes: int, scale_bytes: int, num_topk: int,
                  experts_per_rank: int) -> None:
+        self.launches += 1
         _ext().intranode_dispatch(common, ranks, x_bytes, scale_bytes, num_topk, experts_per_rank, self.backend,
                                   self._stream(), self.cooperative, self.cpu_options)
 
     def combine(self, common: dict, ranks: list[dict], y_bytes: int, dtype: torch.dtype) -> None:
+        self.launches += 1
         _ext().intranode_combine(common, ranks, y_bytes, COMBINE_DTYPES[dtype], self.backend, self._stream(),
                                  self.cooperative, self.cpu_options)
 
@@ -418,51 +466,74 @@ def _rank_results(result_type: type, inputs: list[_Input], handles: list, outs: 
 
 def _dispatch(engine: _Engine, inputs: list[_Input], num_experts: int, *, num_sms: int,
               handles: list[IntranodeHandle] | None, num_worst_tokens: int | None, skip_rank: int | None,
-              skip_phase: str | None) -> list[RankDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and dispatch."""
+              skip_phase: str | None, dispatch_ids: list[int | None] | None = None,
+              statuses: dict[int, int] | None = None) -> list[RankDispatch]:
+    """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and
+    dispatch. ``dispatch_ids``: per rank the fresh dispatch's identity (None: the engine's next);
+    ``statuses``: rank -> non-zero header status (that rank refuses: its inputs are empty)."""
     skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
     experts_per_rank = num_experts // engine.world_size
     _dispatch_shape(inputs, engine.slot_bytes)
     if handles is None:
         handles, outs = _notify(engine, inputs, experts_per_rank, num_sms=num_sms, num_worst_tokens=num_worst_tokens,
-                                skip_rank=skip("notify"))
+                                skip_rank=skip("notify"), dispatch_ids=dispatch_ids, statuses=statuses)
     else:
         if len(handles) != len(inputs):
             raise ValueError(f"pass one handle per rank: {len(inputs)} inputs, {len(handles)} handles")
         for inp, h in zip(inputs, handles):
-            if not isinstance(h, IntranodeHandle) or h.num_tokens != inp.x.shape[0]:
+            refusing = statuses is not None and inp.rank in statuses  # its tokens were taken away
+            if not isinstance(h, IntranodeHandle) or (h.num_tokens != inp.x.shape[0] and not refusing):
                 raise ValueError(f"rank {inp.rank}: the handle is not an IntranodeHandle for {inp.x.shape[0]} tokens")
         outs = None
     if outs is None:
         outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, engine.device) for inp, h in zip(inputs, handles)]
-    _launch_dispatch(engine, inputs, handles, outs, experts_per_rank, skip_rank=skip("dispatch"))
+    _launch_dispatch(engine, inputs, handles, outs, experts_per_rank, skip_rank=skip("dispatch"), statuses=statuses)
     return _rank_results(RankDispatch, inputs, handles, outs)
 
 
-def _notify(engine: _Engine, inputs: list[_Input], experts_per_rank: int, *, num_sms: int,
-            num_worst_tokens: int | None, skip_rank: int | None) -> tuple[list[IntranodeHandle], list[dict] | None]:
-    """The notify launch: per rank a handle (receive prefix, counts). Without a budget the host
-    reads the receive counts (one sync for all launched ranks) and no outputs are allocated;
-    with one, the outputs are allocated first (notify fills their padding rows)."""
-    world_size, device = engine.world_size, engine.device
-    num_topk = inputs[0].topk_idx.shape[1]
-    num_channels = _check_num_sms(num_sms, engine.config)
+def _check_budget(num_worst_tokens) -> int:
+    """The kernels' row budget: -1 for none (None or 0, as in Buffer.dispatch), else the int."""
     if num_worst_tokens is not None and (not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool)
                                          or num_worst_tokens < 0):
         raise ValueError(f"num_worst_tokens must be None or an int >= 0 (None, or 0 as in Buffer.dispatch: no "
                          f"budget, the host reads the receive count), got {num_worst_tokens!r}")
-    budget = int(num_worst_tokens) if num_worst_tokens else -1
+    return int(num_worst_tokens) if num_worst_tokens else -1
+
+
+def _header(op: int, identity: int, inp: _Input, num_experts: int, num_channels: int, status: int) -> list[int]:
+    """The header words of a dispatch of ``inp`` (header.py)."""
+    return header_words(op, identity, inp.x.shape[1] * inp.x.element_size(), inp.x.dtype, inp.topk_idx.shape[1],
+                        num_experts, num_channels, weights=inp.topk_weights is not None, status=status)
+
+
+def _notify(engine: _Engine, inputs: list[_Input], experts_per_rank: int, *, num_sms: int,
+            num_worst_tokens: int | None, skip_rank: int | None, dispatch_ids: list[int | None] | None = None,
+            statuses: dict[int, int] | None = None) -> tuple[list[IntranodeHandle], list[dict] | None]:
+    """The notify launch: per rank a handle (receive prefix, counts, the verdicts on its peers).
+    Without a budget the host reads the receive counts (one sync for all launched ranks) and no
+    outputs are allocated; with one, the outputs are allocated first (notify fills their padding
+    rows)."""
+    world_size, device = engine.world_size, engine.device
+    num_topk = inputs[0].topk_idx.shape[1]
+    num_channels = _check_num_sms(num_sms, engine.config)
+    budget = _check_budget(num_worst_tokens)
+    num_experts = experts_per_rank * world_size
+    ids = engine.dispatch_ids(dispatch_ids, len(inputs))
+    statuses = statuses or {}
     prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
     counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
     overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
+    peer_ok = [torch.zeros(world_size, dtype=torch.int32, device=device) for _ in inputs]
     outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs] if budget >= 0 else None
     ranks = [{"is_token_in_rank": _ptr(inp.is_token_in_rank), "recv_prefix": p.data_ptr(),
-              "num_recv_tokens": n.data_ptr(), "overflow": o.data_ptr(),
+              "num_recv_tokens": n.data_ptr(), "overflow": o.data_ptr(), "peer_ok": ok.data_ptr(),
               "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
               "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
               "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
-              "num_tokens": inp.x.shape[0], "budget": budget}
-             for i, (inp, p, n, o) in enumerate(zip(inputs, prefixes, counts, overflows))]
+              "num_tokens": inp.x.shape[0], "budget": budget,
+              **engine.check_fields(inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, num_channels,
+                                                      statuses.get(inp.rank, 0)))}
+             for i, (inp, p, n, o, ok) in enumerate(zip(inputs, prefixes, counts, overflows, peer_ok))]
     engine.notify(engine.common(num_channels, inputs[0].rank, skip_rank), ranks, num_topk)
     if budget < 0:
         totals = torch.cat(counts).tolist()
@@ -472,26 +543,44 @@ def _notify(engine: _Engine, inputs: list[_Input], experts_per_rank: int, *, num
     handles = [IntranodeHandle(num_tokens=inp.x.shape[0], num_channels=num_channels,
                                is_token_in_rank=inp.is_token_in_rank, recv_prefix=p, num_recv_tokens=total,
                                num_recv_tokens_dev=n, overflow=o, num_rows=budget if budget >= 0 else total,
-                               topk_dtype=inp.topk_dtype or torch.int64)
-               for inp, p, n, o, total in zip(inputs, prefixes, counts, overflows, totals)]
+                               dispatch_id=ids[i], num_experts=num_experts, peer_ok=ok,
+                               topk_dtype=inp.topk_dtype or torch.int64, notified=True)
+               for i, (inp, p, n, o, ok, total) in enumerate(zip(inputs, prefixes, counts, overflows, peer_ok, totals))]
     return handles, outs
 
 
 def _launch_dispatch(engine: _Engine, inputs: list[_Input], handles: list[IntranodeHandle], outs: list[dict],
-                     experts_per_rank: int, *, skip_rank: int | None) -> None:
+                     experts_per_rank: int, *, skip_rank: int | None, statuses: dict[int, int] | None = None) -> None:
     """The dispatch launch into ``outs`` (per rank the dict :func:`_alloc_outputs` makes, whose
-    tensors may be views of the caller's: rows ``[handle.num_rows, ...]``)."""
+    tensors may be views of the caller's: rows ``[handle.num_rows, ...]``). Right after its
+    notify a handle's launch reuses the notify's verdicts; any later one (a cached dispatch)
+    exchanges headers in the kernel."""
     _, num_topk, x_bytes, scale_bytes = _dispatch_shape(inputs, engine.slot_bytes)
-    ranks = [{"x": _ptr(inp.x), "x_scales": _ptr(inp.scales), "topk_idx": _ptr(inp.topk_idx),
-              "topk_weights": _ptr(inp.topk_weights), "is_token_in_rank": _ptr(h.is_token_in_rank),
-              "recv_prefix": h.recv_prefix.data_ptr(), "recv_x": _ptr(o["x"]), "recv_scales": _ptr(o["scales"]),
-              "recv_topk_idx": _ptr(o["topk_idx"]),
-              "recv_topk_weights": _ptr(o["topk_weights"]) if inp.topk_weights is not None else None,
-              "recv_src_idx": _ptr(o["src_idx"]), "num_recv_per_expert": o["per_expert"].data_ptr(),
-              "overflow": h.overflow.data_ptr(), "num_tokens": inp.x.shape[0], "num_rows": h.num_rows}
-             for inp, h, o in zip(inputs, handles, outs)]
+    num_experts, statuses = experts_per_rank * engine.world_size, statuses or {}
+    ranks = []
+    for inp, h, o in zip(inputs, handles, outs):
+        fresh, fields = _dispatch_fields(engine, inp, h, o, num_experts, statuses)
+        ranks.append({**fields, "token_ids": _ptr(inp.token_ids), "is_token_in_rank": _ptr(h.is_token_in_rank),
+                      "recv_prefix": h.recv_prefix.data_ptr(), "peer_ok": h.peer_ok.data_ptr() if fresh else None})
     engine.dispatch(engine.common(handles[0].num_channels, inputs[0].rank, skip_rank), ranks, x_bytes, scale_bytes,
                     num_topk, experts_per_rank)
+
+
+def _dispatch_fields(engine: _Launcher, inp: _Input, handle, out: dict, num_experts: int,
+                     statuses: dict[int, int]) -> tuple[bool, dict]:
+    """The keys every dispatch launch's rank dict shares (inputs, outputs, the header check),
+    and whether this is the handle's first launch after its notify: that one alone reuses the
+    notify's verdicts (the handle's ``notified`` flag is cleared)."""
+    fresh, handle.notified = handle.notified, False
+    header = _header(OP_DISPATCH if fresh else OP_CACHED_DISPATCH, handle.dispatch_id, inp, num_experts,
+                     handle.num_channels, statuses.get(inp.rank, 0))
+    return fresh, {"x": _ptr(inp.x), "x_scales": _ptr(inp.scales), "topk_idx": _ptr(inp.topk_idx),
+                   "topk_weights": _ptr(inp.topk_weights), "recv_x": _ptr(out["x"]), "recv_scales": _ptr(out["scales"]),
+                   "recv_topk_idx": _ptr(out["topk_idx"]),
+                   "recv_topk_weights": _ptr(out["topk_weights"]) if inp.topk_weights is not None else None,
+                   "recv_src_idx": _ptr(out["src_idx"]), "num_recv_per_expert": out["per_expert"].data_ptr(),
+                   "overflow": handle.overflow.data_ptr(), "num_tokens": inp.x.shape[0], "num_rows": handle.num_rows,
+                   **engine.check_fields(inp.rank, header)}
 
 
 def _alloc_outputs(inp: _Input, rows: int, experts_per_rank: int, device: torch.device) -> dict:
@@ -532,16 +621,35 @@ def _check_combine(ys: list[torch.Tensor], handles: list, row_scales: list[torch
     return hidden, dtype, y_bytes
 
 
-def _combine(engine: _Engine, rank_begin: int, ys: list[torch.Tensor], handles: list[IntranodeHandle],
-             row_scales: list[torch.Tensor | None] | None, skip_rank: int | None) -> list[torch.Tensor]:
-    device = engine.device
+def _combine_shape(ys: list[torch.Tensor], handles: list, row_scales: list | None, rank_begin: int,
+                   device: torch.device, slot_bytes: int, handle_type: type,
+                   slots: str = "the buffer's slots") -> tuple[list, int, torch.dtype, int]:
+    """``(row_scales, hidden, dtype, y_bytes)`` of a combine whose handles must be ``handle_type``
+    (see :func:`_check_combine`)."""
+    for i, h in enumerate(handles):
+        if not isinstance(h, handle_type):
+            raise ValueError(f"rank {rank_begin + i}: the handle must be a {handle_type.__name__} (of a dispatch on "
+                             f"this transport), got {type(h).__name__}")
     row_scales = row_scales or [None] * len(ys)
-    hidden, dtype, y_bytes = _check_combine(ys, handles, row_scales, rank_begin, device, engine.slot_bytes)
-    outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
+    return (row_scales, *_check_combine(ys, handles, row_scales, rank_begin, device, slot_bytes, slots))
+
+
+def _combine(engine: _Engine, rank_begin: int, ys: list[torch.Tensor], handles: list[IntranodeHandle],
+             row_scales: list[torch.Tensor | None] | None, skip_rank: int | None,
+             statuses: dict[int, int] | None = None, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Combine for ranks ``rank_begin + i`` into ``outs`` (contiguous ``[T, H]``, made when None)."""
+    device, statuses = engine.device, statuses or {}
+    row_scales, hidden, dtype, y_bytes = _combine_shape(ys, handles, row_scales, rank_begin, device, engine.slot_bytes,
+                                                        IntranodeHandle)
+    if outs is None:
+        outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
     ranks = [{"y": _ptr(y), "row_scale": _ptr(s.contiguous()) if s is not None else None,
               "is_token_in_rank": _ptr(h.is_token_in_rank), "recv_prefix": h.recv_prefix.data_ptr(),
-              "out": _ptr(out), "num_tokens": h.num_tokens, "num_rows": h.num_rows}
-             for y, h, s, out in zip(ys, handles, row_scales, outs)]
+              "out": _ptr(out), "num_tokens": h.num_tokens, "num_rows": h.num_rows,
+              **engine.check_fields(rank_begin + i, header_words(
+                  OP_COMBINE, h.dispatch_id, y_bytes, dtype, 0, h.num_experts, h.num_channels,
+                  status=statuses.get(rank_begin + i, 0)))}
+             for i, (y, h, s, out) in enumerate(zip(ys, handles, row_scales, outs))]
     engine.combine(engine.common(handles[0].num_channels, rank_begin, skip_rank), ranks, y_bytes, dtype)
     return outs
 
@@ -586,7 +694,8 @@ class Loopback:
                          for _ in range(world_size)]
         error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
         self.engine = _Engine(world_size, self.config, slot_bytes, [b.data_ptr() for b in self._buffers], error,
-                              None, backend, default_timeout_s(timeout_s), cpu_options)
+                              None, backend, default_timeout_s(timeout_s), cpu_options,
+                              records=Records(world_size, self.device))
 
     @property
     def timeout_s(self) -> float:
@@ -604,7 +713,8 @@ class Loopback:
 
     def dispatch(self, xs: list, topk_idxs: list[torch.Tensor] | None, topk_weights: list[torch.Tensor] | None,
                  num_experts: int, *, num_sms: int | None = None, handles: list[IntranodeHandle] | None = None,
-                 num_worst_tokens: int | None = None, withhold_rank: int | None = None,
+                 num_worst_tokens: int | None = None, dispatch_ids: list[int] | None = None,
+                 status: dict[int, int] | None = None, withhold_rank: int | None = None,
                  withhold_phase: str = "dispatch", check: bool = True, validate: bool = True) -> list[RankDispatch]:
         """Dispatch for all W ranks (see the module doc).
 
@@ -617,8 +727,14 @@ class Loopback:
             num_sms: SMs per simulated rank for this call (default ``config.num_sms``).
             handles: previous results' handles: a cached dispatch (no notify, same routing).
             num_worst_tokens: budget mode: this many rows per rank, no host sync (None or 0: off).
+            dispatch_ids: per rank the fresh dispatch's identity (default: the next of a count
+                shared by all ranks), carried by the handles.
+            status: tests: rank -> a non-zero header status; that rank refuses (no tokens) and the
+                others record it (:class:`~moe_dispatch.transport.header.MismatchError` from
+                :meth:`check`).
             withhold_rank, withhold_phase: tests: that rank's blocks skip "notify", "dispatch".
-            check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out.
+            check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out, or
+                :class:`~moe_dispatch.transport.header.MismatchError` if ranks disagreed.
             validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
 
         Returns:
@@ -627,11 +743,15 @@ class Loopback:
         topk_idxs = _check_world_args(self.world_size, xs, topk_idxs, num_experts)
         if handles is not None and len(handles) != self.world_size:
             raise ValueError(f"pass one handle per rank ({self.world_size}), got {len(handles)}")
+        if dispatch_ids is not None and len(dispatch_ids) != self.world_size:
+            raise ValueError(f"pass one dispatch id per rank ({self.world_size}), got {len(dispatch_ids)}")
         inputs = _prepare_world(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles)
+        inputs = _refusing(inputs, status)
         try:
             results = _dispatch(self.engine, inputs, num_experts, num_sms=num_sms or self.config.num_sms,
                                 handles=handles, num_worst_tokens=num_worst_tokens, skip_rank=withhold_rank,
-                                skip_phase=withhold_phase if withhold_rank is not None else None)
+                                skip_phase=withhold_phase if withhold_rank is not None else None,
+                                dispatch_ids=dispatch_ids, statuses=status)
         except IntranodeTimeoutError:
             self.reset()
             raise
@@ -640,28 +760,52 @@ class Loopback:
         return results
 
     def combine(self, ys: list[torch.Tensor], handles: list[IntranodeHandle],
-                row_scales: list[torch.Tensor | None] | None = None, *, withhold_rank: int | None = None,
-                check: bool = True) -> list[torch.Tensor]:
+                row_scales: list[torch.Tensor | None] | None = None, *, status: dict[int, int] | None = None,
+                withhold_rank: int | None = None, check: bool = True) -> list[torch.Tensor]:
         """Combine for all W ranks: ``out[s] [T_s, H]`` in y's dtype, the fp32 sum over holders
-        in ascending rank order of ``y * row_scale``, rounded once (zero rows for tokens no rank held)."""
-        outs = _combine(self.engine, 0, ys, handles, row_scales, withhold_rank)
+        in ascending rank order of ``y * row_scale``, rounded once (zero rows for tokens no rank
+        held). ``status``: as in :meth:`dispatch`."""
+        outs = _combine(self.engine, 0, ys, handles, row_scales, withhold_rank, statuses=status)
         if check:
             self.check()
         return outs
 
     def check(self) -> None:
         """Synchronises, then raises :class:`IntranodeTimeoutError` (and resets the buffers) if
-        a wait of a previous launch timed out."""
+        a wait of a previous launch timed out, or
+        :class:`~moe_dispatch.transport.header.MismatchError` (clearing the records: the buffers
+        stay usable) if ranks disagreed."""
         record = self.engine.read_error()
         if record:
             self.reset()
             self.engine.raise_if_timed_out(record)
+        self.engine.records.raise_if_set()
 
     def reset(self) -> None:
-        """Zeroes the control regions and the error record (after a timeout left them dirty)."""
+        """Zeroes the control regions, the error record and the mismatch records (after a
+        timeout left them dirty)."""
         for b in self._buffers:
             b[:self.layout.queue_offset].zero_()
         self.engine.error.zero_()
+        self.engine.records.clear()
+
+
+def _refusing(inputs: list[_Input], status: dict[int, int] | None) -> list[_Input]:
+    """``inputs`` with no tokens on the ranks that refuse (a non-zero ``status``)."""
+    if not status:
+        return inputs
+    for rank, code in status.items():
+        if not isinstance(code, int) or code == 0:
+            raise ValueError(f"status must map ranks to non-zero ints, got {status!r}")
+    return [_empty_input(inp) if inp.rank in status else inp for inp in inputs]
+
+
+def _empty_input(inp: _Input) -> _Input:
+    """``inp`` with no tokens (its shapes otherwise kept)."""
+    return dataclasses.replace(inp, x=inp.x[:0], scales=inp.scales[:0] if inp.scales is not None else None,
+                               topk_idx=inp.topk_idx[:0],
+                               topk_weights=inp.topk_weights[:0] if inp.topk_weights is not None else None,
+                               is_token_in_rank=inp.is_token_in_rank[:0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,9 +820,14 @@ class IntranodeTransport:
     segment that every rank maps, and the same role code runs on this process's threads (the
     kernels' CPU backend), so the multi-process path is tested without a GPU.
 
-    Status: the launcher and kernels are the ones the loopback harness runs, which pass their
-    tests on an H200, and the CPU path runs in ``make test``. The CUDA IPC exchange and
-    cross-GPU visibility have not run yet; their test shares one GPU among the processes.
+    What is on the device and what synchronises: a fresh dispatch without ``num_worst_tokens``
+    reads its receive count on the host once (R sizes the outputs); with it, nothing waits for
+    the host (counts, overflow flag and the peers' verdicts stay on the device: CUDA-graph
+    capturable). Cached dispatch and combine never synchronise. Every operation checks its
+    arguments against every peer's on the device (header.py); a mismatch is raised as
+    :class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation: right
+    after the operation on the CPU backend, after a fresh dispatch's count read, or by
+    :meth:`check_errors` / :meth:`check` on a GPU.
 
     Args:
         group: the EP process group (NCCL or gloo: it only carries the handles); W = its size,
@@ -689,6 +838,8 @@ class IntranodeTransport:
         timeout_s: bound of every wait inside the kernels.
         device: where buffers, inputs and outputs live: None (the current CUDA device), a
             CUDA device, or ``"cpu"``.
+        relay_nodes: the internode transport's N when these are its NVLink buffers (adds the
+            fused pipeline's relay region); 0 otherwise.
 
     Raises:
         ValueError: more than 16 ranks, hidden, num_topk or element_bytes out of range, or a
@@ -700,7 +851,7 @@ class IntranodeTransport:
 
     def __init__(self, group: dist.ProcessGroup, rank: int, hidden: int, num_topk: int, *,
                  config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, relay_nodes: int = 0):
         C = _ext()
         world_size = dist.get_world_size(group)
         if world_size > MAX_RANKS:
@@ -709,7 +860,7 @@ class IntranodeTransport:
         self.group, self.rank, self.world_size = group, rank, world_size
         slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config)
         self.config = config or Config()
-        self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes)
+        self.layout = buffer_layout(world_size, self.config.num_channels, self.config.num_slots, slot_bytes, relay_nodes)
         on_gpu = self.device.type == "cuda"
         self._own = _CudaIpcBuffer(self.layout, self.device) if on_gpu else _SharedMemoryBuffer(self.layout)
         self._opened: dict[int, int] = {}
@@ -720,7 +871,9 @@ class IntranodeTransport:
             self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
             error_host_ptr = C.host_device_pointer(self._error_host.data_ptr()) if on_gpu else None
             self.engine = _Engine(world_size, self.config, slot_bytes, buffers, error, error_host_ptr,
-                                  "cuda" if on_gpu else "cpu", default_timeout_s(timeout_s))
+                                  "cuda" if on_gpu else "cpu", default_timeout_s(timeout_s),
+                                  records=Records(1, self.device, mirror=on_gpu), rank_begin=rank,
+                                  relay_nodes=relay_nodes)
             dist.barrier(group=group)  # every peer has mapped every buffer
         except BaseException:
             self.close()  # a peer that failed or never came: leave no mapping or shared-memory file behind
@@ -729,26 +882,94 @@ class IntranodeTransport:
 
     def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
                  num_sms: int | None = None, handle: IntranodeHandle | None = None,
-                 num_worst_tokens: int | None = None) -> RankDispatch:
-        """This rank's dispatch (collective: every rank of the group calls it)."""
+                 num_worst_tokens: int | None = None, dispatch_id: int | None = None) -> RankDispatch:
+        """This rank's dispatch (collective: every rank of the group calls it).
+
+        Args: as :meth:`Loopback.dispatch` for one rank (``x``, ``topk_idx``, ``topk_weights``,
+        ``handle``, ``dispatch_id``). Returns the :class:`RankDispatch`. Raises ValueError /
+        TypeError for bad arguments (after taking part with a refusal, so the peers finish at
+        once and record it), :class:`~moe_dispatch.transport.header.MismatchError` when the
+        peers' calls differ, :class:`IntranodeTimeoutError` for a wait that ran out."""
         self.check_errors()
-        inp = _prepare(self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device,
-                       handle=handle)
-        return _dispatch(self.engine, [inp], num_experts, num_sms=num_sms or self.config.num_sms,
-                         handles=[handle] if handle is not None else None, num_worst_tokens=num_worst_tokens,
-                         skip_rank=None, skip_phase=None)[0]
+        op = OP_DISPATCH if handle is None else OP_CACHED_DISPATCH
+        launches = self.engine.launches
+        try:
+            if handle is not None and not isinstance(handle, IntranodeHandle):
+                raise TypeError(f"handle must be an IntranodeHandle (of a dispatch on this transport), got "
+                                f"{type(handle).__name__}")
+            inp = _prepare(self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device,
+                           handle=handle)
+            result = _dispatch(self.engine, [inp], num_experts, num_sms=num_sms or self.config.num_sms,
+                               handles=[handle] if handle is not None else None, num_worst_tokens=num_worst_tokens,
+                               skip_rank=None, skip_phase=None,
+                               dispatch_ids=[dispatch_id] if dispatch_id is not None else None)[0]
+        except (ValueError, TypeError) as err:
+            if self.engine.launches == launches:  # refused before any launch: take part without rows
+                _refuse_or_raise(lambda: self._refuse(op), err)
+            raise
+        self._after(synchronized=handle is None and not num_worst_tokens)
+        return result
 
     def combine(self, y: torch.Tensor, handle: IntranodeHandle, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's combine (collective)."""
+        """This rank's combine (collective; never synchronises the host on a GPU). Raises as
+        :meth:`dispatch`."""
         self.check_errors()
-        return _combine(self.engine, self.rank, [y], [handle], [row_scale], None)[0]
+        launches = self.engine.launches
+        try:
+            if not isinstance(handle, IntranodeHandle):
+                raise TypeError(f"handle must be an IntranodeHandle, got {type(handle).__name__}")
+            out = _combine(self.engine, self.rank, [y], [handle], [row_scale], None)[0]
+        except (ValueError, TypeError) as err:
+            if self.engine.launches == launches:
+                _refuse_or_raise(lambda: self._refuse(OP_COMBINE), err)
+            raise
+        self._after(synchronized=False)
+        return out
+
+    def _refuse(self, op: int) -> None:
+        """Runs operation ``op`` with no tokens and status STATUS_INVALID_ARGUMENTS: the peers
+        skip this rank at once and record why (a fresh dispatch runs its notify too)."""
+        statuses = {self.rank: STATUS_INVALID_ARGUMENTS}
+        x = torch.zeros(0, 8, dtype=torch.bfloat16, device=self.device)
+        inp = _Input(self.rank, x, None, torch.zeros(0, 1, dtype=torch.int64, device=self.device), None,
+                     torch.zeros(0, self.world_size, dtype=torch.bool, device=self.device), torch.int64)
+        epr, C = 1, self.config.num_channels
+        handle = IntranodeHandle(0, C, inp.is_token_in_rank, torch.zeros(self.world_size * C + 1, dtype=torch.int32,
+                                                                          device=self.device), 0,
+                                 torch.zeros(1, dtype=torch.int32, device=self.device),
+                                 torch.zeros(1, dtype=torch.int32, device=self.device), 0)
+        if op == OP_COMBINE:
+            _combine(self.engine, self.rank, [x], [handle], None, None, statuses=statuses)
+        else:
+            _dispatch(self.engine, [inp], epr * self.world_size, num_sms=self.config.num_sms,
+                      handles=None if op == OP_DISPATCH else [handle], num_worst_tokens=None, skip_rank=None,
+                      skip_phase=None, statuses=statuses)
+
+    def _after(self, synchronized: bool) -> None:
+        """The next synchronisation after an operation: at once on the CPU backend (it has
+        finished) or when the host just read the device (a fresh dispatch without a budget)."""
+        if self.device.type == "cpu" or synchronized:
+            self.engine.raise_if_timed_out()
+            self.engine.records.raise_if_set()
 
     def check_errors(self) -> None:
-        """Raises :class:`IntranodeTimeoutError` if a launch of this rank timed out. On a GPU it
-        reads the pinned mirror of the record, so it does not wait for running kernels."""
+        """Raises :class:`IntranodeTimeoutError` if a launch of this rank timed out, or
+        :class:`~moe_dispatch.transport.header.MismatchError` if a peer's call differed. On a GPU
+        it reads the pinned mirrors, so it does not wait for running kernels."""
+        self.check_timeout()
+        self.engine.records.raise_if_set(synchronize=False)
+
+    def check_timeout(self) -> None:
+        """The timeout part of :meth:`check_errors`."""
         record = self._error_host.tolist() if self._error_host is not None else self.engine.read_error()
         if record and record[0]:  # the mirror's flag is set once its fields are written
             self.engine.raise_if_timed_out(record)
+
+    def check(self) -> None:
+        """Synchronises with this rank's kernels, then raises as :meth:`check_errors`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check_errors()
 
     def close(self) -> None:
         """Unmaps the peers' buffers and frees this rank's (call on every rank, after the last op)."""
@@ -758,6 +979,14 @@ class IntranodeTransport:
             self._own.close_peer(address)
         self._opened = {}
         self._own.free()
+
+
+def _refuse_or_raise(refuse, err: Exception) -> None:
+    """Runs a rank's refusal; if that fails too (a peer missing), raises ``err`` caused by it."""
+    try:
+        refuse()
+    except CommError as refusal:
+        raise err from refusal
 
 
 def _map_peers(own, group: dist.ProcessGroup, rank: int, world_size: int, opened: dict[int, int]) -> list[int]:
