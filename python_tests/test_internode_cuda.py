@@ -419,17 +419,44 @@ def _shm_headers(rank, world_size, ranks_per_node):
         transport.close()
 
 
+def _shm_withheld(rank, world_size, ranks_per_node):
+    """A rank that never dispatches: the others' bounded waits end in an error. Its rail and
+    local peers name it; a rank two hops away (another node, another local index) can only
+    name the local peer whose relayed header never came, as it waits for the missing rank."""
+    import torch.distributed as dist
+
+    from moe_dispatch.transport.nvshmem import InternodeTransport
+
+    withheld, num_experts = world_size - 1, 4 * world_size
+    xs, idxs, ws = make_world(46, world_size, 16, 32, 2, num_experts, drop=0.0)
+    transport = InternodeTransport(dist.group.WORLD, rank, ranks_per_node, 32, 2, device="cpu", timeout_s=0.5,
+                                   config=Config(num_sms=2, num_slots=2, chunk_tokens=1))
+    try:
+        if rank != withheld:
+            with pytest.raises(InternodeTimeoutError, match=r"notify .*timed out") as info:
+                transport.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+            L = ranks_per_node
+            if rank // L == withheld // L or rank % L == withheld % L:
+                assert info.value.peer == withheld, str(info.value)
+            else:
+                assert info.value.counter == "relayed header" and info.value.peer == (rank // L) * L + withheld % L
+        dist.barrier()
+    finally:
+        transport.close()
+
+
 def _shm_entry(rank, world_size, ranks_per_node):
     cases = {"fused": lambda r, w: _shm_roundtrip(r, w, ranks_per_node, "fused"),
              "staged": lambda r, w: _shm_roundtrip(r, w, ranks_per_node, "staged")}
     if world_size == 4:
         cases["headers"] = lambda r, w: _shm_headers(r, w, ranks_per_node)
+        cases["withheld rank"] = lambda r, w: _shm_withheld(r, w, ranks_per_node)
     return run_cases(rank, world_size, cases)
 
 
 @built
 @pytest.mark.parametrize("world_size, ranks_per_node, case", [(4, 2, "fused"), (4, 2, "staged"), (4, 2, "headers"),
-                                                              (6, 2, "fused")])
+                                                              (4, 2, "withheld rank"), (6, 2, "fused")])
 def test_cpu_shared_memory_world_matches_oracle(world_size, ranks_per_node, case):
     assert_case(world_results(_shm_entry, world_size, ranks_per_node), case)
 
