@@ -71,6 +71,9 @@ MOE_ROLE NvlQueue nvl_queue(const BufferLayout& l, char* src_buffer, char* dst_b
 // Warp: the verdict for the pair (rank, peer): 1 move rows, 0 not, -1 a wait failed. From the
 // notify's verdicts (peer_ok), or from the peers' header lines of this epoch: `write` puts this
 // rank's line to the peer first (one writer per pair and operation), `record` offers a mismatch.
+// Cost of the exchange (a cached dispatch, a combine): per pair one 128-byte line stored into the
+// peer's buffer and a poll of the line the peer stored here: one signal round in the same
+// launch, which the senders' first chunk would wait for anyway, no extra kernel.
 template <class Ctx>
 MOE_ROLE int32_t pair_verdict(Ctx& ctx, const Common& cm, const Check& check, const int32_t* peer_ok, int rank,
                               int peer, uint64_t epoch, bool write, bool record, const WaitSite& site) {

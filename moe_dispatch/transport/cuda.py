@@ -19,7 +19,11 @@ Operations, for the ranks of one launch:
 Every wait inside the kernels is bounded by ``timeout_s``; a timed-out launch records rank,
 channel, peer and counter, every block leaves, and :meth:`check` raises
 :class:`IntranodeTimeoutError` with that text. ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` overrides the
-default bound (e.g. 1 to debug a hang quickly).
+default bound (e.g. 1 to debug a hang quickly). Every operation also checks on the device that
+the ranks' calls agree (:mod:`moe_dispatch.transport.header`: the operation, the handle's
+dispatch id, row bytes, dtype, top-k, experts, channels; a rank's refusal of its own
+arguments): a disagreeing pair moves no rows and the host raises
+:class:`~moe_dispatch.transport.header.MismatchError` at its next synchronisation.
 
 Two front ends share one launcher (:class:`_Engine`):
 
@@ -27,9 +31,9 @@ Two front ends share one launcher (:class:`_Engine`):
   their "peer" buffers are W allocations of the same GPU; on CPU (``backend="cpu"``) the same
   protocol code runs on threads over host memory. Tests and benchmarks use it.
 - :class:`IntranodeTransport`: one rank per process; buffers shared through CUDA IPC handles
-  exchanged over torch.distributed (one GPU per rank; not yet run on a GPU), or on CPU through
-  shared memory with the CPU backend (tested in gloo worlds: the same wrapper, handle exchange
-  and per-rank launches, with peers in other processes).
+  exchanged over torch.distributed (one GPU per rank), or on CPU through shared memory with
+  the CPU backend (the same wrapper, handle exchange and per-rank launches, with peers in
+  other processes).
 
 ``Buffer(transport="cuda")`` drives an :class:`IntranodeTransport` through
 :mod:`moe_dispatch.transport.kernels` (one node).
