@@ -951,10 +951,14 @@ class IntranodeTransport:
 
     def _after(self, synchronized: bool) -> None:
         """The next synchronisation after an operation: at once on the CPU backend (it has
-        finished) or when the host just read the device (a fresh dispatch without a budget)."""
-        if self.device.type == "cpu" or synchronized:
+        finished); on a GPU when the host just read the notify's count (``synchronized``), from
+        the pinned mirrors, which the notify wrote (reading the device would wait for the
+        dispatch kernel launched since)."""
+        if self.device.type == "cpu":
             self.engine.raise_if_timed_out()
             self.engine.records.raise_if_set()
+        elif synchronized:
+            self.check_errors()
 
     def check_errors(self) -> None:
         """Raises :class:`IntranodeTimeoutError` if a launch of this rank timed out, or

@@ -449,10 +449,11 @@ def _fused_dispatch(t: _Transport, inputs: list[_Input], num_experts: int, *, nu
                          **e.check_fields(inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, C,
                                                             statuses.get(inp.rank, 0)))}
                         for i, (inp, itn, tb) in enumerate(zip(inputs, in_node, tables))], num_topk)
-        if budget < 0:  # the one host read: R and R1 of every launched rank
-            counts = torch.stack([tb["counts"] for tb in tables]).tolist()
-            if check or e.backend == "cuda":
-                t.check_timeouts()
+        if budget < 0:  # the one host read: R and R1 of every launched rank, and the timeout record
+            host = torch.cat([*(tb["counts"] for tb in tables), e.error]).tolist()
+            counts = [host[2 * i:2 * i + 2] for i in range(len(inputs))]
+            if host[2 * len(inputs)] or host[2 * len(inputs) + 1]:
+                raise InternodeTimeoutError(*describe_timeout(host[2 * len(inputs):], e.timeout_s, L, fused=True))
         else:
             counts = [(None, None)] * len(inputs)
         handles = [InternodeHandle(

@@ -258,10 +258,12 @@ class InternodeTransport:
             raise err from refusal
 
     def _after(self, synchronized: bool) -> None:
-        """The next synchronisation after an operation: at once on the CPU backend, or when the
-        host just read the device."""
-        if self.device.type == "cpu" or synchronized:
+        """The next synchronisation after an operation: at once on the CPU backend; on a GPU when
+        the host just read the notify's counts (``synchronized``), from the pinned mirrors."""
+        if self.device.type == "cpu":
             self.transport.check()
+        elif synchronized:
+            self.check_errors()
 
     def check_errors(self) -> None:
         """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out, or
