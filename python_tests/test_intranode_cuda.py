@@ -531,6 +531,16 @@ def test_cpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
     header_cases(lb, lb.engine.records, "cpu")
 
 
+@built
+def test_header_mirror_matches_extension():
+    from moe_dispatch.config import HEADER_WORDS, MISMATCH_RECORD_WORDS
+    from moe_dispatch.transport.header import header_words
+
+    limits = _ext._C.intranode_limits
+    assert (limits["header_words"], limits["mismatch_record_words"]) == (HEADER_WORDS, MISMATCH_RECORD_WORDS)
+    assert len(header_words(1, 2, 3, torch.bfloat16, 4, 5, 6)) == HEADER_WORDS
+
+
 def test_mismatch_message_names_ranks_and_field():
     assert describe_mismatch([0] * 8) is None
     message, fields = describe_mismatch([1, 3, 1, 1, 7, 9, -1, 0])

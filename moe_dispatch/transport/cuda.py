@@ -65,7 +65,6 @@ from .header import (
     OP_COMBINE,
     OP_DISPATCH,
     STATUS_INVALID_ARGUMENTS,
-    MismatchError,
     Records,
     header_words,
 )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HEADER_WORDS, MISMATCH_RECORD_WORDS  # noqa: F401 - HEADER_WORDS: the header's length
+from ..config import MISMATCH_RECORD_WORDS
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OPS = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
@@ -121,7 +121,7 @@ class Records:
 
     def fields(self, index: int, header: list[int]) -> dict:
         """The ``header`` / ``mismatch`` / ``mismatch_host`` keys of launched rank ``index``'s dict
-        (``header``: :data:`HEADER_WORDS` ints, from :func:`header_words`)."""
+        (``header``: the 8 ints of :func:`header_words`)."""
         row = MISMATCH_RECORD_WORDS * 8
         out = {"header": header, "mismatch": self.records.data_ptr() + index * row}
         if self._host_ptr is not None:
