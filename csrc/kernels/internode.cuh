@@ -79,7 +79,9 @@
 // thus learns of every rank's header: directly from its rail and local peers, and from each
 // local peer's report about that peer's rail. Cost: one signal round per link (an RDMA round,
 // then an NVLink hop), overlapped with the start of the kernel: the RDMA senders begin as soon
-// as their rail peer's line is there.
+// as their rail peer's line is there. The staged pipeline checks its rail pairs in its node
+// operations and its local pairs in its intranode ones, without the relay: a refusing rank is
+// then learnt of by its rail and local peers only.
 //
 // Waits: every wait is bounded (ErrorRecord): phase, role, waiting rank, channel, the peer rank
 // awaited and the counter.
