@@ -284,6 +284,22 @@ def _resolve_arguments(
     return args, None
 
 
+# c10d names a group made with use_local_synchronization (as the transports make theirs) after its
+# ranks and a count of the groups this process has made: members whose counts differ (one made a
+# Buffer on a group the others are not in) would name the same group differently and deadlock in
+# new_group. The ranks post their counts and all continue from the largest.
+_GROUP_COUNT = "c10d group count"
+
+
+def _c10d_group_count() -> int | None:
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
+
+
+def _align_group_count(count: int | None) -> None:
+    if count is not None and _c10d_group_count() is not None:
+        dist.distributed_c10d._world.group_count = count
+
+
 _ERROR_TYPES = {t.__name__: t for t in (TypeError, ValueError, RuntimeError)}
 _UNCHANGED = "no rank created anything, so a Buffer() with good arguments can follow"
 
@@ -382,10 +398,11 @@ class Buffer:
         posts = agree_in_store(
             dist.get_process_group_ranks(args["group"]),
             dist.get_rank(args["group"]),
-            args["posted"] if refused is None else {"error": refused},
+            {**(args["posted"] if refused is None else {"error": refused}), _GROUP_COUNT: _c10d_group_count()},
             args["timeout_s"],
         )
         _check_posts(posts, dist.get_rank(args["group"]), args)
+        _align_group_count(max((p[_GROUP_COUNT] for p in posts if p[_GROUP_COUNT] is not None), default=None))
         self.group, self.topology, self.device = args["group"], args["topology"], args["device"]
         self.transport_name, self.transport_reason = args["transport"], args["transport_reason"]
         self.num_sms = args["config"].num_sms if args["config"] is not None else None

@@ -648,3 +648,27 @@ def test_kill_names_the_dead_rank(victim, tmp_path):
                 r"that neither failed in this operation nor passed it: most likely it died",
                 message,
             ), message
+
+
+# -- Buffers on overlapping groups ------------------------------------------------------------------
+def _overlapping_entry(rank, world_size):
+    """A Buffer on ranks [0, 1] only, then one on the world: c10d names the transports' groups
+    after a count of the groups each process made, which the first Buffer advanced on ranks 0
+    and 1 only."""
+    pair = torch.distributed.new_group([0, 1])  # every rank creates it
+    if rank < 2:
+        first = Buffer(pair, timeout_s=TIMEOUT_S)
+        _still_usable(rank, 2, first)
+        first.close()
+    start = time.monotonic()
+    whole = Buffer(timeout_s=TIMEOUT_S)
+    _still_usable(rank, world_size, whole)
+    whole.close()
+    return time.monotonic() - start
+
+
+def test_buffers_on_overlapping_groups():
+    """No deadlock in new_group after a Buffer on a sub-group: the ranks continue from the
+    largest group count."""
+    for elapsed in world_results(_overlapping_entry, W):
+        assert elapsed < 20, elapsed
