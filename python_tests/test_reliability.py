@@ -23,6 +23,7 @@ import torch
 from moe_dispatch import Buffer, CommError, _ext
 from moe_dispatch.ops.quant import per_token_cast_to_fp8
 from moe_dispatch.semantics import reference
+from moe_dispatch.testing.resources import process_resources
 
 from .test_dispatch import check_roundtrip, expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
@@ -380,28 +381,12 @@ def test_refused_buffer_leaves_the_world_usable(case):
 
 
 # -- close() frees what a Buffer made -----------------------------------------------------------
-def _resources() -> dict[str, int]:
-    """This process's threads, file descriptors, /dev/shm files and mappings of its own, RSS (KiB)."""
-    pid = os.getpid()
-    with open("/proc/self/maps") as maps:
-        mapped = sum("/dev/shm/moe_dispatch-" in line for line in maps)
-    with open("/proc/self/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return {
-        "threads": len(os.listdir("/proc/self/task")),
-        "fds": len(os.listdir("/proc/self/fd")),
-        "shm files": sum(name.startswith(f"moe_dispatch-{pid}-") for name in os.listdir("/dev/shm")),
-        "shm mappings": mapped,
-        "rss_kib": rss,
-    }
-
-
 def _settled() -> dict[str, int]:
-    """:func:`_resources` once threads that were told to end have ended (bounded)."""
+    """:func:`process_resources` once threads that were told to end have ended (bounded)."""
     deadline = time.monotonic() + 5.0
     while True:
         gc.collect()
-        now = _resources()
+        now = process_resources()
         if now["threads"] <= threading.active_count() + 4 or time.monotonic() > deadline:
             return now
         time.sleep(0.05)
@@ -457,7 +442,7 @@ def test_close_frees_everything(transport, closed):
     flat, RSS within RSS_GROWTH_KIB, this Buffer's store keys are gone; a dropped Buffer warns
     (ResourceWarning)."""
     for rank, (before, after, warned, left) in enumerate(world_results(_buffers_entry, 2, transport, closed)):
-        for what in ("threads", "fds", "shm files", "shm mappings"):
+        for what in ("threads", "fds", "shm_files", "shm_mappings"):
             assert after[what] == before[what], f"rank {rank}: {what} {before[what]} -> {after[what]}"
         growth = after["rss_kib"] - before["rss_kib"]
         assert growth < RSS_GROWTH_KIB, f"rank {rank}: RSS grew by {growth} KiB over {NUM_BUFFERS} Buffers"
