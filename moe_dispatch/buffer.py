@@ -392,6 +392,14 @@ class Buffer:
     ):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
+        # A group made without this process (new_group gives its non-members NON_GROUP_MEMBER): nothing to agree with.
+        if group is dist.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
+        ):
+            raise ValueError(
+                f"group does not contain this process (global rank {dist.get_rank()}): build a Buffer on the "
+                "ranks of its group only"
+            )
         release_dropped()
         args, refused = _resolve_arguments(group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks)
         # Agreed before any process group exists, so a refusal on any rank leaves the world as it was.

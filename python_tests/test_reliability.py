@@ -573,13 +573,23 @@ def _boundary_entry(rank, world_size):
         with pytest.raises(ValueError, match=r"num_experts must be at most 1048576 \(2\^20: .*got 2097152"):
             buf.get_dispatch_layout(idx, 2**21)
 
-    cases.update(strided_column=strided_column, backward_t1_h1=backward_t1_h1, strict_ints=strict_ints)
+    def not_a_member(r, w):
+        alone = torch.distributed.new_group([0])  # every rank creates it
+        if r == 0:
+            Buffer(alone, timeout_s=TIMEOUT_S).close()
+        else:
+            with pytest.raises(ValueError, match=r"group does not contain this process \(global rank 1\)"):
+                Buffer(alone, timeout_s=TIMEOUT_S)
+
+    cases.update(
+        strided_column=strided_column, backward_t1_h1=backward_t1_h1, strict_ints=strict_ints, not_a_member=not_a_member
+    )
     results = run_cases(rank, world_size, cases)
     buf.close()
     return results
 
 
-@pytest.mark.parametrize("case", ["strided_column", "backward_t1_h1", "strict_ints"])
+@pytest.mark.parametrize("case", ["strided_column", "backward_t1_h1", "strict_ints", "not_a_member"])
 def test_boundary(case):
     assert_case(world_results(_boundary_entry, 2), case)
 
