@@ -54,7 +54,7 @@ FIELD_DTYPES = (
     torch.bool,
 )
 FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
-AGREE_FIELDS = 8  # every check on the host group compares this many fields (padded with -1), so ranks that
+AGREE_FIELDS = 12  # every check on the host group compares this many fields (padded with -1), so ranks that
 # run different operations there compare their first field (the operation) instead of aborting in gloo
 AGREE_WORDS = 1 + AGREE_FIELDS  # the status, then the fields
 
@@ -107,12 +107,17 @@ def describe_status(status: int) -> str:
 
 
 def encode(value: Field) -> int:
-    """A field's value as the int it travels as."""
-    if isinstance(value, torch.dtype):
-        return FIELD_DTYPES.index(value)
-    if isinstance(value, str):
-        return FIELD_WORDS.index(value)
-    return int(value)
+    """A field's value as the int it travels as.
+
+    Raises:
+        ValueError: a dtype or word missing from FIELD_DTYPES / FIELD_WORDS (add it at the end).
+    """
+    table = FIELD_DTYPES if isinstance(value, torch.dtype) else FIELD_WORDS if isinstance(value, str) else None
+    if table is None:
+        return int(value)
+    if value not in table:
+        raise ValueError(f"{value!r} cannot travel in an argument check: add it to agreement.FIELD_DTYPES/FIELD_WORDS")
+    return table.index(value)
 
 
 def row(fields: dict[str, Field], status: int = 0, width: int | None = None) -> list[int]:

@@ -16,13 +16,14 @@ moves data: a writer thread sends the latest mark of each key, at most every
 operations themselves), and every other call (a refusal's text, a failure note, the reads on
 a failure) runs on a helper thread that is waited for at most :data:`READ_TIMEOUT_S`.
 
-Diagnosis. A rank whose collective fails notes it (``failed``), then waits
-:data:`SETTLE_S` so that its live peers' latest marks and notes reach the store, and reads
-every peer's. A peer that noted a failure in this operation, or marked a later one, is alive;
-after a lost connection the peers that did neither are the suspects (a dead rank can do
-neither), and a peer whose latest mark is below the operation has not reached it. When the
-reads themselves fail because the store's host died (global rank 0 with ``tcp://`` and
-``env://`` initialisation), the message says that the store died with that rank.
+Diagnosis. A rank whose collective fails notes it (``failed``), then (after a lost connection;
+a timeout waited long enough already) waits :data:`SETTLE_S` so that its live peers' latest
+marks and notes reach the store, and reads every peer's. A peer that noted a failure in this
+operation, or marked a later one, is alive; after a lost connection the peers that did neither
+are the suspects (a dead rank can do neither), and a peer whose latest mark is below the
+operation has not reached it. When the store itself fails because its host died (global rank
+0 with ``tcp://`` and ``env://`` initialisation), the message says that the store died with
+that rank.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ class Progress:
         self._post("failed", seq, what)
         if self._store_error is not None:
             return self._store_gone(self._store_error)
-        time.sleep(SETTLE_S)
+        if lost:  # after a timeout the peers' records had timeout_s to land
+            time.sleep(SETTLE_S)
         ok, states = bounded(self._read_states)
         if not ok:
             return self._store_gone(states)
