@@ -255,15 +255,8 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
 
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
 
-ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whole on the comm thread
+ALL_COMM = "all-ranks (comm thread)"  # flat payloads, gloo argument checks, metadata of comm-thread dispatches
 HOST = "all-ranks (host, gloo)"  # the argument checks of an NCCL EP group: host ints, no device synchronisation
-
-
-def default_num_chunks(topology: Topology) -> int:
-    """The pipeline depth for ``num_chunks=None``: :data:`NUM_CHUNKS` where both stages cross
-    processes, else 1 (with one node, or one rank per node, one stage is a local copy, so chunks
-    would only add per-collective overhead)."""
-    return NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
 
 
 # torch < 2.14 names a group made with use_local_synchronization after its ranks and the number of
