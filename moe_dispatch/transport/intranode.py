@@ -1060,6 +1060,12 @@ class Loopback:
         """Bytes of each simulated rank's communication buffer."""
         return self.layout.total_bytes
 
+    def set_variant(self, name: str) -> None:
+        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
+        operation on, over the same buffers (their layout does not depend on the variant fields);
+        handles of earlier dispatches stay valid. Raises ValueError for an unknown name."""
+        self.config = self.engine.config = self.config.with_variant(name)
+
     def dispatch(
         self,
         xs: list,
