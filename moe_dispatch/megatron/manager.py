@@ -66,18 +66,21 @@ def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> 
 
 
 def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-               timeout_s: float = 300.0, transport: str = "auto") -> Buffer:
+               timeout_s: float = 300.0, transport: str = "auto", kernel_config=None) -> Buffer:
     """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, SM
-    budget, timeout, transport).
+    budget or kernel config, timeout, transport). ``kernel_config`` (None, "auto" or a
+    ``moe_dispatch.config.Config``) replaces ``num_sms`` when given.
 
     Collective on first use for a group (every rank of ``group`` must reach it together, which
     Megatron's identical layer order on all EP ranks guarantees).
     """
     rpn = ep_ranks_per_node(group, ranks_per_node)
-    key = (group, rpn, num_sms, float(timeout_s), transport)
+    num_sms = None if kernel_config is not None else num_sms
+    key = (group, rpn, num_sms, float(timeout_s), transport, kernel_config)
     buf = _BUFFERS.get(key)
     if buf is None:
-        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, timeout_s=timeout_s, transport=transport)
+        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, timeout_s=timeout_s, transport=transport,
+                     config=kernel_config)
         _BUFFERS[key] = buf
     return buf
 
@@ -174,7 +177,7 @@ class CustomDispatchManager(_DispatchManager):
         if self._buffer is None:
             self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
                                       num_sms=self.num_sms, timeout_s=self.options.timeout_s,
-                                      transport=self.options.transport)
+                                      transport=self.options.transport, kernel_config=self.options.kernel_config)
         return self._buffer
 
     def budget(self, num_tokens: int) -> int | None:

@@ -54,6 +54,7 @@ from .intranode import (
 from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
+AUTO_TOKENS = 4096  # config="auto": the tokens per rank Config.auto assumes (the ranks' own counts differ)
 
 
 @dataclasses.dataclass
@@ -96,7 +97,9 @@ class KernelTransport:
         group: the EP process group (NCCL with CUDA tensors, gloo with CPU tensors).
         topology: this rank's place; must be one node.
         timeout_s: bound of every wait (kernels and the argument checks).
-        config: the kernels' launch shape and queue sizes (the Buffer checked it).
+        config: the kernels' launch shape and queue sizes (the Buffer checked it), or "auto":
+            ``Config.auto`` at the first plan, from the fields every rank agreed on (hidden, top-k,
+            experts, x's dtype and fp8, W) and 4096 tokens per rank (the ranks' own counts differ).
         device: the Buffer's device.
 
     Raises:
@@ -109,7 +112,12 @@ class KernelTransport:
     plans_on_comm_thread = True
 
     def __init__(
-        self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config, device: torch.device
+        self,
+        group: dist.ProcessGroup,
+        topology: Topology,
+        timeout_s: float,
+        config: Config | str,
+        device: torch.device,
     ):
         if topology.num_nodes != 1:
             raise ValueError(
@@ -157,6 +165,16 @@ class KernelTransport:
         fields = {"operation": "dispatch (metadata)", **fields}
         yield from self._dist.agree(fields, what, device=self.device)
         self._check_errors()
+        if self.config == "auto":  # every rank agreed on these fields: the same Config everywhere
+            self.config = Config.auto(
+                AUTO_TOKENS,
+                self.topology.world_size,
+                hidden=fields["hidden"],
+                num_topk=fields["top-k"],
+                num_experts=fields["num_experts"],
+                fp8=fields["fp8 x"],
+                element_bytes=4 if fields["x dtype"] == torch.float32 else 2,
+            )
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens = is_token_in_rank.shape[0]
         inp = _Input(
