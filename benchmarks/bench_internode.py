@@ -40,7 +40,6 @@ import sys
 
 import torch
 from loopback_bench import (
-    MODEL_GOOD,
     Shape,
     add_run_args,
     add_shapes_arg,
@@ -51,6 +50,8 @@ from loopback_bench import (
     make_inputs,
     not_resident,
     print_estimate,
+    print_fresh_goal,
+    print_model_goal,
     print_rows,
     ratio,
     shapes_for,
@@ -66,7 +67,6 @@ from moe_dispatch.transport.internode import InternodeLoopback, cross_node_bytes
 
 GOAL_BOUND = 1.00
 GOAL_VS_COPY = 0.4  # 2x4
-GOAL_FRESH = 1.1
 FRESH_BUDGET = "fresh dispatch bf16 (budget)"
 MODEL_OPS = {
     "dispatch bf16": ("dispatch", False),
@@ -301,25 +301,15 @@ def print_goals(rows: list[Row]) -> None:
                 f"({b.variant}, {b.shape}, {b.num_sms} SMs)"
             )
     cached = {(r.shape, r.world, r.num_sms, r.variant): r.median_us for r in fused if r.op == "dispatch bf16"}
-    fresh = [
-        (r, r.median_us / cached[k])
-        for r in fused
-        if r.op == FRESH_BUDGET and (k := (r.shape, r.world, r.num_sms, r.variant)) in cached
-    ]
-    if fresh:
-        r, x = min(fresh, key=lambda p: p[1])
-        print(
-            f"goal: internode {FRESH_BUDGET} <= {GOAL_FRESH}x the cached dispatch: "
-            f"{'met' if x <= GOAL_FRESH else 'MISSED'}, best {x:.2f}x ({r.variant}, {r.shape} {r.world}), "
-            f"worst {max(p[1] for p in fresh):.2f}x"
-        )
-    ratios = [r.model_ratio for r in fused if r.model_ratio is not None]
-    if ratios:
-        good = sum(MODEL_GOOD[0] <= x <= MODEL_GOOD[1] for x in ratios)
-        print(
-            f"model: {good}/{len(ratios)} fused rows predicted within {MODEL_GOOD[0]}-{MODEL_GOOD[1]} "
-            f"(model/meas {min(ratios):.2f}..{max(ratios):.2f})"
-        )
+    print_fresh_goal(
+        f"internode {FRESH_BUDGET}",
+        [
+            (f"{r.variant}, {r.shape} {r.world}", r.median_us / cached[k])
+            for r in fused
+            if r.op == FRESH_BUDGET and (k := (r.shape, r.world, r.num_sms, r.variant)) in cached
+        ],
+    )
+    print_model_goal("fused rows", [r.model_ratio for r in fused if r.model_ratio is not None])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,6 @@ import sys
 import torch
 from loopback_bench import (
     GOAL_GBPS_PER_SM,
-    MODEL_GOOD,
     Shape,
     add_run_args,
     add_shapes_arg,
@@ -59,6 +58,8 @@ from loopback_bench import (
     make_inputs,
     not_resident,
     print_estimate,
+    print_fresh_goal,
+    print_model_goal,
     print_rows,
     ratio,
     shapes_for,
@@ -76,7 +77,6 @@ from moe_dispatch.transport.intranode import Loopback
 
 GOAL_TWO_HOP = 0.9  # of the two-hop HBM bound, 16 SMs, without l2_discard
 GOAL_L2_COPY = 0.6  # of the copy, 16 SMs, l2_discard and rings that fit in L2
-GOAL_FRESH = 1.1  # fresh dispatch / cached dispatch
 FRESH_HOST, FRESH_BUDGET = "fresh dispatch bf16 (host read)", "fresh dispatch bf16 (budget)"
 # op -> (cost model op, fp8, fresh mode)
 MODEL_OPS = {
@@ -350,25 +350,15 @@ def print_goals(rows: list[Row]) -> None:
         if r.op == "dispatch bf16"
     }
     for op in (FRESH_BUDGET, FRESH_HOST):
-        fresh = [
-            (r, r.median_us / cached[k].median_us)
-            for r in timed
-            if r.op == op and (k := (r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.variant)) in cached
-        ]
-        if fresh:
-            r, x = min(fresh, key=lambda p: p[1])
-            print(
-                f"goal: {op} <= {GOAL_FRESH}x the cached dispatch: {'met' if x <= GOAL_FRESH else 'MISSED'}, "
-                f"best {x:.2f}x ({r.variant}, {r.shape}, W={r.world_size}, {r.num_sms} SMs), "
-                f"worst {max(p[1] for p in fresh):.2f}x"
-            )
-    ratios = [r.model_ratio for r in timed if r.model_ratio is not None]
-    if ratios:
-        good = sum(MODEL_GOOD[0] <= x <= MODEL_GOOD[1] for x in ratios)
-        print(
-            f"model: {good}/{len(ratios)} rows predicted within {MODEL_GOOD[0]}-{MODEL_GOOD[1]} of the measurement "
-            f"(model/meas {min(ratios):.2f}..{max(ratios):.2f})"
+        print_fresh_goal(
+            op,
+            [
+                (f"{r.variant}, {r.shape}, W={r.world_size}, {r.num_sms} SMs", r.median_us / cached[k].median_us)
+                for r in timed
+                if r.op == op and (k := (r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.variant)) in cached
+            ],
         )
+    print_model_goal("rows", [r.model_ratio for r in timed if r.model_ratio is not None])
 
 
 def main(argv: list[str] | None = None) -> int:

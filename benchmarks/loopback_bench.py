@@ -168,6 +168,29 @@ def timed_runs(args, device: torch.device) -> int:
     return args.warmup + args.iters if device.type == "cuda" else 4
 
 
+GOAL_FRESH = 1.1  # issue 21: a fresh dispatch at most 1.1x a cached one
+
+
+def print_fresh_goal(op: str, fresh: list[tuple[str, float]]) -> None:
+    """The fresh-dispatch goal line: ``fresh`` = (where, fresh time / cached time) per configuration."""
+    if fresh:
+        where, x = min(fresh, key=lambda p: p[1])
+        print(
+            f"goal: {op} <= {GOAL_FRESH}x the cached dispatch: {'met' if x <= GOAL_FRESH else 'MISSED'}, "
+            f"best {x:.2f}x ({where}), worst {max(p[1] for p in fresh):.2f}x"
+        )
+
+
+def print_model_goal(what: str, ratios: list[float]) -> None:
+    """The cost model's line: how many of ``what``'s model / measurement ratios are good."""
+    if ratios:
+        good = sum(MODEL_GOOD[0] <= x <= MODEL_GOOD[1] for x in ratios)
+        print(
+            f"model: {good}/{len(ratios)} {what} predicted within {MODEL_GOOD[0]}-{MODEL_GOOD[1]} of the measurement "
+            f"(model/meas {min(ratios):.2f}..{max(ratios):.2f})"
+        )
+
+
 def print_estimate(name: str, steps: list[tuple[str, float]]) -> None:
     """``steps``: (what, predicted GPU seconds) of a plan."""
     total = sum(t for _, t in steps)
