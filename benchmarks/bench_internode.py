@@ -62,7 +62,7 @@ from loopback_bench import (
 )
 
 from moe_dispatch import costmodel
-from moe_dispatch.config import Config
+from moe_dispatch.config import VARIANTS, Config
 from moe_dispatch.transport.internode import InternodeLoopback, cross_node_bytes
 
 GOAL_BOUND = 1.00
@@ -76,11 +76,9 @@ MODEL_OPS = {
 
 
 def fused_variant(name: str) -> bool:
-    """Variants the fused kernels run (compiled copies; ready flags are intranode only)."""
-    config = Config().with_variant(name)
-    return config.fused_copy and (
-        name == "current" or config.variant_fields() != Config(slot_flags=True).variant_fields()
-    )
+    """Variants the fused kernels run: their copies compiled for them, and not ready flags alone
+    (intranode only: the current kernels here)."""
+    return Config().with_variant(name).fused_copy and VARIANTS[name] != {"slot_flags": True}
 
 
 @dataclasses.dataclass

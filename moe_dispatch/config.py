@@ -232,8 +232,9 @@ class Config:
         register_cap: ``__launch_bounds__(512, 2)`` (the current kernels, at most 64 registers);
             False: ``(512, 1)``, no cap, one block per SM.
         (loads_in_flight, rows_in_flight, bulk_copy, register_cap) must be one of the compiled
-        :data:`COPY_VARIANTS`; the fused internode kernels have the ones marked so (in their
-        loopback mode; NVSHMEM mode and the staged pipeline run the current copies).
+        :data:`COPY_VARIANTS`; the fused internode kernels have the ones marked so in their
+        loopback mode (their NVSHMEM mode and the staged pipeline's stage 1 run the current
+        copies; its stage 2 is the intranode kernels).
         slot_flags: per-slot ready flags instead of per-chunk tails (no group barrier per chunk;
             intranode kernels only, the internode ones ignore it). Every rank must agree: the
             header check compares it.

@@ -78,7 +78,7 @@ class Machine:
     rdma_gbps: float = 50.0
     link_efficiency: float = 0.85
     l2_bytes: float = 50e6
-    # Fitted (least squares on log time) to the 83 intranode loopback rows of 2026-11-30.
+    # Fitted (least squares on log time) to the 80 intranode loopback rows of 2026-11-30.
     copy_round_us: float = 0.63
     row_us: float = 1.66
     reduce_round_us: float = 0.43
