@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import os
+import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -16,21 +19,61 @@ import torch.distributed as dist
 
 from . import autograd
 from .config import Config, check_config, num_sms_error
-from .errors import BudgetOverflowError
+from .errors import BudgetOverflowError, CommError
 from .ops.layout import get_dispatch_layout
 from .ops.quant import check_fp8_pair
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
-from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
+from .semantics.validation import (
+    check_hidden,
+    check_num_experts,
+    check_timeout_s,
+    check_topk_idx,
+    check_topk_weights,
+    dense,
+    is_int,
+)
 from .topology import Topology
-from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
+from .transport import TRANSPORT_ALIASES, TRANSPORTS, agreement, choose_transport
+from .transport.agreement import DispatchId, agree_in_store, refusing_fields
 from .transport.base import Call, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
 from .transport.kernels import KernelTransport
-from .transport.torch_dist import TorchDistTransport
+from .transport.torch_dist import TorchDistTransport, default_num_chunks
 
 if TYPE_CHECKING:
     from .overlap import DelayedWgrad
 
 _BUFFER_IDS = itertools.count()
+# A fresh dispatch's fields, compared across ranks in its metadata exchange (in this order).
+DISPATCH_FIELDS = ("num_experts", "top-k", "hidden", "x dtype", "fp8 x", "topk_idx dtype", "topk_weights given")
+# Transports of Buffers dropped without close(), released at the next Buffer() or close() (where
+# destroying process groups cannot cut into c10d's own bookkeeping, as a garbage collection could).
+_DROPPED: list[Transport] = []
+
+
+def _dropped(rank: int, comm: ThreadPoolExecutor, transport: Transport) -> None:
+    """A Buffer's finalizer: warns, ends its communication thread, queues the rest."""
+    warnings.warn(
+        f"moe_dispatch.Buffer of EP rank {rank} was garbage-collected without close(): its process groups, "
+        "threads and store keys are freed at the next Buffer() or close() of this process; call close() on "
+        "every rank after the last operation",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    comm.shutdown(wait=False)
+    _DROPPED.append(transport)
+
+
+def release_dropped() -> None:
+    """Frees what Buffers dropped without close() made (local: no collective)."""
+    while _DROPPED:
+        _DROPPED.pop().release()
+
+
+def _truthy(value) -> bool:
+    try:
+        return bool(value)
+    except Exception:  # noqa: BLE001 - a value that has no truth is no size either
+        return False
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,6 +101,13 @@ class DispatchHandle:
     def num_tokens(self) -> int:
         """T, tokens this rank sent."""
         return self.slot.num_tokens
+
+    @property
+    def dispatch_id(self) -> int:
+        """The dispatch's operation number on its Buffer: equal on every rank of a consistent
+        program; combine and cached dispatch compare it across ranks, so a rank holding another
+        dispatch's handle gets a ValueError (on every rank) before anything moves."""
+        return self.slot.dispatch_id
 
     @property
     def num_recv_tokens(self) -> int:
@@ -149,6 +199,140 @@ def default_ranks_per_node(group: dist.ProcessGroup) -> int:
     return world_size
 
 
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _resolve_arguments(
+    group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks
+) -> tuple[dict, dict | None]:
+    """``Buffer()``'s arguments checked and resolved on this rank (nothing collective).
+
+    Returns:
+        ``(args, None)``: the resolved arguments, ``args["posted"]`` what the ranks compare; or
+        ``(args, refused)`` with ``refused = {"field", "type", "message"}`` for the first bad
+        argument (``args`` then holds what is needed to agree: the group, the timeout).
+    """
+    args = {"group": dist.group.WORLD, "timeout_s": DEFAULT_TIMEOUT_S}
+    field = "group"
+    try:
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            # Agreed over the world: peers that pass None learn of it at once.
+            raise TypeError(
+                f"group must be a torch.distributed ProcessGroup or None (the world), got {type(group).__name__}"
+            )
+        args["group"] = group = group if group is not None else dist.group.WORLD
+        field = "timeout_s"
+        args["timeout_s"] = check_timeout_s(timeout_s)
+        field = "ranks_per_node"
+        given_ranks_per_node = ranks_per_node
+        if ranks_per_node is None:
+            ranks_per_node = default_ranks_per_node(group)
+        if not is_int(ranks_per_node) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        topology = Topology(dist.get_rank(group), dist.get_world_size(group), ranks_per_node)
+        field = "transport"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        transport = TRANSPORT_ALIASES.get(transport, transport)
+        field = "num_sms"
+        if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
+            raise ValueError(f"num_sms {error}, or None for the default")
+        field = "config"
+        if isinstance(config, str) and config != "auto":
+            raise ValueError(f"config must be a moe_dispatch.config.Config, None or 'auto', got {config!r}")
+        if config != "auto":
+            check_config(config)
+        if config is not None:
+            if num_sms is not None:
+                budget = "'auto'" if config == "auto" else f"(num_sms={config.num_sms})"
+                raise ValueError(f"num_sms={num_sms} and config {budget} both set the SM budget: pass one")
+        elif num_sms is not None:
+            config = Config(num_sms=num_sms)
+        field = "num_chunks"
+        if num_chunks is not None and (not is_int(num_chunks) or num_chunks < 1):
+            raise ValueError(
+                f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
+                f"and combine) or None for the default, got {num_chunks!r}"
+            )
+        field = "transport"
+        backend = str(dist.get_backend(group))
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        reason = "requested"
+        if transport == "auto":
+            transport, reason = choose_transport(device)
+        if transport == "kernels":
+            KernelTransport.check(topology)
+            num_chunks = None
+        elif num_chunks is None:
+            num_chunks = default_num_chunks(topology)
+    except (TypeError, ValueError, RuntimeError) as err:
+        args["error"] = err
+        return args, {"field": field, "type": type(err).__name__, "message": str(err)}
+    args.update(
+        topology=topology,
+        transport=transport,
+        transport_reason=reason,
+        device=device,
+        config=config,
+        num_chunks=num_chunks,
+        given_ranks_per_node=given_ranks_per_node,
+        posted={
+            "transport": transport,
+            "ranks_per_node": ranks_per_node,
+            "num_chunks": num_chunks,
+            "config": repr(config or Config()) if transport == "kernels" else None,
+        },
+    )
+    return args, None
+
+
+# c10d names a group made with use_local_synchronization (as the transports make theirs) after its
+# ranks and a count of the groups this process has made: members whose counts differ (one made a
+# Buffer on a group the others are not in) would name the same group differently and deadlock in
+# new_group. The ranks post their counts and all continue from the largest.
+_GROUP_COUNT = "c10d group count"
+
+
+def _c10d_group_count() -> int | None:
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
+
+
+def _align_group_count(count: int | None) -> None:
+    if count is not None and _c10d_group_count() is not None:
+        dist.distributed_c10d._world.group_count = count
+
+
+_ERROR_TYPES = {t.__name__: t for t in (TypeError, ValueError, RuntimeError)}
+_UNCHANGED = "no rank created anything, so a Buffer() with good arguments can follow"
+
+
+def _check_posts(posts: list[dict], rank: int, args: dict) -> None:
+    """Raises, on every rank alike, when a rank refused its arguments (the first such rank's
+    error, of its type) or the ranks' resolved arguments differ (ValueError)."""
+    bad = [(r, post["error"]) for r, post in enumerate(posts) if "error" in post]
+    if bad:
+        first, error = bad[0]
+        others = f" (EP ranks {[r for r, _ in bad[1:]]} refused theirs too)" if len(bad) > 1 else ""
+        raise _ERROR_TYPES.get(error["type"], ValueError)(
+            f"EP rank {rank}: Buffer() refused by EP rank {first}{others}: {error['field']}: {error['message']}; "
+            f"{_UNCHANGED}"
+        ) from args.get("error")
+    mine = args["posted"]
+    for field, value in mine.items():
+        differ = [(r, post[field]) for r, post in enumerate(posts) if post[field] != value]
+        if differ:
+            theirs = ", ".join(f"{v!r} on EP rank {r}" for r, v in differ)
+            resolved = (
+                " (resolved from LOCAL_WORLD_SIZE or the GPU count where not given)"
+                if field == "ranks_per_node" and args["given_ranks_per_node"] is None
+                else ""
+            )
+            raise ValueError(
+                f"EP rank {rank}: Buffer() arguments differ across ranks: {field} is {value!r} here{resolved} but "
+                f"{theirs}; every rank must pass the same ({_UNCHANGED})"
+            )
+
+
 class Buffer:
     """Hierarchical expert-parallel dispatch/combine for one EP group.
 
@@ -183,14 +367,20 @@ class Buffer:
             processes (several nodes of several ranks), else 1. A positive int, the same on every
             rank; checked on every transport, used by ``"torch_dist"`` only.
 
-    Raises:
+    Raises (on every rank alike: the ranks agree their arguments through torch.distributed's
+    store before any process group is made, so a refusal leaves the world as it was and a later
+    ``Buffer()`` with good arguments works; the message names the refusing rank and the field):
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
             num_sms/timeout_s/num_chunks, both num_sms and config, transport="kernels" for a
-            group spanning nodes.
-        TypeError: config is not a Config (nor None or "auto").
+            group spanning nodes; the ranks' resolved transport, ranks_per_node, num_chunks or
+            (kernels) config differ.
+        TypeError: group is not a ProcessGroup, config is not a Config (nor None or "auto").
         RuntimeError: transport="kernels" without the built extension.
+        CommError: a rank did not construct its Buffer within ``timeout_s``.
 
-    Collective: every rank of ``group`` must construct its Buffer together.
+    Collective: every rank of ``group`` must construct its Buffer together, and :meth:`close`
+    it. A Buffer dropped without close() warns (ResourceWarning) and frees its threads, groups
+    and store keys at the next ``Buffer()`` or ``close()`` of this process.
     """
 
     def __init__(
@@ -200,70 +390,58 @@ class Buffer:
         ranks_per_node: int | None = None,
         transport: str = "auto",
         num_sms: int | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         config: Config | str | None = None,
         num_chunks: int | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"group must be a torch.distributed ProcessGroup or None (the world), got {type(group).__name__}"
-            )
-        self.group = group if group is not None else dist.group.WORLD
-        world_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if ranks_per_node is None:
-            ranks_per_node = default_ranks_per_node(self.group)
-        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
-        self.topology = Topology(rank, world_size, ranks_per_node)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        transport = TRANSPORT_ALIASES.get(transport, transport)
-        if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
-            raise ValueError(f"num_sms {error}, or None for the default")
-        if isinstance(config, str) and config != "auto":
-            raise ValueError(f"config must be a moe_dispatch.config.Config, None or 'auto', got {config!r}")
-        if config != "auto":
-            check_config(config)
-        if config is not None:
-            if num_sms is not None:
-                budget = "'auto'" if config == "auto" else f"(num_sms={config.num_sms})"
-                raise ValueError(f"num_sms={num_sms} and config {budget} both set the SM budget: pass one")
-        elif num_sms is not None:
-            config = Config(num_sms=num_sms)
-        check_timeout_s(timeout_s)
-        if num_chunks is not None and (
-            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        # A group made without this process (new_group gives its non-members NON_GROUP_MEMBER): nothing to agree with.
+        if group is dist.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
         ):
             raise ValueError(
-                f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
-                f"and combine) or None for the default, got {num_chunks!r}"
+                f"group does not contain this process (global rank {dist.get_rank()}): build a Buffer on the "
+                "ranks of its group only"
             )
-        backend = str(dist.get_backend(self.group))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        if transport == "auto":
-            transport, self.transport_reason = choose_transport(self.device)
-        else:
-            self.transport_reason = "requested"
-        self.transport_name = transport
-        self.num_sms = config.num_sms if isinstance(config, Config) else None
-        self.timeout_s = float(timeout_s)
+        release_dropped()
+        args, refused = _resolve_arguments(group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks)
+        # Agreed before any process group exists, so a refusal on any rank leaves the world as it was.
+        posts = agree_in_store(
+            dist.get_process_group_ranks(args["group"]),
+            dist.get_rank(args["group"]),
+            {**(args["posted"] if refused is None else {"error": refused}), _GROUP_COUNT: _c10d_group_count()},
+            args["timeout_s"],
+        )
+        _check_posts(posts, dist.get_rank(args["group"]), args)
+        _align_group_count(max((p[_GROUP_COUNT] for p in posts if p[_GROUP_COUNT] is not None), default=None))
+        self.group, self.topology, self.device = args["group"], args["topology"], args["device"]
+        self.transport_name, self.transport_reason = args["transport"], args["transport_reason"]
+        self.num_sms = args["config"].num_sms if isinstance(args["config"], Config) else None
+        self.timeout_s = args["timeout_s"]
         self._uid = next(_BUFFER_IDS)
-        if transport == "kernels":
+        if self.transport_name == "kernels":
             chosen: Transport = KernelTransport(
-                self.group, self.topology, self.timeout_s, config or Config(), self.device
+                self.group, self.topology, self.timeout_s, args["config"] or Config(), self.device
             )
         else:
-            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s, num_chunks=num_chunks)
+            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s, num_chunks=args["num_chunks"])
         self._transfers = Transfers(chosen, self.topology, self.device)
 
     def close(self) -> None:
-        """Waits for this Buffer's queued operations, then frees what its transport holds (the
-        kernels' communication buffers with ``transport="kernels"``; nothing with torch_dist).
-        Collective: every rank of the group, after its last operation. Later calls raise
-        RuntimeError."""
-        self._transfers.close()
+        """Waits for this Buffer's queued operations, then frees everything it made: its process
+        groups, its communication and progress-writer threads, its store keys, and with
+        ``transport="kernels"`` the kernels' communication buffers (shared memory on CPU).
+        Collective: every rank of the group, after its last operation; a broken Buffer (see
+        :meth:`dispatch`) frees what it made locally, without waiting for its peers.
+        Idempotent; later calls raise RuntimeError.
+
+        Raises:
+            CommError: a peer did not reach close() within ``timeout_s`` (freed anyway).
+        """
+        with self._transfers.entered("close", check=False):
+            self._transfers.close()
+        release_dropped()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -305,12 +483,8 @@ class Buffer:
             ValueError/TypeError: bad topk_idx (shape, dtype, range, duplicates, device) or E.
         """
         check_topk_idx(topk_idx, num_experts, device=self.device)
-        self._check_num_experts(num_experts)
+        check_num_experts(num_experts, self.world_size)
         return self._layout(topk_idx, num_experts)
-
-    def _check_num_experts(self, num_experts: int) -> None:
-        if num_experts % self.world_size != 0:
-            raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, got {num_experts}")
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
         """The layout of validated inputs: Triton kernels on CUDA, the torch reference's ops on CPU."""
@@ -404,20 +578,104 @@ class Buffer:
             with ``return_recv_hook``). Rows are ordered by source rank, then source token.
 
         Raises:
-            ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign or unfinished
-                handle; async_finish with return_recv_hook; ranks that disagree on E, K, H,
-                dtypes or whether topk_weights are given (naming the rank).
+            ValueError/TypeError: bad shapes, dtypes, devices, ranges (``num_experts`` an int in
+                ``[1, 2**20]``, bools refused as ints); a foreign handle, or (cached) the handle of
+                another dispatch than the peers'; async_finish with return_recv_hook; ranks that
+                disagree on E, K, H, dtypes or whether topk_weights are given (naming the
+                ranks). A bad argument on any rank costs its peers one small collective, not
+                ``timeout_s``: that rank takes part in the call's check with a non-zero status
+                and raises its own error, its peers a ValueError naming it and quoting its error
+                (``moe_dispatch.transport.agreement``); the Buffer stays usable.
+            RuntimeError: the handle's dispatch was issued with ``return_recv_hook`` and its hook
+                not called; another thread is inside this Buffer; the Buffer was closed.
             BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts).
-            CommError: a peer failed or did not join within ``timeout_s``.
+            CommError: a peer failed or did not join within ``timeout_s`` (naming the operation,
+                and the rank that most likely died); the Buffer is then broken: every later call
+                raises CommError at once, saying that a new Buffer is needed and why.
         """
-        self._check_open()
-        if not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
+        with self._transfers.entered("dispatch"):
+            self._check_hook(handle)
+            try:
+                mode = self._check_call(async_finish, return_recv_hook, previous_event)
+                self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens)
+            except (TypeError, ValueError) as err:
+                if handle is not None:
+                    self._transfers.refuse(err, "dispatch", "cached dispatch")
+                else:
+                    worst = _truthy(num_worst_tokens)  # the peers' exchange, as far as it can be told
+                    what = "dispatch (num_worst_tokens)" if worst else "dispatch (metadata)"
+                    self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
+                raise
+            call = self._launch(mode, previous_event, allocate_on_comm_stream)
+            call.wgrad_store = wgrad_store
+            fp8 = isinstance(x, tuple)
+            if handle is not None:
+                if fp8:
+                    recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
+                else:
+                    recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
+                return (recv_x, None, None, None, handle, *self._completion(call))
+            x0 = x[0] if fp8 else x
+            num_tokens = x0.shape[0]
+            fields = dict(
+                zip(
+                    DISPATCH_FIELDS,
+                    (
+                        num_experts,
+                        topk_idx.shape[1],
+                        x0.shape[1],
+                        x0.dtype,
+                        fp8,
+                        topk_idx.dtype,
+                        topk_weights is not None,
+                    ),
+                )
+            )
+            is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
+            if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
+                slot = PlanSlot(num_tokens, num_worst_tokens)
+            else:
+                plan = self._transfers.plan(call, is_token_in_rank, fields)
+                slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
+            call.dispatch = routing = FreshDispatch(
+                slot=slot,
+                fields=fields,
+                is_token_in_rank=is_token_in_rank,
+                topk_idx=topk_idx,
+                num_experts=num_experts,
+                recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
+                num_recv_tokens_per_expert=torch.empty(
+                    num_experts // self.world_size, dtype=torch.int64, device=self.device
+                ),
+            )
+            if fp8:  # fp8 is a forward-only format: no autograd
+                *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
+                recv_x = tuple(recv_x)
+            else:
+                recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+            handle = DispatchHandle(
+                buffer_id=self._uid,
+                num_experts=num_experts,
+                recv_topk_idx=routing.recv_topk_idx,
+                is_token_in_rank=is_token_in_rank,
+                slot=slot,
+                _hook=call.hook,
+            )
+            return (
+                recv_x,
+                routing.recv_topk_idx,
+                recv_weights,
+                routing.num_recv_tokens_per_expert,
+                handle,
+                *self._completion(call),
+            )
+
+    def _check_dispatch(self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens) -> None:
+        """This rank's dispatch arguments (nothing collective)."""
+        if not is_int(num_worst_tokens) or num_worst_tokens < 0:
             raise ValueError(
                 f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
             )
-        call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
-        call.wgrad_store = wgrad_store
-        fp8 = isinstance(x, tuple)
         if handle is not None:
             self._check_handle(handle)
             self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
@@ -426,73 +684,20 @@ class Buffer:
                     "a cached dispatch (handle=...) replays the handle's routing and row count: "
                     "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
                 )
-            if fp8:
-                recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
-            else:
-                recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
-            return (recv_x, None, None, None, handle, *self._completion(call))
-
+            return
         self._check_x(x)
-        if isinstance(topk_weights, int) and num_experts is None:
+        if is_int(topk_weights) and num_experts is None:
             raise TypeError(
                 f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
                 "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
             )
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
-        num_tokens = x[0].shape[0] if fp8 else x.shape[0]
+        num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
         check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
-        self._check_num_experts(num_experts)
+        check_num_experts(num_experts, self.world_size)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
-        x0 = x[0] if fp8 else x
-        fields = {
-            "num_experts": num_experts,
-            "top-k": topk_idx.shape[1],
-            "hidden": x0.shape[1],
-            "x dtype": x0.dtype,
-            "fp8 x": fp8,
-            "topk_idx dtype": topk_idx.dtype,
-            "topk_weights given": topk_weights is not None,
-        }
-        is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
-        if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
-            slot = PlanSlot(num_tokens, num_worst_tokens)
-        else:
-            plan = self._transfers.plan(call, is_token_in_rank, fields)
-            slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
-        call.dispatch = routing = FreshDispatch(
-            slot=slot,
-            fields=fields,
-            is_token_in_rank=is_token_in_rank,
-            topk_idx=topk_idx,
-            num_experts=num_experts,
-            recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
-            num_recv_tokens_per_expert=torch.empty(
-                num_experts // self.world_size, dtype=torch.int64, device=self.device
-            ),
-        )
-        if fp8:  # fp8 is a forward-only format: no autograd
-            *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
-            recv_x = tuple(recv_x)
-        else:
-            recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
-        handle = DispatchHandle(
-            buffer_id=self._uid,
-            num_experts=num_experts,
-            recv_topk_idx=routing.recv_topk_idx,
-            is_token_in_rank=is_token_in_rank,
-            slot=slot,
-            _hook=call.hook,
-        )
-        return (
-            recv_x,
-            routing.recv_topk_idx,
-            recv_weights,
-            routing.num_recv_tokens_per_expert,
-            handle,
-            *self._completion(call),
-        )
 
     def combine(
         self,
@@ -526,11 +731,26 @@ class Buffer:
             (and ``hook`` with ``return_recv_hook``).
 
         Raises:
-            ValueError/TypeError: shapes, dtypes, devices; a foreign or unfinished handle.
-            CommError: a peer failed or did not join within ``timeout_s``.
+            ValueError/TypeError: shapes, dtypes, devices; a foreign handle, or the handle of
+                another dispatch than the peers' (naming the dispatches and the ranks); as in
+                :meth:`dispatch`, a bad argument on one rank makes every rank raise at once.
+            RuntimeError: the handle's dispatch hook not called; another thread inside; closed.
+            CommError: a peer failed or did not join within ``timeout_s``; the Buffer is broken.
         """
-        self._check_open()
-        call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+        with self._transfers.entered("combine"):
+            self._check_hook(handle)
+            try:
+                mode = self._check_call(async_finish, return_recv_hook, previous_event)
+                row_scale = self._check_combine(y, handle, topk_weights)
+            except (TypeError, ValueError) as err:
+                self._transfers.refuse(err, "combine", "combine")
+                raise
+            call = self._launch(mode, previous_event, allocate_on_comm_stream)
+            out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
+            return (out, *self._completion(call))
+
+    def _check_combine(self, y, handle, topk_weights) -> torch.Tensor | None:
+        """This rank's combine arguments (nothing collective); returns the ``[R]`` row scales."""
         self._check_handle(handle)
         if isinstance(y, tuple):
             raise TypeError(
@@ -538,34 +758,29 @@ class Buffer:
                 "format (dequantize the expert output, or keep it in bf16)"
             )
         check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
-        row_scale = None
-        if topk_weights is not None:
-            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
-                got = (
-                    str(topk_weights.dtype).removeprefix("torch.")
-                    if isinstance(topk_weights, torch.Tensor)
-                    else type(topk_weights).__name__
-                )
-                raise TypeError(f"topk_weights must be an fp32 tensor, got {got}")
-            rows, topk = handle.num_recv_tokens, handle.recv_topk_idx.shape[1]
-            if (
-                topk_weights.device != self.device
-                or topk_weights.dim() not in (1, 2)
-                or topk_weights.shape[0] != rows
-                or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk)
-            ):
-                raise ValueError(
-                    f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
-                    f"{list(topk_weights.shape)} on {topk_weights.device}"
-                )
-            row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
-        return (out, *self._completion(call))
+        if topk_weights is None:
+            return None
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+            got = (
+                str(topk_weights.dtype).removeprefix("torch.")
+                if isinstance(topk_weights, torch.Tensor)
+                else type(topk_weights).__name__
+            )
+            raise TypeError(f"topk_weights must be an fp32 tensor, got {got}")
+        rows, topk = handle.num_recv_tokens, handle.recv_topk_idx.shape[1]
+        if (
+            topk_weights.device != self.device
+            or topk_weights.dim() not in (1, 2)
+            or topk_weights.shape[0] != rows
+            or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk)
+        ):
+            raise ValueError(
+                f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
+                f"{list(topk_weights.shape)} on {topk_weights.device}"
+            )
+        return topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        self._transfers.check_open()
-
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
@@ -574,36 +789,38 @@ class Buffer:
                 f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
                 "use it with the Buffer that dispatched"
             )
-        if handle._hook is not None and not handle._hook.called:
+
+    @staticmethod
+    def _check_hook(handle) -> None:
+        """Raises (locally, at once) while the dispatch that made ``handle`` is still issued: its
+        peers wait for this rank to complete it (``hook()``) before any later operation."""
+        if isinstance(handle, DispatchHandle) and handle._hook is not None and not handle._hook.called:
             raise RuntimeError(
                 "the dispatch that made this handle was issued with return_recv_hook=True and its "
                 "hook() has not been called: call hook() before using the handle or its outputs"
             )
 
     @staticmethod
-    def _call(
-        async_finish: bool,
-        return_recv_hook: bool,
-        previous_event: EventOverlap | None,
-        allocate_on_comm_stream: bool = False,
-    ) -> Call:
-        """The per-call launch settings, passed through the autograd Functions."""
+    def _check_call(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None) -> str:
+        """The launch mode of an operation's per-call settings."""
         if async_finish and return_recv_hook:
             raise ValueError(
                 "async_finish=True and return_recv_hook=True exclude each other: the hook variant "
                 "returns before the receive, the async variant completes it in the background"
             )
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(
+                f"previous_event must be an EventOverlap returned by this package, got {type(previous_event).__name__}"
+            )
+        return "hook" if return_recv_hook else "async" if async_finish else "sync"
+
+    @staticmethod
+    def _launch(mode: str, previous_event: EventOverlap | None, allocate_on_comm_stream: bool) -> Call:
+        """The per-call launch settings, passed through the autograd Functions, once
+        ``previous_event`` completed."""
         if previous_event is not None:
-            if not isinstance(previous_event, EventOverlap):
-                raise TypeError(
-                    f"previous_event must be an EventOverlap returned by this package, got "
-                    f"{type(previous_event).__name__}"
-                )
             previous_event.current_stream_wait()
-        return Call(
-            mode="hook" if return_recv_hook else "async" if async_finish else "sync",
-            allocate_on_comm_stream=allocate_on_comm_stream,
-        )
+        return Call(mode=mode, allocate_on_comm_stream=allocate_on_comm_stream)
 
     @staticmethod
     def _completion(call: Call) -> tuple:
@@ -612,6 +829,8 @@ class Buffer:
         return (event, call.hook) if call.mode == "hook" else (event,)
 
     def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
+        if isinstance(x, list):
+            raise TypeError(f"x is a list of {len(x)}: pass the fp8 pair as the tuple (x_fp8, scales)")
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
@@ -632,6 +851,10 @@ class Transfers:
     ``"sync"`` returns complete, ``"async"`` sets ``call.event``, ``"hook"`` issues the first
     collective and sets ``call.hook``. Each is collective over the EP group.
 
+    States: open; broken after an operation failed halfway (a CommError, or any error but the
+    agreement's ValueError/TypeError and an overflow), when every later call raises CommError
+    at once; closed. One thread at a time may be inside the Buffer (:meth:`entered`).
+
     Args:
         transport: the Buffer's transport.
         topology: this rank's place in the EP group.
@@ -644,23 +867,123 @@ class Transfers:
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{topology.rank}")
         self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._closed = False
+        self._broken: str | None = None  # why, once an operation failed halfway
+        self._guard = threading.Lock()
+        self._owner: tuple[int, str, str] | None = None  # (thread id, thread name, entry point) inside
+        self._depth = 0
+        # Dropped without close(): warn, and free what needs no peer at the next safe point.
+        self._finalizer = weakref.finalize(self, _dropped, topology.rank, self._comm, transport)
+        self._finalizer.atexit = False
 
     def check_open(self) -> None:
-        """Raises RuntimeError once the Buffer was closed."""
+        """Raises RuntimeError once the Buffer was closed, CommError once it is broken."""
         if self._closed:
             raise RuntimeError(f"EP rank {self.topology.rank}: this Buffer was closed; make a new one")
+        if self._broken is not None:
+            raise CommError(self._broken)
+
+    @contextlib.contextmanager
+    def entered(self, what: str, check: bool = True):
+        """Marks the calling thread as inside the Buffer for ``what`` (re-entrant): a Buffer's
+        operations are collective and ordered, so a second thread at the same time gets a
+        RuntimeError at once (its peers' collectives would interleave differently), and the
+        first thread's operation goes on. Checks that the Buffer is usable unless ``check``."""
+        me = threading.get_ident()
+        with self._guard:
+            if self._owner is not None and self._owner[0] != me:
+                _, name, inside = self._owner
+                raise RuntimeError(
+                    f"EP rank {self.topology.rank}: Buffer.{what} called on thread "
+                    f"{threading.current_thread().name!r} while thread {name!r} is inside Buffer.{inside}: "
+                    "one thread at a time may use a Buffer (its operations are collective and ordered); use "
+                    "one Buffer per thread, or a lock around the calls"
+                )
+            if self._owner is None:
+                self._owner = (me, threading.current_thread().name, what)
+            self._depth += 1
+        try:
+            if check:
+                self.check_open()
+            yield
+        finally:
+            with self._guard:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
 
     def close(self) -> None:
-        """Waits for the queued transfers, then closes the transport (collective; once)."""
+        """Waits for the queued transfers, then closes the transport (collective; once). A
+        broken Buffer's transport is released locally, without waiting for its peers."""
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._comm.shutdown(wait=True)
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
-        self.transport.close()
+        if self._broken is not None:
+            self.transport.release()
+            return
+        try:
+            self.transport.close()
+        except CommError as err:
+            self._break(err)
+            raise
 
-    def plan(self, call: Call, is_token_in_rank: torch.Tensor, fields: dict[str, Field]) -> Plan:
+    def _break(self, err: BaseException) -> None:
+        if self._broken is None:
+            self._broken = (
+                f"EP rank {self.topology.rank}: this Buffer is broken and refuses every later call: a new Buffer is "
+                "needed (close() this one on every rank: a broken Buffer frees what it made without waiting for "
+                f"its peers). It broke on: {type(err).__name__}: {err}"
+            )
+
+    def _guarded(self, fn, *args):
+        """``fn(*args)``, an operation's steps: refused at once on a broken Buffer; a failure
+        that may have left the ranks out of step breaks it (the agreement's ValueError and
+        TypeError come before any payload moved, an overflow after it completed: those do not)."""
+        if self._broken is not None:
+            raise CommError(self._broken)
+        try:
+            return fn(*args)
+        except (ValueError, TypeError, BudgetOverflowError):
+            raise
+        except Exception as err:
+            self._break(err)
+            raise
+
+    def refuse(self, err: BaseException, operation: str, what: str, fields: dict[str, Field] | None = None) -> None:
+        """Takes part, for a call this rank refuses with ``err``, in the check its peers run,
+        with a non-zero status and ``err``'s text posted in the store (the agreement:
+        :mod:`moe_dispatch.transport.agreement`); returns once every rank has seen the refusal,
+        and the caller raises ``err``. The peers raise ValueError naming this rank, and the
+        Buffer stays usable.
+
+        Args:
+            operation: the check the peers run: ``"dispatch (metadata)"`` (a fresh dispatch's
+                exchange), ``"dispatch (num_worst_tokens)"`` (that exchange on the comm thread),
+                ``"dispatch"`` (a cached dispatch's argument check) or ``"combine"``.
+            what: the operation, for the progress marks and messages.
+            fields: a fresh dispatch's fields (the refusing rank's: all -1).
+
+        Raises:
+            CommError: the check itself failed or timed out.
+        """
+        status = agreement.status_of(err)
+        call = Call(seq=self._next_seq())
+        self.transport.progress.post_refusal(call.seq, f"{type(err).__name__}: {err}")
+        empty = torch.zeros((0, self.topology.world_size), dtype=torch.bool, device=self.device)
+        try:
+            if operation == "dispatch (metadata)":
+                self.plan(call, empty, fields, status)
+            elif operation == "dispatch (num_worst_tokens)":
+                self._run(self.transport.plan(empty, fields, what, on_comm_thread=True, status=status), call, [], what)
+            else:
+                self._run(self.transport.agree({"operation": operation}, what, status), call, [], what)
+        except ValueError:
+            pass  # the refusal itself, which every rank raises
+
+    def plan(self, call: Call, is_token_in_rank: torch.Tensor, fields: dict[str, Field], status: int = 0) -> Plan:
         """A fresh dispatch's plan: the counts exchanged and ``fields`` compared across ranks (a
         host synchronisation: receive sizes are host ints). Takes the operation's number into
         ``call.seq``, which its payload transfer reuses.
@@ -669,20 +992,25 @@ class Transfers:
         not queue behind payloads in flight; where the transport ``plans_on_comm_thread`` (the
         kernels: one queue for every launch), it runs in the queue and the caller waits.
 
+        ``status``: this rank's refusal (see :meth:`refuse`), 0 otherwise.
+
         Raises:
-            ValueError: ranks disagree on a field (naming it and the rank).
+            ValueError: a rank refused, or ranks disagree on a field (naming it and the ranks).
             CommError: a peer failed or did not join in time.
         """
-        call.seq = self._next_seq()
-        self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
-        if not self.transport.plans_on_comm_thread:
-            return drive(self.transport.plan(is_token_in_rank, fields))
-        steps = self._marked(
-            self.transport.plan(is_token_in_rank, fields, on_comm_thread=True), call.seq, "dispatch (metadata)"
-        )
-        plan = self.submit(drive, steps).result()
-        self.join()
-        return plan
+        with self.entered("dispatch"):
+            call.seq = call.seq or self._next_seq()
+            self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
+            if not self.transport.plans_on_comm_thread:
+                return self._guarded(drive, self.transport.plan(is_token_in_rank, fields, status=status))
+            steps = self._marked(
+                self.transport.plan(is_token_in_rank, fields, on_comm_thread=True, status=status),
+                call.seq,
+                "dispatch (metadata)",
+            )
+            plan = self.submit(drive, steps).result()
+            self.join()
+            return plan
 
     def dispatch(self, call: Call, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor | None]:
         """A fresh dispatch (``call.dispatch`` says where to): allocates the outputs and moves x
@@ -702,7 +1030,7 @@ class Transfers:
         routing = call.dispatch
         slot = routing.slot
         xs = x if isinstance(x, list) else [x]
-        tensors = [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])
+        tensors = [dense(t) for t in [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])]
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
         out[len(xs)] = routing.recv_topk_idx
         experts_per_rank = routing.num_experts // self.topology.world_size
@@ -743,15 +1071,17 @@ class Transfers:
 
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
+        slot.dispatch_id = call.seq
         return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
 
     def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
         outputs (rows past the received ones zero); returns them."""
+        tensors = [dense(t) for t in tensors]
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
 
         def steps():
-            yield from self._agree("dispatch", tensors, 0, what)
+            yield from self._agree("dispatch", slot, tensors, 0, what)
             rows = slot.plan.num_recv_tokens
             yield from self.transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
             for o in out:
@@ -766,11 +1096,13 @@ class Transfers:
         """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
         its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
         outputs; returns them."""
+        tensors = [dense(t) for t in tensors]
+        scales = [None if sc is None else dense(sc) for sc in scales]
         out = self._alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
 
         def steps():
-            yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
+            yield from self._agree("combine", slot, tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
             yield from self.transport.combine(
                 [t[:rows] for t in tensors], [None if sc is None else sc[:rows] for sc in scales], slot.plan, out, what
@@ -784,11 +1116,11 @@ class Transfers:
         communication stream current, after the work already queued on the caller's stream."""
         self.check_open()
         if self.device.type != "cuda":
-            return self._comm.submit(fn, *args)
+            return self._comm.submit(self._guarded, fn, *args)
         future: Future = Future()
         self._comm_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._comm_stream):
-            future.set_result(fn(*args))
+            future.set_result(self._guarded(fn, *args))
         return future
 
     def join(self) -> None:
@@ -808,25 +1140,28 @@ class Transfers:
     def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
         """Runs transport steps per ``call.mode`` (see the class docstring). ``uses``: tensors of
         the caller's stream that the transfer reads or writes (on CUDA the caching allocator is
-        told, so an early free cannot hand their memory to other work)."""
-        steps = self._marked(steps, call.seq or self._next_seq(), what)
-        if call.mode == "hook":
-            first = self.submit(start, steps).result()
-            call.hook = RecvHook(self, steps, first)
+        told, so an early free cannot hand their memory to other work). Takes the operation's
+        number into ``call.seq`` unless the call has one."""
+        with self.entered(what):
+            call.seq = call.seq or self._next_seq()
+            steps = self._marked(steps, call.seq, what)
+            if call.mode == "hook":
+                first = self.submit(start, steps).result()
+                call.hook = RecvHook(self, steps, first)
+                self._record(uses)
+                return
+            future = self.submit(drive, steps)
+            if call.mode == "sync":
+                self.join()
+                future.result()
+                return
             self._record(uses)
-            return
-        future = self.submit(drive, steps)
-        if call.mode == "sync":
-            self.join()
-            future.result()
-            return
-        self._record(uses)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(self._comm_stream)
-            call.event = EventOverlap(event)
-        else:
-            call.event = EventOverlap(future=future)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(self._comm_stream)
+                call.event = EventOverlap(event)
+            else:
+                call.event = EventOverlap(future=future)
 
     def _record(self, tensors: list[torch.Tensor]) -> None:
         if self.device.type == "cuda":
@@ -844,14 +1179,15 @@ class Transfers:
             t.record_stream(torch.cuda.current_stream())
         return out
 
-    def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
-        """Steps checking that every rank runs the same kind of operation on rows of the same
-        width and dtype: combine and cached dispatch exchange no sizes (see
-        ``TorchDistTransport.agree`` for where the check runs)."""
+    def _agree(self, operation: str, slot: PlanSlot, tensors: list[torch.Tensor], num_scales: int, what: str):
+        """Steps checking that every rank runs the same kind of operation, with the handle of
+        the same dispatch, on rows of the same width and dtype: combine and cached dispatch
+        exchange no sizes (see ``TorchDistTransport.agree`` for where the check runs)."""
         t = tensors[0]
         return self.transport.agree(
             {
                 "operation": operation,
+                "handle": DispatchId(slot.dispatch_id),
                 "hidden": math.prod(t.shape[1:]),
                 "dtype": t.dtype,
                 "tensors": len(tensors),

@@ -128,10 +128,12 @@ class Transport(Protocol):
     plans_on_comm_thread: bool
     progress: Progress
 
-    def agree(self, fields: dict[str, Field], what: str) -> Steps[None]:
-        """Steps comparing ``fields`` across ranks before an operation whose sizes are not
-        exchanged (combine, cached dispatch); ValueError names the first field and rank that
-        differ. May be empty where the backend cannot afford the check."""
+    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps[None]:
+        """Steps comparing ``fields`` (the operation first) and every rank's ``status`` across
+        ranks before an operation whose sizes are not exchanged (combine, cached dispatch), on
+        every backend; ValueError names each refusing rank, or the first field and the ranks
+        that differ (:mod:`moe_dispatch.transport.agreement`). A refusing rank passes its
+        non-zero status and -1 fields, takes part, and raises its own error afterwards."""
 
     def plan(
         self,
@@ -139,10 +141,13 @@ class Transport(Protocol):
         fields: dict[str, Field],
         what: str = "dispatch",
         on_comm_thread: bool = False,
+        status: int = 0,
     ) -> Steps[Plan]:
         """Steps exchanging a fresh dispatch's counts (``is_token_in_rank [T, W]`` bool) and
-        comparing ``fields`` across ranks; returns the :class:`Plan`. ``on_comm_thread``: the
-        steps run on the communication thread, not the caller's."""
+        comparing ``fields`` and every rank's ``status`` across ranks; returns the
+        :class:`Plan`. ``on_comm_thread``: the steps run on the communication thread, not the
+        caller's. A refusing rank (``status`` != 0) passes ``[0, W]`` and -1 fields; then
+        every rank raises ValueError after the exchange, as in :meth:`agree`."""
 
     def dispatch(
         self,
@@ -173,7 +178,12 @@ class Transport(Protocol):
         ``moe_dispatch.reference.combine``."""
 
     def close(self) -> None:
-        """Frees what the transport holds (collective: every rank, after its last operation)."""
+        """Frees what the transport holds: its process groups, threads, store keys and buffers
+        (collective: every rank, after its last operation)."""
+
+    def release(self) -> None:
+        """Frees what needs no peer (local, no collective): for a broken Buffer's close() and
+        a Buffer dropped without close(). Idempotent."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -188,11 +198,15 @@ class PlanSlot:
         num_tokens: T, tokens the source sent.
         num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
         plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
+        dispatch_id: the dispatch's operation number on its Buffer, equal on every rank of a
+            consistent program (combine and cached dispatch compare it across ranks); set when
+            the dispatch is issued.
     """
 
     num_tokens: int
     num_rows: int
     plan: Plan | None = None
+    dispatch_id: int = -1
 
 
 @dataclasses.dataclass(eq=False)

@@ -119,6 +119,26 @@ class KernelTransport:
         config: Config | str,
         device: torch.device,
     ):
+        self.check(topology)
+        self.config = config
+        self.topology, self.timeout_s, self.device = topology, timeout_s, device
+        # The argument checks and progress records are the torch_dist transport's; its
+        # comm-thread group also carries the kernels' handle exchange.
+        self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
+        self.progress = self._dist.progress
+        self._group = self._dist.groups[ALL_COMM] or group
+        self._kernels: IntranodeTransport | None = None
+        self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
+
+    @staticmethod
+    def check(topology: Topology) -> None:
+        """Raises unless the kernels can serve ``topology`` here (Buffer checks it before its
+        ranks agree on their arguments, so no rank fails alone later).
+
+        Raises:
+            ValueError: more than one node, or more ranks than the kernels serve.
+            RuntimeError: the extension is not built.
+        """
         if topology.num_nodes != 1:
             raise ValueError(
                 f"transport='kernels' runs the intranode kernels, for an EP group on one node, but this "
@@ -136,19 +156,10 @@ class KernelTransport:
                 f"transport='kernels' serves EP groups of at most {MAX_RANKS} ranks on one node (an "
                 f"NVLink domain), this one has {topology.world_size}; use transport='torch_dist'"
             )
-        self.config = config
-        self.topology, self.timeout_s, self.device = topology, timeout_s, device
-        # The argument checks and progress records are the torch_dist transport's; its
-        # comm-thread group also carries the kernels' handle exchange.
-        self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
-        self.progress = self._dist.progress
-        self._group = self._dist.groups[ALL_COMM] or group
-        self._kernels: IntranodeTransport | None = None
-        self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
 
-    def agree(self, fields: dict[str, Field], what: str) -> Steps:
-        """Steps comparing ``fields`` across ranks (gloo only; see ``TorchDistTransport.agree``)."""
-        return self._dist.agree(fields, what)
+    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps:
+        """Steps comparing ``fields`` and statuses across ranks (``TorchDistTransport.agree``)."""
+        return self._dist.agree(fields, what, status)
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(
@@ -157,13 +168,14 @@ class KernelTransport:
         fields: dict[str, Field],
         what: str = "dispatch",
         on_comm_thread: bool = True,
+        status: int = 0,
     ) -> Steps:
-        """Steps that check the arguments across ranks, size the buffers and run notify;
-        returns the :class:`KernelPlan` (a host sync: R is read back)."""
-        # On any backend (the plan synchronises the host anyway); the operation first, so it is
-        # told apart from a combine's check.
+        """Steps that check the arguments and statuses across ranks, size the buffers and run
+        notify; returns the :class:`KernelPlan` (a host sync: R is read back). A refusal
+        (``status`` != 0) raises ValueError on every rank after the check."""
+        # The operation first, so it is told apart from a combine's check.
         fields = {"operation": "dispatch (metadata)", **fields}
-        yield from self._dist.agree(fields, what, device=self.device)
+        yield from self._dist.agree(fields, what, status)
         self._check_errors()
         if self.config == "auto":  # every rank agreed on these fields: the same Config everywhere
             self.config = Config.auto(
@@ -341,12 +353,25 @@ class KernelTransport:
             self._kernels.check_errors()
 
     def close(self) -> None:
-        """Frees the kernels' buffers (collective: every rank, after its last operation; the
-        barrier first keeps a peer's last kernel from writing into freed memory)."""
-        if self._kernels is not None:
-            dist.barrier(group=self._group)
+        """Frees the kernels' buffers, then the argument checks' groups (collective: every rank,
+        after its last operation; the barrier first keeps a peer's last kernel from writing into
+        freed memory)."""
+        try:
+            if self._kernels is not None:
+                dist.barrier(group=self._group)
+                self._kernels.close()
+                self._kernels = None
+        finally:
+            self._dist.close()
+
+    def release(self) -> None:
+        """Frees what needs no peer: shared memory on CPU (a peer's mapping of it stays valid);
+        on a GPU the buffers stay until the process exits, as a peer's kernel may still write
+        into them. Then ``TorchDistTransport.release``."""
+        if self._kernels is not None and self.device.type == "cpu":
             self._kernels.close()
-            self._kernels = None
+        self._kernels = None
+        self._dist.release()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
