@@ -27,13 +27,13 @@ Routing is the uniform top-k of the benchmarks: a token reaches
 ``W (1 - C(E - E/W, K) / C(E, K))`` ranks (:func:`expected_holders`); the benchmarks pass the
 rows they measured instead.
 
-The constants of :data:`H200` are fitted to the only GPU run so far (2026-11-30, one H200,
+The constants of :data:`H200` are fitted to the GPU run of 2026-11-30 (one H200,
 ``benchmarks/results/2026-11-30-h200-gpu-check``: the intranode loopback at 4 to 24 SMs, rings
 2x1 to 64x16, DeepSeek-V3 and gpt-oss shapes); ``python_tests/test_costmodel.py`` checks the
-model against those rows. The variants' effects are predicted, not fitted (no variant has run):
-their ratios in the next GPU run say which mechanism the model gets wrong. The internode
-predictions compose the same per-row costs over the fused pipeline's three roles and are not
-fitted to anything (the fused pipeline has not run).
+model against those rows. The variants' effects are predicted from their mechanisms, not fitted:
+their ratios in a GPU run say which mechanism the model gets wrong. The internode predictions
+compose the same per-row costs over the fused pipeline's three roles, with no constant fitted
+to internode rows.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Machine:
     overlap: float = 1.25
     launch_us: float = 15.0
     host_read_us: float = 1790.0
-    notify_us: float = 60.0  # not measured: the notify kernel's share of host_read_us, estimated
+    notify_us: float = 60.0  # estimated (the notify kernel's share of host_read_us), not fitted
 
 
 H200 = Machine()
@@ -303,7 +303,7 @@ def predict_internode(
     (``num_sms // 3`` channels) run at once, each at the per-row cost of :func:`predict`'s
     copies. In loopback (N x L ranks on one GPU) the memory bound counts every copy of the
     pipeline (x -> staging -> the peer's ring -> the forwarder's NVLink ring -> recv_x); on real
-    nodes each rank's NIC carries its stage-1 rows to other nodes. Not fitted: no fused run exists.
+    nodes each rank's NIC carries its stage-1 rows to other nodes. No constant is fitted to internode rows.
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
