@@ -65,8 +65,8 @@ def test_configure_passes_the_kernel_config_to_the_buffer(monkeypatch):
     monkeypatch.setattr(manager, "Buffer", lambda *a, **kw: made.append(kw) or object())
     monkeypatch.setattr(manager, "ep_ranks_per_node", lambda group, rpn: 1)
     monkeypatch.setattr(manager, "_BUFFERS", {})  # the fakes are never closed
-    manager.get_buffer(None, num_sms=24, kernel_config="auto")
-    manager.get_buffer(None, num_sms=24, kernel_config=Config(num_sms=6))
+    manager.get_buffer(None, num_sms=24, config="auto")
+    manager.get_buffer(None, num_sms=24, config=Config(num_sms=6))
     assert [(kw["config"], kw["num_sms"]) for kw in made] == [("auto", None), (Config(num_sms=6), None)]
 
 
