@@ -12,16 +12,23 @@ rank) it times with CUDA events:
 - ``combine bf16``: in-node pre-reduction on the forwarders, then the node partials back;
 - ``d2d copy``: a torch device-to-device copy of the bf16 dispatch payload, in the same run.
 ``fused/staged`` rows give the staged pipeline's time over the fused one's per op (> 1: the fused
-pipeline is faster).
+pipeline is faster). ``--variants`` times the fused pipeline's kernel variants side by side over
+the same buffers and handles (``moe_dispatch.config.VARIANTS`` compiled for the fused kernels;
+ready flags are intranode only); the staged pipeline runs the current kernels.
 
-Columns: payload GB/s = rows delivered x H x bytes / time; ``xnode GB/s/rank`` = bytes that
-crossed a node boundary in stage 1 / W / time (what each GPU's NIC would carry);
-``xnode/bound`` = cross-node payload bytes over the de-duplicated lower bound
-``sum_t |nodes(t) minus own node| x H x bytes`` (goal: exactly 1.00); ``sms`` = SMs per rank.
+Columns: payload GB/s = rows delivered x H x bytes / time; ``GB/s/SM`` = that / (W x sms);
+``vs current`` = the current kernels' time / the variant's; ``model`` / ``model/meas``: the cost
+model's prediction of a fused row (moe_dispatch.costmodel, not fitted to any fused run) and its
+ratio to the measurement; ``xnode GB/s/rank`` = bytes that crossed a node boundary in stage 1 /
+W / time (what each GPU's NIC would carry); ``xnode/bound`` = cross-node payload bytes over the
+de-duplicated lower bound ``sum_t |nodes(t) minus own node| x H x bytes`` (goal: exactly 1.00);
+``sms`` = SMs per rank. Goals (issue 21): 2x4 at 0.4 of a copy; a fresh dispatch with a budget
+at most 1.1x a cached one.
 
 Usage:
   python benchmarks/bench_internode.py                       # GPU: 2x4 and 4x2, DeepSeek-V3 + gpt-oss shapes
-  python benchmarks/bench_internode.py --worlds 2x4 --num-sms 8 16 --json out.json
+  python benchmarks/bench_internode.py --worlds 2x4 --num-sms 12 --variants all --json out.json
+  python benchmarks/bench_internode.py ... --estimate-only   # the plan's predicted GPU time, no run
 Without a GPU it runs the CPU backend on a tiny shape, to check the script (no goal measured).
 """
 
@@ -36,21 +43,42 @@ from loopback_bench import (
     Shape,
     add_run_args,
     add_shapes_arg,
+    add_variant_args,
     cached_cases,
     cell,
     launch_device,
     make_inputs,
+    not_resident,
+    print_estimate,
+    print_fresh_goal,
+    print_model_goal,
     print_rows,
+    ratio,
     shapes_for,
     time_copy,
     timer,
+    variant_names,
     write_json,
 )
 
-from moe_dispatch.config import Config
+from moe_dispatch import costmodel
+from moe_dispatch.config import VARIANTS, Config
 from moe_dispatch.transport.internode import InternodeLoopback, cross_node_bytes
 
 GOAL_BOUND = 1.00
+GOAL_VS_COPY = 0.4  # 2x4
+FRESH_BUDGET = "fresh dispatch bf16 (budget)"
+MODEL_OPS = {
+    "dispatch bf16": ("dispatch", False),
+    "dispatch fp8": ("dispatch", True),
+    "combine bf16": ("combine", False),
+}
+
+
+def fused_variant(name: str) -> bool:
+    """Variants the fused kernels run: their copies compiled for them, and not ready flags alone
+    (intranode only: the current kernels here)."""
+    return Config().with_variant(name).fused_copy and VARIANTS[name] != {"slot_flags": True}
 
 
 @dataclasses.dataclass
@@ -60,14 +88,39 @@ class Row:
     pipeline: str
     num_sms: int
     op: str
+    variant: str
     median_us: float
     p20_us: float
     p80_us: float
     bytes: int
     gbps: float
     vs_copy: float | None
+    vs_current: float | None
+    model_us: float | None
     xnode_gbps_per_rank: float | None
     xnode_vs_bound: float | None
+    world_size: int = 0
+
+    @property
+    def gbps_per_sm(self) -> float | None:
+        return self.gbps / (self.world_size * self.num_sms) if self.num_sms else None
+
+    @property
+    def model_ratio(self) -> float | None:
+        return ratio(self.model_us, self.median_us)
+
+
+def predicted_us(op: str, shape: Shape, num_nodes: int, ranks_per_node: int, rows: float | None, config, num_sms: int):
+    """The cost model's time of a fused row (None for the ops it does not model)."""
+    if op not in MODEL_OPS and op != FRESH_BUDGET:
+        return None
+    kind, fp8 = MODEL_OPS.get(op, ("dispatch", False))
+    W = num_nodes * ranks_per_node
+    workload = costmodel.Workload(
+        shape.tokens, shape.hidden, shape.topk, shape.num_experts, W, ranks_per_node, fp8=fp8, rows=rows
+    )
+    t = costmodel.predict_internode(kind, workload, config, num_sms=num_sms).time_us
+    return t + (costmodel.H200.notify_us if op == FRESH_BUDGET else 0.0)
 
 
 def lower_bound_rows(handles, num_nodes: int, ranks_per_node: int) -> int:
@@ -88,6 +141,7 @@ def bench_world(
     args,
     device: torch.device,
     pipeline: str,
+    variants: list[str],
 ) -> list[Row]:
     on_gpu = device.type == "cuda"
     world = f"{num_nodes}x{ranks_per_node}"
@@ -103,6 +157,7 @@ def bench_world(
     rows: list[Row] = []
     copy_rate = None
     for num_sms in num_sms_list:
+        lb.set_variant("current")
         handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
         if pipeline == "fused":
@@ -110,7 +165,7 @@ def bench_world(
             cases.insert(
                 1,
                 (
-                    "fresh dispatch bf16 (budget)",
+                    FRESH_BUDGET,
                     bytes_bf16,
                     shape.hidden * 2,
                     lambda: lb.dispatch(
@@ -127,81 +182,132 @@ def bench_world(
             )
         xnode_rows = cross_node_bytes(handles, ranks_per_node, 1)
         bound = lower_bound_rows(handles, num_nodes, ranks_per_node)
-        ratio = xnode_rows / bound if bound else 1.0
+        xnode_ratio = xnode_rows / bound if bound else 1.0
         if on_gpu and copy_rate is None:
             med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
             rows.append(
                 Row(
-                    shape.name, world, "-", 0, "d2d copy (torch)", med, p20, p80, bytes_bf16, copy_rate, 1.0, None, None
+                    *(shape.name, world, "-", 0, "d2d copy (torch)", "-", med, p20, p80, bytes_bf16, copy_rate),
+                    *(1.0, None, None, None, None, W),
                 )
             )
-        for op, nbytes, row_bytes, fn in cases:
-            med, p20, p80 = time_case(fn)
-            rate = nbytes / (med * 1e-6) / 1e9
-            rows.append(
-                Row(
-                    shape.name,
-                    world,
-                    pipeline,
-                    num_sms,
-                    op,
-                    med,
-                    p20,
-                    p80,
-                    nbytes,
-                    rate,
-                    rate / copy_rate if copy_rate else None,
-                    xnode_rows * row_bytes / W / (med * 1e-6) / 1e9,
-                    ratio,
+        current: dict[str, float] = {}
+        for variant in variants if pipeline == "fused" else ["current"]:
+            lb.set_variant(variant)
+            for op, nbytes, row_bytes, fn in cases:
+                try:
+                    med, p20, p80 = time_case(fn)
+                except ValueError as err:
+                    if not_resident(err):
+                        print(f"bench_internode: {variant} at {world} x {num_sms} SMs: not resident, skipped")
+                        break
+                    raise
+                if variant == "current":
+                    current[op] = med
+                rate = nbytes / (med * 1e-6) / 1e9
+                model = None
+                if on_gpu and pipeline == "fused":
+                    model = predicted_us(op, shape, num_nodes, ranks_per_node, received / W, lb.config, num_sms)
+                rows.append(
+                    Row(
+                        *(shape.name, world, pipeline, num_sms, op, variant, med, p20, p80, nbytes, rate),
+                        *(ratio(rate, copy_rate), ratio(current.get(op), med), model),
+                        *(xnode_rows * row_bytes / W / (med * 1e-6) / 1e9, xnode_ratio, W),
+                    )
                 )
-            )
+        lb.set_variant("current")
     lb.transport.check()  # a wait that timed out during the timings fails the benchmark here
     return rows
+
+
+def plan_estimate(shapes, worlds, num_sms_list, pipelines, variants, args) -> list[tuple[str, float]]:
+    """(what, predicted GPU seconds) per world of the plan: every timed fused launch at the model's
+    time for the expected routing, a staged one at twice the fused (2026-11-30: the staged
+    pipeline ran at 0.19 of a copy, stage by stage), plus 2 s per world and 10 s to start."""
+    runs = args.warmup + args.iters
+    steps = [("process start, CUDA and Triton warm-up", 10.0)]
+    for shape in shapes:
+        for num_nodes, ranks_per_node in worlds:
+            total = 2.0
+            for pipeline in pipelines:
+                config = Config(num_sms=max(num_sms_list), num_slots=args.slots, chunk_tokens=args.chunk)
+                for num_sms in num_sms_list:
+                    for variant in variants if pipeline == "fused" else ["current"]:
+                        for op in [*MODEL_OPS, FRESH_BUDGET] if pipeline == "fused" else MODEL_OPS:
+                            if op == "dispatch fp8" and shape.hidden % 128:
+                                continue
+                            t = predicted_us(
+                                op, shape, num_nodes, ranks_per_node, None, config.with_variant(variant), num_sms
+                            )
+                            total += runs * t * (1 if pipeline == "fused" else 2) * 1e-6
+            steps.append((f"{shape.name} {num_nodes}x{ranks_per_node}", total))
+    return steps
 
 
 def print_table(rows: list[Row]) -> None:
     print_rows(
         "internode loopback",
         [
-            "shape",
-            "world",
-            "pipeline",
-            "sms",
-            "op",
-            "median us",
-            "p20-p80 us",
-            "GB/s",
-            "vs copy",
-            "xnode GB/s/rank",
-            "xnode/bound",
+            *("shape", "world", "pipeline", "sms", "op", "variant", "median us", "p20-p80 us", "GB/s", "GB/s/SM"),
+            *("vs copy", "vs current", "model us", "model/meas", "xnode GB/s/rank", "xnode/bound"),
         ],
         [
             [
-                r.shape,
-                r.world,
-                r.pipeline,
-                str(r.num_sms),
-                r.op,
-                f"{r.median_us:.1f}",
-                f"{r.p20_us:.1f}-{r.p80_us:.1f}",
-                f"{r.gbps:.1f}",
-                cell(r.vs_copy, ".2f"),
-                cell(r.xnode_gbps_per_rank, ".1f"),
-                cell(r.xnode_vs_bound, ".2f"),
+                *(r.shape, r.world, r.pipeline, str(r.num_sms), r.op, r.variant, f"{r.median_us:.1f}"),
+                *(f"{r.p20_us:.1f}-{r.p80_us:.1f}", f"{r.gbps:.1f}", cell(r.gbps_per_sm, ".1f")),
+                *(cell(r.vs_copy, ".2f"), cell(r.vs_current, ".2f"), cell(r.model_us, ".1f")),
+                *(cell(r.model_ratio, ".2f"), cell(r.xnode_gbps_per_rank, ".1f"), cell(r.xnode_vs_bound, ".2f")),
             ]
             for r in rows
         ],
     )
-    staged = {(r.shape, r.world, r.num_sms, r.op): r.median_us for r in rows if r.pipeline == "staged"}
+    current = [r for r in rows if r.variant == "current"]
+    staged = {(r.shape, r.world, r.num_sms, r.op): r.median_us for r in current if r.pipeline == "staged"}
     ratios = [
         [r.shape, r.world, str(r.num_sms), r.op, f"{staged[key] / r.median_us:.2f}"]
-        for r in rows
+        for r in current
         if r.pipeline == "fused" and (key := (r.shape, r.world, r.num_sms, r.op)) in staged
     ]
     if ratios:
         print_rows(
             "internode fused/staged (staged time / fused time)", ["shape", "world", "sms", "op", "ratio"], ratios
         )
+    variants = list(dict.fromkeys(r.variant for r in rows if r.pipeline == "fused"))
+    if len(variants) > 1:
+        keys = list(dict.fromkeys((r.shape, r.world, r.num_sms, r.op) for r in rows if r.pipeline == "fused"))
+        by = {(r.shape, r.world, r.num_sms, r.op, r.variant): r for r in rows if r.pipeline == "fused"}
+        print_rows(
+            "fused variants: current time / variant time (> 1: faster), same run",
+            ["shape", "world", "sms", "op", *variants],
+            [
+                [k[0], k[1], str(k[2]), k[3]]
+                + [cell(by[(*k, v)].vs_current if (*k, v) in by else None, ".2f") for v in variants]
+                for k in keys
+            ],
+        )
+
+
+def print_goals(rows: list[Row]) -> None:
+    """The goals of issue 21 this run measured (greppable: "goal: ...")."""
+    fused = [r for r in rows if r.pipeline == "fused"]
+    at2x4 = [r for r in fused if r.world == "2x4" and r.op in ("dispatch bf16", "combine bf16")]
+    for op in ("dispatch bf16", "combine bf16"):
+        if b := max((r for r in at2x4 if r.op == op), key=lambda r: r.vs_copy or 0, default=None):
+            verdict = "met" if (b.vs_copy or 0) >= GOAL_VS_COPY else "MISSED"
+            print(
+                f"goal: internode 2x4 {op} >= {GOAL_VS_COPY} of a copy: {verdict}, best {cell(b.vs_copy, '.2f')} "
+                f"({b.variant}, {b.shape}, {b.num_sms} SMs)"
+            )
+    cached = {(r.shape, r.world, r.num_sms, r.variant): r.median_us for r in fused if r.op == "dispatch bf16"}
+    print_fresh_goal(
+        f"internode {FRESH_BUDGET}",
+        [
+            (f"{r.variant}, {r.shape} {r.world}", r.median_us / cached[k])
+            for r in fused
+            if r.op == FRESH_BUDGET and (k := (r.shape, r.world, r.num_sms, r.variant)) in cached
+        ],
+    )
+    print_model_goal("fused rows", [r.model_ratio for r in fused if r.model_ratio is not None])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,9 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--pipelines", nargs="+", default=["fused", "staged"], choices=["fused", "staged"])
+    add_variant_args(parser)
     add_run_args(parser, warmup=2, iters=10)
     args = parser.parse_args(argv)
+    variants = variant_names(args.variants, fused_variant)
 
+    if args.estimate_only:
+        gpu = torch.device("cuda")
+        worlds = [tuple(int(v) for v in w.split("x")) for w in (args.worlds or ["2x4", "4x2"])]
+        steps = plan_estimate(
+            shapes_for(args, gpu), worlds, args.num_sms or [6, 12, 24], args.pipelines, variants, args
+        )
+        print_estimate("bench_internode", steps)
+        return 0
     device = launch_device("bench_internode")
     if device is None:
         return 1
@@ -224,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = shapes_for(args, device)
     worlds = [tuple(int(v) for v in w.split("x")) for w in (args.worlds or (["2x4", "4x2"] if on_gpu else ["2x2"]))]
     num_sms_list = args.num_sms or ([6, 12, 24] if on_gpu else [2])
+    if on_gpu:
+        print_estimate("bench_internode", plan_estimate(shapes, worlds, num_sms_list, args.pipelines, variants, args))
     if not on_gpu:
         print(
             "bench_internode: no GPU: running the CPU backend on a tiny shape to check the script; "
@@ -234,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         for num_nodes, ranks_per_node in worlds:
             for pipeline in args.pipelines:
-                rows += bench_world(shape, num_nodes, ranks_per_node, num_sms_list, args, device, pipeline)
+                rows += bench_world(shape, num_nodes, ranks_per_node, num_sms_list, args, device, pipeline, variants)
     print_table(rows)
+    if on_gpu:
+        print_goals(rows)
     bounds = [r.xnode_vs_bound for r in rows if r.xnode_vs_bound is not None]
     worst = max(abs(b - GOAL_BOUND) for b in bounds)
     print(
@@ -246,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json,
             device,
-            rows,
+            [dict(dataclasses.asdict(r), gbps_per_sm=r.gbps_per_sm, model_ratio=r.model_ratio) for r in rows],
             slots=args.slots,
             chunk=args.chunk,
+            variants=variants,
             byte_formula="payload rows delivered x row bytes; xnode = stage-1 rows from other nodes",
         )
     return 0

@@ -1,12 +1,16 @@
 """Loopback benchmark of the CUDA intranode kernels: W simulated ranks on one GPU.
 
-For each shape and each ``num_sms`` (SMs per simulated rank; the launch holds W times as many
-blocks) it times, with CUDA events over one launch serving all W ranks:
+For each shape, W, ring configuration, ``l2_discard`` setting, ``num_sms`` (SMs per simulated
+rank; the launch holds W times as many blocks) and kernel variant (``--variants``:
+``moe_dispatch.config.VARIANTS``, timed side by side over the same buffers and handles) it times,
+with CUDA events over one launch serving all W ranks:
 
 - ``dispatch`` bf16 and ``dispatch`` fp8 (e4m3 + scales): the dispatch kernel of a cached
-  dispatch (the routing's notify done once before), and ``dispatch+notify``: a fresh dispatch
-  (layout, notify, the host reading the receive counts, dispatch);
-- ``combine`` bf16: every received row back to its source, fp32 sums in rank order.
+  dispatch (the routing's notify done once before);
+- ``combine`` bf16: every received row back to its source, fp32 sums in rank order;
+- ``fresh dispatch bf16 (host read)``: layout, notify, the host reading the receive counts,
+  dispatch (wall clock); ``fresh dispatch bf16 (budget)``: the same with ``num_worst_tokens``,
+  which never waits for the host (CUDA events). Goal: at most 1.1x the cached dispatch.
 
 Byte formula (payload delivered, top-k metadata excluded; b = bytes per element):
   dispatch  sum over receivers r of R_r * H * b        (fp8: R_r * (H + 4 H / 128))
@@ -14,25 +18,25 @@ Byte formula (payload delivered, top-k metadata excluded; b = bytes per element)
   copy      a device-to-device torch copy of the bf16 dispatch byte count, timed in the same run;
             its rate is bytes / time (each byte read once and written once, like a queue hop
             that stays in L2).
-Goal (printed, not asserted): dispatch and combine >= 85% of the copy rate with num_sms <= 16.
-``vs 2-hop`` is the rate against half the copy rate, the loopback's own bound when the rings do
-not stay in L2 (every payload byte is copied twice through HBM); a real node's first hop is
-NVLink and its second a local copy, so this column, not ``vs copy``, shows how close the
-kernels come to what this harness allows.
-In loopback a payload byte crosses HBM twice (x -> ring slot -> recv_x) unless the rings stay in
-L2, which caps deep rings near 0.5 of the copy rate at this formula; hence the ring sweep
-(``--rings SLOTSxCHUNK``): W * W * C * slots * slot_bytes of shallow rings fits the 50 MB L2.
+Columns: ``GB/s/SM`` = payload GB/s / (W x num_sms): what one SM moves (goal: 25 where HBM does not
+bind, 4 ranks at 2-4 SMs); ``vs copy``; ``vs 2-hop`` = the rate against half the copy rate, the
+loopback's own bound when the rings do not stay in L2 (every payload byte crosses HBM twice;
+goal at 16 SMs: 0.9 without l2_discard); ``vs current`` = the current kernels' time / this
+variant's (> 1: faster); ``model`` = the cost model's prediction (moe_dispatch.costmodel) and
+``model/meas`` its ratio to the measured time (0.7-1.3 counts as good). A variant whose blocks
+cannot all be resident (no register cap: one block per SM) is skipped for that configuration.
 A slot that stays in L2 is still written back to HBM once evicted, unless its receiver discards
-it after reading (``Config.l2_discard``); ``--l2-discard off on`` times both, and the last table
-gives each configuration's discard/keep time ratio from the same run.
-On a real 8-GPU node the goal is >= 90% of NVLink per-direction bandwidth with <= 8 SMs; that
-needs IntranodeTransport under torchrun (not measured here).
+it after reading (``Config.l2_discard``): rings of W * W * C * slots * slot_bytes that fit the
+50 MB L2 with l2_discard on should reach 0.6 of a copy.
+On a real 8-GPU node the first hop is NVLink and the second a local copy; that needs
+IntranodeTransport under torchrun (not measured here).
 
 Usage:
   python benchmarks/bench_intranode.py                            # GPU: EP8, DeepSeek-V3 + gpt-oss shapes
-  python benchmarks/bench_intranode.py --num-sms 8 16 --json out.json
+  python benchmarks/bench_intranode.py --world-sizes 4 --num-sms 2 4 --shapes deepseek-v3 qwen3 --variants all
+  python benchmarks/bench_intranode.py ... --estimate-only        # the plan's predicted GPU time, no run
 On a machine without a GPU it runs the CPU backend of the same protocol on a tiny shape, to
-check the script; no goal is measured there.
+check the script (and prints the variants' CPU ratios); no goal is measured there.
 """
 
 from __future__ import annotations
@@ -43,26 +47,45 @@ import sys
 
 import torch
 from loopback_bench import (
+    GOAL_GBPS_PER_SM,
     Shape,
     add_run_args,
     add_shapes_arg,
+    add_variant_args,
     cached_cases,
     cell,
     launch_device,
     make_inputs,
+    not_resident,
+    print_estimate,
+    print_fresh_goal,
+    print_model_goal,
     print_rows,
+    ratio,
     shapes_for,
     time_copy,
     time_host,
+    timed_runs,
     timer,
+    variant_names,
     write_json,
 )
 
+from moe_dispatch import costmodel
 from moe_dispatch.config import Config
 from moe_dispatch.transport.intranode import Loopback
 
-GOAL_VS_COPY = 0.85
-GOAL_MAX_SMS = 16
+GOAL_TWO_HOP = 0.9  # of the two-hop HBM bound, 16 SMs, without l2_discard
+GOAL_L2_COPY = 0.6  # of the copy, 16 SMs, l2_discard and rings that fit in L2
+FRESH_HOST, FRESH_BUDGET = "fresh dispatch bf16 (host read)", "fresh dispatch bf16 (budget)"
+# op -> (cost model op, fp8, fresh mode)
+MODEL_OPS = {
+    "dispatch bf16": ("dispatch", False, None),
+    "dispatch fp8": ("dispatch", True, None),
+    "combine bf16": ("combine", False, None),
+    FRESH_HOST: ("dispatch", False, "host"),
+    FRESH_BUDGET: ("dispatch", False, "budget"),
+}
 
 
 @dataclasses.dataclass
@@ -73,131 +96,200 @@ class Row:
     l2_discard: bool
     num_sms: int
     op: str
+    variant: str
     median_us: float
     p20_us: float
     p80_us: float
     bytes: int
     gbps: float
     vs_copy: float | None
-    goal: str
+    vs_current: float | None
+    model_us: float | None
+    fits_l2: bool
+
+    @property
+    def gbps_per_sm(self) -> float | None:
+        return self.gbps / (self.world_size * self.num_sms) if self.num_sms else None
 
     @property
     def vs_two_hop(self) -> float | None:
         return None if self.vs_copy is None or self.num_sms == 0 else 2 * self.vs_copy
 
+    @property
+    def model_ratio(self) -> float | None:
+        return ratio(self.model_us, self.median_us)
 
-def bench_shape(
+
+def predicted_us(op: str, shape: Shape, world_size: int, rows_per_rank: float | None, config, num_sms: int) -> float:
+    kind, fp8, fresh = MODEL_OPS[op]
+    workload = costmodel.Workload(
+        shape.tokens, shape.hidden, shape.topk, shape.num_experts, world_size, fp8=fp8, rows=rows_per_rank
+    )
+    return costmodel.predict(kind, workload, config, num_sms=num_sms, fresh=fresh).time_us
+
+
+def base_config(rings: str, l2_discard: bool, num_sms_list: list[int]) -> Config:
+    num_slots, chunk_tokens = (int(v) for v in rings.split("x"))
+    return Config(num_sms=max(num_sms_list), num_slots=num_slots, chunk_tokens=chunk_tokens, l2_discard=l2_discard)
+
+
+def fits_l2(shape: Shape, world_size: int, config: Config, num_sms: int) -> bool:
+    from moe_dispatch.config import max_slot_bytes
+
+    slot = -(-max_slot_bytes(shape.hidden, shape.topk) // 128) * 128
+    return world_size * world_size * (num_sms // 2) * config.num_slots * slot <= costmodel.H200.l2_bytes
+
+
+def bench_config(
     shape: Shape,
     world_size: int,
     rings: str,
     l2_discard: bool,
     num_sms_list: list[int],
+    variants: list[str],
     args,
     device: torch.device,
     copy_rate: float | None,
 ) -> tuple[list[Row], float | None]:
-    """Rows of one shape, W and queue configuration; the copy baseline is timed once per shape
-    and W (pass None) and reused by its other configurations."""
+    """Rows of one shape, W and queue configuration, every variant over the same buffers; the copy
+    baseline is timed once per shape and W (pass None) and reused by its other configurations."""
     on_gpu = device.type == "cuda"
-    num_slots, chunk_tokens = (int(v) for v in rings.split("x"))
-    config = Config(num_sms=max(num_sms_list), num_slots=num_slots, chunk_tokens=chunk_tokens, l2_discard=l2_discard)
+    config = base_config(rings, l2_discard, num_sms_list)
     lb = Loopback(world_size, shape.hidden, shape.topk, config=config, device=device, timeout_s=args.timeout_s)
     xs, xs8, idxs, ws = make_inputs(shape, world_size, device)
     time_case = timer(args, device)
     rows: list[Row] = []
     for num_sms in num_sms_list:
+        lb.set_variant("current")
         handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
+        budget = max(h.num_rows for h in handles) + 64
+        fits = fits_l2(shape, world_size, config, num_sms)
         if on_gpu and copy_rate is None:  # the baseline, once per shape: same byte count
             med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
             rows.append(
                 Row(
-                    shape.name,
-                    world_size,
-                    "-",
-                    False,
-                    0,
-                    "d2d copy (torch)",
-                    med,
-                    p20,
-                    p80,
-                    bytes_bf16,
-                    copy_rate,
-                    1.0,
-                    "",
+                    *(shape.name, world_size, "-", False, 0, "d2d copy (torch)", "-", med, p20, p80),
+                    *(bytes_bf16, copy_rate, 1.0, None, None, False),
                 )
             )
-        for op, nbytes, _, fn in cases:
-            med, p20, p80 = time_case(fn)
-            rate = nbytes / (med * 1e-6) / 1e9
-            ratio = rate / copy_rate if copy_rate else None
-            goal = ""
-            if ratio is not None and num_sms <= GOAL_MAX_SMS:
-                goal = "met" if ratio >= GOAL_VS_COPY else "MISSED"
-            rows.append(
-                Row(shape.name, world_size, rings, l2_discard, num_sms, op, med, p20, p80, nbytes, rate, ratio, goal)
-            )
-        med, p20, p80 = time_host(
-            lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms, check=False, validate=False),
-            1,
-            max(3, args.iters // 4),
-            device,
-        )
-        rows.append(
-            Row(
-                shape.name,
-                world_size,
-                rings,
-                l2_discard,
-                num_sms,
-                "dispatch+notify bf16 (fresh, host sync)",
-                med,
-                p20,
-                p80,
+        fresh = [
+            (
+                FRESH_HOST,
                 bytes_bf16,
-                bytes_bf16 / (med * 1e-6) / 1e9,
-                None,
-                "",
-            )
-        )
+                lambda: time_host(
+                    lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms, check=False, validate=False),
+                    1,
+                    max(3, args.iters // 4),
+                    device,
+                ),
+            ),
+            (
+                FRESH_BUDGET,
+                bytes_bf16,
+                lambda: time_case(
+                    lambda: lb.dispatch(
+                        *(xs, idxs, ws, shape.num_experts),
+                        num_sms=num_sms,
+                        num_worst_tokens=budget,
+                        check=False,
+                        validate=False,
+                    )
+                ),
+            ),
+        ]
+        timed = [(op, nbytes, lambda fn=fn: time_case(fn)) for op, nbytes, _, fn in cases] + fresh
+        current: dict[str, float] = {}
+        for variant in variants:
+            lb.set_variant(variant)
+            for op, nbytes, run in timed:
+                try:
+                    med, p20, p80 = run()
+                except ValueError as err:
+                    if not_resident(err):
+                        print(f"bench_intranode: {variant} at {world_size} x {num_sms} SMs: not resident, skipped")
+                        break
+                    raise
+                if variant == "current":
+                    current[op] = med
+                rate = nbytes / (med * 1e-6) / 1e9
+                model = (
+                    predicted_us(op, shape, world_size, received / world_size, lb.config, num_sms) if on_gpu else None
+                )
+                rows.append(
+                    Row(
+                        *(shape.name, world_size, rings, l2_discard, num_sms, op, variant, med, p20, p80),
+                        *(nbytes, rate, ratio(rate, copy_rate), ratio(current.get(op), med), model, fits),
+                    )
+                )
+        lb.set_variant("current")
         del handles, cases
     lb.check()  # a wait that timed out during the timings fails the benchmark here
     return rows, copy_rate
+
+
+def plan_estimate(shapes, world_sizes, rings_list, discards, num_sms_list, variants, args) -> list[tuple[str, float]]:
+    """(what, predicted GPU seconds) per shape and W of the plan: every timed launch at the
+    model's time for the expected routing, the copy baseline, and a fixed 2 s per configuration
+    (buffers, inputs, the first dispatch, Triton's first layout launch) plus 10 s to start."""
+    runs = args.warmup + args.iters
+    steps = [("process start, CUDA and Triton warm-up", 10.0)]
+    for shape in shapes:
+        for world_size in world_sizes:
+            total = 2.0 * len(rings_list) * len(discards)
+            workload = costmodel.Workload(shape.tokens, shape.hidden, shape.topk, shape.num_experts, world_size)
+            total += runs * workload.payload_bytes("dispatch") * world_size / (costmodel.H200.copy_gbps * 1e3) * 1e-6
+            for rings in rings_list:
+                for discard in discards:
+                    config = base_config(rings, discard == "on", num_sms_list)
+                    for num_sms in num_sms_list:
+                        for variant in variants:
+                            c = config.with_variant(variant)
+                            for op in MODEL_OPS:
+                                if op == "dispatch fp8" and shape.hidden % 128:
+                                    continue
+                                n = 1 + max(3, args.iters // 4) if op == FRESH_HOST else runs
+                                total += n * predicted_us(op, shape, world_size, None, c, num_sms) * 1e-6
+            steps.append((f"{shape.name} W={world_size}", total))
+    return steps
 
 
 def print_table(rows: list[Row]) -> None:
     print_rows(
         "intranode loopback",
         [
-            "shape",
-            "W",
-            "rings",
-            "l2 discard",
-            "sms",
-            "op",
-            "median us",
-            "p20-p80 us",
-            "GB/s",
-            "vs copy",
-            "vs 2-hop",
-            "goal",
+            *("shape", "W", "rings", "l2 discard", "sms", "op", "variant", "median us", "p20-p80 us", "GB/s"),
+            *("GB/s/SM", "vs copy", "vs 2-hop", "vs current", "model us", "model/meas"),
         ],
         [
             [
-                r.shape,
-                str(r.world_size),
-                r.rings,
-                ("on" if r.l2_discard else "off") if r.num_sms else "-",
-                str(r.num_sms),
-                r.op,
-                f"{r.median_us:.1f}",
-                f"{r.p20_us:.1f}-{r.p80_us:.1f}",
-                f"{r.gbps:.1f}",
-                cell(r.vs_copy, ".2f"),
-                cell(r.vs_two_hop, ".2f"),
-                r.goal,
+                *(r.shape, str(r.world_size), r.rings, ("on" if r.l2_discard else "off") if r.num_sms else "-"),
+                *(str(r.num_sms), r.op, r.variant, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}"),
+                *(f"{r.gbps:.1f}", cell(r.gbps_per_sm, ".1f"), cell(r.vs_copy, ".2f"), cell(r.vs_two_hop, ".2f")),
+                *(cell(r.vs_current, ".2f"), cell(r.model_us, ".1f"), cell(r.model_ratio, ".2f")),
             ]
             for r in rows
+        ],
+    )
+
+
+def print_variants(rows: list[Row], variants: list[str]) -> None:
+    """The variants side by side: per configuration and op, the current kernels' time over each
+    variant's (> 1: the variant is faster; "-": not timed, e.g. not resident)."""
+    if len(variants) < 2:
+        return
+    keys = list(
+        dict.fromkeys((r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.op) for r in rows if r.num_sms)
+    )
+    by = {(r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.op, r.variant): r for r in rows}
+    print()
+    print_rows(
+        "variants: current time / variant time (> 1: faster), same run",
+        ["shape", "W", "rings", "l2", "sms", "op", *variants],
+        [
+            [k[0], str(k[1]), k[2], "on" if k[3] else "off", str(k[4]), k[5]]
+            + [cell(by[(*k, v)].vs_current if (*k, v) in by else None, ".2f") for v in variants]
+            for k in keys
         ],
     )
 
@@ -205,24 +297,68 @@ def print_table(rows: list[Row]) -> None:
 def print_discard_ratios(rows: list[Row]) -> None:
     """Median time with l2_discard over the time without, per configuration timed both ways
     (below 1: the discard pays)."""
-    keep = {(r.shape, r.world_size, r.rings, r.num_sms, r.op): r for r in rows if r.num_sms and not r.l2_discard}
-    pairs = [
-        (keep[k], r)
-        for r in rows
-        if r.l2_discard
-        for k in [(r.shape, r.world_size, r.rings, r.num_sms, r.op)]
-        if k in keep
-    ]
+    key = lambda r: (r.shape, r.world_size, r.rings, r.num_sms, r.op, r.variant)  # noqa: E731
+    keep = {key(r): r for r in rows if r.num_sms and not r.l2_discard}
+    pairs = [(keep[key(r)], r) for r in rows if r.l2_discard and key(r) in keep]
     if pairs:
         print()
         print_rows(
             "l2_discard: time on / time off, same run",
-            ["shape", "W", "rings", "sms", "op", "ratio"],
+            ["shape", "W", "rings", "sms", "op", "variant", "ratio"],
             [
-                [on.shape, str(on.world_size), on.rings, str(on.num_sms), on.op, f"{on.median_us / off.median_us:.2f}"]
+                [*(on.shape, str(on.world_size), on.rings, str(on.num_sms), on.op, on.variant)]
+                + [f"{on.median_us / off.median_us:.2f}"]
                 for off, on in pairs
             ],
         )
+
+
+def best(rows: list[Row], key) -> Row | None:
+    return max(rows, key=key, default=None)
+
+
+def print_goals(rows: list[Row]) -> None:
+    """One line per goal of issue 21 that this run measured (greppable: "goal: ...")."""
+    timed = [r for r in rows if r.num_sms]
+    kernel_ops = ("dispatch bf16", "dispatch fp8", "combine bf16")
+    print()
+    per_sm = [r for r in timed if r.world_size == 4 and r.num_sms <= 4 and r.op in kernel_ops]
+    for op in kernel_ops:
+        if b := best([r for r in per_sm if r.op == op], lambda r: r.gbps_per_sm):
+            verdict = "met" if b.gbps_per_sm >= GOAL_GBPS_PER_SM else "MISSED"
+            print(
+                f"goal: {op} >= {GOAL_GBPS_PER_SM:g} GB/s per SM (4 ranks, 2-4 SMs): {verdict}, best "
+                f"{b.gbps_per_sm:.1f} ({b.variant}, {b.shape}, {b.num_sms} SMs, rings {b.rings})"
+            )
+    at16 = [r for r in timed if r.world_size == 8 and r.num_sms == 16 and r.op in ("dispatch bf16", "combine bf16")]
+    for op in ("dispatch bf16", "combine bf16"):
+        if b := best([r for r in at16 if r.op == op and not r.l2_discard], lambda r: r.vs_two_hop or 0):
+            verdict = "met" if (b.vs_two_hop or 0) >= GOAL_TWO_HOP else "MISSED"
+            print(
+                f"goal: {op} >= {GOAL_TWO_HOP} of the two-hop bound (8 ranks, 16 SMs, no l2_discard): {verdict}, "
+                f"best {cell(b.vs_two_hop, '.2f')} ({b.variant}, {b.shape}, rings {b.rings})"
+            )
+        if b := best([r for r in at16 if r.op == op and r.l2_discard and r.fits_l2], lambda r: r.vs_copy or 0):
+            verdict = "met" if (b.vs_copy or 0) >= GOAL_L2_COPY else "MISSED"
+            print(
+                f"goal: {op} >= {GOAL_L2_COPY} of a copy (8 ranks, 16 SMs, l2_discard, rings in L2): {verdict}, "
+                f"best {cell(b.vs_copy, '.2f')} ({b.variant}, {b.shape}, rings {b.rings})"
+            )
+    cached = {
+        (r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.variant): r
+        for r in timed
+        if r.op == "dispatch bf16"
+    }
+    for op in (FRESH_BUDGET, FRESH_HOST):
+        print_fresh_goal(
+            op,
+            [
+                (f"{r.variant}, {r.shape}, W={r.world_size}, {r.num_sms} SMs", r.median_us / cached[k].median_us)
+                for r in timed
+                if r.op == op and (k := (r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.variant)) in cached
+            ],
+        )
+    print_model_goal("rows", [r.model_ratio for r in timed if r.model_ratio is not None])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,9 +381,17 @@ def main(argv: list[str] | None = None) -> int:
         default=["off", "on"],
         help="Config.l2_discard per configuration (default: off on, side by side)",
     )
+    add_variant_args(parser)
     add_run_args(parser, warmup=3, iters=20)
     args = parser.parse_args(argv)
+    variants = variant_names(args.variants)
 
+    if args.estimate_only:
+        gpu = torch.device("cuda")
+        shapes = shapes_for(args, gpu)
+        plan = (args.world_sizes or [8], args.rings, args.l2_discard, args.num_sms or [4, 8, 16, 24], variants)
+        print_estimate("bench_intranode", plan_estimate(shapes, *plan, args))
+        return 0
     device = launch_device("bench_intranode")
     if device is None:
         return 1
@@ -260,44 +404,40 @@ def main(argv: list[str] | None = None) -> int:
             "bench_intranode: no GPU: running the CPU backend on a tiny shape to check the script; "
             "GPU goals not measured"
         )
+    print_estimate(
+        "bench_intranode",
+        plan_estimate(shapes, world_sizes, args.rings, args.l2_discard, num_sms_list, variants, args)
+        if on_gpu
+        else [("(a GPU run of this plan)", 0.0)],
+    )
     rows: list[Row] = []
     for shape in shapes:
         for world_size in world_sizes:
             copy_rate = None
             for rings in args.rings:
                 for l2_discard in args.l2_discard:
-                    new, copy_rate = bench_shape(
-                        shape, world_size, rings, l2_discard == "on", num_sms_list, args, device, copy_rate
+                    new, copy_rate = bench_config(
+                        shape, world_size, rings, l2_discard == "on", num_sms_list, variants, args, device, copy_rate
                     )
                     rows += new
     print_table(rows)
+    print_variants(rows, variants)
     print_discard_ratios(rows)
-    goals = [r for r in rows if r.goal]
-    if goals:
-        met = sum(r.goal == "met" for r in goals)
+    if on_gpu:
+        print_goals(rows)
+    else:
         print(
-            f"\ngoal: >= {GOAL_VS_COPY:.0%} of the d2d copy rate with num_sms <= {GOAL_MAX_SMS}: "
-            f"{met}/{len(goals)} rows met"
-        )
-        for op in sorted({r.op for r in goals}):
-            best = max((r for r in goals if r.op == op), key=lambda r: r.vs_copy)
-            print(
-                f"best {op} with num_sms <= {GOAL_MAX_SMS}: {best.vs_copy:.2f} of the copy, {best.vs_two_hop:.2f} of "
-                f"the two-hop bound ({best.shape}, rings {best.rings}, "
-                f"l2_discard {'on' if best.l2_discard else 'off'}, {best.num_sms} SMs)"
-            )
-    if not on_gpu:
-        print(
-            "\nbench_intranode: CPU backend: the times check the script only (l2_discard writes a poison pattern "
-            "there; its ratios say nothing about a GPU)"
+            f"\nbench_intranode: CPU backend ({timed_runs(args, device)} runs a case): the times check the script "
+            "only (l2_discard writes a poison pattern there; the variants' CPU ratios above say nothing about a GPU)"
         )
     if args.json:
         write_json(
             args.json,
             device,
-            rows,
+            [dict(dataclasses.asdict(r), gbps_per_sm=r.gbps_per_sm, model_ratio=r.model_ratio) for r in rows],
             rings=args.rings,
             l2_discard=args.l2_discard,
+            variants=variants,
             byte_formula="payload rows delivered x row bytes",
         )
     return 0

@@ -101,9 +101,11 @@ KERNEL_FILES=(python_tests/test_intranode_cuda.py python_tests/test_internode_cu
 if [[ "$DRY_RUN" == 1 ]]; then
   step tests 300 "$PY" -m pytest "${KERNEL_FILES[@]}" python_tests/test_env.py -q -x -p no:cacheprovider \
        --junitxml="$OUT/tests.xml"
-  # The CPU backends of the intranode and internode protocols on tiny shapes: checks the benchmark scripts.
-  step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
-  step bench_internode 120 "$PY" benchmarks/bench_internode.py --json "$OUT/bench_internode.json"
+  # The CPU backends of the intranode and internode protocols on tiny shapes: checks the benchmark scripts
+  # and the variant sweep's plan (every variant side by side, their CPU ratios).
+  step bench_intranode 120 "$PY" benchmarks/bench_intranode.py --world-sizes 4 --num-sms 2 4 --rings 32x8 \
+       --l2-discard off --variants all --json "$OUT/bench_intranode.json"
+  step bench_internode 120 "$PY" benchmarks/bench_internode.py --variants all --json "$OUT/bench_internode.json"
 else
   # What only a GPU can check comes first, one process per kernel family: a kernel fault poisons
   # its CUDA context, and the next family still runs in a fresh one. -v names a test that hangs;
@@ -113,9 +115,15 @@ else
   # failing to open a NIC (a cluster's own setting, when exported, wins).
   if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"; fi
   step tests_intranode 120 "${PYTEST[@]}" python_tests/test_intranode_cuda.py -m gpu --junitxml="$OUT/tests_intranode.xml"
-  # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, rings 32x8 and 4x2, each without and
-  # with l2_discard, vs a d2d copy in the same run.
-  step bench_intranode 150 "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
+  # Issue 21's measurement points, every kernel variant side by side (GB/s per SM, vs the current kernels,
+  # vs a d2d copy, the cost model's prediction / measurement); predicted GPU time from the 2026-11-30 rates
+  # (bench_intranode.py --estimate-only with the same arguments): 23 s and 23 s.
+  # 4 simulated ranks at 2 and 4 SMs each, DeepSeek-V3 and Qwen3: the per-SM goal (25 GB/s per SM).
+  step bench_per_sm 75 "$PY" benchmarks/bench_intranode.py --world-sizes 4 --num-sms 2 4 --shapes deepseek-v3 qwen3 \
+       --rings 32x8 --l2-discard off --variants all --warmup 2 --iters 8 --json "$OUT/bench_per_sm.json"
+  # 8 ranks at 16 SMs: rings 32x8 (the two-hop HBM bound) and 4x2 (in L2), without and with l2_discard.
+  step bench_intranode 75 "$PY" benchmarks/bench_intranode.py --world-sizes 8 --num-sms 16 --shapes deepseek-v3 \
+       --rings 32x8 4x2 --l2-discard off on --variants all --warmup 2 --iters 8 --json "$OUT/bench_intranode.json"
   # Where the time goes: Nsight Compute on one dispatch and one combine launch (DeepSeek-V3, EP8,
   # 16 SMs per rank): memory throughput against the peak, stall reasons, occupancy.
   if command -v ncu > /dev/null; then
@@ -138,10 +146,11 @@ else
          --warmup 1 --iters 3 || exit 1; done; done' "$PY"
   fi
   step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -m gpu --junitxml="$OUT/tests_internode.xml"
-  # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU, the fused
-  # and the staged pipeline side by side (a fused/staged table); cross-node bytes against the de-dup
-  # lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
-  step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 6 12 --json "$OUT/bench_internode.json"
+  # Loopback of the hierarchical kernels, 2x4 simulated nodes x ranks at 12 SMs: the fused pipeline's variants
+  # side by side and the staged pipeline (a fused/staged table), a budget-mode fresh dispatch, cross-node bytes
+  # against the de-dup lower bound, payload GB/s vs a d2d copy; predicted GPU time 14 s.
+  step bench_internode 60 "$PY" benchmarks/bench_internode.py --worlds 2x4 --num-sms 12 --shapes deepseek-v3 \
+       --variants all --warmup 2 --iters 8 --json "$OUT/bench_internode.json"
   # Deeper rings and bigger chunks for the node stage (the staged pipeline's warps waited at its
   # per-chunk group barriers; the fused one's RDMA warps put their own chunks).
   step bench_internode_chunks 45 "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 4x2 \
@@ -187,7 +196,7 @@ done
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU visible"
   column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"  # no column(1) on some images
   for log in tests tests_intranode tests_internode tests_kernels tests_torch_dist tests_rest; do grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"; done
-  grep -h -E "^(goal:|best )" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
+  grep -h -E "^(goal:|model:)" "$OUT/bench_per_sm.log" "$OUT/bench_intranode.log" 2>/dev/null | sed 's/^/intranode /'
   awk '/^l2_discard: time on/ {on = 1; next} on == 1 && $1 == "shape" {on = 2; next} on == 2 && NF == 0 {on = 0}
        on == 2 && $4 == 16 {if (!shown++) print "intranode l2_discard, time on / time off, 16 SMs:"
                             sub(/[ \t]+$/, ""); print "intranode  " $0}' "$OUT/bench_intranode.log" 2>/dev/null

@@ -28,9 +28,12 @@ class Shape:
 
 SHAPES = {
     "deepseek-v3": Shape("deepseek-v3", 4096, 7168, 8, 256),
+    "qwen3": Shape("qwen3", 4096, 4096, 8, 128),  # Qwen3-235B-A22B: hidden 4096, 128 experts, top-8
     "gpt-oss": Shape("gpt-oss", 4096, 2880, 4, 128),
     "tiny": Shape("tiny", 64, 256, 4, 32),
 }
+GOAL_GBPS_PER_SM = 25.0  # issue 21: payload per SM where HBM does not bind (DeepEP V2: 643 GB/s / 24 SMs)
+MODEL_GOOD = (0.7, 1.3)  # model / measurement counted as a good prediction
 
 
 def time_gpu(fn, warmup: int, iters: int) -> tuple[float, float, float]:
@@ -124,6 +127,78 @@ def cached_cases(lb, shape: Shape, xs, xs8, idxs, ws, num_sms: int):
     return handles, received, cases
 
 
+def variant_names(requested: list[str], usable=None) -> list[str]:
+    """The variants to time: ``requested`` ("all": every one of moe_dispatch.config.VARIANTS),
+    "current" always first (the others' ratios are to it), kept only where ``usable(name)``."""
+    from moe_dispatch.config import VARIANTS
+
+    names = list(VARIANTS) if "all" in requested else list(dict.fromkeys(["current", *requested]))
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; the variants are {sorted(VARIANTS)} or 'all'")
+    return [n for n in names if usable is None or usable(n)]
+
+
+def add_variant_args(parser) -> None:
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["current"],
+        help="kernel variants (moe_dispatch.config.VARIANTS) to time side by side, or 'all' (default: current)",
+    )
+    parser.add_argument(
+        "--estimate-only",
+        action="store_true",
+        help="print the GPU time this plan is predicted to take (the cost model: 2026-11-30 rates) and exit",
+    )
+
+
+def not_resident(err: Exception) -> bool:
+    """Whether a launch failed because its blocks cannot all be resident (a variant without the
+    register cap, one block per SM, in a loopback of many ranks): that row is skipped."""
+    return isinstance(err, ValueError) and "resident at once" in str(err)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def timed_runs(args, device: torch.device) -> int:
+    """Launches one timed case costs: warmup and iterations (CPU: 1 + 3)."""
+    return args.warmup + args.iters if device.type == "cuda" else 4
+
+
+GOAL_FRESH = 1.1  # issue 21: a fresh dispatch at most 1.1x a cached one
+
+
+def print_fresh_goal(op: str, fresh: list[tuple[str, float]]) -> None:
+    """The fresh-dispatch goal line: ``fresh`` = (where, fresh time / cached time) per configuration."""
+    if fresh:
+        where, x = min(fresh, key=lambda p: p[1])
+        print(
+            f"goal: {op} <= {GOAL_FRESH}x the cached dispatch: {'met' if x <= GOAL_FRESH else 'MISSED'}, "
+            f"best {x:.2f}x ({where}), worst {max(p[1] for p in fresh):.2f}x"
+        )
+
+
+def print_model_goal(what: str, ratios: list[float]) -> None:
+    """The cost model's line: how many of ``what``'s model / measurement ratios are good."""
+    if ratios:
+        good = sum(MODEL_GOOD[0] <= x <= MODEL_GOOD[1] for x in ratios)
+        print(
+            f"model: {good}/{len(ratios)} {what} predicted within {MODEL_GOOD[0]}-{MODEL_GOOD[1]} of the measurement "
+            f"(model/meas {min(ratios):.2f}..{max(ratios):.2f})"
+        )
+
+
+def print_estimate(name: str, steps: list[tuple[str, float]]) -> None:
+    """``steps``: (what, predicted GPU seconds) of a plan."""
+    total = sum(t for _, t in steps)
+    print(f"{name}: predicted GPU time of this plan (moe_dispatch.costmodel, 2026-11-30 rates): {total:.1f} s")
+    for what, t in steps:
+        print(f"  {what}: {t:.1f} s")
+
+
 def time_copy(nbytes: int, device: torch.device, args) -> tuple[float, float, float, float]:
     """The baseline: a torch device-to-device copy of ``nbytes``: (median, p20, p80 us, GB/s)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -190,7 +265,7 @@ def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def write_json(path: str, device: torch.device, rows: list, **env) -> None:
-    """The rows (dataclasses) and the environment (``env`` after device, torch, gpu) to ``path``."""
+    """The rows (dataclasses or dicts) and the environment (``env`` after device, torch, gpu) to ``path``."""
     on_gpu = device.type == "cuda"
     env = {
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
@@ -199,4 +274,6 @@ def write_json(path: str, device: torch.device, rows: list, **env) -> None:
         **env,
     }
     with open(path, "w") as f:
-        json.dump({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        json.dump(
+            {"env": env, "rows": [r if isinstance(r, dict) else dataclasses.asdict(r) for r in rows]}, f, indent=1
+        )

@@ -247,12 +247,14 @@ def _resolve_arguments(
         if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
             raise ValueError(f"num_sms {error}, or None for the default")
         field = "config"
-        check_config(config)
+        if isinstance(config, str) and config != "auto":
+            raise ValueError(f"config must be a moe_dispatch.config.Config, None or 'auto', got {config!r}")
+        if config != "auto":
+            check_config(config)
         if config is not None:
             if num_sms is not None:
-                raise ValueError(
-                    f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: pass one"
-                )
+                budget = "'auto'" if config == "auto" else f"(num_sms={config.num_sms})"
+                raise ValueError(f"num_sms={num_sms} and config {budget} both set the SM budget: pass one")
         elif num_sms is not None:
             config = Config(num_sms=num_sms)
         field = "num_chunks"
@@ -358,9 +360,11 @@ class Buffer:
             on every transport, used by ``"kernels"`` only), None = the default ``Config``.
         config: the CUDA kernels' whole launch shape and queue sizes, a
             :class:`moe_dispatch.config.Config` (``num_sms``, ring depth ``num_slots``,
-            ``chunk_tokens``, ``l2_discard``); None = ``Config(num_sms=num_sms)``, or ``Config()``
-            when ``num_sms`` is None too. Pass ``num_sms`` or ``config``, not both. Used by
-            ``transport="kernels"`` only.
+            ``chunk_tokens``, ``l2_discard``, the kernel variant); None = ``Config(num_sms=num_sms)``,
+            or ``Config()`` when ``num_sms`` is None too; ``"auto"``: ``Config.auto`` (the cost
+            model's SMs and ring depth) at the first dispatch, from the fields every rank agreed on
+            (:class:`~moe_dispatch.transport.kernels.KernelTransport`). Pass ``num_sms`` or
+            ``config``, not both. Used by ``transport="kernels"`` only.
         timeout_s: bound, in seconds, on every collective: a rank that never joins makes the
             others raise ``CommError`` naming the operation and the peers instead of hanging.
         num_chunks: pipeline depth of ``transport="torch_dist"``: each source splits its tokens
@@ -378,7 +382,7 @@ class Buffer:
             num_sms/timeout_s/num_chunks, both num_sms and config, transport="kernels" for a
             group spanning nodes; the ranks' resolved transport, ranks_per_node, num_chunks or
             (kernels) config differ.
-        TypeError: group is not a ProcessGroup, config is not a Config.
+        TypeError: group is not a ProcessGroup, config is not a Config (nor None or "auto").
         RuntimeError: transport="kernels" without the built extension.
         CommError: a rank did not construct its Buffer within ``timeout_s``.
 
@@ -395,7 +399,7 @@ class Buffer:
         transport: str = "auto",
         num_sms: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        config: Config | None = None,
+        config: Config | str | None = None,
         num_chunks: int | None = None,
     ):
         if not dist.is_initialized():
@@ -421,7 +425,7 @@ class Buffer:
         _align_group_count(max((p[_GROUP_COUNT] for p in posts if p[_GROUP_COUNT] is not None), default=None))
         self.group, self.topology, self.device = args["group"], args["topology"], args["device"]
         self.transport_name, self.transport_reason = args["transport"], args["transport_reason"]
-        self.num_sms = args["config"].num_sms if args["config"] is not None else None
+        self.num_sms = args["config"].num_sms if isinstance(args["config"], Config) else None
         self.timeout_s = args["timeout_s"]
         self._uid = next(_BUFFER_IDS)
         if self.transport_name == "kernels":

@@ -1,7 +1,8 @@
 """``Config``: launch shape and queue sizes of the CUDA intranode kernels.
 
 Pure Python (no extension needed): it validates itself when built, sizes the communication
-buffer, and ``Config.auto`` picks defaults from the shape. The byte layouts mirror
+buffer, and ``Config.auto`` picks the SM budget and ring depth from the shape with the analytical
+model of :mod:`moe_dispatch.costmodel`. The byte layouts mirror
 ``csrc/kernels/intranode.cuh`` (``make_slot_layout``, ``make_buffer_layout``); a CPU test
 checks the mirror against the extension.
 """
@@ -9,7 +10,6 @@ checks the mirror against the extension.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 # Limits of the kernels (csrc/kernels/intranode.cuh); _C.intranode_limits reports the same.
 MAX_RANKS = 16  # warp groups of a 16-warp block: one per peer
@@ -21,6 +21,43 @@ ERROR_RECORD_INTS = 16
 MISMATCH_RECORD_WORDS = 8  # csrc/kernels/header.cuh MismatchRecord
 HEADER_WORDS = 8
 INTERNODE_PIPELINES = ("fused", "staged")
+MAX_ROWS_IN_FLIGHT = 2
+COMBINE_WARPS = (1, 2, 4)
+# The compiled copy kernels (csrc/kernels/variant.cuh kCopyVariants; _C.copy_variants reports the
+# same): (loads_in_flight, rows_in_flight, bulk_copy, register_cap, also compiled for the fused
+# internode kernels' loopback mode).
+COPY_VARIANTS = (
+    (4, 1, False, True, True),  # the current kernels
+    (8, 1, False, True, False),
+    (4, 1, False, False, True),
+    (8, 2, False, False, True),
+    (16, 2, False, False, False),
+    (4, 1, True, True, True),  # TMA bulk copies
+)
+
+
+# The named kernel variants the benchmarks time side by side and the tests run (Config fields
+# over the current kernels'; csrc/kernels/variant.cuh says why each should help).
+VARIANTS: dict[str, dict] = {
+    "current": {},
+    "loads8": {"loads_in_flight": 8},
+    "uncapped": {"register_cap": False},
+    "rows2": {"loads_in_flight": 8, "rows_in_flight": 2, "register_cap": False},
+    "rows2-loads16": {"loads_in_flight": 16, "rows_in_flight": 2, "register_cap": False},
+    "bulk": {"bulk_copy": True},
+    "flags": {"slot_flags": True},
+    "team2": {"combine_warps": 2},
+    "team4": {"combine_warps": 4},
+    "backoff": {"coordinator_backoff": True},
+    "combined": {
+        "loads_in_flight": 8,
+        "rows_in_flight": 2,
+        "register_cap": False,
+        "slot_flags": True,
+        "combine_warps": 2,
+        "coordinator_backoff": True,
+    },
+}
 
 
 def _align(value: int, alignment: int) -> int:
@@ -181,6 +218,31 @@ class Config:
             source node), kept to time both side by side (``benchmarks/bench_internode.py``).
             The intranode kernels ignore it.
 
+    Kernel variants (``csrc/kernels/variant.cuh`` says why each should help; the defaults are the
+    current kernels; every choice gives the same results bit for bit;
+    ``benchmarks/bench_intranode.py`` and ``bench_internode.py`` time them side by side):
+
+    Attributes:
+        loads_in_flight: 16-byte loads per lane a row copy keeps in flight (over
+            ``rows_in_flight`` rows); the combine's reduction keeps half as many per holder.
+        rows_in_flight: rows (1 or 2) a warp copies at once: the ring loops hand it that many
+            slots together.
+        bulk_copy: rows move by TMA bulk copies (``cp.async.bulk`` through shared memory, sm_90+;
+            the CPU backend copies as always).
+        register_cap: ``__launch_bounds__(512, 2)`` (the current kernels, at most 64 registers);
+            False: ``(512, 1)``, no cap, one block per SM.
+        (loads_in_flight, rows_in_flight, bulk_copy, register_cap) must be one of the compiled
+        :data:`COPY_VARIANTS`; the fused internode kernels have the ones marked so in their
+        loopback mode (their NVSHMEM mode and the staged pipeline's stage 1 run the current
+        copies; its stage 2 is the intranode kernels).
+        slot_flags: per-slot ready flags instead of per-chunk tails (no group barrier per chunk;
+            intranode kernels only, the internode ones ignore it). Every rank must agree: the
+            header check compares it.
+        combine_warps: warps (1, 2, 4) that reduce one token together, each over its share of the
+            row's columns (intranode combine and the internode source reducers).
+        coordinator_backoff: the combine coordinator sleeps (``__nanosleep``, 64 ns doubling to
+            1 us) while no worker moved, instead of spinning.
+
     Raises:
         ValueError: naming the field, the rule and the value, when built.
     """
@@ -190,14 +252,32 @@ class Config:
     chunk_tokens: int = 8
     l2_discard: bool = False
     internode_pipeline: str = "fused"
+    loads_in_flight: int = 4
+    rows_in_flight: int = 1
+    bulk_copy: bool = False
+    register_cap: bool = True
+    slot_flags: bool = False
+    combine_warps: int = 1
+    coordinator_backoff: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_sms", "num_slots", "chunk_tokens"):
+        for name in ("num_sms", "num_slots", "chunk_tokens", "loads_in_flight", "rows_in_flight", "combine_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"Config.{name} must be an int, got {value!r}")
-        if not isinstance(self.l2_discard, bool):
-            raise ValueError(f"Config.l2_discard must be a bool, got {self.l2_discard!r}")
+        for name in ("l2_discard", "bulk_copy", "register_cap", "slot_flags", "coordinator_backoff"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not 1 <= self.rows_in_flight <= MAX_ROWS_IN_FLIGHT:
+            raise ValueError(f"Config.rows_in_flight must be in [1, {MAX_ROWS_IN_FLIGHT}], got {self.rows_in_flight}")
+        if self.combine_warps not in COMBINE_WARPS:
+            raise ValueError(f"Config.combine_warps must be one of {COMBINE_WARPS}, got {self.combine_warps}")
+        if self.copy_variant not in [v[:4] for v in COPY_VARIANTS]:
+            compiled = ", ".join(f"{v[:4]}" for v in COPY_VARIANTS)
+            raise ValueError(
+                "Config (loads_in_flight, rows_in_flight, bulk_copy, register_cap) must be a compiled copy "
+                f"variant: one of {compiled}; got {self.copy_variant}"
+            )
         if self.internode_pipeline not in INTERNODE_PIPELINES:
             raise ValueError(
                 f"Config.internode_pipeline must be one of {INTERNODE_PIPELINES}, got {self.internode_pipeline!r}"
@@ -213,34 +293,126 @@ class Config:
     def num_channels(self) -> int:
         return self.num_sms // 2
 
+    @property
+    def copy_variant(self) -> tuple[int, int, bool, bool]:
+        """``(loads_in_flight, rows_in_flight, bulk_copy, register_cap)``: the compiled copy kernel."""
+        return (self.loads_in_flight, self.rows_in_flight, self.bulk_copy, self.register_cap)
+
+    @property
+    def fused_copy(self) -> bool:
+        """Whether the fused internode kernels are compiled for this copy variant (loopback mode)."""
+        return next(v[4] for v in COPY_VARIANTS if v[:4] == self.copy_variant)
+
+    def with_variant(self, name: str) -> "Config":
+        """This config with the fields of the named variant (:data:`VARIANTS`) over the current
+        kernels' (the others kept). Raises ValueError for an unknown name."""
+        if name not in VARIANTS:
+            raise ValueError(f"unknown kernel variant {name!r}; the variants are {sorted(VARIANTS)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.name in _VARIANT_FIELDS}
+        return dataclasses.replace(self, **{**defaults, **VARIANTS[name]})
+
+    @property
+    def variant_name(self) -> str:
+        """The name of this config's variant in :data:`VARIANTS`, or "custom"."""
+        mine = self.variant_fields()
+        return next((name for name in VARIANTS if Config().with_variant(name).variant_fields() == mine), "custom")
+
+    def variant_fields(self) -> dict[str, int]:
+        """The variant as the kernels' launch dicts carry it (csrc/kernels/bind_args.h parse_variant)."""
+        return {
+            "loads_in_flight": self.loads_in_flight,
+            "rows_in_flight": self.rows_in_flight,
+            "bulk_copy": int(self.bulk_copy),
+            "register_cap": int(self.register_cap),
+            "slot_flags": int(self.slot_flags),
+            "combine_warps": self.combine_warps,
+            "coordinator_backoff": int(self.coordinator_backoff),
+        }
+
     @classmethod
     def auto(
         cls,
         num_tokens: int,
         world_size: int,
         *,
+        hidden: int = 7168,
+        num_topk: int = 8,
+        num_experts: int | None = None,
+        fp8: bool = False,
+        element_bytes: int = 2,
+        num_nodes: int = 1,
+        machine=None,
+        max_sms: int = 24,
         num_sms: int | None = None,
         num_slots: int | None = None,
         chunk_tokens: int | None = None,
         l2_discard: bool = False,
+        **fields,
     ) -> "Config":
-        """Defaults from the shape; explicit arguments win.
+        """The SM budget and ring depth the analytical model (:mod:`moe_dispatch.costmodel`)
+        chooses for the shape on a real node; explicit arguments win.
 
-        One channel per 256 tokens of the largest rank, 1 to 8 channels (so <= 16 SMs: the
-        rest stay with the GEMMs); chunks of 8 tokens (4 below 64 tokens per channel) in a ring
-        four chunks deep.
+        Args:
+            num_tokens: T per rank; ``world_size``: W ranks (``num_nodes`` nodes of W / N).
+            hidden, num_topk, num_experts (default 32 W), fp8 (dispatch of e4m3 rows),
+                element_bytes (2: bf16/fp16, 4: fp32): the shape (defaults: DeepSeek-V3's).
+            machine: a :class:`moe_dispatch.costmodel.Machine` (GPU, NVLink and NIC bandwidths,
+                fitted latencies); default ``costmodel.H200`` (H200 with NVLink4, CX7).
+            max_sms: the most SMs it may take (the rest stay with the experts' GEMMs).
+            num_sms, num_slots, chunk_tokens, l2_discard, **fields: Config fields to keep as
+                given (a variant's fields too: the model predicts for that variant).
+
+        The choice (``costmodel.choose``): the fewest SMs within 10% of the best predicted
+        dispatch + combine time up to ``max_sms``, then the shallowest ring within 10% of a deep
+        one. Every rank derives the same Config from the same arguments.
+
+        Raises:
+            ValueError: a shape argument out of range, or a Config field's own check.
         """
-        if num_sms is None:
-            num_sms = 2 * max(1, min(8, math.ceil(max(num_tokens, 1) / 256)))
-        per_channel = max(1, num_tokens // (num_sms // 2))
-        if chunk_tokens is None:
-            chunk_tokens = 8 if per_channel >= 64 else 4
-        if num_slots is None:
-            num_slots = 4 * chunk_tokens
-        del world_size  # the ring depth does not grow with W: every peer has its own rings
-        return cls(num_sms=num_sms, num_slots=num_slots, chunk_tokens=chunk_tokens, l2_discard=l2_discard)
+        from . import costmodel
+
+        for name, value, low in (("num_tokens", num_tokens, 0), ("world_size", world_size, 1), ("hidden", hidden, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Config.auto: {name} must be an int >= {low}, got {value!r}")
+        if not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+            raise ValueError(f"Config.auto: num_nodes must divide world_size={world_size}, got {num_nodes!r}")
+        num_experts = num_experts or 32 * world_size
+        if num_experts % world_size or not 0 <= num_topk <= min(MAX_TOPK, num_experts):
+            raise ValueError(
+                f"Config.auto: num_experts must be a multiple of world_size={world_size} and num_topk in "
+                f"[0, min({MAX_TOPK}, num_experts)], got num_experts={num_experts}, num_topk={num_topk}"
+            )
+        base = cls(l2_discard=l2_discard, **fields)
+        workload = costmodel.Workload(
+            max(num_tokens, 1),
+            hidden,
+            num_topk,
+            num_experts,
+            world_size,
+            world_size // num_nodes,
+            fp8=fp8,
+            element_bytes=element_bytes,
+        )
+        sms, slots, chunk = costmodel.choose(workload, base, machine=machine or costmodel.H200, max_sms=max_sms)
+        num_sms = num_sms or sms
+        chunk_tokens = chunk_tokens or min(chunk, num_slots or chunk)
+        num_slots = num_slots or max(slots, chunk_tokens)
+        if num_nodes > 1:  # the internode kernels put whole chunks: the chunk divides the ring
+            num_slots = -(-num_slots // chunk_tokens) * chunk_tokens
+        return dataclasses.replace(base, num_sms=num_sms, num_slots=num_slots, chunk_tokens=chunk_tokens)
 
     def buffer_bytes(self, world_size: int, slot_bytes: int) -> int:
         """Bytes of one rank's communication buffer for ``world_size`` ranks and slots of
         ``slot_bytes`` (see :func:`max_slot_bytes`)."""
         return buffer_layout(world_size, self.num_channels, self.num_slots, slot_bytes).total_bytes
+
+
+_VARIANT_FIELDS = (
+    "loads_in_flight",
+    "rows_in_flight",
+    "bulk_copy",
+    "register_cap",
+    "slot_flags",
+    "combine_warps",
+    "coordinator_backoff",
+)

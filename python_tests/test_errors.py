@@ -142,6 +142,16 @@ def _bad_input_cases(buf: Buffer) -> dict:
             r"config must be a moe_dispatch.config.Config or None, got dict",
             lambda: Buffer(config={"num_sms": 4}),
         ),
+        "config-string": lambda: _raises(
+            ValueError,
+            r"config must be a moe_dispatch.config.Config, None or 'auto', got 'fast'",
+            lambda: Buffer(config="fast"),
+        ),
+        "num-sms-and-auto": lambda: _raises(
+            ValueError,
+            r"num_sms=4 and config 'auto' both set the SM budget: pass one",
+            lambda: Buffer(num_sms=4, config="auto"),
+        ),
         "num-sms-and-config": lambda: _raises(
             ValueError,
             r"num_sms=4 and config \(num_sms=8\) both set the SM budget: "

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import Config, max_slot_bytes
+from moe_dispatch.config import VARIANTS, Config, max_slot_bytes
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.transport.internode import (
@@ -131,9 +131,12 @@ def cpu_loopback(
     group_warps=1,
     workers=2,
     timeout_s=60,
+    variant="current",
     **kw,
 ) -> InternodeLoopback:
-    config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, internode_pipeline=pipeline)
+    config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, internode_pipeline=pipeline).with_variant(
+        variant
+    )
     return InternodeLoopback(
         N,
         L,
@@ -227,11 +230,27 @@ CPU_WORLDS = [
 ]
 
 
+def world_id(c) -> str:
+    return c if isinstance(c, str) else f"{c[0]}x{c[1]}-K{c[4]}-slots{c[6]}-chunk{c[7]}"
+
+
+# The internode kernels' variants whose role code differs (rows in pairs, combine teams in the
+# source reducers, the coordinators' backoff; ready flags are intranode only) on the worlds with
+# an empty rank, N = 3, and one-slot rings; every world with the current kernels.
+INTERNODE_VARIANTS = ["rows2", "team2", "team4", "backoff", "combined"]
+FUSED_CASES = [(case, "current") for case in CPU_WORLDS] + [
+    (case, name) for case in (CPU_WORLDS[2], CPU_WORLDS[4], CPU_WORLDS[5]) for name in INTERNODE_VARIANTS
+]
+
+
 @built
-@pytest.mark.parametrize("case", CPU_WORLDS, ids=lambda c: f"{c[0]}x{c[1]}-K{c[4]}-slots{c[6]}-chunk{c[7]}")
-def test_cpu_fused_matches_oracle(case):
+@pytest.mark.parametrize("case, variant", FUSED_CASES, ids=world_id)
+def test_cpu_fused_matches_oracle(case, variant):
     N, L, tokens, hidden, K, E, slots, chunk, group_warps, workers, skewed = case
-    lb = cpu_loopback(N, L, hidden, K, slots=slots, chunk=chunk, group_warps=group_warps, workers=workers)
+    workers = max(workers, 4) if variant.startswith("team") or variant == "combined" else workers
+    lb = cpu_loopback(
+        N, L, hidden, K, slots=slots, chunk=chunk, group_warps=group_warps, workers=workers, variant=variant
+    )
     xs, idxs, ws = make_world(seed_of(case), N * L, tokens, hidden, K, E, skewed=skewed)
     first = roundtrip(lb, xs, idxs, ws, E, row_scales=True)
     assert all(isinstance(r.handle, InternodeHandle) for r in first)
@@ -246,14 +265,25 @@ def test_cpu_fused_matches_oracle(case):
 
 @built
 @pytest.mark.parametrize(
-    "case",
-    [CPU_WORLDS[2], CPU_WORLDS[4], CPU_WORLDS[5]],
-    ids=lambda c: f"{c[0]}x{c[1]}-K{c[4]}-slots{c[6]}-chunk{c[7]}",
+    "case, variant",
+    [(CPU_WORLDS[2], "current"), (CPU_WORLDS[4], "current"), (CPU_WORLDS[5], "current")]
+    + [(CPU_WORLDS[4], name) for name in ("combined", "flags")],
+    ids=world_id,
 )
-def test_cpu_staged_matches_oracle(case):
+def test_cpu_staged_matches_oracle(case, variant):
+    """The staged pipeline; its stage 2 is the intranode kernels, ready flags included."""
     N, L, tokens, hidden, K, E, slots, chunk, group_warps, workers, skewed = case
     lb = cpu_loopback(
-        N, L, hidden, K, pipeline="staged", slots=slots, chunk=chunk, group_warps=group_warps, workers=workers
+        N,
+        L,
+        hidden,
+        K,
+        pipeline="staged",
+        slots=slots,
+        chunk=chunk,
+        group_warps=group_warps,
+        workers=max(workers, 4),
+        variant=variant,
     )
     xs, idxs, ws = make_world(seed_of(case), N * L, tokens, hidden, K, E, skewed=skewed)
     first = roundtrip(lb, xs, idxs, ws, E, row_scales=True)
@@ -410,12 +440,14 @@ def test_bad_arguments_name_the_value():
 
 
 TSAN_CASES = [
-    # N, L, channels, slots, chunk, group_warps, workers, rounds
+    # N, L, channels, slots, chunk, group_warps, workers, rounds[, variant fields]
     (2, 2, 2, 2, 1, 2, 2, 3),
     (3, 1, 1, 2, 2, 1, 3, 3),  # N not a power of two, L = 1, one chunk fills the ring
     (2, 2, 1, 1, 1, 1, 1, 2),  # one-slot rings: every slot is reused at once
     (1, 3, 2, 2, 1, 2, 2, 2),  # one node: stage 1 is a local copy
     (2, 4, 1, 2, 1, 1, 2, 2),
+    (2, 2, 2, 4, 2, 2, 4, 3, "rows=2", "team=2", "backoff=1"),  # the variants whose role code differs
+    (3, 2, 1, 2, 2, 2, 4, 2, "rows=2", "team=4"),
 ]
 
 
@@ -614,6 +646,18 @@ def test_gpu_internode_loopback_matches_oracle(case, pipeline):
             cpu(a.recv_x if not fp8 else a.recv_x[0]).view(torch.uint8),
             cpu(b.recv_x if not fp8 else b.recv_x[0]).view(torch.uint8),
         )
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "current" and Config().with_variant(v).fused_copy])
+def test_gpu_fused_variants_match_oracle(variant):
+    """The fused kernels of every variant compiled for them (copies, TMA, launch bounds: what the
+    CPU backend cannot run), 2x4, bf16 and fp8, with l2_discard."""
+    config = Config(num_sms=12, num_slots=16, chunk_tokens=4, l2_discard=True).with_variant(variant)
+    lb = InternodeLoopback(2, 4, 7168, 8, config=config, timeout_s=20)
+    for fp8 in (False, True):
+        xs, idxs, ws = make_world(seed_of((variant, fp8)), 8, 256, 7168, 8, 64, device="cuda")
+        roundtrip(lb, xs, idxs, ws, 64, row_scales=not fp8, fp8=fp8)
 
 
 @needs_gpu

@@ -31,11 +31,17 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layout
+from moe_dispatch.config import COPY_VARIANTS, VARIANTS, Config, buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
-from moe_dispatch.transport.header import STATUS_INVALID_ARGUMENTS, STATUS_TEST, MismatchError, describe_mismatch
+from moe_dispatch.transport.header import (
+    STATUS_INVALID_ARGUMENTS,
+    STATUS_TEST,
+    MismatchError,
+    describe_mismatch,
+    header_words,
+)
 from moe_dispatch.transport.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
@@ -219,13 +225,38 @@ def test_config_validates_itself():
         Config(num_slots="8")
     with pytest.raises(ValueError, match=r"Config.l2_discard must be a bool, got 1"):
         Config(l2_discard=1)
-    assert Config.auto(4096, 8).num_sms == 16 and Config.auto(4096, 8, l2_discard=True).l2_discard
-    assert Config.auto(128, 8).num_sms == 2 and Config.auto(32, 8).chunk_tokens == 4
+    assert Config.auto(4096, 8, l2_discard=True).l2_discard and Config.auto(32, 8).chunk_tokens == 4
     auto = Config.auto(4096, 8, num_sms=24)
     assert auto.num_channels == 12 and auto.num_slots >= auto.chunk_tokens
     # DeepSeek-V3 dispatch slots: bf16 row + top-8, fp8 row + 56 scales; EP8 with 8 channels.
     assert max_slot_bytes(7168, 8) == slot_layout(7168 * 2, 0, 8).slot_bytes
     assert Config().buffer_bytes(8, max_slot_bytes(7168, 8)) < 64 << 20
+
+
+@built
+def test_copy_variants_mirror_matches_extension():
+    compiled = [tuple(v) for v in _ext._C.copy_variants]
+    assert compiled == [(a, b, int(c), int(d), int(e)) for a, b, c, d, e in COPY_VARIANTS]
+    assert _ext._C.intranode_limits["max_rows_in_flight"] == 2
+
+
+def test_config_variants_validate_themselves():
+    assert Config().variant_name == "current" and Config().copy_variant == (4, 1, False, True)
+    for name in VARIANTS:
+        assert Config(num_sms=4).with_variant(name).variant_name == name
+    # A variant replaces the variant fields, not the rest of the config.
+    assert Config(num_sms=6).with_variant("flags").with_variant("team2") == Config(num_sms=6, combine_warps=2)
+    with pytest.raises(ValueError, match=r"must be a compiled copy variant: one of \(4, 1, False, True\).*got \(16, 1"):
+        Config(loads_in_flight=16)
+    with pytest.raises(ValueError, match=r"Config.combine_warps must be one of \(1, 2, 4\), got 3"):
+        Config(combine_warps=3)
+    with pytest.raises(ValueError, match=r"Config.rows_in_flight must be in \[1, 2\], got 0"):
+        Config(rows_in_flight=0)
+    with pytest.raises(ValueError, match=r"Config.slot_flags must be a bool, got 1"):
+        Config(slot_flags=1)
+    with pytest.raises(ValueError, match=r"unknown kernel variant 'fast'"):
+        Config().with_variant("fast")
+    assert not Config().with_variant("loads8").fused_copy and Config().with_variant("rows2").fused_copy
 
 
 def test_timeout_message_names_rank_channel_and_counter():
@@ -250,21 +281,36 @@ PROTOCOL_CASES = [
 ]
 
 
+# Every case with the current kernels; the cases that stress the rings most (one-slot rings, an
+# empty source, W = 8 with one channel, 7 workers) with every variant too (the copy-only ones
+# run the same role code as the current kernels on the CPU; the GPU tests cover their copies).
+VARIANT_CASES = [(case, "current") for case in PROTOCOL_CASES] + [
+    (case, name)
+    for case in (PROTOCOL_CASES[1], PROTOCOL_CASES[2], PROTOCOL_CASES[4], PROTOCOL_CASES[5])
+    for name in VARIANTS
+    if name != "current"
+]
+
+
 @built
 @pytest.mark.parametrize(
-    "case",
-    PROTOCOL_CASES,
-    ids=lambda c: "W{}-T{}-H{}-K{}-sms{}-slots{}-chunk{}-g{}-w{}".format(
-        c[0], c[1], c[2], c[3], c[5], c[6], c[7], c[8], c[9]
+    "case, variant",
+    VARIANT_CASES,
+    ids=lambda c: (
+        c
+        if isinstance(c, str)
+        else "W{}-T{}-H{}-K{}-sms{}-slots{}-chunk{}-g{}-w{}".format(
+            c[0], c[1], c[2], c[3], c[5], c[6], c[7], c[8], c[9]
+        )
     ),
 )
-def test_cpu_protocol_matches_oracle(case):
+def test_cpu_protocol_matches_oracle(case, variant):
     world_size, tokens, hidden, num_topk, num_experts, num_sms, slots, chunk, group_warps, workers, skewed = case
     lb = Loopback(
         world_size,
         hidden,
         num_topk,
-        config=Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk),
+        config=Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk).with_variant(variant),
         device="cpu",
         timeout_s=60,
         cpu_options={"group_warps": group_warps, "num_workers": workers},
@@ -293,14 +339,17 @@ def test_cpu_protocol_matches_oracle(case):
     ],
     ids=lambda c: f"W{c[0]}-H{c[2]}-slots{c[6]}-chunk{c[7]}",
 )
-def test_cpu_l2_discard_poisons_slots_only_after_their_last_read(case):
+@pytest.mark.parametrize("variant", ["current", "flags", "team2", "combined"])
+def test_cpu_l2_discard_poisons_slots_only_after_their_last_read(case, variant):
     """Config.l2_discard: on the CPU backend a discard overwrites the slot's whole 128-byte lines
     with a poison byte, so a receiver that discards a slot before its last read of it (x, scales,
     top-k or source fields) breaks the round trip's equality with the oracle. A discard after the
     head that frees the slot races with the sender's rewrite: that is
-    test_protocol_has_no_data_race_under_threadsanitizer's to catch."""
+    test_protocol_has_no_data_race_under_threadsanitizer's to catch. With ready flags the slot's
+    aux line (its flag) survives the discard; a combine team discards the lines of its own
+    columns."""
     world_size, tokens, hidden, num_topk, num_experts, num_sms, slots, chunk, group_warps, workers = case
-    config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, l2_discard=True)
+    config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, l2_discard=True).with_variant(variant)
     lb = Loopback(
         world_size,
         hidden,
@@ -463,6 +512,11 @@ def test_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
         ["4", "1", "1", "1", "1", "3", "4"],
         ["2", "3", "3", "2", "3", "1", "4"],
         ["8", "1", "2", "1", "1", "1", "2"],
+        # The variants whose role code differs (variant.cuh): ready flags on one-slot rings, rows
+        # in pairs, combine teams, the coordinator's backoff.
+        ["3", "2", "2", "1", "2", "2", "4", "flags=1"],
+        ["4", "1", "1", "1", "2", "4", "3", "flags=1", "rows=2", "team=2", "backoff=1"],
+        ["2", "3", "3", "2", "3", "4", "3", "rows=2", "team=4"],
     ):
         run = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stdout + run.stderr[-4000:]
@@ -495,6 +549,22 @@ def test_gpu_loopback_matches_oracle(case, l2_discard):
     results = run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=not fp8, fp8=fp8)
     for r in results:
         assert (r.recv_x[0] if fp8 else r.recv_x).device == lb.device
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "current"])
+@pytest.mark.parametrize("case", [GPU_CASES[2], GPU_CASES[4]], ids=["W8-bf16", "W4-fp8"])
+def test_gpu_variants_match_oracle(case, variant):
+    """Every kernel variant's kernels (their copies, TMA included, and launch bounds: what the CPU
+    backend cannot run) against the oracle, with l2_discard (where the flags' and teams' discards
+    differ)."""
+    world_size, tokens, hidden, num_topk, num_experts, skewed, fp8 = case
+    config = Config(num_sms=8, num_slots=16, chunk_tokens=4, l2_discard=True).with_variant(variant)
+    lb = Loopback(world_size, hidden, num_topk, config=config, timeout_s=20)
+    xs, idxs, ws = make_world(
+        seed_of((case, variant)), world_size, tokens, hidden, num_topk, num_experts, skewed=skewed, device="cuda"
+    )
+    run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=not fp8, fp8=fp8)
 
 
 @needs_gpu
@@ -630,6 +700,9 @@ def test_mismatch_message_names_ranks_and_field():
     assert "rank 0 refused the operation: its arguments were invalid" in message and fields["via"] == 4
     message, _ = describe_mismatch([1, 0, 2, 3, 0, 2, -1, 0])
     assert "dtype: float32 on rank 2, bfloat16 on rank 0" in message
+    flagged = header_words(3, 1, 64, torch.bfloat16, 0, 8, 4, slot_flags=True)[6]
+    message, _ = describe_mismatch([1, 0, 1, 6, 4, flagged, -1, 0])
+    assert "channels and flags: 4 channels, ready flags on rank 1, 4 channels on rank 0" in message
 
 
 @needs_gpu

@@ -54,6 +54,22 @@ def test_configure_selects_the_backend():
     assert mdm.is_custom_backend(cfg)
 
 
+def test_configure_passes_the_kernel_config_to_the_buffer(monkeypatch):
+    """kernel_config ("auto" or a Config) reaches the manager's Buffer as its config, in place of the SM budget."""
+    from moe_dispatch.config import Config
+    from moe_dispatch.megatron import manager
+
+    cfg = mdm.configure(_config(), kernel_config="auto", transport="kernels")
+    assert mdm.get_options(cfg).kernel_config == "auto"
+    made = []
+    monkeypatch.setattr(manager, "Buffer", lambda *a, **kw: made.append(kw) or object())
+    monkeypatch.setattr(manager, "ep_ranks_per_node", lambda group, rpn: 1)
+    monkeypatch.setattr(manager, "_BUFFERS", {})  # the fakes are never closed
+    manager.get_buffer(None, num_sms=24, config="auto")
+    manager.get_buffer(None, num_sms=24, config=Config(num_sms=6))
+    assert [(kw["config"], kw["num_sms"]) for kw in made] == [("auto", None), (Config(num_sms=6), None)]
+
+
 def test_configure_sets_megatron_fields_then_checks():
     cfg = mdm.configure(_config(), overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
     assert cfg.overlap_moe_expert_parallel_comm and cfg.delay_wgrad_compute
@@ -239,6 +255,8 @@ def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     (dict(transport="nvlink"), r"transport must be one of \('auto', 'torch_dist', 'kernels', 'cuda'\) "
                                r"\(the Buffer's\), got 'nvlink'"),
     (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
+    (dict(kernel_config="fast"), r"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got 'fast'"),
+    (dict(kernel_config="auto", num_sms=8), r"num_sms=8 and kernel_config='auto' both set the kernels' SM budget"),
 ])
 def test_bad_knobs(knobs, match):
     with pytest.raises(ValueError, match=match):

@@ -340,6 +340,13 @@ def _construction_entry(rank, world_size):
             r"Buffer\(\) arguments differ across ranks: num_chunks is "
             + (r"2 here" if rank == 3 else r"None here but 2 on EP rank 3"),
         ),
+        "config-auto-differ": (  # one node of W kernels ranks; config="auto" is agreed like a Config
+            lambda: Buffer(
+                ranks_per_node=W, transport="kernels", config="auto" if rank == 1 else None, timeout_s=TIMEOUT_S
+            ),
+            ValueError,
+            r"Buffer\(\) arguments differ across ranks: config is .*'auto'",
+        ),
         "every-rank-bad": (
             lambda: Buffer(ranks_per_node=L, timeout_s=-1),
             ValueError,
@@ -368,6 +375,7 @@ CONSTRUCTION_CASES = [
     "kernels-across-nodes",
     "ranks-per-node-differ",
     "num-chunks-differ",
+    "config-auto-differ",
     "every-rank-bad",
 ]
 
@@ -376,6 +384,8 @@ CONSTRUCTION_CASES = [
 def test_refused_buffer_leaves_the_world_usable(case):
     """Buffer() with a bad (or different) argument on one rank: every rank raises the same error
     naming the rank and the field within FAST_S, and a good Buffer() right after works."""
+    if case == "config-auto-differ" and not _ext.extension_status().built:
+        pytest.skip("transport='kernels' needs the built extension moe_dispatch._C")
     results = world_results(_construction_entry, W)
     assert_case(results, case)
 

@@ -23,6 +23,15 @@ int max_resident_blocks(Kernel kernel, int threads, size_t smem_bytes = 0) {
   return per_sm * num_sms;
 }
 
+// Lets `kernel` use `bytes` of dynamic shared memory (above the default 48 KB the runtime needs
+// to be told); returns `bytes`.
+template <typename Kernel>
+size_t prepare_dynamic_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 0)
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  return bytes;
+}
+
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...). `cooperative` asks the
 // runtime to guarantee that every block is resident at once (blocks of one launch wait on
 // each other), failing the launch otherwise.

@@ -110,6 +110,25 @@ inline intranode::CombineRank parse_combine_rank(const py::dict& r) {
   return c;
 }
 
+// The kernel variant (variant.cuh) from a launch's `common` dict: the keys of
+// moe_dispatch.config.Config.variant_fields(); a missing key keeps the current kernels' value.
+inline Variant parse_variant(const py::dict& d) {
+  const char* what = "common";
+  Variant v = kDefaultVariant;
+  const auto get = [&](const char* key, int32_t& out) {
+    if (d.contains(key)) out = int32(d, key, what);
+  };
+  get("loads_in_flight", v.loads_in_flight);
+  get("rows_in_flight", v.rows_in_flight);
+  get("bulk_copy", v.bulk_copy);
+  get("register_cap", v.register_cap);
+  get("slot_flags", v.slot_flags);
+  get("combine_warps", v.combine_warps);
+  get("coordinator_backoff", v.coordinator_backoff);
+  check_variant(v);
+  return v;
+}
+
 inline intranode::CpuOptions parse_cpu_options(const py::dict& d) {
   intranode::CpuOptions o;
   if (d.contains("group_warps")) o.group_warps = d["group_warps"].cast<int>();

@@ -234,9 +234,7 @@ MOE_HD RdmaLayout make_rdma_layout(int num_nodes, int ranks_per_node, int num_ch
 }
 
 // The flag value of chunk `chunk` of an operation at op epoch `epoch`.
-MOE_HD uint64_t chunk_tag(uint64_t epoch, int64_t chunk) {
-  return ((epoch + 1) << 32) | static_cast<uint64_t>(chunk + 1);
-}
+MOE_HD uint64_t chunk_tag(uint64_t epoch, int64_t chunk) { return intranode::entry_tag(epoch, chunk); }
 
 // ---- kernel arguments (by value; one launch serves ranks [rank_begin, +num_launch_ranks)) ----
 
@@ -250,6 +248,7 @@ struct Common {
   int32_t chunk_tokens;      // K
   int32_t l2_discard;        // fused: NVLink receivers discard consumed slots (Config.l2_discard)
   int32_t nvl_first_rank;    // fused: the global rank of nvl_buffers[0] (loopback 0, else my node's first)
+  Variant variant;           // the kernel variant (variant.cuh); slot_flags is intranode only (ignored here)
   int64_t timeout_cycles;    // bound of every wait (clock64 cycles; ns on the CPU backend)
   RdmaLayout layout;
   intranode::BufferLayout nvl_layout;  // fused: the NVLink buffers (relay_nodes = N)

@@ -77,6 +77,7 @@ Common parse_common(const py::dict& d, const py::list& ranks) {
   c.skip_rank = int32(d, "skip_rank", what);
   c.chunk_tokens = int32(d, "chunk_tokens", what);
   c.l2_discard = int32(d, "l2_discard", what);
+  c.variant = bind::parse_variant(d);
   c.timeout_cycles = integer(d, "timeout_cycles", what);
   const int64_t buffer_channels = integer(d, "buffer_channels", what);
   c.layout = checked_layout(c.num_nodes, c.ranks_per_node, buffer_channels, integer(d, "num_slots", what),

@@ -37,13 +37,22 @@ __device__ __forceinline__ void red_add_release_sys_u64(uint64_t* p, uint64_t v)
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// What both modes share: local words, warp-level waits.
-struct RdmaCtxBase : DeviceCtxT<Common> {
+// What both modes share: local words, warp-level waits; P is the copy policy (variant.cuh).
+template <class P>
+struct RdmaCtxBase : DeviceCtxT<Common, P> {
+  using Policy = P;
   __device__ uint64_t load_local(const uint64_t* p) const { return *reinterpret_cast<const volatile uint64_t*>(p); }
   __device__ void store_local(uint64_t* p, uint64_t v) const { *reinterpret_cast<volatile uint64_t*>(p) = v; }
 };
 
-struct LoopbackCtx : RdmaCtxBase {
+template <class Copy>
+struct LoopbackCtxT : RdmaCtxBase<Copy> {
+  using Base = RdmaCtxBase<Copy>;
+  using Base::bounded_wait;
+  using Base::common;
+  using Base::copy_out;
+  using Base::lane;
+
   __device__ char* buffer(int rank) const { return common->buffers[rank]; }
   template <class P>
   __device__ P* at_peer(int rank, int peer, P* p) const {
@@ -82,8 +91,16 @@ struct LoopbackCtx : RdmaCtxBase {
   __device__ void reset_signal(uint64_t* sig) const { st_relaxed_sys_u64(sig, 0); }
 };
 
+using LoopbackCtx = LoopbackCtxT<DefaultCopy>;
+
 #ifdef MOE_DISPATCH_WITH_NVSHMEM
-struct NvshmemCtx : RdmaCtxBase {
+template <class Copy>
+struct NvshmemCtxT : RdmaCtxBase<Copy> {
+  using Base = RdmaCtxBase<Copy>;
+  using Base::bounded_wait;
+  using Base::common;
+  using Base::lane;
+
   __device__ char* buffer(int) const { return common->symmetric; }
   // Bounded polling of the signal word, then NVSHMEM's own wait (already satisfied, returns at
   // once) for the memory-consistency step its transports need after a signal.
@@ -129,17 +146,18 @@ struct NvshmemCtx : RdmaCtxBase {
     __threadfence_system();
   }
 };
+using NvshmemCtx = NvshmemCtxT<DefaultCopy>;
 #endif
 
-// Runs fn(context-of-mode) (a value of LoopbackCtx or NvshmemCtx, to pick the kernel).
-template <class Fn>
+// Runs fn(context-of-mode) (a value of LoopbackCtxT<P> or NvshmemCtxT<P>, to pick the kernel).
+template <class P = DefaultCopy, class Fn>
 void with_mode(Mode mode, Fn fn) {
   if (mode == kLoopback) {
-    fn(LoopbackCtx{});
+    fn(LoopbackCtxT<P>{});
     return;
   }
 #ifdef MOE_DISPATCH_WITH_NVSHMEM
-  fn(NvshmemCtx{});
+  fn(NvshmemCtxT<P>{});
 #else
   MOE_HOST_CHECK(false, "NVSHMEM mode needs the extension built with NVSHMEM (this one was built without)");
 #endif
@@ -155,6 +173,23 @@ __device__ __forceinline__ Groups groups_of(int num_peers) {
   const int count = num_peers < kNumWarps ? num_peers : kNumWarps;
   const int warps = kNumWarps / count;
   return {count, warps, static_cast<int>(threadIdx.x) / 32 / warps};
+}
+
+// Runs fn(context-of-mode, min_blocks) for the fused kernel of `common`'s variant (variant.cuh:
+// loopback mode has the fused subset of kCopyVariants, NVSHMEM mode the current copies).
+template <class Fn>
+void with_fused_variant(Mode mode, const Common& common, Fn fn) {
+  if (mode == kNvshmem) {
+    check_variant(common.variant);
+    MOE_HOST_CHECK(is_default_copy(common.variant),
+                   "the fused kernels' NVSHMEM mode is compiled for the current copies only (loads_in_flight=4, "
+                   "rows_in_flight=1, bulk_copy=0, register_cap=1); the other copy variants run in loopback mode");
+    with_mode(mode, [&](auto ctx) { fn(ctx, std::integral_constant<int, 2>{}); });
+    return;
+  }
+  with_copy_variant<true>(common.variant, [&](auto policy, auto min_blocks) {
+    fn(LoopbackCtxT<decltype(policy)>{}, min_blocks);
+  });
 }
 
 // The notify block of launched rank blockIdx.x (a withheld rank's does nothing): body(ctx, rank).
@@ -178,6 +213,7 @@ __device__ __forceinline__ void rank_block(const Common& common, Body body) {
   char* buf = ctx0.buffer(rank);
   __shared__ uint64_t epoch_shared;
   const uint64_t epoch = intranode::op_epoch_begin(common.layout.op_epoch(buf), &epoch_shared);
+  intranode::bulk_init<typename Ctx::Policy>();
   body(ctx0, rank, epoch);
   intranode::op_epoch_end(common.layout.op_epoch(buf), common.layout.done(buf), epoch, static_cast<int>(gridDim.x));
 }

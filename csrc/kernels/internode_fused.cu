@@ -22,8 +22,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) fused_notify_kernel(const _
 // Role 0: RDMA senders (groups over nodes); role 1: forwarders (a group per local destination;
 // warp 0 of channel 0 first runs a cached dispatch's header round); role 2: NVLink receivers
 // (a group per local forwarder).
-template <class Ctx>
-__global__ void __launch_bounds__(kNumThreads, 2) fused_dispatch_kernel(const __grid_constant__ FusedDispatchArgs args) {
+// Ctx carries the copy policy; kMinBlocks: 2 = the register cap of the current kernels (variant.cuh).
+template <class Ctx, int kMinBlocks>
+__global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_dispatch_kernel(
+    const __grid_constant__ FusedDispatchArgs args) {
   rank_block<Ctx>(args.common, [&](Ctx& ctx0, int rank, uint64_t epoch) {
     const Common& common = args.common;
     const FusedDispatchRank& me = args.ranks[rank - common.rank_begin];
@@ -54,8 +56,9 @@ __global__ void __launch_bounds__(kNumThreads, 2) fused_dispatch_kernel(const __
 
 // Role 0: holder senders (a group per local forwarder); role 1: the forwarder reducer (warp 0
 // coordinates, after channel 0's header round; the others reduce); role 2: the source reducer.
-template <class Ctx, class T>
-__global__ void __launch_bounds__(kNumThreads, 2) fused_combine_kernel(const __grid_constant__ FusedCombineArgs args) {
+template <class Ctx, class T, int kMinBlocks>
+__global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_combine_kernel(
+    const __grid_constant__ FusedCombineArgs args) {
   rank_block<Ctx>(args.common, [&](Ctx& ctx0, int rank, uint64_t epoch) {
     const Common& common = args.common;
     const FusedCombineRank& me = args.ranks[rank - common.rank_begin];
@@ -163,10 +166,12 @@ void launch_fused_dispatch(const FusedDispatchArgs& args, Mode mode, bool cooper
                    "rank " << rank << ": a fresh dispatch (peer_ok given) needs the top-k ids to travel");
   }
   const dim3 grid(static_cast<unsigned>(3 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
-  with_mode(mode, [&](auto ctx) {
-    auto kernel = fused_dispatch_kernel<decltype(ctx)>;
-    check_resident(max_resident_blocks(kernel, kNumThreads), grid, "fused dispatch");
-    launch_kernel(kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+  with_fused_variant(mode, c, [&](auto ctx, auto min_blocks) {
+    using Ctx = decltype(ctx);
+    auto kernel = fused_dispatch_kernel<Ctx, decltype(min_blocks)::value>;
+    const size_t smem = prepare_dynamic_smem(kernel, intranode::bulk_smem_bytes<typename Ctx::Policy>());
+    check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "fused dispatch");
+    launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
   });
 }
 
@@ -188,11 +193,13 @@ void launch_fused_combine(const FusedCombineArgs& args, intranode::DType dtype, 
     MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": y must be a device pointer");
   }
   const dim3 grid(static_cast<unsigned>(3 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
-  with_mode(mode, [&](auto ctx) {
+  with_fused_variant(mode, c, [&](auto ctx, auto min_blocks) {
+    using Ctx = decltype(ctx);
     intranode::with_dtype(dtype, [&](auto tag) {
-      auto kernel = fused_combine_kernel<decltype(ctx), decltype(tag)>;
-      check_resident(max_resident_blocks(kernel, kNumThreads), grid, "fused combine");
-      launch_kernel(kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+      auto kernel = fused_combine_kernel<Ctx, decltype(tag), decltype(min_blocks)::value>;
+      const size_t smem = prepare_dynamic_smem(kernel, intranode::bulk_smem_bytes<typename Ctx::Policy>());
+      check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "fused combine");
+      launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
     });
   });
 }

@@ -294,8 +294,9 @@ MOE_ROLE void fused_rdma_send(Ctx& ctx, const FusedDispatchArgs& a, int rank, in
       for (; entry < first; ++token) entry += me.is_token_in_node[static_cast<int64_t>(token) * N + m];
       for (int e = 0; e < count; ++token) {
         if (!me.is_token_in_node[static_cast<int64_t>(token) * N + m]) continue;
-        intranode::write_dispatch_slot(ctx, a.slot, a.experts_per_node, me, m, token,
-                                       l.send_slot(buf, m, channel, first + e, stride));
+        const int64_t t = token;
+        char* slot = l.send_slot(buf, m, channel, first + e, stride);
+        intranode::write_dispatch_slots(ctx, a.slot, a.experts_per_node, me, m, &t, &slot, 1);
         ++e;
         ++entry;
       }
@@ -448,7 +449,8 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
       if (to_dest && index % group_warps == warp) {
         const char* slot = l.recv_slot(buf, m, channel, first + e, stride);
         if (self) {
-          intranode::read_dispatch_slot(ctx, s, me, slot, me.recv_prefix[queue] + base + index, my_local * epr, epr);
+          const int64_t row = me.recv_prefix[queue] + base + index;
+          intranode::read_dispatch_slots(ctx, s, me, &slot, &row, 1, my_local * epr, epr);
         } else {
           forward_slot(ctx, s, d * epr, epr, slot, q.slot(nvl_sent + index), queue, base + index);
         }
@@ -521,14 +523,18 @@ MOE_ROLE void fused_nvl_recv(Ctx& ctx, const FusedDispatchArgs& a, int rank, int
   const NvlQueue q = nvl_queue(nl, nvl_buffer(cm, f_rank), nvl, f, my_local, channel,
                                WaitSite{kDispatch, intranode::kReceiver, rank, channel, f_rank, intranode::kForwardTail});
   ring::recv_entries(
-      ctx, q, ctx.shared_load(&gs->count),
-      [&](char* slot, int64_t) {
-        const int32_t queue = ctx.broadcast(ctx.queue_i32(slot + s.aux_offset + 4));
-        const int32_t index = ctx.broadcast(ctx.queue_i32(slot + s.aux_offset + 8));
-        intranode::read_dispatch_slot(ctx, s, me, slot, me.recv_prefix[queue] + index, 0, a.experts_per_rank);
+      ctx, q, ctx.rows_in_flight(cm.variant), ctx.shared_load(&gs->count),
+      [&](const int64_t*, char* const* slots, int n) {
+        int64_t rows[Ctx::kMaxRows];
+        for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
+          const int32_t queue = ctx.broadcast(ctx.queue_i32(slots[r] + s.aux_offset + 4));
+          const int32_t index = ctx.broadcast(ctx.queue_i32(slots[r] + s.aux_offset + 8));
+          rows[r] = me.recv_prefix[queue] + index;
+        }
+        intranode::read_dispatch_slots(ctx, s, me, slots, rows, n, 0, a.experts_per_rank);
         if (cm.l2_discard) {
           ctx.warp_sync();
-          ctx.discard(slot, nl.slot_bytes);
+          for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) ctx.discard(slots[r], nl.slot_bytes);
         }
       },
       warp, group_warps, gs);
@@ -573,16 +579,21 @@ MOE_ROLE void fused_holder_send(Ctx& ctx, const FusedCombineArgs& a, int rank, i
   const NvlQueue q = nvl_queue(nl, nvl_buffer(cm, rank), nvl_buffer(cm, f_rank), my_local, f, channel,
                                WaitSite{kCombine, intranode::kSender, rank, channel, f_rank, intranode::kHead});
   ring::send_entries(
-      ctx, q, nl.num_slots, cm.chunk_tokens, total,
-      [&](int64_t e, char* slot) {
-        int m = 0;  // entry e of the concatenation over m
-        for (;; ++m) {
-          if ((skipped >> m) & 1u) continue;
-          const int64_t n = p[queue(m) + 1] - p[queue(m)];
-          if (e < n) break;
-          e -= n;
+      ctx, q, nl.num_slots, cm.chunk_tokens, ctx.rows_in_flight(cm.variant), total,
+      [&](const int64_t* entries, char* const* slots, int n) {
+        int64_t rows[Ctx::kMaxRows];
+        for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
+          int64_t e = entries[r];
+          int m = 0;  // entry e of the concatenation over m
+          for (;; ++m) {
+            if ((skipped >> m) & 1u) continue;
+            const int64_t count = p[queue(m) + 1] - p[queue(m)];
+            if (e < count) break;
+            e -= count;
+          }
+          rows[r] = p[queue(m)] + e;
         }
-        intranode::write_combine_slot(ctx, s, me.y, me.row_scale, p[queue(m)] + e, me.num_rows, slot);
+        intranode::write_combine_slots(ctx, s, me.y, me.row_scale, rows, me.num_rows, slots, n);
       },
       warp, group_warps, gs);
 }
@@ -669,6 +680,10 @@ struct ForwardCombineSource {
   }
   MOE_ROLE int num_tokens() const { return t->start[cm->num_nodes]; }
   MOE_ROLE int num_peers() const { return cm->ranks_per_node; }
+  // One warp per row: after() puts a chunk once its last row is reduced, which a team would have
+  // to agree on first (Config.combine_warps serves the source reducers).
+  MOE_ROLE int team() const { return 1; }
+  MOE_ROLE bool backoff() const { return cm->variant.coordinator_backoff != 0; }
   MOE_ROLE uint32_t mask(int i) const {
     const int32_t at = me->forward_prefix[channel * cm->num_nodes] + i;
     return at < me->forward_capacity ? static_cast<uint32_t>(me->forward_mask[at]) : 0u;
@@ -722,7 +737,7 @@ struct ForwardCombineSource {
   }
   // After a chunk's last row: its put, with the chunk's flag.
   template <class C>
-  MOE_ROLE void after(C& ctx, int i, char* const* rows, int num_rows) const {
+  MOE_ROLE void after(C& ctx, int i, char* const* rows, int num_rows, int, int) const {
     if (cm->l2_discard) {
       for (int h = 0; h < num_rows; ++h)
         if (rows[h] >= nvl && rows[h] < nvl + cm->nvl_layout.total_bytes) ctx.discard(rows[h], cm->nvl_layout.slot_bytes);

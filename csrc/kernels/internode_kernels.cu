@@ -118,6 +118,7 @@ void check_common(const Common& c, Mode mode, bool fused) {
                  "slot_bytes must be a positive multiple of " << intranode::kFieldAlign << ", got " << l.slot_bytes);
   MOE_HOST_CHECK(c.timeout_cycles > 0, "timeout_cycles must be > 0, got " << c.timeout_cycles);
   MOE_HOST_CHECK(c.error != nullptr, "the error record must be a device pointer");
+  check_variant(c.variant);
   if (mode == kNvshmem) {
     MOE_HOST_CHECK(c.symmetric != nullptr, "NVSHMEM mode needs the symmetric buffer (common['symmetric'])");
   } else {

@@ -246,10 +246,11 @@ MOE_ROLE void node_dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int 
   const auto q = rdma_queue(ctx, cm, rank, dst_node, channel, a.slot.slot_bytes, true,
                             WaitSite{kNodeDispatch, intranode::kSender, rank, channel, peer, intranode::kHead});
   ring::send_selected(
-      ctx, q, cm.layout.num_slots, cm.chunk_tokens, channel_token_range(me.num_tokens, cm.num_channels, channel),
+      ctx, q, cm.layout.num_slots, cm.chunk_tokens, ctx.rows_in_flight(cm.variant),
+      channel_token_range(me.num_tokens, cm.num_channels, channel),
       [&](int token) { return me.is_token_in_rank[static_cast<int64_t>(token) * cm.num_nodes + dst_node]; },
-      [&](int token, char* slot) {
-        intranode::write_dispatch_slot(ctx, a.slot, a.experts_per_node, me, dst_node, token, slot);
+      [&](const int64_t* tokens, char* const* slots, int n) {
+        intranode::write_dispatch_slots(ctx, a.slot, a.experts_per_node, me, dst_node, tokens, slots, n);
       },
       warp, group_warps, gs);
 }
@@ -270,9 +271,11 @@ MOE_ROLE void node_dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int 
   const auto q = rdma_queue(ctx, cm, rank, src_node, channel, a.slot.slot_bytes, false,
                             WaitSite{kNodeDispatch, intranode::kReceiver, rank, channel, peer, intranode::kTail});
   ring::recv_entries(
-      ctx, q, me.recv_prefix[queue + 1] - first_row,
-      [&](char* slot, int64_t i) {
-        intranode::read_dispatch_slot(ctx, a.slot, me, slot, first_row + static_cast<int>(i), 0, a.experts_per_node);
+      ctx, q, ctx.rows_in_flight(cm.variant), me.recv_prefix[queue + 1] - first_row,
+      [&](const int64_t* entries, char* const* slots, int n) {
+        int64_t rows[Ctx::kMaxRows];
+        for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) rows[r] = first_row + entries[r];
+        intranode::read_dispatch_slots(ctx, a.slot, me, slots, rows, n, 0, a.experts_per_node);
       },
       warp, group_warps, gs);
 }
@@ -294,9 +297,13 @@ MOE_ROLE void node_combine_send(Ctx& ctx, const CombineArgs& a, int rank, int ch
   const auto q = rdma_queue(ctx, cm, rank, dst_node, channel, a.slot.slot_bytes, true,
                             WaitSite{kNodeCombine, intranode::kSender, rank, channel, peer, intranode::kHead});
   ring::send_entries(
-      ctx, q, cm.layout.num_slots, cm.chunk_tokens, me.recv_prefix[queue + 1] - first_row,
-      [&](int64_t i, char* slot) { ctx.copy_in(slot, me.y + (first_row + i) * row_bytes, row_bytes); }, warp,
-      group_warps, gs);
+      ctx, q, cm.layout.num_slots, cm.chunk_tokens, ctx.rows_in_flight(cm.variant), me.recv_prefix[queue + 1] - first_row,
+      [&](const int64_t* entries, char* const* slots, int n) {
+        const char* rows[Ctx::kMaxRows];
+        for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) rows[r] = me.y + (first_row + entries[r]) * row_bytes;
+        ctx.copy_in_rows(slots, rows, n, row_bytes);
+      },
+      warp, group_warps, gs);
 }
 
 // Warp: waits until chunk `chunk`'s flag of a fused RDMA ring carries this operation's tag.
@@ -333,6 +340,8 @@ struct SourceReduce {
 
   MOE_ROLE int num_tokens() const { return range.end - range.begin; }
   MOE_ROLE int num_peers() const { return cm->num_nodes; }
+  MOE_ROLE int team() const { return cm->variant.combine_warps; }
+  MOE_ROLE bool backoff() const { return cm->variant.coordinator_backoff != 0; }
   MOE_ROLE bool holds(int i, int m) const {
     return ((agree >> m) & 1u) && in_node[static_cast<int64_t>(range.begin + i) * cm->num_nodes + m];
   }
@@ -359,7 +368,7 @@ struct SourceReduce {
   MOE_ROLE float scale(C&, int, const char*, int64_t, int) const { return 1.0f; }
   MOE_ROLE char* out(int i) const { return out_base + static_cast<int64_t>(range.begin + i) * row_bytes; }
   template <class C>
-  MOE_ROLE void after(C&, int, char* const*, int) const {}
+  MOE_ROLE void after(C&, int, char* const*, int, int, int) const {}
   // SETs the forwarder's head to the slots every worker is past (a staged ring zeroes its tail
   // first when it is the final head).
   template <class C>

@@ -40,6 +40,13 @@
 //     copying it out and before the head store that frees it: on the GPU the slot's lines leave
 //     L2 without a write-back, so a ring hop that stays in L2 costs no HBM traffic; the sender's
 //     next write to the slot is ordered after the discard by that head.
+//   - With ready flags (Config.slot_flags) no tail moves: the writer of entry i stores
+//     entry_tag(op epoch, i) with release into the slot's flag word (BufferLayout::flag_offset)
+//     after its fields, each sender warp waits for its own room (head >= i + 1 - S), each
+//     receiver warp polls its own entries' flags, and the head grows by atomic adds of what all
+//     the group's warps passed (ring.cuh send_flagged / recv_flagged): no group barrier per
+//     chunk. The sender still zeroes its head after the final count; flags need no reset (a
+//     tag names its operation). A discard (l2_discard) spares the flag's line.
 //   - The notify step (dispatch only) exchanges per-(source, channel) token counts through
 //     meta[][]: barrier, write meta into every peer, barrier, read own meta. The first barrier
 //     keeps a fast rank from overwriting meta a slow rank has not read yet.
@@ -57,6 +64,7 @@
 #include <string>
 
 #include "kernels/header.cuh"
+#include "kernels/variant.cuh"
 
 #if defined(__CUDACC__)
 #define MOE_HD __host__ __device__ __forceinline__
@@ -105,6 +113,13 @@ MOE_HD int channel_of_token(int num_tokens, int num_channels, int token) {
   return static_cast<int>((c + num_tokens - 1) / num_tokens) - 1;
 }
 
+// The tag of entry (or chunk) `index` of an operation at op epoch `epoch`: what a ready flag
+// holds once the entry landed (Config.slot_flags; the fused RDMA chunks' flags). Tags grow within
+// an operation and across operations, so a flag is never reset.
+MOE_HD uint64_t entry_tag(uint64_t epoch, int64_t index) {
+  return ((epoch + 1) << 32) | static_cast<uint64_t>(index + 1);
+}
+
 // ---- slots ------------------------------------------------------------------------------------
 
 // One queue entry. Dispatch:
@@ -116,7 +131,13 @@ MOE_HD int channel_of_token(int num_tokens, int num_channels, int token) {
 // Combine (num_topk = 0, scale_bytes = 0):
 //   [0, x_bytes)                         y row (bf16/fp16/fp32)
 //   [aux_offset, +4)                     fp32 row scale (1.0 without weights)
-// Each field starts on 16 bytes; slot_bytes is a multiple of 16.
+// Each field starts on 16 bytes; slot_bytes is a multiple of 16. With Config.slot_flags
+// (intranode only) a slot's ready flag, int64 entry_tag(op epoch, entry) (ring.cuh), sits in the
+// last 8 bytes of the buffer's slot stride (flag_offset): no slot layout of any intranode
+// operation writes there (a slot that fills the stride leaves the aux field's last 12 bytes
+// unused), so the flag holds nothing but tags whichever operations used the slot before.
+// (An offset inside one layout would not do: there an earlier operation's slot of another
+// layout leaves its own bytes, say top-k ids, which a poll could take for a tag.)
 struct SlotLayout {
   int32_t x_bytes;
   int32_t scale_bytes;
@@ -140,6 +161,7 @@ MOE_HD SlotLayout make_slot_layout(int x_bytes, int scale_bytes, int num_topk) {
   s.slot_bytes = static_cast<int32_t>(s.aux_offset + kFieldAlign);
   return s;
 }
+
 
 // The whole 128-byte lines inside [p, p + bytes): all a consumed slot may discard, since a
 // line it shares with a neighbouring slot can hold that slot's live bytes.
@@ -228,6 +250,8 @@ struct BufferLayout {
     const int64_t ring = static_cast<int64_t>(peer * num_channels + channel) * num_slots;
     return base + queue_offset + (ring + index % num_slots) * slot_bytes;
   }
+  // Where a slot's ready flag sits (Config.slot_flags; see SlotLayout).
+  MOE_HD int32_t flag_offset() const { return slot_bytes - 8; }
 };
 
 MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_slots, int slot_bytes,
@@ -413,6 +437,7 @@ struct Common {
   int32_t skip_rank;         // loopback tests: this rank's blocks do nothing (-1: none)
   int32_t chunk_tokens;      // K: tokens per published tail
   int32_t l2_discard;        // 1: receivers discard consumed slots (Ctx::discard; Config.l2_discard)
+  Variant variant;           // the kernel variant (variant.cuh; Config's variant fields)
   int64_t timeout_cycles;    // bound of every wait (clock64 cycles)
   BufferLayout layout;
   char* buffers[kMaxRanks];  // every rank's buffer as this process addresses it

@@ -45,6 +45,7 @@ Common parse_common(const py::dict& d, int64_t num_launch_ranks) {
   c.skip_rank = int32(d, "skip_rank", what);
   c.chunk_tokens = int32(d, "chunk_tokens", what);
   c.l2_discard = int32(d, "l2_discard", what);
+  c.variant = bind::parse_variant(d);
   c.timeout_cycles = integer(d, "timeout_cycles", what);
   c.layout = make_buffer_layout(c.num_ranks, int32(d, "buffer_channels", what), int32(d, "num_slots", what),
                                 int32(d, "slot_bytes", what), d.contains("relay_nodes") ? int32(d, "relay_nodes", what) : 0);
@@ -129,7 +130,11 @@ void register_intranode(py::module_& m) {
   limits["mismatch_record_words"] = kMismatchRecordWords;
   limits["header_words"] = static_cast<int>(kHeaderWords);
   limits["field_align"] = kFieldAlign;
+  limits["max_rows_in_flight"] = kMaxRowsInFlight;
   m.attr("intranode_limits") = limits;
+  py::list copy_variants;  // (loads_in_flight, rows_in_flight, bulk_copy, register_cap, fused)
+  for (const CopyVariant& v : kCopyVariants) copy_variants.append(py::make_tuple(v.loads, v.rows, v.bulk, v.cap, v.fused));
+  m.attr("copy_variants") = copy_variants;
 
   m.def(
       "intranode_buffer_layout",

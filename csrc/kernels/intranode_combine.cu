@@ -13,14 +13,17 @@ namespace {
 
 // blockIdx = (2 * channel + is_receiver, launched rank). Senders: W warp groups, one per
 // destination (the rows' source rank). Receivers: warp 0 coordinates, the others reduce.
-template <class T>
-__global__ void __launch_bounds__(kNumThreads, 2) combine_kernel(const __grid_constant__ CombineArgs args) {
+// P, kMinBlocks: the variant (variant.cuh), as for the dispatch kernel.
+template <class T, class P, int kMinBlocks>
+__global__ void __launch_bounds__(kNumThreads, kMinBlocks) combine_kernel(const __grid_constant__ CombineArgs args) {
+  using Ctx = DeviceCtxT<Common, P>;
   const Common& common = args.common;
   const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
   if (rank == common.skip_rank) return;
   const BufferLayout& l = common.layout;
   __shared__ uint64_t epoch_shared;
   const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
+  bulk_init<P>();
   const int channel = static_cast<int>(blockIdx.x) / 2;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   if (blockIdx.x % 2 == 0) {
@@ -28,13 +31,13 @@ __global__ void __launch_bounds__(kNumThreads, 2) combine_kernel(const __grid_co
     const int group_warps = kNumWarps / common.num_ranks;
     const int peer = warp / group_warps;
     if (peer < common.num_ranks) {
-      DeviceCtx ctx{&common, peer + 1, group_warps * 32};
+      Ctx ctx{&common, peer + 1, group_warps * 32};
       combine_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
     }
   } else {
     __shared__ CombineRecvState state;
     ring::init_reduce_state(&state);
-    DeviceCtx ctx{&common, 0, 32};
+    Ctx ctx{&common, 0, 32};
     const CombineSource src = combine_source(ctx, args, rank, channel, epoch, warp == 0);
     if (warp == 0) {
       ring::reduce_coordinator(ctx, src, kNumWarps - 1, &state);
@@ -49,8 +52,12 @@ template <class T>
 void launch_typed(const CombineArgs& args, bool cooperative, cudaStream_t stream) {
   const Common& c = args.common;
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
-  check_resident(max_resident_blocks(combine_kernel<T>, kNumThreads), grid, "combine");
-  launch_kernel(combine_kernel<T>, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+  with_intranode_variant(c.variant, [&](auto policy, auto min_blocks) {
+    auto kernel = combine_kernel<T, decltype(policy), decltype(min_blocks)::value>;
+    const size_t smem = prepare_dynamic_smem(kernel, bulk_smem_bytes<decltype(policy)>());
+    check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "combine");
+    launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
+  });
 }
 
 }  // namespace

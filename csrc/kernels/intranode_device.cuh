@@ -89,6 +89,124 @@ __device__ __forceinline__ int32_t ld_queue_i32(const int32_t* p) {
   return v;
 }
 
+// ---- TMA bulk copies (CopyPolicy::kBulk) -------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// A warp's staging for bulk copies in the dynamic shared memory of a bulk kernel: kBulkStages
+// pieces of kBulkPiece bytes, each with its mbarrier; `uses` counts the pieces loaded so far
+// (piece u sits in stage u % kBulkStages, whose barrier completes phase u / kBulkStages).
+constexpr int kBulkStages = 3;
+constexpr int kBulkPiece = 2048;
+constexpr int kBulkMinBytes = 1024;  // shorter fields keep the vector copy
+
+struct BulkStage {
+  uint64_t barrier[kBulkStages];
+  uint32_t uses;
+  alignas(128) char piece[kBulkStages][kBulkPiece];
+};
+
+// Dynamic shared memory a kernel of policy P needs (one stage per warp), 0 without bulk copies.
+template <class P>
+constexpr size_t bulk_smem_bytes() {
+  return P::kBulk ? sizeof(BulkStage) * kNumWarps : 0;
+}
+
+__device__ __forceinline__ BulkStage* bulk_stage() {
+  extern __shared__ __align__(128) char bulk_smem[];
+  return reinterpret_cast<BulkStage*>(bulk_smem) + threadIdx.x / 32;
+}
+
+// Every thread of a kernel of policy P, at its start: lane 0 of each warp readies its stage's
+// barriers for the async proxy (the warp's lane 0 alone issues and awaits its bulk copies).
+template <class P>
+__device__ __forceinline__ void bulk_init() {
+  if constexpr (P::kBulk) {
+    if ((threadIdx.x & 31u) == 0) {
+      BulkStage* st = bulk_stage();
+      for (int i = 0; i < kBulkStages; ++i)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(&st->barrier[i])) : "memory");
+      st->uses = 0;
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncwarp();
+  }
+}
+
+// Lane: global -> shared, completing `bytes` of transactions on `barrier`.
+__device__ __forceinline__ void bulk_load(char* piece, const char* src, uint32_t bytes, uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(barrier)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_address(piece)),
+               "l"(src), "r"(bytes), "r"(smem_address(barrier))
+               : "memory");
+}
+
+// Lane: waits for phase `parity` of `barrier` (a local copy's completion, not a peer: unbounded).
+__device__ __forceinline__ void bulk_wait(uint64_t* barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_address(barrier)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Lane: shared -> global as one bulk group.
+__device__ __forceinline__ void bulk_store(char* dst, const char* piece, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_address(piece)),
+               "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Warp: rows src[r] -> dst[r] (r < n, `bytes` each, 16-byte multiples on 16-byte addresses) in
+// pieces through this warp's stage, kBulkStages loads in flight; lane 0 issues everything. The
+// proxy fences order the generic accesses before (the acquire that made a slot readable) ahead
+// of the bulk reads, and the bulk writes (complete at wait_group 0) ahead of what follows (the
+// release that publishes them).
+__device__ __forceinline__ void bulk_copy_rows(char* const* dst, const char* const* src, int n, int bytes) {
+  if ((threadIdx.x & 31u) == 0) {
+    BulkStage* st = bulk_stage();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    const int per_row = (bytes + kBulkPiece - 1) / kBulkPiece, total = n * per_row;
+    const uint32_t uses = st->uses;
+    auto piece_of = [&](int k, int& row, int& offset) {
+      row = k / per_row;
+      offset = (k % per_row) * kBulkPiece;
+      return static_cast<uint32_t>(bytes - offset < kBulkPiece ? bytes - offset : kBulkPiece);
+    };
+    auto load = [&](int k) {
+      int row, offset;
+      const uint32_t len = piece_of(k, row, offset);
+      const int stage = static_cast<int>((uses + k) % kBulkStages);
+      bulk_load(st->piece[stage], src[row] + offset, len, &st->barrier[stage]);
+    };
+    for (int k = 0; k < total && k < kBulkStages; ++k) load(k);
+    for (int k = 0; k < total; ++k) {
+      int row, offset;
+      const uint32_t len = piece_of(k, row, offset);
+      const int stage = static_cast<int>((uses + k) % kBulkStages);
+      bulk_wait(&st->barrier[stage], ((uses + k) / kBulkStages) & 1u);
+      bulk_store(dst[row] + offset, st->piece[stage], len);
+      if (k + kBulkStages < total) {
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the stage is read out: reload it
+        load(k + kBulkStages);
+      }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    st->uses = uses + static_cast<uint32_t>(total);
+  }
+  __syncwarp();
+}
+
 // ---- combine element types ------------------------------------------------------------------
 
 template <class T>
@@ -173,11 +291,10 @@ __device__ __forceinline__ void op_epoch_end(uint64_t* epoch, int32_t* done, uin
 
 // ---- the context ----------------------------------------------------------------------------
 
-constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per lane before the first store
-
 // CommonT: a launch's shared arguments with timeout_cycles, error and error_host (intranode
-// Common, or internode::Common for the RDMA stage, whose context extends this one).
-template <class CommonT>
+// Common, or internode::Common for the RDMA stage, whose context extends this one). Policy: the
+// copy loops (variant.cuh CopyPolicy; DefaultCopy is the current one).
+template <class CommonT, class Policy = DefaultCopy>
 struct DeviceCtxT {
   const CommonT* common;
   int group_barrier;  // named barrier of this warp's group (1..15); unused for one-warp groups
@@ -218,7 +335,12 @@ struct DeviceCtxT {
   __device__ void shared_store(int32_t* p, int32_t v) const { *reinterpret_cast<volatile int32_t*>(p) = v; }
   __device__ void shared_add(int32_t* p, int32_t v) const { atomicAdd(p, v); }
   __device__ int32_t shared_fetch_max(int32_t* p, int32_t v) const { return atomicMax(p, v); }
+  // Rows a warp moves together: the policy's (the launcher picked the kernel for the variant's).
+  static constexpr int kMaxRows = Policy::kRows;
+  __device__ static constexpr int rows_in_flight(const Variant&) { return kMaxRows; }
+  __device__ static constexpr bool slot_flags(const Variant&) { return Policy::kFlags; }
   __device__ void relax() const {}
+  __device__ void backoff(int idle) const { __nanosleep(64u << (idle < 4 ? idle : 4)); }
   __device__ void fence_block() const { __threadfence_block(); }
   __device__ void fence_sc() const { asm volatile("fence.sc.cta;" ::: "memory"); }
 
@@ -349,29 +471,71 @@ struct DeviceCtxT {
   }
 
   template <bool kFromQueue>
-  __device__ __forceinline__ void copy(char* dst, const char* src, int bytes) const {
-    if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
-      const int n = bytes / 16;
-      int4* d = reinterpret_cast<int4*>(dst);
-      const int4* s = reinterpret_cast<const int4*>(src);
-      int i = lane();
-      for (; i + (kCopyUnroll - 1) * 32 < n; i += kCopyUnroll * 32) {
-        int4 v[kCopyUnroll];
+  __device__ __forceinline__ static int4 load_v4(const int4* p) {
+    return kFromQueue ? ld_queue_v4(p) : ld_input_v4(p);
+  }
+
+  // Rows src[r] -> dst[r], r < n <= Policy::kRows. The current copy: 4 loads per lane in
+  // flight, then a remainder one at a time; deeper policies keep kPerRow loads on each of the
+  // rows in flight, the tail predicated into the same loop.
+  template <bool kFromQueue>
+  __device__ __forceinline__ void copy_rows(char* const* dst, const char* const* src, int n, int bytes) const {
+    uintptr_t bits = static_cast<uintptr_t>(bytes);
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) v[u] = kFromQueue ? ld_queue_v4(s + i + u * 32) : ld_input_v4(s + i + u * 32);
+    for (int r = 0; r < Policy::kRows; ++r)
+      if (r < n) bits |= reinterpret_cast<uintptr_t>(dst[r]) | reinterpret_cast<uintptr_t>(src[r]);
+    if ((bits & 15) != 0) {  // fields are whole int32s (fp8 scales of H % 512 != 0)
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) d[i + u * 32] = v[u];
+      for (int r = 0; r < Policy::kRows; ++r) {
+        if (r >= n) break;
+        int32_t* d = reinterpret_cast<int32_t*>(dst[r]);
+        const int32_t* s = reinterpret_cast<const int32_t*>(src[r]);
+        for (int i = lane(); i < bytes / 4; i += 32) d[i] = kFromQueue ? ld_queue_i32(s + i) : ld_input_i32(s + i);
       }
-      for (; i < n; i += 32) d[i] = kFromQueue ? ld_queue_v4(s + i) : ld_input_v4(s + i);
-    } else {  // fields are whole int32s (fp8 scales of H % 512 != 0)
-      const int n = bytes / 4;
-      int32_t* d = reinterpret_cast<int32_t*>(dst);
-      const int32_t* s = reinterpret_cast<const int32_t*>(src);
-      for (int i = lane(); i < n; i += 32) d[i] = kFromQueue ? ld_queue_i32(s + i) : ld_input_i32(s + i);
+      return;
+    }
+    if constexpr (Policy::kBulk) {
+      if (bytes >= kBulkMinBytes) return bulk_copy_rows(dst, src, n, bytes);
+    }
+    const int vectors = bytes / 16;
+    if constexpr (!Policy::kPredicatedTail) {
+      if (n < 1) return;
+      int4* d = reinterpret_cast<int4*>(dst[0]);
+      const int4* s = reinterpret_cast<const int4*>(src[0]);
+      int i = lane();
+      for (; i + (Policy::kLoads - 1) * 32 < vectors; i += Policy::kLoads * 32) {
+        int4 v[Policy::kLoads];
+#pragma unroll
+        for (int u = 0; u < Policy::kLoads; ++u) v[u] = load_v4<kFromQueue>(s + i + u * 32);
+#pragma unroll
+        for (int u = 0; u < Policy::kLoads; ++u) d[i + u * 32] = v[u];
+      }
+      for (; i < vectors; i += 32) d[i] = load_v4<kFromQueue>(s + i);
+    } else {
+      for (int i = lane(); i < vectors; i += Policy::kPerRow * 32) {
+        int4 v[Policy::kRows][Policy::kPerRow];
+#pragma unroll
+        for (int r = 0; r < Policy::kRows; ++r)
+#pragma unroll
+          for (int u = 0; u < Policy::kPerRow; ++u)
+            if (r < n && i + u * 32 < vectors)
+              v[r][u] = load_v4<kFromQueue>(reinterpret_cast<const int4*>(src[r]) + i + u * 32);
+#pragma unroll
+        for (int r = 0; r < Policy::kRows; ++r)
+#pragma unroll
+          for (int u = 0; u < Policy::kPerRow; ++u)
+            if (r < n && i + u * 32 < vectors) reinterpret_cast<int4*>(dst[r])[i + u * 32] = v[r][u];
+      }
     }
   }
-  __device__ void copy_in(char* dst, const char* src, int bytes) const { copy<false>(dst, src, bytes); }
-  __device__ void copy_out(char* dst, const char* src, int bytes) const { copy<true>(dst, src, bytes); }
+  __device__ void copy_in(char* dst, const char* src, int bytes) const { copy_rows<false>(&dst, &src, 1, bytes); }
+  __device__ void copy_out(char* dst, const char* src, int bytes) const { copy_rows<true>(&dst, &src, 1, bytes); }
+  __device__ void copy_in_rows(char* const* dst, const char* const* src, int n, int bytes) const {
+    copy_rows<false>(dst, src, n, bytes);
+  }
+  __device__ void copy_out_rows(char* const* dst, const char* const* src, int n, int bytes) const {
+    copy_rows<true>(dst, src, n, bytes);
+  }
   __device__ void zero_row(char* dst, int bytes) const {
     int4* d = reinterpret_cast<int4*>(dst);
     for (int i = lane(); i < bytes / 16; i += 32) d[i] = make_int4(0, 0, 0, 0);
@@ -384,38 +548,56 @@ struct DeviceCtxT {
   __device__ int32_t queue_i32(const char* p) const { return ld_queue_i32(reinterpret_cast<const int32_t*>(p)); }
   __device__ float queue_f32(const char* p) const { return __int_as_float(queue_i32(p)); }
 
-  // out = sum over rows h (in order) of float(rows[h]) * scales[h], fp32, rounded once.
-  // Two vectors per lane per step keep two loads per holder in flight.
+  // Bytes [offset, offset + bytes) of out = sum over rows h (in order) of float(rows[h]) *
+  // scales[h], fp32, rounded once. Policy::kReduceVecs vectors per lane per step keep as many
+  // loads per holder in flight (2: the current reducer).
   template <class T>
-  __device__ void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int bytes) const {
-    constexpr int kPer = Vec<T>::kPer;
+  __device__ void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int offset,
+                              int bytes) const {
+    constexpr int kPer = Vec<T>::kPer, kVecs = Policy::kReduceVecs;
     const int n = bytes / 16;
-    int4* d = reinterpret_cast<int4*>(out);
-    for (int i = lane(); i < n; i += 64) {
-      const bool second = i + 32 < n;
-      float acc0[kPer], acc1[kPer];
+    int4* d = reinterpret_cast<int4*>(out + offset);
+    for (int i = lane(); i < n; i += 32 * kVecs) {
+      float acc[kVecs][kPer];
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) acc0[j] = acc1[j] = 0.0f;
+      for (int u = 0; u < kVecs; ++u)
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) acc[u][j] = 0.0f;
       for (int h = 0; h < num_rows; ++h) {
-        const int4* row = reinterpret_cast<const int4*>(rows[h]);
-        const int4 v0 = ld_queue_v4(row + i);
-        const int4 v1 = second ? ld_queue_v4(row + i + 32) : make_int4(0, 0, 0, 0);
+        const int4* row = reinterpret_cast<const int4*>(rows[h] + offset);
+        int4 v[kVecs];
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u) v[u] = i + 32 * u < n ? ld_queue_v4(row + i + 32 * u) : make_int4(0, 0, 0, 0);
         const float scale = scales[h];
-        float f[kPer];
-        Vec<T>::unpack(v0, f);
 #pragma unroll
-        for (int j = 0; j < kPer; ++j) acc0[j] = combine_step(acc0[j], f[j], scale);
-        Vec<T>::unpack(v1, f);
+        for (int u = 0; u < kVecs; ++u) {
+          float f[kPer];
+          Vec<T>::unpack(v[u], f);
 #pragma unroll
-        for (int j = 0; j < kPer; ++j) acc1[j] = combine_step(acc1[j], f[j], scale);
+          for (int j = 0; j < kPer; ++j) acc[u][j] = combine_step(acc[u][j], f[j], scale);
+        }
       }
-      d[i] = Vec<T>::pack(acc0);
-      if (second) d[i + 32] = Vec<T>::pack(acc1);
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u)
+        if (i + 32 * u < n) d[i + 32 * u] = Vec<T>::pack(acc[u]);
     }
   }
 };
 
 using DeviceCtx = DeviceCtxT<Common>;
+
+// Host: fn(policy, min_blocks) for the intranode kernel of `v`: its copy variant, with or
+// without the ready-flag loops.
+template <class Fn>
+void with_intranode_variant(const Variant& v, Fn fn) {
+  with_copy_variant(v, [&](auto policy, auto min_blocks) {
+    if (v.slot_flags) {
+      fn(WithFlags<decltype(policy)>{}, min_blocks);
+    } else {
+      fn(policy, min_blocks);
+    }
+  });
+}
 
 }  // namespace intranode
 }  // namespace moe_dispatch

@@ -23,20 +23,23 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 
 // blockIdx = (2 * channel + is_receiver, launched rank). Warps form W groups of
 // kNumWarps / W warps; group g serves peer g (destination when sending, source when receiving).
-__global__ void __launch_bounds__(kNumThreads, 2) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
+// P: the copy policy, kMinBlocks: 2 = the register cap of the current kernels (variant.cuh).
+template <class P, int kMinBlocks>
+__global__ void __launch_bounds__(kNumThreads, kMinBlocks) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
   const Common& common = args.common;
   const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
   if (rank == common.skip_rank) return;
   const BufferLayout& l = common.layout;
   __shared__ uint64_t epoch_shared;
   const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
+  bulk_init<P>();
   const int channel = static_cast<int>(blockIdx.x) / 2;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int group_warps = kNumWarps / common.num_ranks;
   const int peer = warp / group_warps;
   __shared__ GroupState groups[kMaxRanks];
   if (peer < common.num_ranks) {  // W does not divide the warps: the rest idle
-    DeviceCtx ctx{&common, peer + 1, group_warps * 32};
+    DeviceCtxT<Common, P> ctx{&common, peer + 1, group_warps * 32};
     if (blockIdx.x % 2 == 0) {
       dispatch_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
     } else {
@@ -67,6 +70,7 @@ void check_common(const Common& c) {
   MOE_HOST_CHECK(l.slot_bytes > 0 && l.slot_bytes % kFieldAlign == 0,
                  "slot_bytes must be a positive multiple of " << kFieldAlign << ", got " << l.slot_bytes);
   MOE_HOST_CHECK(c.timeout_cycles > 0, "timeout_cycles must be > 0, got " << c.timeout_cycles);
+  check_variant(c.variant);
   MOE_HOST_CHECK(c.error != nullptr, "the error record must be a device pointer");
   for (int r = 0; r < c.num_ranks; ++r)
     MOE_HOST_CHECK(c.buffers[r] != nullptr, "the buffer of rank " << r << " is null");
@@ -136,8 +140,12 @@ void launch_dispatch(const DispatchArgs& args, bool cooperative, cudaStream_t st
                    "rank " << rank << ": recv_x, recv_topk_idx (and recv_scales for fp8) must be device pointers");
   }
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
-  check_resident(max_resident_blocks(dispatch_kernel, kNumThreads), grid, "dispatch");
-  launch_kernel(dispatch_kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+  with_intranode_variant(c.variant, [&](auto policy, auto min_blocks) {
+    auto kernel = dispatch_kernel<decltype(policy), decltype(min_blocks)::value>;
+    const size_t smem = prepare_dynamic_smem(kernel, bulk_smem_bytes<decltype(policy)>());
+    check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "dispatch");
+    launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
+  });
 }
 
 }  // namespace intranode

@@ -106,7 +106,11 @@ struct HostCtxT {
     }
     return old;
   }
+  static constexpr int kMaxRows = kMaxRowsInFlight;
+  int rows_in_flight(const Variant& v) const { return v.rows_in_flight; }
+  bool slot_flags(const Variant& v) const { return v.slot_flags != 0; }
   void relax() const { std::this_thread::yield(); }
+  void backoff(int) const { relax(); }
   // shared_load/shared_store acquire/release already order what fence_block orders on the GPU
   // (and ThreadSanitizer does not model fences).
   void fence_block() const {}
@@ -212,6 +216,10 @@ struct HostCtxT {
 
   void copy_in(char* dst, const char* src, int bytes) const { std::memcpy(dst, src, bytes); }
   void copy_out(char* dst, const char* src, int bytes) const { std::memcpy(dst, src, bytes); }
+  void copy_in_rows(char* const* dst, const char* const* src, int n, int bytes) const {
+    for (int r = 0; r < n; ++r) std::memcpy(dst[r], src[r], bytes);
+  }
+  void copy_out_rows(char* const* dst, const char* const* src, int n, int bytes) const { copy_in_rows(dst, src, n, bytes); }
   void zero_row(char* dst, int bytes) const { std::memset(dst, 0, bytes); }
   // The GPU's discard leaves indeterminate bytes: a pattern that no oracle value matches, so a
   // slot read after its discard fails the tests.
@@ -231,11 +239,11 @@ struct HostCtxT {
   }
 
   template <class T>
-  void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int bytes) const {
+  void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int offset, int bytes) const {
     using E = HostElem<T>;
     using S = typename E::Storage;
-    const int n = bytes / static_cast<int>(sizeof(S));
-    for (int i = 0; i < n; ++i) {
+    const int first = offset / static_cast<int>(sizeof(S)), n = first + bytes / static_cast<int>(sizeof(S));
+    for (int i = first; i < n; ++i) {
       float acc = 0.0f;
       for (int h = 0; h < num_rows; ++h) {
         S v;

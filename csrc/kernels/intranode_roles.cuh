@@ -58,6 +58,11 @@ struct NvlQueue {
     if (final) ctx.store_relaxed(tail, 0);
     ctx.store_release(head, static_cast<int32_t>(consumed));
   }
+  // Lane; ready flags (ring.cuh recv_flagged): `count` more entries freed, in order.
+  template <class Ctx>
+  MOE_ROLE void add_head(Ctx& ctx, int32_t count) const {
+    ctx.signal_add(head, count);
+  }
 };
 
 // The ring src -> dst of channel c over the buffers of src and dst; `site` names the wait.
@@ -197,53 +202,93 @@ MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, uint64_t epoch, No
 
 // ---- dispatch ---------------------------------------------------------------------------------
 
-// Token `token` of `me` into a queue slot bound for `dst` (warp-cooperative): top-k ids become
-// dst's local ids (experts [dst * experts_per_rank, +experts_per_rank)), -1 elsewhere. The RDMA
-// stage of internode_roles.cuh passes nodes as `dst` and experts per node.
+// Tokens tokens[0, n) of `me` into queue slots bound for `dst` (warp-cooperative; n <=
+// kMaxRowsInFlight rows copied together): top-k ids become dst's local ids (experts
+// [dst * experts_per_rank, +experts_per_rank)), -1 elsewhere. The RDMA stage of
+// internode_roles.cuh passes nodes as `dst` and experts per node.
 template <class Ctx, class Rank>
-MOE_ROLE void write_dispatch_slot(Ctx& ctx, const SlotLayout& s, int experts_per_rank, const Rank& me, int dst,
-                                  int token, char* slot) {
-  ctx.copy_in(slot, me.x + static_cast<int64_t>(token) * s.x_bytes, s.x_bytes);
-  if (s.scale_bytes > 0)
-    ctx.copy_in(slot + s.scale_offset,
-                reinterpret_cast<const char*>(me.x_scales) + static_cast<int64_t>(token) * s.scale_bytes,
-                s.scale_bytes);
-  for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
-    const int64_t entry = static_cast<int64_t>(token) * s.num_topk + k;
-    const int32_t local = local_expert(me.topk_idx[entry], dst, experts_per_rank);
-    reinterpret_cast<int32_t*>(slot + s.topk_idx_offset)[k] = local;
-    reinterpret_cast<float*>(slot + s.topk_weights_offset)[k] =
-        (local >= 0 && me.topk_weights != nullptr) ? me.topk_weights[entry] : 0.0f;
+MOE_ROLE void write_dispatch_slots(Ctx& ctx, const SlotLayout& s, int experts_per_rank, const Rank& me, int dst,
+                                   const int64_t* tokens, char* const* slots, int n) {
+  const char* src[Ctx::kMaxRows];
+  char* dst_fields[Ctx::kMaxRows];
+  for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) src[r] = me.x + tokens[r] * s.x_bytes;
+  ctx.copy_in_rows(slots, src, n, s.x_bytes);
+  if (s.scale_bytes > 0) {
+    for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
+      src[r] = reinterpret_cast<const char*>(me.x_scales) + tokens[r] * s.scale_bytes;
+      dst_fields[r] = slots[r] + s.scale_offset;
+    }
+    ctx.copy_in_rows(dst_fields, src, n, s.scale_bytes);
   }
-  if (ctx.lane() == 0)
-    *reinterpret_cast<int32_t*>(slot + s.aux_offset) = me.token_ids != nullptr ? me.token_ids[token] : token;
+  for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
+    const int64_t token = tokens[r];
+    char* slot = slots[r];
+    for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
+      const int64_t entry = token * s.num_topk + k;
+      const int32_t local = local_expert(me.topk_idx[entry], dst, experts_per_rank);
+      reinterpret_cast<int32_t*>(slot + s.topk_idx_offset)[k] = local;
+      reinterpret_cast<float*>(slot + s.topk_weights_offset)[k] =
+          (local >= 0 && me.topk_weights != nullptr) ? me.topk_weights[entry] : 0.0f;
+    }
+    if (ctx.lane() == 0)
+      *reinterpret_cast<int32_t*>(slot + s.aux_offset) =
+          me.token_ids != nullptr ? me.token_ids[token] : static_cast<int32_t>(token);
+  }
 }
 
-// A received slot into output row `row` (warp-cooperative); rows past the allocation are
-// dropped and flagged. The slot's top-k ids become id - expert_base where that lies in
-// [0, experts_per_rank), else -1 (weights 0 there): slots bound for this rank pass base 0; the
-// fused forwarder's own rows pass node-local ids and its first expert.
+// Received slots slots[0, n) into output rows rows[0, n) (warp-cooperative); rows past the
+// allocation are dropped and flagged. The slot's top-k ids become id - expert_base where that
+// lies in [0, experts_per_rank), else -1 (weights 0 there): slots bound for this rank pass base
+// 0; the fused forwarder's own rows pass node-local ids and its first expert.
 template <class Ctx, class Rank>
-MOE_ROLE void read_dispatch_slot(Ctx& ctx, const SlotLayout& s, const Rank& me, const char* slot, int row,
-                                 int expert_base, int experts_per_rank) {
-  if (row >= me.num_rows) {
-    if (ctx.lane() == 0) ctx.store_relaxed(me.overflow, 1);
-    return;
+MOE_ROLE void read_dispatch_slots(Ctx& ctx, const SlotLayout& s, const Rank& me, const char* const* slots,
+                                  const int64_t* rows, int n, int expert_base, int experts_per_rank) {
+  const char* src[Ctx::kMaxRows];
+  char* dst[Ctx::kMaxRows];
+  int64_t kept[Ctx::kMaxRows];
+  int m = 0;
+  for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
+    if (rows[r] >= me.num_rows) {
+      if (ctx.lane() == 0) ctx.store_relaxed(me.overflow, 1);
+      continue;
+    }
+    src[m] = slots[r];
+    kept[m] = rows[r];
+    dst[m++] = me.recv_x + rows[r] * s.x_bytes;
   }
-  ctx.copy_out(me.recv_x + static_cast<int64_t>(row) * s.x_bytes, slot, s.x_bytes);
-  if (s.scale_bytes > 0)
-    ctx.copy_out(reinterpret_cast<char*>(me.recv_scales) + static_cast<int64_t>(row) * s.scale_bytes,
-                 slot + s.scale_offset, s.scale_bytes);
-  for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
-    const int64_t entry = static_cast<int64_t>(row) * s.num_topk + k;
-    const int32_t id = ctx.queue_i32(slot + s.topk_idx_offset + 4 * k);
-    const int32_t local = (id >= 0 && id - expert_base >= 0 && id - expert_base < experts_per_rank) ? id - expert_base : -1;
-    me.recv_topk_idx[entry] = local;
-    if (me.recv_topk_weights != nullptr)
-      me.recv_topk_weights[entry] = local >= 0 ? ctx.queue_f32(slot + s.topk_weights_offset + 4 * k) : 0.0f;
-    if (local >= 0) ctx.count_add(me.num_recv_per_expert + local, 1);
+  ctx.copy_out_rows(dst, src, m, s.x_bytes);
+  if (s.scale_bytes > 0) {
+    for (int r = 0; r < Ctx::kMaxRows && r < m; ++r) {
+      dst[r] = reinterpret_cast<char*>(me.recv_scales) + kept[r] * s.scale_bytes;
+      src[r] += s.scale_offset;
+    }
+    ctx.copy_out_rows(dst, src, m, s.scale_bytes);
   }
-  if (ctx.lane() == 0 && me.recv_src_idx != nullptr) me.recv_src_idx[row] = ctx.queue_i32(slot + s.aux_offset);
+  for (int r = 0, i = 0; r < Ctx::kMaxRows && r < n; ++r) {
+    if (rows[r] >= me.num_rows) continue;
+    const char* slot = slots[r];
+    const int64_t row = kept[i++];
+    for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
+      const int64_t entry = row * s.num_topk + k;
+      const int32_t id = ctx.queue_i32(slot + s.topk_idx_offset + 4 * k);
+      const int32_t local =
+          (id >= 0 && id - expert_base >= 0 && id - expert_base < experts_per_rank) ? id - expert_base : -1;
+      me.recv_topk_idx[entry] = local;
+      if (me.recv_topk_weights != nullptr)
+        me.recv_topk_weights[entry] = local >= 0 ? ctx.queue_f32(slot + s.topk_weights_offset + 4 * k) : 0.0f;
+      if (local >= 0) ctx.count_add(me.num_recv_per_expert + local, 1);
+    }
+    if (ctx.lane() == 0 && me.recv_src_idx != nullptr) me.recv_src_idx[row] = ctx.queue_i32(slot + s.aux_offset);
+  }
+}
+
+// A consumed slot's dead bytes (Config.l2_discard), after every lane's reads of it: the slot's
+// whole stride, or with ready flags all but its last line (the flag must survive: the slot's
+// next entry is awaited on it, ring.cuh).
+template <class Ctx>
+MOE_ROLE void discard_slot(Ctx& ctx, const Common& cm, char* slot) {
+  ctx.warp_sync();
+  ctx.discard(slot, ctx.slot_flags(cm.variant) ? cm.layout.flag_offset() : cm.layout.slot_bytes);
 }
 
 // Warp 0 of a group settles the pair's verdict; false (every warp leaves) when the pair moves
@@ -275,11 +320,18 @@ MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int chann
     return;
   const NvlQueue q = nvl_queue(l, cm.buffers[rank], cm.buffers[dst], rank, dst, channel,
                                WaitSite{kDispatch, kSender, rank, channel, dst, kHead});
-  ring::send_selected(
-      ctx, q, l.num_slots, cm.chunk_tokens, channel_token_range(me.num_tokens, cm.num_channels, channel),
-      [&](int token) { return me.is_token_in_rank[static_cast<int64_t>(token) * cm.num_ranks + dst]; },
-      [&](int token, char* slot) { write_dispatch_slot(ctx, a.slot, a.experts_per_rank, me, dst, token, slot); },
-      warp, group_warps, gs);
+  const TokenRange range = channel_token_range(me.num_tokens, cm.num_channels, channel);
+  auto selected = [&](int token) { return me.is_token_in_rank[static_cast<int64_t>(token) * cm.num_ranks + dst]; };
+  auto write = [&](const int64_t* tokens, char* const* slots, int n) {
+    write_dispatch_slots(ctx, a.slot, a.experts_per_rank, me, dst, tokens, slots, n);
+  };
+  const int rows = ctx.rows_in_flight(cm.variant);
+  if (ctx.slot_flags(cm.variant)) {
+    ring::send_flagged(ctx, q, l.num_slots, rows, range, selected, write, warp, group_warps, epoch,
+                       l.flag_offset());
+  } else {
+    ring::send_selected(ctx, q, l.num_slots, cm.chunk_tokens, rows, range, selected, write, warp, group_warps, gs);
+  }
 }
 
 // Receiver group (src -> rank, channel): rows prefix[src][c] + i. Channel 0's group records a
@@ -297,33 +349,46 @@ MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int chann
   const int first_row = me.recv_prefix[queue];
   const NvlQueue q = nvl_queue(l, cm.buffers[src], cm.buffers[rank], src, rank, channel,
                                WaitSite{kDispatch, kReceiver, rank, channel, src, kTail});
-  ring::recv_entries(
-      ctx, q, me.recv_prefix[queue + 1] - first_row,
-      [&](char* slot, int64_t i) {
-        read_dispatch_slot(ctx, a.slot, me, slot, first_row + static_cast<int>(i), 0, a.experts_per_rank);
-        if (cm.l2_discard) {
-          ctx.warp_sync();                  // every lane's reads of the slot are done
-          ctx.discard(slot, l.slot_bytes);  // the slot's whole stride: what the call leaves unused is dead too
-        }
-      },
-      warp, group_warps, gs);
+  auto read = [&](const int64_t* entries, char* const* slots, int n) {
+    int64_t rows[Ctx::kMaxRows];
+    for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) rows[r] = first_row + entries[r];
+    read_dispatch_slots(ctx, a.slot, me, slots, rows, n, 0, a.experts_per_rank);
+    if (cm.l2_discard)
+      for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) discard_slot(ctx, cm, slots[r]);
+  };
+  const int64_t count = me.recv_prefix[queue + 1] - first_row;
+  if (ctx.slot_flags(cm.variant)) {
+    ring::recv_flagged(ctx, q, ctx.rows_in_flight(cm.variant), count, read, warp, group_warps, epoch, l.flag_offset(),
+                       gs);
+  } else {
+    ring::recv_entries(ctx, q, ctx.rows_in_flight(cm.variant), count, read, warp, group_warps, gs);
+  }
 }
 
 // ---- combine ----------------------------------------------------------------------------------
 
-// A row of y with its row scale into a combine slot (warp); a row at or past num_rows (budget
-// mode: a dropped receive) goes as zeros with scale 1.
+// Rows rows[0, n) of y with their row scales into combine slots (warp; n <= kMaxRowsInFlight
+// copied together); a row at or past num_rows (budget mode: a dropped receive) goes as zeros with
+// scale 1.
 template <class Ctx>
-MOE_ROLE void write_combine_slot(Ctx& ctx, const SlotLayout& s, const char* y, const float* row_scale, int64_t row,
-                                 int num_rows, char* slot) {
-  const bool stored = row < num_rows;
-  if (stored) {
-    ctx.copy_in(slot, y + row * s.x_bytes, s.x_bytes);
-  } else {
-    ctx.zero_row(slot, s.x_bytes);
+MOE_ROLE void write_combine_slots(Ctx& ctx, const SlotLayout& s, const char* y, const float* row_scale,
+                                  const int64_t* rows, int num_rows, char* const* slots, int n) {
+  const char* src[Ctx::kMaxRows];
+  char* dst[Ctx::kMaxRows];
+  int m = 0;
+  for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
+    const bool stored = rows[r] < num_rows;
+    if (stored) {
+      src[m] = y + rows[r] * s.x_bytes;
+      dst[m++] = slots[r];
+    } else {
+      ctx.zero_row(slots[r], s.x_bytes);
+    }
+    if (ctx.lane() == 0)
+      *reinterpret_cast<float*>(slots[r] + s.aux_offset) =
+          (stored && row_scale != nullptr) ? row_scale[rows[r]] : 1.0f;
   }
-  if (ctx.lane() == 0)
-    *reinterpret_cast<float*>(slot + s.aux_offset) = (stored && row_scale != nullptr) ? row_scale[row] : 1.0f;
+  ctx.copy_in_rows(dst, src, m, s.x_bytes);
 }
 
 // Sender group (holder rank -> dst = the rows' source, channel): rows
@@ -342,10 +407,19 @@ MOE_ROLE void combine_send(Ctx& ctx, const CombineArgs& a, int rank, int channel
   const int first_row = me.recv_prefix[queue];
   const NvlQueue q = nvl_queue(l, cm.buffers[rank], cm.buffers[dst], rank, dst, channel,
                                WaitSite{kCombine, kSender, rank, channel, dst, kHead});
-  ring::send_entries(
-      ctx, q, l.num_slots, cm.chunk_tokens, me.recv_prefix[queue + 1] - first_row,
-      [&](int64_t i, char* slot) { write_combine_slot(ctx, s, me.y, me.row_scale, first_row + i, me.num_rows, slot); },
-      warp, group_warps, gs);
+  const int count = me.recv_prefix[queue + 1] - first_row;
+  auto write = [&](const int64_t* entries, char* const* slots, int n) {
+    int64_t rows[Ctx::kMaxRows];
+    for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) rows[r] = first_row + entries[r];
+    write_combine_slots(ctx, s, me.y, me.row_scale, rows, me.num_rows, slots, n);
+  };
+  const int rows = ctx.rows_in_flight(cm.variant);
+  if (ctx.slot_flags(cm.variant)) {
+    ring::send_flagged(ctx, q, l.num_slots, rows, TokenRange{0, count}, [](int) { return true; }, write, warp,
+                       group_warps, epoch, l.flag_offset());
+  } else {
+    ring::send_entries(ctx, q, l.num_slots, cm.chunk_tokens, rows, count, write, warp, group_warps, gs);
+  }
 }
 
 // The combine receiver (source rank, channel) as ring::reduce_worker sees it: the channel's
@@ -358,19 +432,28 @@ struct CombineSource {
   int rank;
   int channel;
   uint64_t agree;  // bit p: the pair (rank, p) moves rows
+  uint64_t epoch;  // ready flags' tags (Config.slot_flags)
 
   MOE_ROLE int num_tokens() const { return range.end - range.begin; }
   MOE_ROLE int num_peers() const { return cm->num_ranks; }
+  MOE_ROLE int team() const { return cm->variant.combine_warps; }
+  MOE_ROLE bool backoff() const { return cm->variant.coordinator_backoff != 0; }
   MOE_ROLE bool holds(int i, int p) const {
     return ((agree >> p) & 1u) && me->is_token_in_rank[static_cast<int64_t>(range.begin + i) * cm->num_ranks + p];
   }
   MOE_ROLE bool owns(int i, int worker, int num_workers) const { return i % num_workers == worker; }
   template <class Ctx>
   MOE_ROLE bool begin(Ctx&, int) const { return true; }
+  // Ready flags: entry target - 1's own flag (so `target` entries are known to have landed).
   template <class Ctx>
   MOE_ROLE int64_t wait(Ctx& ctx, int p, int64_t target) const {
-    return ctx.wait_ge(cm->layout.tail(cm->buffers[rank], p, channel), static_cast<int32_t>(target),
-                       WaitSite{kCombine, kReceiver, rank, channel, p, kTail});
+    const WaitSite site{kCombine, kReceiver, rank, channel, p, kTail};
+    if (ctx.slot_flags(cm->variant))
+      return ring::wait_flag(ctx, cm->layout.slot(cm->buffers[rank], p, channel, target - 1), cm->layout.flag_offset(), epoch,
+                             target - 1, site)
+                 ? target
+                 : -1;
+    return ctx.wait_ge(cm->layout.tail(cm->buffers[rank], p, channel), static_cast<int32_t>(target), site);
   }
   template <class Ctx>
   MOE_ROLE char* row(Ctx&, int p, int64_t index, int) const {
@@ -381,10 +464,17 @@ struct CombineSource {
     return ctx.queue_f32(row + s->aux_offset);
   }
   MOE_ROLE char* out(int i) const { return me->out + static_cast<int64_t>(range.begin + i) * s->x_bytes; }
+  // A team's warp discards only the lines inside its own columns (the others still read theirs).
   template <class Ctx>
-  MOE_ROLE void after(Ctx& ctx, int, char* const* rows, int num_rows) const {
+  MOE_ROLE void after(Ctx& ctx, int, char* const* rows, int num_rows, int offset, int bytes) const {
     if (!cm->l2_discard) return;
-    for (int h = 0; h < num_rows; ++h) ctx.discard(rows[h], cm->layout.slot_bytes);
+    for (int h = 0; h < num_rows; ++h) {
+      if (team() > 1) {
+        ctx.discard(rows[h] + offset, bytes);
+      } else {
+        discard_slot(ctx, *cm, rows[h]);
+      }
+    }
     ctx.warp_sync();
   }
   // Before the final head of a queue: reset its tail (see intranode.cuh).
@@ -405,7 +495,7 @@ MOE_ROLE CombineSource combine_source(Ctx& ctx, const CombineArgs& a, int rank, 
   const uint64_t agree = agreeing_peers(ctx, cm, me.check, rank, epoch, coordinator && channel == 0,
                                         WaitSite{kCombine, coordinator ? kCoordinator : kReceiver, rank, channel, 0,
                                                  kHeader});
-  return {&cm, &a.slot, &me, channel_token_range(me.num_tokens, cm.num_channels, channel), rank, channel, agree};
+  return {&cm, &a.slot, &me, channel_token_range(me.num_tokens, cm.num_channels, channel), rank, channel, agree, epoch};
 }
 
 }  // namespace intranode

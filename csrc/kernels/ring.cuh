@@ -28,7 +28,14 @@
 //   int32_t wait_ge(p, target, site)           warp; lane 0 waits, all get its result
 //   int64_t wait_ge64_lane(p, target, site)    lane; the same on an int64 word
 //   int64_t bounded_wait(load, target, site)   lane; the same on whatever load() returns
+//   int rows_in_flight(const Variant&)         rows a warp moves together (GPU: its kernel's copy
+//                                              policy, a constant; CPU: the variant's)
+//   static constexpr int kMaxRows              the most rows_in_flight can be (GPU: the policy's)
+//   bool slot_flags(const Variant&)            the intranode ready-flag loops (GPU: the kernel's, a
+//                                              constant; CPU: the variant's)
 //   void relax()                               lane; a spinning loop found nothing new
+//   void backoff(int idle)                     lane; the same for the `idle`-th time in a row, where a
+//                                              longer pause costs nothing (GPU: __nanosleep; CPU: relax)
 //   int32_t shared_load(const int32_t*)        lane; block-shared state another warp writes
 //   void shared_store(int32_t*, int32_t)       lane
 //   void shared_add(int32_t*, int32_t)         lane
@@ -39,6 +46,9 @@
 //   void block_exclusive_scan(int32_t*, n)     block; in place over n entries (any n), returns the total
 //   void copy_in(char* dst, const char* src, int bytes)   warp; from a read-only input
 //   void copy_out(char* dst, const char* src, int bytes)  warp; from a queue slot
+//   void copy_in_rows(char* const* dst, const char* const* src, int n, int bytes)
+//   void copy_out_rows(...)                    warp; n <= kMaxRowsInFlight rows at once (the GPU's
+//                                              copy policy keeps their loads in flight together)
 //   void zero_row(char* dst, int bytes)                    warp
 //   int32_t queue_i32(const char*), float queue_f32(const char*)   lane; scalars from a slot
 //   void discard(char* slot, int bytes)        warp; a consumed slot's bytes are dead: the whole
@@ -49,7 +59,9 @@
 //                                              lane; into check.mismatch (and its mirror); a rank
 //                                              whose own status is non-zero records nothing
 //   template <class T> void reduce_rows(char* out, char* const* rows, const float* scales,
-//                                       int num_rows, int bytes)   warp; combine_step order
+//                                       int num_rows, int offset, int bytes)
+//                                              warp; bytes [offset, offset + bytes) of the rows into
+//                                              the same bytes of out, combine_step order per element
 #pragma once
 
 #include "kernels/header.cuh"
@@ -65,6 +77,7 @@ namespace moe_dispatch {
 namespace ring {
 
 using intranode::Check;
+using intranode::entry_tag;
 using intranode::kNumWarps;
 using intranode::TokenRange;
 using intranode::WaitSite;
@@ -80,7 +93,40 @@ struct GroupState {
   int32_t first;    // fused forwarder: the chunk's first entry
   int32_t verdict;  // 1: the group's pair moves rows
   int32_t lo, hi;   // a 64-bit value settled with the verdict (a forwarder's rail report)
+  int32_t progress[kNumWarps];  // flagged receiver (recv_flagged): warp w's next entry
+  int32_t published;            // flagged receiver: entries added to the sender's head
 };
+
+// Up to `rows` entries (Config.rows_in_flight) a warp writes or reads together: add() collects
+// them, flush() hands them to fn(keys, slots, n) (keys: tokens or entry indices), as a batch
+// fills and at the end of each round. rows = 1 is the one-entry-at-a-time loop.
+template <class Fn, int kMax>
+struct Batch {
+  Fn& fn;
+  int rows;
+  int n = 0;
+  int64_t keys[kMax] = {};
+  int64_t entries[kMax] = {};
+  char* slots[kMax] = {};
+
+  MOE_ROLE void add(int64_t key, int64_t entry, char* slot) {
+    keys[n] = key;
+    entries[n] = entry;
+    slots[n] = slot;
+    if (++n == rows) flush();
+  }
+  MOE_ROLE void flush() {
+    if (n > 0) fn(keys, entries, slots, n);
+    n = 0;
+  }
+};
+
+// kMax: Ctx::kMaxRows, the most rows the context's copies take (a constant: the GPU's batch of
+// one row folds away in the current kernels).
+template <int kMax, class Fn>
+MOE_ROLE Batch<Fn, kMax> batch(Fn& fn, int rows) {
+  return Batch<Fn, kMax>{fn, rows};
+}
 
 // ---- header lines (header.cuh) ---------------------------------------------------------------
 
@@ -129,9 +175,12 @@ MOE_ROLE int32_t judge(Ctx& ctx, const Check& check, int rank, int peer, const i
 
 // Sender group (`warp` of `group_warps`): entries are the tokens t of `range` with selected(t),
 // in token order, K = chunk per published count; entry e is written by warp e % group_warps.
+// write(tokens, slots, n) writes n <= rows entries (rows: Config.rows_in_flight).
 template <class Ctx, class Queue, class Select, class Write>
-MOE_ROLE void send_selected(Ctx& ctx, const Queue& q, int num_slots, int chunk, TokenRange range, Select selected,
-                            Write write, int warp, int group_warps, GroupState* gs) {
+MOE_ROLE void send_selected(Ctx& ctx, const Queue& q, int num_slots, int chunk, int rows, TokenRange range,
+                            Select selected, Write write, int warp, int group_warps, GroupState* gs) {
+  auto put = [&](const int64_t* tokens, const int64_t*, char* const* slots, int n) { write(tokens, slots, n); };
+  auto mine = batch<Ctx::kMaxRows>(put, rows);
   int64_t sent = 0;
   for (int token = range.begin; token < range.end;) {
     if (warp == 0) {  // room for a whole chunk: entries [sent, sent + K) are free
@@ -144,9 +193,10 @@ MOE_ROLE void send_selected(Ctx& ctx, const Queue& q, int num_slots, int chunk, 
     int count = 0;  // every warp scans the same tokens, so all agree on count and slots
     for (; token < range.end && count < chunk; ++token) {
       if (!selected(token)) continue;
-      if ((sent + count) % group_warps == warp) write(token, q.slot(sent + count));
+      if ((sent + count) % group_warps == warp) mine.add(token, sent + count, q.slot(sent + count));
       ++count;
     }
+    mine.flush();
     ctx.group_sync();
     if (warp == 0 && count > 0) q.publish(ctx, sent, count);
     sent += count;
@@ -154,10 +204,13 @@ MOE_ROLE void send_selected(Ctx& ctx, const Queue& q, int num_slots, int chunk, 
   if (warp == 0 && sent > 0) q.finish(ctx, sent);  // everything consumed: reset for the next operation
 }
 
-// Sender group streaming entries [0, num_entries) (write(i, slot)) in chunks of K.
+// Sender group streaming entries [0, num_entries) (write(entries, slots, n), n <= rows) in
+// chunks of K.
 template <class Ctx, class Queue, class Write>
-MOE_ROLE void send_entries(Ctx& ctx, const Queue& q, int num_slots, int chunk, int64_t num_entries, Write write,
-                           int warp, int group_warps, GroupState* gs) {
+MOE_ROLE void send_entries(Ctx& ctx, const Queue& q, int num_slots, int chunk, int rows, int64_t num_entries,
+                           Write write, int warp, int group_warps, GroupState* gs) {
+  auto put = [&](const int64_t* entries, const int64_t*, char* const* slots, int n) { write(entries, slots, n); };
+  auto mine = batch<Ctx::kMaxRows>(put, rows);
   for (int64_t sent = 0; sent < num_entries;) {
     const int count = static_cast<int>(num_entries - sent < chunk ? num_entries - sent : chunk);
     if (warp == 0) {
@@ -167,7 +220,8 @@ MOE_ROLE void send_entries(Ctx& ctx, const Queue& q, int num_slots, int chunk, i
     }
     ctx.group_sync();
     if (ctx.shared_load(&gs->stop)) return;
-    for (int64_t i = sent + warp; i < sent + count; i += group_warps) write(i, q.slot(i));
+    for (int64_t i = sent + warp; i < sent + count; i += group_warps) mine.add(i, i, q.slot(i));
+    mine.flush();
     ctx.group_sync();
     if (warp == 0) q.publish(ctx, sent, count);
     sent += count;
@@ -175,11 +229,13 @@ MOE_ROLE void send_entries(Ctx& ctx, const Queue& q, int num_slots, int chunk, i
   if (warp == 0 && num_entries > 0) q.finish(ctx, num_entries);
 }
 
-// Receiver group: consumes entries [0, num_entries) as they land (read(slot, i)), freeing
-// them after each batch.
+// Receiver group: consumes entries [0, num_entries) as they land (read(entries, slots, n),
+// n <= rows), freeing them after each batch.
 template <class Ctx, class Queue, class Read>
-MOE_ROLE void recv_entries(Ctx& ctx, const Queue& q, int64_t num_entries, Read read, int warp, int group_warps,
-                           GroupState* gs) {
+MOE_ROLE void recv_entries(Ctx& ctx, const Queue& q, int rows, int64_t num_entries, Read read, int warp,
+                           int group_warps, GroupState* gs) {
+  auto take = [&](const int64_t* entries, const int64_t*, char* const* slots, int n) { read(entries, slots, n); };
+  auto mine = batch<Ctx::kMaxRows>(take, rows);
   for (int64_t consumed = 0; consumed < num_entries;) {
     if (warp == 0) {
       const int64_t seen = q.wait_data(ctx, consumed + 1);
@@ -191,11 +247,118 @@ MOE_ROLE void recv_entries(Ctx& ctx, const Queue& q, int64_t num_entries, Read r
     ctx.group_sync();
     if (ctx.shared_load(&gs->stop)) return;
     const int64_t available = ctx.shared_load(&gs->value);
-    for (int64_t i = consumed + warp; i < available; i += group_warps) read(q.slot(i), i);
+    for (int64_t i = consumed + warp; i < available; i += group_warps) mine.add(i, i, q.slot(i));
+    mine.flush();
     ctx.group_sync();
     if (warp == 0 && ctx.lane() == 0) q.release(ctx, available, available == num_entries);
     consumed = available;
   }
+}
+
+// ---- per-slot ready flags (Config.slot_flags; intranode.cuh) ----------------------------------
+//
+// Entry i's slot carries a ready flag, an int64 at `flag_offset` inside the slot: its writer
+// stores entry_tag(epoch, i) there with release after the entry's fields; its reader polls it.
+// A tag names the operation (epoch) and the entry, so no flag is ever reset: a slot's previous
+// entry (i - S) or an earlier operation's leaves a smaller tag. The head stays a count of
+// entries freed in order, grown by atomic adds (recv_flagged); the sender's finish() waits for
+// it to reach the total and zeroes it, as in the tail protocol.
+
+// Warp: waits until entry i's flag carries its tag; false when the wait failed. A timeout
+// reports as observed the entries of this operation the slot saw land (its tag's low word).
+template <class Ctx>
+MOE_ROLE bool wait_flag(Ctx& ctx, const char* slot, int flag_offset, uint64_t epoch, int64_t i, const WaitSite& site) {
+  int32_t ok = 0;
+  if (ctx.lane() == 0) {
+    const int64_t* flag = reinterpret_cast<const int64_t*>(slot + flag_offset);
+    const int64_t epoch_word = static_cast<int64_t>(entry_tag(epoch, i) >> 32);
+    const int64_t landed = ctx.bounded_wait(
+        [&]() -> int64_t {
+          const int64_t v = ctx.load_acquire64(flag);
+          return (v >> 32) == epoch_word ? (v & 0xffffffff) : 0;
+        },
+        i + 1, site);
+    ok = landed >= 0;
+  }
+  return ctx.broadcast(ok) != 0;
+}
+
+// Sender group with ready flags: the entries are the tokens t of `range` with selected(t), in
+// order (range [0, n) with every token selected: entries 0..n-1). Entry e is written by warp
+// e % group_warps, which waits for its own room (head >= e + 1 - S, the slot's previous entry
+// freed) and publishes its own entries: no group barrier per chunk. write(tokens, slots, n).
+template <class Ctx, class Queue, class Select, class Write>
+MOE_ROLE void send_flagged(Ctx& ctx, const Queue& q, int num_slots, int rows, TokenRange range, Select selected,
+                           Write write, int warp, int group_warps, uint64_t epoch, int flag_offset) {
+  auto put = [&](const int64_t* tokens, const int64_t* entries, char* const* slots, int n) {
+    write(tokens, slots, n);
+    ctx.warp_sync();  // every lane's stores into the slots come before lane 0's release
+    if (ctx.lane() == 0)
+      for (int r = 0; r < Ctx::kMaxRows && r < n; ++r)
+        ctx.store_release64(reinterpret_cast<int64_t*>(slots[r] + flag_offset),
+                            static_cast<int64_t>(entry_tag(epoch, entries[r])));
+  };
+  auto mine = batch<Ctx::kMaxRows>(put, rows);
+  int64_t entry = 0, room = 0;  // room: the head this warp saw last
+  bool failed = false;
+  for (int token = range.begin; token < range.end && !failed; ++token) {
+    if (!selected(token)) continue;
+    if (entry % group_warps == warp) {
+      if (entry + 1 - num_slots > room) {
+        mine.flush();  // the batch's slots are free; the next one's may wait for their readers
+        room = q.wait_room(ctx, entry + 1 - num_slots);
+        failed = room < 0;
+      }
+      if (!failed) mine.add(token, entry, q.slot(entry));
+    }
+    ++entry;
+  }
+  if (failed) return;
+  mine.flush();
+  if (warp == 0 && entry > 0) q.finish(ctx, entry);  // head == entry: every slot written and freed
+}
+
+// Receiver group with ready flags: warp w consumes entries w, w + G, ... as their flags land
+// (read(entries, slots, n)), then frees in order what every warp of the group passed: the head
+// may count entry j once warp j % G moved past it, so freed = min over the warps of their next
+// entry; each warp adds what its own computation found beyond the group's published count
+// (shared_fetch_max), so the adds sum to the queue's entry count and no store goes back.
+template <class Ctx, class Queue, class Read>
+MOE_ROLE void recv_flagged(Ctx& ctx, const Queue& q, int rows, int64_t num_entries, Read read, int warp,
+                           int group_warps, uint64_t epoch, int flag_offset, GroupState* gs) {
+  if (ctx.lane() == 0) {
+    ctx.shared_store(&gs->progress[warp], warp);
+    if (warp == 0) ctx.shared_store(&gs->published, 0);
+  }
+  ctx.group_sync();
+  auto take = [&](const int64_t* entries, const int64_t*, char* const* slots, int n) {
+    read(entries, slots, n);
+    ctx.warp_sync();
+    if (ctx.lane() != 0) return;
+    ctx.shared_store(&gs->progress[warp], static_cast<int32_t>(entries[n - 1] + group_warps));
+    ctx.fence_sc();  // my progress, then the others': of two warps, one sees the other's store
+    int64_t freed = num_entries;
+    for (int v = 0; v < group_warps; ++v) {
+      const int64_t p = ctx.shared_load(&gs->progress[v]);
+      freed = p < freed ? p : freed;
+    }
+    const int32_t before = ctx.shared_fetch_max(&gs->published, static_cast<int32_t>(freed));
+    if (freed > before) q.add_head(ctx, static_cast<int32_t>(freed - before));
+  };
+  auto mine = batch<Ctx::kMaxRows>(take, rows);
+  for (int64_t i = warp; i < num_entries; i += group_warps) {
+    char* slot = q.slot(i);
+    if (mine.n > 0) {  // holding entries: the next joins them only if it landed (its room may need them freed)
+      int32_t landed = 0;
+      if (ctx.lane() == 0)
+        landed = ctx.load_acquire64(reinterpret_cast<const int64_t*>(slot + flag_offset)) >=
+                 static_cast<int64_t>(entry_tag(epoch, i));
+      if (!ctx.broadcast(landed)) mine.flush();
+    }
+    if (!wait_flag(ctx, slot, flag_offset, epoch, i, q.site)) return;
+    mine.add(i, i, slot);
+  }
+  mine.flush();
 }
 
 // ---- reduction over holders (every combine receiver) ---------------------------------------
@@ -205,17 +368,24 @@ MOE_ROLE void recv_entries(Ctx& ctx, const Queue& q, int64_t num_entries, Read r
 // entries behind the slowest worker. progress[w][p]: entries of p's queue that worker w no
 // longer needs (p's rows of the tokens before w's scan position; a worker never scans past a
 // token of its own it has not reduced); min over workers = entries safe to free.
+// Workers form teams of src.team() warps (Config.combine_warps): a team owns a token, each of
+// its warps sums every holder of its share of the row's 16-byte columns (the order per element
+// is the same, so are the bits). Workers beyond the last whole team own nothing.
 //
 // Source policy (lane-level unless marked warp):
 //   int num_tokens(), num_peers()
+//   int team()                       warps per token (1: one warp per token)
+//   bool backoff()                   the coordinator sleeps while nothing moves
 //   bool holds(i, p)                 token i has a row from peer p
-//   bool owns(i, worker, num_workers)
-//   bool begin(ctx, i)               warp; before worker's token i (false: give up)
+//   bool owns(i, team, num_teams)
+//   bool begin(ctx, i)               warp; before the team's token i (false: give up)
 //   int64_t wait(ctx, p, target)     warp; entries of p's queue landed >= target, or -1
 //   char* row(ctx, p, index, i)      p's entry `index` (token i)
 //   float scale(ctx, p, row, index, i)
 //   char* out(i)
-//   void after(ctx, i, rows, n)      warp; token i reduced from rows[0, n)
+//   void after(ctx, i, rows, n, offset, bytes)
+//                                    warp; bytes [offset, offset + bytes) of token i reduced from
+//                                    rows[0, n) (the whole row when team() == 1)
 //   void free(ctx, p, freed, final)  lane (coordinator)
 template <int kMaxPeers>
 struct ReduceState {
@@ -245,11 +415,16 @@ template <class T, int kMaxPeers, class Ctx, class Src>
 MOE_ROLE void reduce_worker(Ctx& ctx, const Src& src, int bytes, int worker, int num_workers,
                             ReduceState<kMaxPeers>* st) {
   const int num_tokens = src.num_tokens(), num_peers = src.num_peers();
+  const int team = src.team() < num_workers ? src.team() : num_workers, num_teams = num_workers / team;
+  const int my_team = worker / team, member = worker % team;
+  // This warp's columns: 16-byte vectors [v0, v1) of the row's v.
+  const int vectors = bytes / 16, v0 = vectors * member / team, v1 = vectors * (member + 1) / team;
+  const int offset = 16 * v0, span = team == 1 ? bytes : 16 * (v1 - v0);
   int32_t* progress = st->progress[worker];
   int32_t* seen_tail = st->seen_tail[worker];
   bool failed = false;
   for (int i = 0; i < num_tokens && !failed; ++i) {
-    if (src.owns(i, worker, num_workers)) {
+    if (my_team < num_teams && src.owns(i, my_team, num_teams)) {
       failed = !src.begin(ctx, i);
       int num_holders = 0;
       for (int p = 0; p < num_peers && !failed; ++p) {
@@ -270,9 +445,10 @@ MOE_ROLE void reduce_worker(Ctx& ctx, const Src& src, int bytes, int worker, int
       }
       if (failed) break;
       ctx.warp_sync();
-      ctx.template reduce_rows<T>(src.out(i), st->rows[worker], st->scales[worker], num_holders, bytes);
+      if (span > 0)
+        ctx.template reduce_rows<T>(src.out(i), st->rows[worker], st->scales[worker], num_holders, offset, span);
       ctx.warp_sync();
-      src.after(ctx, i, st->rows[worker], num_holders);  // before the progress below frees the rows
+      src.after(ctx, i, st->rows[worker], num_holders, offset, span);  // before the progress below frees the rows
     }
     // Past this token: its rows (mine reduced above, others' not my business) are released.
     ctx.fence_block();
@@ -287,6 +463,7 @@ MOE_ROLE void reduce_worker(Ctx& ctx, const Src& src, int bytes, int worker, int
 template <int kMaxPeers, class Ctx, class Src>
 MOE_ROLE void reduce_coordinator(Ctx& ctx, const Src& src, int num_workers, ReduceState<kMaxPeers>* st) {
   const int num_tokens = src.num_tokens(), num_peers = src.num_peers();
+  const bool backoff = src.backoff();
   for (int p = ctx.lane(); p < num_peers; p += ctx.width()) {
     int32_t total = 0;
     for (int i = 0; i < num_tokens; ++i) total += src.holds(i, p) ? 1 : 0;
@@ -294,7 +471,7 @@ MOE_ROLE void reduce_coordinator(Ctx& ctx, const Src& src, int num_workers, Redu
     st->published[p] = 0;
   }
   ctx.warp_sync();
-  for (;;) {
+  for (int idle = 0;;) {
     const bool finished = ctx.shared_load(&st->done) == num_workers;
     ctx.fence_block();
     bool moved = false;
@@ -311,7 +488,14 @@ MOE_ROLE void reduce_coordinator(Ctx& ctx, const Src& src, int num_workers, Redu
       }
     }
     if (finished) break;
-    if (!moved) ctx.relax();
+    idle = moved ? 0 : idle + 1;
+    if (!moved) {
+      if (backoff) {
+        ctx.backoff(idle);
+      } else {
+        ctx.relax();
+      }
+    }
   }
 }
 

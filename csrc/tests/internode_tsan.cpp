@@ -1,6 +1,8 @@
 // ThreadSanitizer driver of the internode protocol's CPU backend (kernels/internode_cpu.cpp);
 // python_tests/test_internode_cuda.py builds it with -fsanitize=thread and runs it:
-//   internode_tsan N L CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]
+//   internode_tsan N L CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS [rows=R team=T backoff=B]]
+// (the trailing arguments pick a kernel variant, variant.cuh; the internode kernels have no
+// ready flags).
 // N nodes x L ranks; every simulated rank runs on its own thread ROUNDS (default 3) times, each
 // operation a launch of that rank alone (rank_begin = r: the launch shape of the NVSHMEM mode),
 // over RDMA and NVLink buffers the rounds reuse:
@@ -266,12 +268,14 @@ int run_rank(const World& w, int r, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 8 && argc != 9) {
-    std::fprintf(stderr, "usage: %s N L CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]\n", argv[0]);
+  Variant variant{};
+  if (argc < 8 || !tsan::parse_variant(argc, argv, 9, variant)) {
+    std::fprintf(stderr, "usage: %s N L CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS [rows=R team=T backoff=B]]\n",
+                 argv[0]);
     return 2;
   }
   const int N = std::atoi(argv[1]), L = std::atoi(argv[2]), C = std::atoi(argv[3]), S = std::atoi(argv[4]);
-  const int chunk = std::atoi(argv[5]), rounds = argc == 9 ? std::atoi(argv[8]) : 3;
+  const int chunk = std::atoi(argv[5]), rounds = argc >= 9 ? std::atoi(argv[8]) : 3;
   if (N < 1 || L < 1 || N * L < 2 || N * L > kMaxLaunchRanks || C < 1 || C > kMaxChannels || chunk < 1 ||
       S % chunk != 0 || rounds < 1) {
     std::fprintf(stderr, "need 2 <= N * L <= %d, 1 <= CHANNELS <= %d, CHUNK dividing SLOTS, ROUNDS >= 1\n",
@@ -297,6 +301,7 @@ int main(int argc, char** argv) {
   w.common.num_channels = w.C;
   w.common.skip_rank = -1;
   w.common.chunk_tokens = chunk;
+  w.common.variant = variant;
   w.common.nvl_first_rank = 0;
   w.common.timeout_cycles = std::getenv("TSAN_TIMEOUT_NS") ? std::atoll(std::getenv("TSAN_TIMEOUT_NS")) : 20000000000LL;
   w.common.layout = layout;

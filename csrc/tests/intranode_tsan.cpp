@@ -1,6 +1,8 @@
 // ThreadSanitizer driver of the intranode protocol's CPU backend (kernels/intranode_cpu.cpp);
 // python_tests/test_intranode_cuda.py builds it with -fsanitize=thread and runs it:
-//   intranode_tsan W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]
+//   intranode_tsan W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS [rows=R flags=F team=T backoff=B]]
+// (the trailing arguments pick a kernel variant, variant.cuh: rows in flight, ready flags,
+// warps per combined token, coordinator backoff).
 // Every simulated rank runs on its own thread ROUNDS (default 3) times: notify, dispatch (the
 // notify's verdicts), a cached dispatch (header lines exchanged in the kernel), combine (the
 // same), each a launch of that rank alone (rank_begin = r, one launched rank: the launch shape
@@ -150,12 +152,14 @@ int run_rank(const World& w, int r, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7 && argc != 8) {
-    std::fprintf(stderr, "usage: %s W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]\n", argv[0]);
+  Variant variant{};
+  if (argc < 7 || !tsan::parse_variant(argc, argv, 8, variant)) {
+    std::fprintf(stderr, "usage: %s W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS [rows=R flags=F team=T backoff=B]]\n",
+                 argv[0]);
     return 2;
   }
   const int W = std::atoi(argv[1]), C = std::atoi(argv[2]), S = std::atoi(argv[3]), chunk = std::atoi(argv[4]);
-  const int rounds = argc == 8 ? std::atoi(argv[7]) : 3;
+  const int rounds = argc >= 8 ? std::atoi(argv[7]) : 3;
   if (W < 2 || W > kMaxRanks || C < 1 || C > kMaxChannels || chunk < 1 || chunk > S || rounds < 1) {
     std::fprintf(stderr, "need 2 <= W <= %d, 1 <= CHANNELS <= %d, 1 <= CHUNK <= SLOTS, ROUNDS >= 1\n", kMaxRanks,
                  kMaxChannels);
@@ -177,6 +181,7 @@ int main(int argc, char** argv) {
   w.common.num_channels = w.C;
   w.common.skip_rank = -1;
   w.common.chunk_tokens = w.chunk;
+  w.common.variant = variant;
   w.common.timeout_cycles = 20'000'000'000LL;  // ns
   w.common.layout = layout;
   for (int r = 0; r < w.W; ++r) w.common.buffers[r] = reinterpret_cast<char*>(buffers[r].data());

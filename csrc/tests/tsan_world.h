@@ -7,10 +7,12 @@
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "kernels/intranode.cuh"
+#include "kernels/variant.cuh"
 
 namespace tsan {
 
@@ -84,6 +86,33 @@ void connect(Rank& d, const Routing& w, int r, Received& out, int32_t* overflow)
   d.num_recv_per_expert = out.per_expert.data();
   d.overflow = overflow;
   d.num_tokens = w.T[r];
+}
+
+// The kernel variant of the drivers' optional trailing arguments KEY=VALUE (rows, flags, team,
+// backoff: Config's rows_in_flight, slot_flags, combine_warps, coordinator_backoff; the copy
+// fields change nothing on the CPU); false (after saying why on stderr) for a bad argument.
+inline bool parse_variant(int argc, char** argv, int first, moe_dispatch::Variant& v) {
+  v = moe_dispatch::kDefaultVariant;
+  for (int i = first; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    const std::string key = arg.substr(0, eq);
+    const int value = eq == std::string::npos ? -1 : std::atoi(arg.c_str() + eq + 1);
+    int32_t* field = key == "rows" ? &v.rows_in_flight : key == "flags" ? &v.slot_flags
+                   : key == "team" ? &v.combine_warps : key == "backoff" ? &v.coordinator_backoff : nullptr;
+    if (field == nullptr || value < 0) {
+      std::fprintf(stderr, "bad variant argument '%s' (expected rows=, flags=, team= or backoff=)\n", argv[i]);
+      return false;
+    }
+    *field = value;
+  }
+  try {
+    moe_dispatch::check_variant(v);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return false;
+  }
+  return true;
 }
 
 // Runs rank(r) (0 or 1) for every r on its own thread; prints "ok", or the first failing rank

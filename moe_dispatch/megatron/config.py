@@ -81,6 +81,10 @@ class CustomBackendOptions:
         transport: the ``Buffer``'s transport: ``"auto"`` (torch.distributed), ``"torch_dist"``
             or ``"kernels"`` (the intranode kernels, an EP group on one node; ``"cuda"`` is its
             old name; see ``moe_dispatch.Buffer``).
+        kernel_config: the ``Buffer``'s kernel ``config`` (``transport="kernels"``): None (a
+            ``Config`` of the SM budget ``num_sms``), ``"auto"`` (``Config.auto``: the cost model's
+            SMs and ring depth from the first dispatch's shape) or a ``moe_dispatch.config.Config``.
+            When set it replaces the SM budget of the ``TransformerConfig``.
 
     Raises:
         ValueError: a knob out of range (the message names it and the fix).
@@ -94,12 +98,18 @@ class CustomBackendOptions:
     raise_on_overflow: bool = False
     timeout_s: float = 300.0
     transport: str = "auto"
+    kernel_config: Any = None
 
     def __post_init__(self) -> None:
+        from ..config import Config
         from ..transport import TRANSPORTS
 
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
+        if self.kernel_config is not None and self.kernel_config != "auto" and not isinstance(self.kernel_config,
+                                                                                              Config):
+            raise ValueError(f"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got "
+                             f"{self.kernel_config!r}")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive int (dispatch-group ranks per node) or None to "
                              f"derive it from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}")
@@ -320,7 +330,7 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
               pad_multiple: int | None = None, num_permuted_tokens: int | None = None,
               expert_rank_capacity_factor: float | None = None, fuse_permute: bool | None = None,
               raise_on_overflow: bool = False, timeout_s: float = 300.0, transport: str = "auto",
-              **config_fields: Any):
+              kernel_config: Any = None, **config_fields: Any):
     """Selects the "custom" backend on a Megatron-Core ``TransformerConfig`` and validates it.
 
     Sets ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend="custom"`` and
@@ -332,7 +342,8 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
     Args:
         config: a ``megatron.core.transformer.TransformerConfig`` (changed in place).
         ranks_per_node, pad_multiple, num_permuted_tokens, expert_rank_capacity_factor,
-            fuse_permute, raise_on_overflow, timeout_s, transport: see :class:`CustomBackendOptions`.
+            fuse_permute, raise_on_overflow, timeout_s, transport, kernel_config: see
+            :class:`CustomBackendOptions`.
         num_sms: SM budget of the CUDA kernels (an even int in [2, 128]); stored in Megatron's
             ``moe_flex_dispatcher_num_sms`` (megatron-core 0.16, which lacks that field: in the
             attribute ``moe_dispatch_num_sms``); None keeps the config's value. See
@@ -371,11 +382,14 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
                          f"(backend knobs: {[f.name for f in dataclasses.fields(CustomBackendOptions)] + ['num_sms']})")
     if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
         raise ValueError(f"num_sms (SMs of the dispatch/combine kernels) {error}, or None to keep the config's value")
+    if num_sms is not None and kernel_config is not None:
+        raise ValueError(f"num_sms={num_sms} and kernel_config={kernel_config!r} both set the kernels' SM budget: "
+                         "pass one")
     options = CustomBackendOptions(ranks_per_node=ranks_per_node, pad_multiple=pad_multiple,
                                    num_permuted_tokens=num_permuted_tokens,
                                    expert_rank_capacity_factor=expert_rank_capacity_factor,
                                    fuse_permute=fuse_permute, raise_on_overflow=raise_on_overflow,
-                                   timeout_s=timeout_s, transport=transport)
+                                   timeout_s=timeout_s, transport=transport, kernel_config=kernel_config)
     config.moe_token_dispatcher_type = "flex"
     config.moe_flex_dispatcher_backend = BACKEND_NAME
     config.moe_shared_expert_overlap = False

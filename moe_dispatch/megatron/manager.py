@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
+from ..config import Config
 from ..ops.layout import routing_map_to_topk
 from ..ops.permute import PermuteHandle, check_permute_overflow, permute, unpermute
 from .config import (
@@ -68,18 +69,21 @@ def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> 
 
 
 def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-               timeout_s: float = 300.0, transport: str = "auto") -> Buffer:
-    """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, SM
-    budget, timeout, transport).
+               timeout_s: float = 300.0, transport: str = "auto", config: Config | str | None = None) -> Buffer:
+    """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, kernel
+    Config or SM budget, timeout, transport; see ``Buffer`` for each). ``config`` (a
+    ``moe_dispatch.config.Config`` or "auto") replaces ``num_sms`` when given.
 
     Collective on first use for a group (every rank of ``group`` must reach it together, which
     Megatron's identical layer order on all EP ranks guarantees).
     """
     rpn = ep_ranks_per_node(group, ranks_per_node)
-    key = (group, rpn, num_sms, float(timeout_s), transport)
+    num_sms = None if config is not None else num_sms
+    key = (group, rpn, num_sms, config, float(timeout_s), transport)
     buf = _BUFFERS.get(key)
     if buf is None:
-        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, timeout_s=timeout_s, transport=transport)
+        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, config=config, timeout_s=timeout_s,
+                     transport=transport)
         _BUFFERS[key] = buf
     return buf
 
@@ -178,7 +182,7 @@ class CustomDispatchManager(_DispatchManager):
         if self._buffer is None:
             self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
                                       num_sms=self.num_sms, timeout_s=self.options.timeout_s,
-                                      transport=self.options.transport)
+                                      transport=self.options.transport, config=self.options.kernel_config)
         return self._buffer
 
     def budget(self, num_tokens: int) -> int | None:

@@ -12,7 +12,8 @@ word  field         value
 3     dtype         :data:`DTYPE_CODES`
 4     top-k         K that travels (0: none)
 5     experts       E
-6     shape         num_channels | flags << 16 (flag 1: top-k weights travel)
+6     shape         num_channels | flags << 16 (flag 1: top-k weights travel; flag 2: ready flags,
+                    ``Config.slot_flags``, whose ranks must agree on the queue protocol)
 7     status        0, or why this rank refused its own arguments (:data:`STATUS_NAMES`)
 ====  ============  ===========================================================================
 
@@ -47,6 +48,7 @@ DTYPE_CODES = {
 }
 _DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
 FLAG_WEIGHTS = 1
+FLAG_SLOT_FLAGS = 2
 
 STATUS_INVALID_ARGUMENTS = 1
 STATUS_WRONG_HANDLE = 2
@@ -68,6 +70,7 @@ def header_words(
     num_channels: int,
     *,
     weights: bool = False,
+    slot_flags: bool = False,
     status: int = 0,
 ) -> list[int]:
     """The 8 header words of an operation (see the module doc)."""
@@ -78,7 +81,7 @@ def header_words(
         DTYPE_CODES.get(dtype, 15),
         num_topk,
         num_experts,
-        num_channels | ((FLAG_WEIGHTS if weights else 0) << 16),
+        num_channels | (((FLAG_WEIGHTS if weights else 0) | (FLAG_SLOT_FLAGS if slot_flags else 0)) << 16),
         status,
     ]
 
@@ -104,6 +107,7 @@ def _value(field: int, value: int) -> str:
         return _DTYPE_NAMES.get(value, str(value))
     if field == 6:
         flags = ", top-k weights" if (value >> 16) & FLAG_WEIGHTS else ""
+        flags += ", ready flags" if (value >> 16) & FLAG_SLOT_FLAGS else ""
         return f"{value & 0xFFFF} channels{flags}"
     if field == FIELD_STATUS:
         return "0 (ok)" if value == 0 else f"{value} ({STATUS_NAMES.get(value, 'refused')})"

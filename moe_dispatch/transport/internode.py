@@ -1185,6 +1185,14 @@ class InternodeLoopback:
         """(RDMA, NVLink) bytes of each simulated rank's communication buffers."""
         return self.rdma_layout.total_bytes, self.nvl_layout.total_bytes
 
+    def set_variant(self, name: str) -> None:
+        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
+        operation on, over the same buffers; handles of earlier dispatches stay valid. Raises
+        ValueError for an unknown name."""
+        self.config = self.transport.rdma.config = self.config.with_variant(name)
+        for engine in self.transport.nodes.values():
+            engine.config = self.config
+
     def dispatch(
         self,
         xs: list,

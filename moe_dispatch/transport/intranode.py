@@ -347,6 +347,7 @@ class _Launcher:
             "skip_rank": -1 if skip_rank is None else skip_rank,
             "chunk_tokens": config.chunk_tokens,
             "l2_discard": int(config.l2_discard),
+            **config.variant_fields(),
             "timeout_cycles": self.timeout_cycles,
             "buffer_channels": config.num_channels,
             "num_slots": config.num_slots,
@@ -676,8 +677,11 @@ def _check_budget(num_worst_tokens) -> int:
     return int(num_worst_tokens) if num_worst_tokens else -1
 
 
-def _header(op: int, identity: int, inp: _Input, num_experts: int, num_channels: int, status: int) -> list[int]:
-    """The header words of a dispatch of ``inp`` (header.py)."""
+def _header(
+    op: int, identity: int, inp: _Input, num_experts: int, num_channels: int, status: int, slot_flags: bool = False
+) -> list[int]:
+    """The header words of a dispatch of ``inp`` (header.py); ``slot_flags``: the intranode
+    kernels' Config.slot_flags (the internode kernels have no ready flags)."""
     return header_words(
         op,
         identity,
@@ -687,6 +691,7 @@ def _header(op: int, identity: int, inp: _Input, num_experts: int, num_channels:
         num_experts,
         num_channels,
         weights=inp.topk_weights is not None,
+        slot_flags=slot_flags,
         status=status,
     )
 
@@ -731,7 +736,16 @@ def _notify(
             "num_tokens": inp.x.shape[0],
             "budget": budget,
             **engine.check_fields(
-                inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, num_channels, statuses.get(inp.rank, 0))
+                inp.rank,
+                _header(
+                    OP_DISPATCH,
+                    ids[i],
+                    inp,
+                    num_experts,
+                    num_channels,
+                    statuses.get(inp.rank, 0),
+                    engine.config.slot_flags,
+                ),
             ),
         }
         for i, (inp, p, n, o, ok) in enumerate(zip(inputs, prefixes, counts, overflows, peer_ok))
@@ -781,7 +795,7 @@ def _launch_dispatch(
     num_experts, statuses = experts_per_rank * engine.world_size, statuses or {}
     ranks = []
     for inp, h, o in zip(inputs, handles, outs):
-        fresh, fields = _dispatch_fields(engine, inp, h, o, num_experts, statuses)
+        fresh, fields = _dispatch_fields(engine, inp, h, o, num_experts, statuses, engine.config.slot_flags)
         ranks.append(
             {
                 **fields,
@@ -802,11 +816,18 @@ def _launch_dispatch(
 
 
 def _dispatch_fields(
-    engine: _Launcher, inp: _Input, handle, out: dict, num_experts: int, statuses: dict[int, int]
+    engine: _Launcher,
+    inp: _Input,
+    handle,
+    out: dict,
+    num_experts: int,
+    statuses: dict[int, int],
+    slot_flags: bool = False,
 ) -> tuple[bool, dict]:
     """The keys every dispatch launch's rank dict shares (inputs, outputs, the header check),
     and whether this is the handle's first launch after its notify: that one alone reuses the
-    notify's verdicts (the handle's ``notified`` flag is cleared)."""
+    notify's verdicts (the handle's ``notified`` flag is cleared). ``slot_flags``: the intranode
+    kernels' ready flags (in the header)."""
     fresh, handle.notified = handle.notified, False
     header = _header(
         OP_DISPATCH if fresh else OP_CACHED_DISPATCH,
@@ -815,6 +836,7 @@ def _dispatch_fields(
         num_experts,
         handle.num_channels,
         statuses.get(inp.rank, 0),
+        slot_flags,
     )
     return fresh, {
         "x": _ptr(inp.x),
@@ -950,6 +972,7 @@ def _combine(
                     0,
                     h.num_experts,
                     h.num_channels,
+                    slot_flags=engine.config.slot_flags,
                     status=statuses.get(rank_begin + i, 0),
                 ),
             ),
@@ -1036,6 +1059,12 @@ class Loopback:
     def buffer_bytes(self) -> int:
         """Bytes of each simulated rank's communication buffer."""
         return self.layout.total_bytes
+
+    def set_variant(self, name: str) -> None:
+        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
+        operation on, over the same buffers (their layout does not depend on the variant fields);
+        handles of earlier dispatches stay valid. Raises ValueError for an unknown name."""
+        self.config = self.engine.config = self.config.with_variant(name)
 
     def dispatch(
         self,

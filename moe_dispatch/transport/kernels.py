@@ -96,7 +96,8 @@ class KernelTransport:
         group: the EP process group (NCCL with CUDA tensors, gloo with CPU tensors).
         topology: this rank's place; must be one node.
         timeout_s: bound of every wait (kernels and the argument checks).
-        config: the kernels' launch shape and queue sizes (the Buffer checked it).
+        config: the kernels' launch shape and queue sizes (the Buffer checked it), or "auto":
+            ``Config.auto`` at the first plan, from the agreed fields (``_auto_config``).
         device: the Buffer's device.
 
     Raises:
@@ -109,7 +110,7 @@ class KernelTransport:
     plans_on_comm_thread = True
 
     def __init__(
-        self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config, device: torch.device
+        self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config | str, device: torch.device
     ):
         self.check(topology)
         self.config = config
@@ -169,6 +170,8 @@ class KernelTransport:
         fields = {"operation": "dispatch (metadata)", **fields}
         yield from self._dist.agree(fields, what, status)
         self._check_errors()
+        if self.config == "auto":
+            self.config = _auto_config(fields, self.topology)
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens = is_token_in_rank.shape[0]
         inp = _Input(
@@ -392,3 +395,22 @@ def _landing(dst: torch.Tensor, width: int) -> torch.Tensor:
 def _land(dst: torch.Tensor, landed: torch.Tensor) -> None:
     if landed is not dst:
         dst.copy_(landed[:, : dst.shape[1]])
+
+
+AUTO_TOKENS = 4096  # config="auto": the tokens per rank Config.auto assumes (the ranks' own counts differ)
+
+
+def _auto_config(fields: dict[str, Field], topology: Topology) -> Config:
+    """``Config.auto`` for ``config="auto"`` from a dispatch's checked fields (``hidden``,
+    ``top-k``, ``num_experts``, ``fp8 x``, ``x dtype``: the same on every rank, so every rank
+    gets the same Config) and :data:`AUTO_TOKENS` tokens per rank."""
+    return Config.auto(
+        AUTO_TOKENS,
+        topology.world_size,
+        hidden=fields["hidden"],
+        num_topk=fields["top-k"],
+        num_experts=fields["num_experts"],
+        fp8=fields["fp8 x"],
+        element_bytes=4 if fields["x dtype"] == torch.float32 else 2,
+        num_nodes=topology.num_nodes,
+    )

@@ -173,6 +173,14 @@ class InternodeTransport:
         self.config = config or Config()
         check_rdma_config(self.config)
         self.device, _ = _loopback_device("cuda" if device is None else device)  # before anything collective
+        # The kernel refuses it at the first dispatch; refused here, at construction.
+        fused = self.config.internode_pipeline == "fused"
+        if fused and self.device.type == "cuda" and self.config.copy_variant != Config().copy_variant:
+            raise ValueError(
+                "the fused kernels' NVSHMEM mode is compiled for the current copies only (Config.loads_in_flight=4, "
+                f"rows_in_flight=1, bulk_copy=False, register_cap=True), got {self.config.copy_variant}; the copy "
+                "variants run in loopback mode (InternodeLoopback)"
+            )
         C = _ext()
         self.group, self.rank, self.world_size = group, rank, world_size
         self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
