@@ -1,6 +1,6 @@
 """moe_dispatch: hierarchical MoE token dispatch/combine for expert parallelism.
 
-See README.md for the API in ten lines and shared semantics; ``python -m moe_dispatch.env``
+See README.md for the API and docs/semantics.md for the semantics; ``python -m moe_dispatch.env``
 reports what this installation can do.
 """
 
