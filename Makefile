@@ -78,8 +78,7 @@ CSRC_FILES = $(shell git ls-files 'csrc/*.h' 'csrc/*.cuh' 'csrc/*.cpp' 'csrc/*.c
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	@# Off until csrc/ has been formatted once (clang-format -i $(CSRC_FILES)), after the kernel work merges:
-	@# $(VENV)/bin/clang-format --dry-run --Werror $(CSRC_FILES)
+	$(VENV)/bin/clang-format --dry-run --Werror $(CSRC_FILES)
 
 demo: install
 	$(VENV)/bin/moe-dispatch-bench $(DEMO_ARGS)

@@ -86,20 +86,17 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "get_dispatch_layout",
-      [](std::uintptr_t topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
-         int64_t num_ranks, int64_t ranks_per_node, std::uintptr_t num_tokens_per_rank,
-         std::uintptr_t num_tokens_per_node, std::uintptr_t num_tokens_per_expert,
-         std::uintptr_t is_token_in_rank, std::uintptr_t stream) {
-        moe_dispatch::get_dispatch_layout(
-            as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
-            ranks_per_node, as_ptr<int64_t>(num_tokens_per_rank),
-            as_ptr<int64_t>(num_tokens_per_node), as_ptr<int64_t>(num_tokens_per_expert),
-            as_ptr<bool>(is_token_in_rank), as_stream(stream));
+      [](std::uintptr_t topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts, int64_t num_ranks,
+         int64_t ranks_per_node, std::uintptr_t num_tokens_per_rank, std::uintptr_t num_tokens_per_node,
+         std::uintptr_t num_tokens_per_expert, std::uintptr_t is_token_in_rank, std::uintptr_t stream) {
+        moe_dispatch::get_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
+                                          ranks_per_node, as_ptr<int64_t>(num_tokens_per_rank),
+                                          as_ptr<int64_t>(num_tokens_per_node), as_ptr<int64_t>(num_tokens_per_expert),
+                                          as_ptr<bool>(is_token_in_rank), as_stream(stream));
       },
-      py::arg("topk_idx_ptr"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-      py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank_ptr"),
-      py::arg("num_tokens_per_node_ptr"), py::arg("num_tokens_per_expert_ptr"),
-      py::arg("is_token_in_rank_ptr"), py::arg("stream"),
+      py::arg("topk_idx_ptr"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"),
+      py::arg("ranks_per_node"), py::arg("num_tokens_per_rank_ptr"), py::arg("num_tokens_per_node_ptr"),
+      py::arg("num_tokens_per_expert_ptr"), py::arg("is_token_in_rank_ptr"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>(),
       "Launches the routing-layout kernel on `stream` (asynchronous, CUDA-graph safe).\n\n"
       "Pointers are device addresses: topk_idx [num_tokens, num_topk] int64 (-1 = no expert);\n"

@@ -69,7 +69,7 @@ __host__ __device__ __forceinline__
 #else
 inline
 #endif
-int header_diff(const int64_t* mine, const int64_t* theirs) {
+    int header_diff(const int64_t* mine, const int64_t* theirs) {
   if (mine[kHdrStatus] != 0 || theirs[kHdrStatus] != 0) return kHdrStatus;
   for (int f = 0; f < kHeaderWords; ++f)
     if (mine[f] != theirs[f]) return f;

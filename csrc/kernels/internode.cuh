@@ -215,7 +215,8 @@ MOE_HD RdmaLayout make_rdma_layout(int num_nodes, int ranks_per_node, int num_ch
   l.num_channels = num_channels;
   l.num_slots = num_slots;
   l.slot_bytes = slot_bytes;
-  l.msg_bytes = static_cast<int32_t>(kLine + align_up(4 * static_cast<int64_t>(num_channels) * (1 + ranks_per_node), kLine));
+  l.msg_bytes =
+      static_cast<int32_t>(kLine + align_up(4 * static_cast<int64_t>(num_channels) * (1 + ranks_per_node), kLine));
   const int64_t queues = static_cast<int64_t>(num_nodes) * num_channels;
   const int64_t messages = 2 * static_cast<int64_t>(num_nodes) * l.msg_bytes;
   l.arrive_offset = kLine;
@@ -260,9 +261,7 @@ struct Common {
 };
 
 // The peer of `rank` on node `node`: the same local index (the rail of stage 1).
-MOE_HD int rail_peer(const Common& c, int rank, int node) {
-  return node * c.ranks_per_node + rank % c.ranks_per_node;
-}
+MOE_HD int rail_peer(const Common& c, int rank, int node) { return node * c.ranks_per_node + rank % c.ranks_per_node; }
 
 // `rank`'s NVLink buffer (a rank of a node with a launched rank).
 MOE_HD char* nvl_buffer(const Common& c, int rank) { return c.nvl_buffers[rank - c.nvl_first_rank]; }
@@ -306,9 +305,9 @@ struct FusedNotifyRank {
   float* recv_topk_weights;      // [budget, K] or null: rows [R, budget) get 0
   int32_t* recv_src_idx;         // [budget] or null: rows [R, budget) get -1
   Check check;
-  int32_t num_tokens;            // T
-  int32_t budget;                // rows allocated for the receive, -1 = exactly R (host read)
-  int32_t forward_capacity;      // rows of forward_mask, -1 = exactly R1 (host read)
+  int32_t num_tokens;        // T
+  int32_t budget;            // rows allocated for the receive, -1 = exactly R (host read)
+  int32_t forward_capacity;  // rows of forward_mask, -1 = exactly R1 (host read)
 };
 
 struct FusedNotifyArgs {
@@ -318,26 +317,26 @@ struct FusedNotifyArgs {
 };
 
 struct FusedDispatchRank {
-  const char* x;                 // [T, x_bytes]
-  const float* x_scales;         // [T, H/128] or null
-  const int64_t* topk_idx;       // [T, K] global ids, -1 = none
-  const float* topk_weights;     // [T, K] or null
-  const int32_t* token_ids;      // always null: a row's source token is t
-  const bool* is_token_in_node;  // [T, N]
-  const int32_t* recv_prefix;    // [W * C + 1]
-  const int32_t* forward_prefix; // [C * N + 1]
-  int32_t* forward_mask;         // [forward_capacity] out: bit l set where local rank l holds forwarded row
-  char* recv_x;                  // [rows, x_bytes]
-  float* recv_scales;            // [rows, H/128] or null
-  int64_t* recv_topk_idx;        // [rows, K] local ids (null when K = 0)
-  float* recv_topk_weights;      // [rows, K] or null
-  int32_t* recv_src_idx;         // [rows]
-  int64_t* num_recv_per_expert;  // [E / W] zeroed by the caller
-  int32_t* overflow;             // [1]
-  const int32_t* peer_ok;        // [N + L] notify's verdicts, or null: exchange header lines (cached)
+  const char* x;                  // [T, x_bytes]
+  const float* x_scales;          // [T, H/128] or null
+  const int64_t* topk_idx;        // [T, K] global ids, -1 = none
+  const float* topk_weights;      // [T, K] or null
+  const int32_t* token_ids;       // always null: a row's source token is t
+  const bool* is_token_in_node;   // [T, N]
+  const int32_t* recv_prefix;     // [W * C + 1]
+  const int32_t* forward_prefix;  // [C * N + 1]
+  int32_t* forward_mask;          // [forward_capacity] out: bit l set where local rank l holds forwarded row
+  char* recv_x;                   // [rows, x_bytes]
+  float* recv_scales;             // [rows, H/128] or null
+  int64_t* recv_topk_idx;         // [rows, K] local ids (null when K = 0)
+  float* recv_topk_weights;       // [rows, K] or null
+  int32_t* recv_src_idx;          // [rows]
+  int64_t* num_recv_per_expert;   // [E / W] zeroed by the caller
+  int32_t* overflow;              // [1]
+  const int32_t* peer_ok;         // [N + L] notify's verdicts, or null: exchange header lines (cached)
   Check check;
   int32_t num_tokens;
-  int32_t num_rows;              // rows allocated (R, or the budget)
+  int32_t num_rows;  // rows allocated (R, or the budget)
   int32_t forward_capacity;
 };
 
@@ -350,13 +349,13 @@ struct FusedDispatchArgs {
 };
 
 struct FusedCombineRank {
-  const char* y;                 // [rows, x_bytes] in the dispatch's receive order
-  const float* row_scale;        // [rows] or null
-  const bool* is_token_in_node;  // [T, N]
-  const int32_t* recv_prefix;    // [W * C + 1]
-  const int32_t* forward_prefix; // [C * N + 1]
-  const int32_t* forward_mask;   // [forward_capacity]
-  char* out;                     // [T, x_bytes]
+  const char* y;                  // [rows, x_bytes] in the dispatch's receive order
+  const float* row_scale;         // [rows] or null
+  const bool* is_token_in_node;   // [T, N]
+  const int32_t* recv_prefix;     // [W * C + 1]
+  const int32_t* forward_prefix;  // [C * N + 1]
+  const int32_t* forward_mask;    // [forward_capacity]
+  char* out;                      // [T, x_bytes]
   Check check;
   int32_t num_tokens;
   int32_t num_rows;

@@ -43,7 +43,8 @@ Mode parse_mode(const std::string& mode) {
 
 RdmaLayout checked_layout(int64_t num_nodes, int64_t ranks_per_node, int64_t num_channels, int64_t num_slots,
                           int64_t slot_bytes) {
-  MOE_HOST_CHECK(num_nodes >= 1 && num_nodes <= kMaxNodes, "num_nodes must be in [1, " << kMaxNodes << "], got " << num_nodes);
+  MOE_HOST_CHECK(num_nodes >= 1 && num_nodes <= kMaxNodes,
+                 "num_nodes must be in [1, " << kMaxNodes << "], got " << num_nodes);
   MOE_HOST_CHECK(ranks_per_node >= 1 && ranks_per_node <= kMaxLocal,
                  "ranks_per_node must be in [1, " << kMaxLocal << "], got " << ranks_per_node);
   MOE_HOST_CHECK(num_channels >= 1 && num_channels <= kMaxChannels,
@@ -89,9 +90,9 @@ Common parse_common(const py::dict& d, const py::list& ranks) {
     const auto nvl = address_list(d, "nvl_buffers", what);
     for (size_t i = 0; i < nvl.size(); ++i) c.nvl_buffers[i] = reinterpret_cast<char*>(nvl[i]);
     c.nvl_first_rank = int32(d, "nvl_first_rank", what);
-    c.nvl_layout = intranode::make_buffer_layout(c.ranks_per_node, static_cast<int>(buffer_channels),
-                                                 int32(d, "nvl_num_slots", what), int32(d, "nvl_slot_bytes", what),
-                                                 c.num_nodes);
+    c.nvl_layout =
+        intranode::make_buffer_layout(c.ranks_per_node, static_cast<int>(buffer_channels),
+                                      int32(d, "nvl_num_slots", what), int32(d, "nvl_slot_bytes", what), c.num_nodes);
   }
   c.error = pointer<intranode::ErrorRecord>(d, "error", what);
   c.error_host = pointer<intranode::ErrorRecord>(d, "error_host", what);
@@ -140,10 +141,12 @@ void run(const std::string& backend, const std::string& mode, const Common& comm
 
 SlotLayout dispatch_slot(int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
   MOE_HOST_CHECK(x_bytes > 0 && x_bytes <= INT32_MAX / 2, "x_bytes must be in (0, 2^30), got " << x_bytes);
-  MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2, "scale_bytes must be in [0, 2^30), got " << scale_bytes);
+  MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2,
+                 "scale_bytes must be in [0, 2^30), got " << scale_bytes);
   MOE_HOST_CHECK(num_topk >= 0 && num_topk <= intranode::kMaxTopk,
                  "num_topk must be in [0, " << intranode::kMaxTopk << "], got " << num_topk);
-  return intranode::make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
+  return intranode::make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes),
+                                     static_cast<int>(num_topk));
 }
 
 SlotLayout combine_slot(int64_t y_bytes) {
@@ -244,7 +247,8 @@ void register_internode(py::module_& m) {
         NotifyArgs args{};
         args.common = parse_common(common, ranks);
         for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_notify_rank(ranks[i].cast<py::dict>());
-        run(backend, mode, args.common, false, [&]() { run_node_notify_cpu(args); },
+        run(
+            backend, mode, args.common, false, [&]() { run_node_notify_cpu(args); },
             [&](Mode md) { launch_node_notify(args, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("backend") = "cuda", py::arg("mode") = "loopback",
@@ -263,7 +267,8 @@ void register_internode(py::module_& m) {
         args.experts_per_node = static_cast<int32_t>(experts_per_node);
         for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_dispatch_rank(ranks[i].cast<py::dict>());
         const CpuOptions options = bind::parse_cpu_options(cpu_options);
-        run(backend, mode, args.common, false, [&]() { run_node_dispatch_cpu(args, options); },
+        run(
+            backend, mode, args.common, false, [&]() { run_node_dispatch_cpu(args, options); },
             [&](Mode md) { launch_node_dispatch(args, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
@@ -282,7 +287,8 @@ void register_internode(py::module_& m) {
         for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_combine_rank(ranks[i].cast<py::dict>());
         const CpuOptions options = bind::parse_cpu_options(cpu_options);
         const auto dt = static_cast<intranode::DType>(dtype);
-        run(backend, mode, args.common, false, [&]() { run_node_combine_cpu(args, dt, options); },
+        run(
+            backend, mode, args.common, false, [&]() { run_node_combine_cpu(args, dt, options); },
             [&](Mode md) { launch_node_combine(args, dt, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("y_bytes"), py::arg("dtype"), py::arg("backend") = "cuda",
@@ -298,10 +304,12 @@ void register_internode(py::module_& m) {
          const std::string& mode, std::uintptr_t stream, bool cooperative) {
         FusedNotifyArgs args{};
         args.common = parse_common(common, ranks);
-        MOE_HOST_CHECK(num_topk >= 0 && num_topk <= intranode::kMaxTopk, "num_topk must be in [0, 32], got " << num_topk);
+        MOE_HOST_CHECK(num_topk >= 0 && num_topk <= intranode::kMaxTopk,
+                       "num_topk must be in [0, 32], got " << num_topk);
         args.num_topk = static_cast<int32_t>(num_topk);
         for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = parse_fused_notify_rank(ranks[i].cast<py::dict>());
-        run(backend, mode, args.common, true, [&]() { run_fused_notify_cpu(args); },
+        run(
+            backend, mode, args.common, true, [&]() { run_fused_notify_cpu(args); },
             [&](Mode md) { launch_fused_notify(args, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("num_topk"), py::arg("backend") = "cuda",
@@ -321,7 +329,8 @@ void register_internode(py::module_& m) {
         args.experts_per_node = static_cast<int32_t>(experts_per_rank * args.common.ranks_per_node);
         for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = parse_fused_dispatch_rank(ranks[i].cast<py::dict>());
         const CpuOptions options = bind::parse_cpu_options(cpu_options);
-        run(backend, mode, args.common, true, [&]() { run_fused_dispatch_cpu(args, options); },
+        run(
+            backend, mode, args.common, true, [&]() { run_fused_dispatch_cpu(args, options); },
             [&](Mode md) { launch_fused_dispatch(args, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
@@ -340,7 +349,8 @@ void register_internode(py::module_& m) {
         for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = parse_fused_combine_rank(ranks[i].cast<py::dict>());
         const CpuOptions options = bind::parse_cpu_options(cpu_options);
         const auto dt = static_cast<intranode::DType>(dtype);
-        run(backend, mode, args.common, true, [&]() { run_fused_combine_cpu(args, dt, options); },
+        run(
+            backend, mode, args.common, true, [&]() { run_fused_combine_cpu(args, dt, options); },
             [&](Mode md) { launch_fused_combine(args, dt, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("y_bytes"), py::arg("dtype"), py::arg("backend") = "cuda",
@@ -393,7 +403,8 @@ void register_internode(py::module_& m) {
           py::gil_scoped_release release;  // collective
           ptr = nvshmem_malloc(static_cast<size_t>(bytes));
         }
-        MOE_HOST_CHECK(ptr != nullptr, "nvshmem_malloc(" << bytes << ") failed: the symmetric heap is too small "
+        MOE_HOST_CHECK(ptr != nullptr, "nvshmem_malloc(" << bytes
+                                                         << ") failed: the symmetric heap is too small "
                                                             "(NVSHMEM_SYMMETRIC_SIZE)");
         MOE_CUDA_CHECK(cudaMemset(ptr, 0, static_cast<size_t>(bytes)));
         MOE_CUDA_CHECK(cudaDeviceSynchronize());

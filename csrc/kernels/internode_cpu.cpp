@@ -36,7 +36,9 @@ struct HostRdmaCtx : intranode::HostCtxT<Common> {
   int64_t wait_signal(const uint64_t* sig, int64_t target, const intranode::WaitSite& site) const {
     return wait_signal_lane(sig, target, site);
   }
-  bool signal_reached(const uint64_t* sig, uint64_t value) const { return __atomic_load_n(sig, __ATOMIC_ACQUIRE) >= value; }
+  bool signal_reached(const uint64_t* sig, uint64_t value) const {
+    return __atomic_load_n(sig, __ATOMIC_ACQUIRE) >= value;
+  }
   void put_signal_lane(int rank, int peer, char* dst, const char* src, int64_t bytes, uint64_t* sig,
                        uint64_t value) const {
     std::memcpy(at_peer(rank, peer, dst), src, static_cast<size_t>(bytes));
@@ -84,7 +86,8 @@ void spawn_groups(Threads& threads, std::vector<std::unique_ptr<ThreadBarrier>>&
 
 // One reducer block on threads: a coordinator and `workers` workers sharing `state`.
 template <class State, class Coordinator, class Worker>
-void spawn_reducer(Threads& threads, const Common& c, int workers, State* state, Coordinator coordinator, Worker worker) {
+void spawn_reducer(Threads& threads, const Common& c, int workers, State* state, Coordinator coordinator,
+                   Worker worker) {
   threads.spawn([&c, coordinator, state]() {
     HostRdmaCtx ctx{{&c, nullptr}};
     coordinator(ctx, state);
@@ -212,23 +215,24 @@ void run_fused_dispatch_cpu(const FusedDispatchArgs& args, const CpuOptions& opt
     const uint64_t epoch = epochs(rank);
     const bool handshake = args.ranks[rank - c.rank_begin].peer_ok == nullptr && channel == 0;
     if (role == 0) {
-      spawn_groups(threads, b->barriers, c, c.num_nodes, gw, b->groups, [&args, rank, channel, epoch, gw](
-                                                                             HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
-        fused_rdma_send(ctx, args, rank, channel, g, args.common.num_nodes, w, gw, epoch, gs);
-      });
+      spawn_groups(threads, b->barriers, c, c.num_nodes, gw, b->groups,
+                   [&args, rank, channel, epoch, gw](HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
+                     fused_rdma_send(ctx, args, rank, channel, g, args.common.num_nodes, w, gw, epoch, gs);
+                   });
     } else if (role == 1) {
       ForwardState* fs = &b->forward;
       spawn_groups(threads, b->barriers, c, c.ranks_per_node, gw, b->groups,
                    [&args, rank, channel, epoch, gw, handshake, fs](HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
                      const FusedDispatchRank& me = args.ranks[rank - args.common.rank_begin];
-                     if (handshake && g == 0 && w == 0) fused_handshake(ctx, args.common, me.check, rank, epoch, kNodeDispatch);
+                     if (handshake && g == 0 && w == 0)
+                       fused_handshake(ctx, args.common, me.check, rank, epoch, kNodeDispatch);
                      fused_forward(ctx, args, rank, channel, g, w, gw, epoch, fs, gs);
                    });
     } else {
-      spawn_groups(threads, b->barriers, c, c.ranks_per_node, gw, b->groups, [&args, rank, channel, epoch, gw](
-                                                                                 HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
-        fused_nvl_recv(ctx, args, rank, channel, g, w, gw, epoch, gs);
-      });
+      spawn_groups(threads, b->barriers, c, c.ranks_per_node, gw, b->groups,
+                   [&args, rank, channel, epoch, gw](HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
+                     fused_nvl_recv(ctx, args, rank, channel, g, w, gw, epoch, gs);
+                   });
     }
   });
   epochs.advance();
@@ -259,8 +263,8 @@ void run_fused_combine_typed(const FusedCombineArgs& args, const CpuOptions& opt
       // Each thread builds its own tables (the GPU shares one copy per block).
       auto source = [&args, rank, channel, epoch, me](HostRdmaCtx& ctx, ForwardTables* t) {
         forward_tables(ctx, args, rank, channel, epoch, t);
-        return ForwardCombineSource{&args.common, &args, me, t, ctx.buffer(rank), nvl_buffer(args.common, rank), rank,
-                                    channel, epoch};
+        return ForwardCombineSource{&args.common, &args,   me,   t, ctx.buffer(rank), nvl_buffer(args.common, rank),
+                                    rank,         channel, epoch};
       };
       spawn_reducer(
           threads, c, workers, &b->forward,

@@ -187,9 +187,8 @@ void with_fused_variant(Mode mode, const Common& common, Fn fn) {
     with_mode(mode, [&](auto ctx) { fn(ctx, std::integral_constant<int, 2>{}); });
     return;
   }
-  with_copy_variant<true>(common.variant, [&](auto policy, auto min_blocks) {
-    fn(LoopbackCtxT<decltype(policy)>{}, min_blocks);
-  });
+  with_copy_variant<true>(common.variant,
+                          [&](auto policy, auto min_blocks) { fn(LoopbackCtxT<decltype(policy)>{}, min_blocks); });
 }
 
 // The notify block of launched rank blockIdx.x (a withheld rank's does nothing): body(ctx, rank).

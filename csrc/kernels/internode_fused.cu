@@ -24,8 +24,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) fused_notify_kernel(const _
 // (a group per local forwarder).
 // Ctx carries the copy policy; kMinBlocks: 2 = the register cap of the current kernels (variant.cuh).
 template <class Ctx, int kMinBlocks>
-__global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_dispatch_kernel(
-    const __grid_constant__ FusedDispatchArgs args) {
+__global__ void __launch_bounds__(kNumThreads, kMinBlocks)
+    fused_dispatch_kernel(const __grid_constant__ FusedDispatchArgs args) {
   rank_block<Ctx>(args.common, [&](Ctx& ctx0, int rank, uint64_t epoch) {
     const Common& common = args.common;
     const FusedDispatchRank& me = args.ranks[rank - common.rank_begin];
@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_dispatch_kernel
 // Role 0: holder senders (a group per local forwarder); role 1: the forwarder reducer (warp 0
 // coordinates, after channel 0's header round; the others reduce); role 2: the source reducer.
 template <class Ctx, class T, int kMinBlocks>
-__global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_combine_kernel(
-    const __grid_constant__ FusedCombineArgs args) {
+__global__ void __launch_bounds__(kNumThreads, kMinBlocks)
+    fused_combine_kernel(const __grid_constant__ FusedCombineArgs args) {
   rank_block<Ctx>(args.common, [&](Ctx& ctx0, int rank, uint64_t epoch) {
     const Common& common = args.common;
     const FusedCombineRank& me = args.ranks[rank - common.rank_begin];
@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_combine_kernel(
         forward_tables(ctx0, args, rank, channel, epoch, &tables);
       }
       __syncthreads();
-      const ForwardCombineSource src{&common, &args, &me, &tables, ctx0.buffer(rank), nvl_buffer(common, rank), rank,
-                                     channel, epoch};
+      const ForwardCombineSource src{&common, &args,   &me,  &tables, ctx0.buffer(rank), nvl_buffer(common, rank),
+                                     rank,    channel, epoch};
       if (warp == 0) {
         ring::reduce_coordinator(ctx0, src, kNumWarps - 1, &state);
         forward_combine_finish(ctx0, src);
@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(kNumThreads, kMinBlocks) fused_combine_kernel(
 }
 
 void check_fused_slot(const SlotLayout& s, const Common& c, bool dispatch) {
-  const SlotLayout want = intranode::make_slot_layout(s.x_bytes, dispatch ? s.scale_bytes : 0, dispatch ? s.num_topk : 0);
+  const SlotLayout want =
+      intranode::make_slot_layout(s.x_bytes, dispatch ? s.scale_bytes : 0, dispatch ? s.num_topk : 0);
   MOE_HOST_CHECK(s.x_bytes > 0 && s.x_bytes % intranode::kFieldAlign == 0 && want.slot_bytes == s.slot_bytes &&
                      (dispatch || (s.num_topk == 0 && s.scale_bytes == 0)),
                  "the " << (dispatch ? "dispatch" : "combine") << " slot layout is not make_slot_layout(" << s.x_bytes
@@ -126,8 +127,9 @@ void launch_fused_notify(const FusedNotifyArgs& args, Mode mode, bool cooperativ
                    "rank " << rank << ": is_token_in_rank and is_token_in_node must be device pointers");
     MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr && r.counts != nullptr &&
                        r.overflow != nullptr && r.peer_ok != nullptr,
-                   "rank " << rank << ": recv_prefix, forward_prefix, counts, overflow and peer_ok must be device "
-                                      "pointers");
+                   "rank " << rank
+                           << ": recv_prefix, forward_prefix, counts, overflow and peer_ok must be device "
+                              "pointers");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
@@ -150,15 +152,16 @@ void launch_fused_dispatch(const FusedDispatchArgs& args, Mode mode, bool cooper
     const int rank = c.rank_begin + i;
     MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0 && r.forward_capacity >= 0,
                    "rank " << rank << ": num_tokens, num_rows and forward_capacity must be >= 0");
-    MOE_HOST_CHECK(r.num_tokens == 0 || (r.x != nullptr && r.is_token_in_node != nullptr &&
-                                         (s.num_topk == 0 || r.topk_idx != nullptr)),
+    MOE_HOST_CHECK(r.num_tokens == 0 ||
+                       (r.x != nullptr && r.is_token_in_node != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
                    "rank " << rank << ": x, is_token_in_node and topk_idx must be device pointers");
     MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
                    "rank " << rank << ": fp8 dispatch needs x_scales");
     MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr && r.overflow != nullptr &&
                        r.num_recv_per_expert != nullptr && (r.forward_capacity == 0 || r.forward_mask != nullptr),
-                   "rank " << rank << ": recv_prefix, forward_prefix, forward_mask, overflow and num_recv_per_expert "
-                                      "must be device pointers");
+                   "rank " << rank
+                           << ": recv_prefix, forward_prefix, forward_mask, overflow and num_recv_per_expert "
+                              "must be device pointers");
     MOE_HOST_CHECK(r.num_rows == 0 || (r.recv_x != nullptr && (s.num_topk == 0 || r.recv_topk_idx != nullptr) &&
                                        (s.scale_bytes == 0 || r.recv_scales != nullptr)),
                    "rank " << rank << ": recv_x, recv_topk_idx (and recv_scales for fp8) must be device pointers");

@@ -17,10 +17,10 @@ namespace moe_dispatch {
 namespace internode {
 
 using intranode::BufferLayout;
-using intranode::kCombine;   // NVLink-stage waits: the intranode phases
+using intranode::kCombine;  // NVLink-stage waits: the intranode phases
 using intranode::kDispatch;
-using intranode::NvlQueue;
 using intranode::nvl_queue;
+using intranode::NvlQueue;
 
 // ---- shared helpers -------------------------------------------------------------------------
 
@@ -46,7 +46,8 @@ MOE_ROLE void forward_slot(Ctx& ctx, const SlotLayout& s, int expert_base, int e
   if (s.scale_bytes > 0) ctx.copy_out(dst + s.scale_offset, src + s.scale_offset, s.scale_bytes);
   for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
     const int32_t id = ctx.queue_i32(src + s.topk_idx_offset + 4 * k);
-    const int32_t local = (id >= 0 && id - expert_base >= 0 && id - expert_base < experts_per_rank) ? id - expert_base : -1;
+    const int32_t local =
+        (id >= 0 && id - expert_base >= 0 && id - expert_base < experts_per_rank) ? id - expert_base : -1;
     reinterpret_cast<int32_t*>(dst + s.topk_idx_offset)[k] = local;
     reinterpret_cast<float*>(dst + s.topk_weights_offset)[k] =
         local >= 0 ? ctx.queue_f32(src + s.topk_weights_offset + 4 * k) : 0.0f;
@@ -155,7 +156,8 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
     message_counts(l.meta_out(buf, parity, m))[j] = count;
   }
   for (int m = tid; m < N; m += threads)
-    for (int w = 0; w < kHeaderWords; ++w) reinterpret_cast<int64_t*>(l.meta_out(buf, parity, m))[w] = me.check.header.w[w];
+    for (int w = 0; w < kHeaderWords; ++w)
+      reinterpret_cast<int64_t*>(l.meta_out(buf, parity, m))[w] = me.check.header.w[w];
   ctx.block_sync();
   // 2. To each rail peer; 3. everyone's message for me; 4. the rail verdicts.
   for (int m = tid; m < N; m += threads)
@@ -179,9 +181,8 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
   // 5. forward_prefix over (channel, source node): the stage-1 rings this rank forwards.
   for (int i = tid; i < C * N; i += threads) {
     const int c = i / N, m = i % N;
-    me.forward_prefix[i] = st->rail_ok[m] ? ctx.queue_i32(reinterpret_cast<const char*>(
-                                                message_counts(l.meta(buf, parity, m)) + c))
-                                          : 0;
+    me.forward_prefix[i] =
+        st->rail_ok[m] ? ctx.queue_i32(reinterpret_cast<const char*>(message_counts(l.meta(buf, parity, m)) + c)) : 0;
   }
   ctx.block_sync();
   const int32_t forwarded = ctx.block_exclusive_scan(me.forward_prefix, C * N);
@@ -204,17 +205,19 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
   }
   for (int64_t i = tid; i < static_cast<int64_t>(L) * N * C; i += threads) {
     const int d = static_cast<int>(i / (N * C)), mc = static_cast<int>(i % (N * C)), m = mc / C, c = mc % C;
-    const int32_t v = st->rail_ok[m] ? ctx.queue_i32(reinterpret_cast<const char*>(
-                                           message_counts(l.meta(buf, parity, m)) + (1 + d) * C + c))
-                                     : 0;
+    const int32_t v =
+        st->rail_ok[m]
+            ? ctx.queue_i32(reinterpret_cast<const char*>(message_counts(l.meta(buf, parity, m)) + (1 + d) * C + c))
+            : 0;
     ctx.store_relaxed(nl.relay_counts(nvl_buffer(cm, my_node * L + d), parity, my_local) + mc, v);
   }
   for (int d = tid; d < L; d += threads)
-    ring::put_header_line(ctx, nl.relay_line(nvl_buffer(cm, my_node * L + d), parity, my_local), me.check.header,
-                          epoch, report);
+    ring::put_header_line(ctx, nl.relay_line(nvl_buffer(cm, my_node * L + d), parity, my_local), me.check.header, epoch,
+                          report);
   ctx.block_sync();
   for (int d = tid; d < L; d += threads)
-    ctx.store_release(nl.relay_arrive(nvl_buffer(cm, my_node * L + d), parity, my_local), static_cast<int32_t>(epoch + 1));
+    ctx.store_release(nl.relay_arrive(nvl_buffer(cm, my_node * L + d), parity, my_local),
+                      static_cast<int32_t>(epoch + 1));
   // 7. Every local forwarder's relay; 8. the NVLink verdicts and the forwarders' reports.
   for (int f = tid; f < L; f += threads) {
     const WaitSite site{kNodeNotify, intranode::kBarrier, rank, -1, my_node * L + f, intranode::kRelayHeader};
@@ -242,7 +245,8 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
     me.forward_prefix[C * N] = forwarded;
     me.counts[0] = total;
     me.counts[1] = forwarded;
-    *me.overflow = (me.budget >= 0 && total > me.budget) || (me.forward_capacity >= 0 && forwarded > me.forward_capacity);
+    *me.overflow =
+        (me.budget >= 0 && total > me.budget) || (me.forward_capacity >= 0 && forwarded > me.forward_capacity);
     ctx.store_local(l.notify_epoch(buf), epoch + 1);
   }
   // 10. Budget mode: rows past the received ones read as "no expert".
@@ -274,8 +278,9 @@ MOE_ROLE void fused_rdma_send(Ctx& ctx, const FusedDispatchArgs& a, int rank, in
   for (int m = group; m < N; m += num_groups) {
     const int peer = rail_peer(cm, rank, m);
     if (warp == 0) {
-      const bool ok = rail_verdict(ctx, cm, me.check, me.peer_ok, rank, m, epoch, false,
-                                   WaitSite{kNodeDispatch, intranode::kSender, rank, channel, peer, intranode::kHeader});
+      const bool ok =
+          rail_verdict(ctx, cm, me.check, me.peer_ok, rank, m, epoch, false,
+                       WaitSite{kNodeDispatch, intranode::kSender, rank, channel, peer, intranode::kHeader});
       if (ctx.lane() == 0) ctx.shared_store(&gs->verdict, ok);
     }
     ctx.group_sync();
@@ -304,7 +309,7 @@ MOE_ROLE void fused_rdma_send(Ctx& ctx, const FusedDispatchArgs& a, int rank, in
                      l.send_slot(buf, m, channel, first, stride), static_cast<int64_t>(count) * stride,
                      l.flag(buf, my_node, channel, q % Q), chunk_tag(epoch, q));
     }
-    ctx.group_sync();  // every warp's chunks of this ring are out (and the verdict was read)
+    ctx.group_sync();              // every warp's chunks of this ring are out (and the verdict was read)
     if (warp == 0 && total > 0) {  // all consumed: zero my head for the next operation
       const int64_t seen = ctx.wait_signal(head, total, site);
       if (ctx.lane() == 0 && seen >= 0) ctx.reset_signal(head);
@@ -349,8 +354,9 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
   int32_t* total = fs->total[d];
   if (warp == 0) {
     const uint64_t rail =
-        fresh ? 0 : rail_agreement(ctx, cm, me.check, rank, epoch, false,
-                                   WaitSite{kNodeDispatch, intranode::kReceiver, rank, channel, 0, intranode::kHeader});
+        fresh ? 0
+              : rail_agreement(ctx, cm, me.check, rank, epoch, false,
+                               WaitSite{kNodeDispatch, intranode::kReceiver, rank, channel, 0, intranode::kHeader});
     for (int m = ctx.lane(); m < N; m += ctx.width()) {
       const bool ok = fresh ? me.peer_ok[m] == 1 : ((rail >> m) & 1u) != 0;
       ctx.shared_store(&total[m], ok ? me.forward_prefix[channel * N + m + 1] - me.forward_prefix[channel * N + m] : 0);
@@ -385,8 +391,8 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
           if (ctx.shared_load(&consumed[m]) < ctx.shared_load(&total[m])) open = m;
         if (open >= 0) {
           const int64_t observed = ctx.shared_load(&consumed[open]);
-          const WaitSite site{kNodeDispatch, intranode::kReceiver, rank, channel, rail_peer(cm, rank, open),
-                              intranode::kTail};
+          const WaitSite site{kNodeDispatch, intranode::kReceiver,      rank,
+                              channel,       rail_peer(cm, rank, open), intranode::kTail};
           const int64_t found = ctx.bounded_wait(
               [&]() -> int64_t {
                 for (int k = 0; k < N; ++k) {
@@ -520,8 +526,9 @@ MOE_ROLE void fused_nvl_recv(Ctx& ctx, const FusedDispatchArgs& a, int rank, int
   ctx.group_sync();
   if (ctx.shared_load(&gs->verdict) != 1) return;
   const SlotLayout& s = a.slot;
-  const NvlQueue q = nvl_queue(nl, nvl_buffer(cm, f_rank), nvl, f, my_local, channel,
-                               WaitSite{kDispatch, intranode::kReceiver, rank, channel, f_rank, intranode::kForwardTail});
+  const NvlQueue q =
+      nvl_queue(nl, nvl_buffer(cm, f_rank), nvl, f, my_local, channel,
+                WaitSite{kDispatch, intranode::kReceiver, rank, channel, f_rank, intranode::kForwardTail});
   ring::recv_entries(
       ctx, q, ctx.rows_in_flight(cm.variant), ctx.shared_load(&gs->count),
       [&](const int64_t*, char* const* slots, int n) {
@@ -619,8 +626,9 @@ MOE_ROLE void forward_tables(Ctx& ctx, const FusedCombineArgs& a, int rank, int 
   const FusedCombineRank& me = a.ranks[rank - cm.rank_begin];
   const int N = cm.num_nodes, L = cm.ranks_per_node, C = cm.num_channels;
   const int my_node = rank / L, my_local = rank % L;
-  const uint64_t rail = rail_agreement(ctx, cm, me.check, rank, epoch, false,
-                                       WaitSite{kNodeCombine, intranode::kReceiver, rank, channel, 0, intranode::kHeader});
+  const uint64_t rail =
+      rail_agreement(ctx, cm, me.check, rank, epoch, false,
+                     WaitSite{kNodeCombine, intranode::kReceiver, rank, channel, 0, intranode::kHeader});
   uint64_t agree = 0, failed = 0;
   for (int d = ctx.lane(); d < L; d += ctx.width()) {
     int64_t theirs[kHeaderLineWords];
@@ -639,7 +647,8 @@ MOE_ROLE void forward_tables(Ctx& ctx, const FusedCombineArgs& a, int rank, int 
     for (int m = 0; m <= N; ++m) {
       t->start[m] = fp[channel * N + m] - fp[channel * N];
       t->self_start[m] = own;
-      if (m < N && ((rail >> m) & 1u)) own += p[(m * L + my_local) * C + channel + 1] - p[(m * L + my_local) * C + channel];
+      if (m < N && ((rail >> m) & 1u))
+        own += p[(m * L + my_local) * C + channel + 1] - p[(m * L + my_local) * C + channel];
     }
     t->rail_lo = static_cast<uint32_t>(rail);
     t->rail_hi = static_cast<uint32_t>(rail >> 32);
@@ -710,9 +719,9 @@ struct ForwardCombineSource {
   template <class C>
   MOE_ROLE int64_t wait(C& ctx, int d, int64_t target) const {
     if (d == my_local()) return int64_t{1} << 30;  // my own rows are in y already
-    return ctx.wait_ge(cm->nvl_layout.tail(nvl, d, channel), static_cast<int32_t>(target),
-                       WaitSite{kCombine, intranode::kReceiver, rank, channel,
-                                my_node() * cm->ranks_per_node + d, intranode::kTail});
+    return ctx.wait_ge(
+        cm->nvl_layout.tail(nvl, d, channel), static_cast<int32_t>(target),
+        WaitSite{kCombine, intranode::kReceiver, rank, channel, my_node() * cm->ranks_per_node + d, intranode::kTail});
   }
   MOE_ROLE int64_t own_row(int i, int64_t index) const {
     const int m = node_of(i);
@@ -740,7 +749,8 @@ struct ForwardCombineSource {
   MOE_ROLE void after(C& ctx, int i, char* const* rows, int num_rows, int, int) const {
     if (cm->l2_discard) {
       for (int h = 0; h < num_rows; ++h)
-        if (rows[h] >= nvl && rows[h] < nvl + cm->nvl_layout.total_bytes) ctx.discard(rows[h], cm->nvl_layout.slot_bytes);
+        if (rows[h] >= nvl && rows[h] < nvl + cm->nvl_layout.total_bytes)
+          ctx.discard(rows[h], cm->nvl_layout.slot_bytes);
       ctx.warp_sync();
     }
     const int m = node_of(i), j = i - t->start[m], K = cm->chunk_tokens, total = t->start[m + 1] - t->start[m];
@@ -770,8 +780,8 @@ MOE_ROLE void forward_combine_finish(Ctx& ctx, const ForwardCombineSource& src) 
     const int total = src.t->start[m + 1] - src.t->start[m];
     if (!src.rail_ok(m) || total == 0) continue;
     uint64_t* head = cm.layout.head(src.buf, m, src.channel);
-    const WaitSite site{kNodeCombine, intranode::kCoordinator, src.rank, src.channel, rail_peer(cm, src.rank, m),
-                        intranode::kHead};
+    const WaitSite site{kNodeCombine, intranode::kCoordinator,    src.rank,
+                        src.channel,  rail_peer(cm, src.rank, m), intranode::kHead};
     if (ctx.wait_signal_lane(head, total, site) >= 0) ctx.reset_signal(head);
   }
 }

@@ -60,8 +60,9 @@ __global__ void __launch_bounds__(kNumThreads, 2) node_combine_kernel(const __gr
     __shared__ CombineRecvState state;
     ring::init_reduce_state(&state);
     const CombineRank& me = args.ranks[rank - common.rank_begin];
-    const SourceReduce src = source_reduce(ctx0, common, me.check, me.is_token_in_rank, me.out, me.num_tokens,
-                                           args.slot, rank, channel, epoch, false, warp == 0, warp == 0 && channel == 0);
+    const SourceReduce src =
+        source_reduce(ctx0, common, me.check, me.is_token_in_rank, me.out, me.num_tokens, args.slot, rank, channel,
+                      epoch, false, warp == 0, warp == 0 && channel == 0);
     if (warp == 0) {
       ring::reduce_coordinator(ctx0, src, kNumWarps - 1, &state);
     } else {
@@ -97,23 +98,23 @@ void check_common(const Common& c, Mode mode, bool fused) {
                  "the RDMA buffer is laid out for " << l.num_nodes << " nodes but the call has " << c.num_nodes);
   MOE_HOST_CHECK(l.num_channels >= 1 && l.num_channels <= kMaxChannels,
                  "the RDMA buffer's num_channels must be in [1, " << kMaxChannels << "], got " << l.num_channels);
-  MOE_HOST_CHECK(c.num_channels >= 1 && c.num_channels <= l.num_channels,
-                 "num_channels (num_sms / 2) must be in [1, " << l.num_channels << "] (the buffer's), got "
-                                                               << c.num_channels);
+  MOE_HOST_CHECK(
+      c.num_channels >= 1 && c.num_channels <= l.num_channels,
+      "num_channels (num_sms / 2) must be in [1, " << l.num_channels << "] (the buffer's), got " << c.num_channels);
   MOE_HOST_CHECK(fused || c.num_nodes * c.num_channels <= kNotifyThreads,
                  "num_nodes x num_channels must be <= " << kNotifyThreads << " (one notify thread per queue), got "
                                                         << c.num_nodes << " x " << c.num_channels << "; lower num_sms");
-  MOE_HOST_CHECK(l.ranks_per_node == c.ranks_per_node,
-                 "the RDMA buffer is laid out for " << l.ranks_per_node << " ranks per node but the call has "
-                                                    << c.ranks_per_node);
+  MOE_HOST_CHECK(l.ranks_per_node == c.ranks_per_node, "the RDMA buffer is laid out for "
+                                                           << l.ranks_per_node << " ranks per node but the call has "
+                                                           << c.ranks_per_node);
   const int world = c.num_nodes * c.ranks_per_node;
   MOE_HOST_CHECK(c.num_launch_ranks >= 1 && c.num_launch_ranks <= kMaxLaunchRanks && c.rank_begin >= 0 &&
                      c.rank_begin + c.num_launch_ranks <= world,
                  "launched ranks [" << c.rank_begin << ", " << c.rank_begin + c.num_launch_ranks << ") must lie in [0, "
                                     << world << ") and number at most " << kMaxLaunchRanks);
   MOE_HOST_CHECK(l.num_slots >= 1 && c.chunk_tokens >= 1 && l.num_slots % c.chunk_tokens == 0,
-                 "chunk_tokens must divide num_slots=" << l.num_slots
-                                                       << " (a chunk is one contiguous put), got " << c.chunk_tokens);
+                 "chunk_tokens must divide num_slots=" << l.num_slots << " (a chunk is one contiguous put), got "
+                                                       << c.chunk_tokens);
   MOE_HOST_CHECK(l.slot_bytes > 0 && l.slot_bytes % intranode::kFieldAlign == 0,
                  "slot_bytes must be a positive multiple of " << intranode::kFieldAlign << ", got " << l.slot_bytes);
   MOE_HOST_CHECK(c.timeout_cycles > 0, "timeout_cycles must be > 0, got " << c.timeout_cycles);
@@ -129,15 +130,15 @@ void check_common(const Common& c, Mode mode, bool fused) {
   }
   if (!fused) return;
   const intranode::BufferLayout& nl = c.nvl_layout;
-  MOE_HOST_CHECK(c.ranks_per_node <= kMaxLocal, "the fused pipeline serves at most " << kMaxLocal
-                                                                                   << " ranks per node, got "
-                                                                                   << c.ranks_per_node);
+  MOE_HOST_CHECK(c.ranks_per_node <= kMaxLocal,
+                 "the fused pipeline serves at most " << kMaxLocal << " ranks per node, got " << c.ranks_per_node);
   MOE_HOST_CHECK(nl.num_ranks == c.ranks_per_node && nl.relay_nodes == c.num_nodes && nl.num_channels >= c.num_channels,
                  "the NVLink buffers are laid out for " << nl.num_ranks << " ranks, " << nl.relay_nodes << " nodes and "
                                                         << nl.num_channels << " channels; the call has "
                                                         << c.ranks_per_node << ", " << c.num_nodes << " and "
                                                         << c.num_channels);
-  MOE_HOST_CHECK(c.chunk_tokens <= nl.num_slots, "chunk_tokens must be <= the NVLink rings' num_slots=" << nl.num_slots);
+  MOE_HOST_CHECK(c.chunk_tokens <= nl.num_slots,
+                 "chunk_tokens must be <= the NVLink rings' num_slots=" << nl.num_slots);
   // The NVLink buffers of every node with a launched rank.
   const int L = c.ranks_per_node;
   for (int i = 0; i < c.num_launch_ranks; ++i) {
@@ -157,10 +158,11 @@ void launch_node_notify(const NotifyArgs& args, Mode mode, bool cooperative, cud
     MOE_HOST_CHECK(r.num_tokens >= 0, "rank " << c.rank_begin + i << ": num_tokens must be >= 0, got " << r.num_tokens);
     MOE_HOST_CHECK(r.num_tokens == 0 || r.is_token_in_rank != nullptr,
                    "rank " << c.rank_begin + i << ": is_token_in_node is null");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr &&
-                       r.peer_ok != nullptr,
-                   "rank " << c.rank_begin + i << ": recv_prefix, num_recv_tokens, overflow and peer_ok must be device "
-                                                  "pointers");
+    MOE_HOST_CHECK(
+        r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr && r.peer_ok != nullptr,
+        "rank " << c.rank_begin + i
+                << ": recv_prefix, num_recv_tokens, overflow and peer_ok must be device "
+                   "pointers");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
@@ -178,16 +180,15 @@ void launch_node_dispatch(const DispatchArgs& args, Mode mode, bool cooperative,
   MOE_HOST_CHECK(s.x_bytes > 0 && s.x_bytes % intranode::kFieldAlign == 0 && want.slot_bytes == s.slot_bytes,
                  "the dispatch slot layout is not make_slot_layout(" << s.x_bytes << ", " << s.scale_bytes << ", "
                                                                      << s.num_topk << ") with 16-byte rows");
-  MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes, "a dispatch slot needs " << s.slot_bytes
-                                                                               << " bytes but the RDMA slots hold "
-                                                                               << c.layout.slot_bytes);
+  MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
+                 "a dispatch slot needs " << s.slot_bytes << " bytes but the RDMA slots hold " << c.layout.slot_bytes);
   MOE_HOST_CHECK(args.experts_per_node >= 1, "experts_per_node must be >= 1, got " << args.experts_per_node);
   for (int i = 0; i < c.num_launch_ranks; ++i) {
     const DispatchRank& r = args.ranks[i];
     const int rank = c.rank_begin + i;
     MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank << ": num_tokens and num_rows must be >= 0");
-    MOE_HOST_CHECK(r.num_tokens == 0 || (r.x != nullptr && r.is_token_in_rank != nullptr &&
-                                         (s.num_topk == 0 || r.topk_idx != nullptr)),
+    MOE_HOST_CHECK(r.num_tokens == 0 ||
+                       (r.x != nullptr && r.is_token_in_rank != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
                    "rank " << rank << ": x, is_token_in_node and topk_idx must be device pointers");
     MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
                    "rank " << rank << ": fp8 dispatch needs x_scales");
@@ -223,7 +224,8 @@ void launch_node_combine(const CombineArgs& args, intranode::DType dtype, Mode m
     MOE_HOST_CHECK(r.recv_prefix != nullptr, "rank " << rank << ": recv_prefix must be a device pointer");
     MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_rank != nullptr),
                    "rank " << rank << ": out and is_token_in_node must be device pointers");
-    MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": y (the node partials) must be a device pointer");
+    MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr,
+                   "rank " << rank << ": y (the node partials) must be a device pointer");
   }
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {

@@ -133,7 +133,8 @@ MOE_ROLE void node_notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* 
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads())
     message_counts(l.meta_out(buf, parity, i / num_channels))[i % num_channels] = ctx.shared_load(&st->counts[i]);
   for (int p = ctx.tid(); p < num_nodes; p += ctx.num_threads())
-    for (int w = 0; w < kHeaderWords; ++w) reinterpret_cast<int64_t*>(l.meta_out(buf, parity, p))[w] = me.check.header.w[w];
+    for (int w = 0; w < kHeaderWords; ++w)
+      reinterpret_cast<int64_t*>(l.meta_out(buf, parity, p))[w] = me.check.header.w[w];
   ctx.block_sync();
   for (int p = ctx.tid(); p < num_nodes; p += ctx.num_threads())
     ctx.put_signal_lane(rank, rail_peer(cm, rank, p), l.meta(buf, parity, my_node), l.meta_out(buf, parity, p),
@@ -153,9 +154,10 @@ MOE_ROLE void node_notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* 
   ctx.block_sync();
   if (ctx.shared_load(&st->stop)) return;
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads())
-    st->counts[i] = st->ok[i / num_channels] ? ctx.queue_i32(reinterpret_cast<const char*>(
-                                                   message_counts(l.meta(buf, parity, i / num_channels)) + i % num_channels))
-                                             : 0;
+    st->counts[i] = st->ok[i / num_channels]
+                        ? ctx.queue_i32(reinterpret_cast<const char*>(
+                              message_counts(l.meta(buf, parity, i / num_channels)) + i % num_channels))
+                        : 0;
   ctx.block_sync();
   const int32_t total = ctx.block_exclusive_scan(st->counts, num_queues);
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads()) me.recv_prefix[i] = st->counts[i];
@@ -176,8 +178,8 @@ struct RdmaQueue {
   const RdmaLayout* l;
   char* buf;
   int rank;
-  int peer;      // the rail peer at the other end
-  int node;      // its node
+  int peer;  // the rail peer at the other end
+  int node;  // its node
   int my_node;
   int channel;
   int stride;
@@ -188,11 +190,14 @@ struct RdmaQueue {
     return sender ? l->send_slot(buf, node, channel, i, stride) : l->recv_slot(buf, node, channel, i, stride);
   }
   template <class C>
-  MOE_ROLE int64_t wait_room(C& c, int64_t target) const { return c.wait_signal(l->head(buf, node, channel), target, site); }
+  MOE_ROLE int64_t wait_room(C& c, int64_t target) const {
+    return c.wait_signal(l->head(buf, node, channel), target, site);
+  }
   template <class C>
   MOE_ROLE void publish(C& c, int64_t begin, int count) const {
-    c.put_signal(rank, peer, l->recv_slot(buf, my_node, channel, begin, stride), l->send_slot(buf, node, channel, begin, stride),
-                 static_cast<int64_t>(count) * stride, l->tail(buf, my_node, channel), static_cast<uint64_t>(begin + count));
+    c.put_signal(rank, peer, l->recv_slot(buf, my_node, channel, begin, stride),
+                 l->send_slot(buf, node, channel, begin, stride), static_cast<int64_t>(count) * stride,
+                 l->tail(buf, my_node, channel), static_cast<uint64_t>(begin + count));
   }
   template <class C>
   MOE_ROLE void finish(C& c, int64_t total) const {
@@ -200,7 +205,9 @@ struct RdmaQueue {
     if (c.lane() == 0 && seen >= 0) c.reset_signal(l->head(buf, node, channel));
   }
   template <class C>
-  MOE_ROLE int64_t wait_data(C& c, int64_t target) const { return c.wait_signal(l->tail(buf, node, channel), target, site); }
+  MOE_ROLE int64_t wait_data(C& c, int64_t target) const {
+    return c.wait_signal(l->tail(buf, node, channel), target, site);
+  }
   template <class C>
   MOE_ROLE void release(C& c, int64_t consumed, bool final) const {
     if (final) c.reset_signal(l->tail(buf, node, channel));  // before the final head
@@ -211,8 +218,8 @@ struct RdmaQueue {
 template <class Ctx>
 MOE_ROLE RdmaQueue rdma_queue(Ctx& ctx, const Common& cm, int rank, int node, int channel, int stride, bool sender,
                               const WaitSite& site) {
-  return {&cm.layout, ctx.buffer(rank), rank, rail_peer(cm, rank, node), node, rank / cm.ranks_per_node,
-          channel, stride, sender, site};
+  return {&cm.layout, ctx.buffer(rank), rank, rail_peer(cm, rank, node), node, rank / cm.ranks_per_node, channel,
+          stride,     sender,           site};
 }
 
 // Warp 0 of a group settles the rail verdict; false (every warp leaves) when the pair moves no
@@ -223,7 +230,8 @@ MOE_ROLE bool node_group_verdict(Ctx& ctx, const Common& cm, const Check& check,
                                  int node, int channel, uint64_t epoch, bool sender, const WaitSite& site, int warp,
                                  GroupState* gs) {
   if (warp == 0) {
-    if (sender && peer_ok == nullptr && channel == 0 && ctx.lane() == 0) put_rail_header(ctx, cm, check, rank, node, epoch);
+    if (sender && peer_ok == nullptr && channel == 0 && ctx.lane() == 0)
+      put_rail_header(ctx, cm, check, rank, node, epoch);
     const bool v = rail_verdict(ctx, cm, check, peer_ok, rank, node, epoch, !sender && channel == 0, site);
     if (ctx.lane() == 0) ctx.shared_store(&gs->verdict, v);
   }
@@ -241,7 +249,8 @@ MOE_ROLE void node_dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int 
   const DispatchRank& me = a.ranks[rank - cm.rank_begin];
   const int peer = rail_peer(cm, rank, dst_node);
   if (!node_group_verdict(ctx, cm, me.check, me.peer_ok, rank, dst_node, channel, epoch, true,
-                          WaitSite{kNodeDispatch, intranode::kSender, rank, channel, peer, intranode::kHeader}, warp, gs))
+                          WaitSite{kNodeDispatch, intranode::kSender, rank, channel, peer, intranode::kHeader}, warp,
+                          gs))
     return;
   const auto q = rdma_queue(ctx, cm, rank, dst_node, channel, a.slot.slot_bytes, true,
                             WaitSite{kNodeDispatch, intranode::kSender, rank, channel, peer, intranode::kHead});
@@ -289,7 +298,8 @@ MOE_ROLE void node_combine_send(Ctx& ctx, const CombineArgs& a, int rank, int ch
   const CombineRank& me = a.ranks[rank - cm.rank_begin];
   const int peer = rail_peer(cm, rank, dst_node);
   if (!node_group_verdict(ctx, cm, me.check, nullptr, rank, dst_node, channel, epoch, true,
-                          WaitSite{kNodeCombine, intranode::kSender, rank, channel, peer, intranode::kHeader}, warp, gs))
+                          WaitSite{kNodeCombine, intranode::kSender, rank, channel, peer, intranode::kHeader}, warp,
+                          gs))
     return;
   const int queue = dst_node * cm.num_channels + channel;
   const int first_row = me.recv_prefix[queue];
@@ -297,7 +307,8 @@ MOE_ROLE void node_combine_send(Ctx& ctx, const CombineArgs& a, int rank, int ch
   const auto q = rdma_queue(ctx, cm, rank, dst_node, channel, a.slot.slot_bytes, true,
                             WaitSite{kNodeCombine, intranode::kSender, rank, channel, peer, intranode::kHead});
   ring::send_entries(
-      ctx, q, cm.layout.num_slots, cm.chunk_tokens, ctx.rows_in_flight(cm.variant), me.recv_prefix[queue + 1] - first_row,
+      ctx, q, cm.layout.num_slots, cm.chunk_tokens, ctx.rows_in_flight(cm.variant),
+      me.recv_prefix[queue + 1] - first_row,
       [&](const int64_t* entries, char* const* slots, int n) {
         const char* rows[Ctx::kMaxRows];
         for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) rows[r] = me.y + (first_row + entries[r]) * row_bytes;
@@ -347,13 +358,15 @@ struct SourceReduce {
   }
   MOE_ROLE bool owns(int i, int worker, int num_workers) const { return i % num_workers == worker; }
   template <class C>
-  MOE_ROLE bool begin(C&, int) const { return true; }
+  MOE_ROLE bool begin(C&, int) const {
+    return true;
+  }
   template <class C>
   MOE_ROLE int64_t wait(C& ctx, int m, int64_t target) const {
     // A fused ring is filled by a forwarder that waits for its holders first: a stalled one is
     // rarely the cause (kForwardTail), the rank it waits for is.
-    const WaitSite site{kNodeCombine, intranode::kReceiver, rank, channel, rail_peer(*cm, rank, m),
-                        fused ? intranode::kForwardTail : intranode::kTail};
+    const WaitSite site{kNodeCombine, intranode::kReceiver,    rank,
+                        channel,      rail_peer(*cm, rank, m), fused ? intranode::kForwardTail : intranode::kTail};
     if (!fused) return ctx.wait_signal(cm->layout.tail(buf, m, channel), target, site);
     const int K = cm->chunk_tokens;
     const int64_t chunk = (target - 1) / K;
@@ -365,7 +378,9 @@ struct SourceReduce {
     return cm->layout.recv_slot(buf, m, channel, index, stride);
   }
   template <class C>
-  MOE_ROLE float scale(C&, int, const char*, int64_t, int) const { return 1.0f; }
+  MOE_ROLE float scale(C&, int, const char*, int64_t, int) const {
+    return 1.0f;
+  }
   MOE_ROLE char* out(int i) const { return out_base + static_cast<int64_t>(range.begin + i) * row_bytes; }
   template <class C>
   MOE_ROLE void after(C&, int, char* const*, int, int, int) const {}
@@ -385,11 +400,22 @@ template <class Ctx>
 MOE_ROLE SourceReduce source_reduce(Ctx& ctx, const Common& cm, const Check& check, const bool* in_node, char* out,
                                     int num_tokens, const SlotLayout& slot, int rank, int channel, uint64_t epoch,
                                     bool fused, bool coordinator, bool record) {
-  const uint64_t agree = rail_agreement(ctx, cm, check, rank, epoch, record,
-                                        WaitSite{kNodeCombine, coordinator ? intranode::kCoordinator : intranode::kReceiver,
-                                                 rank, channel, 0, intranode::kHeader});
-  return {&cm,  in_node, out,    slot.x_bytes, slot.slot_bytes, channel_token_range(num_tokens, cm.num_channels, channel),
-          ctx.buffer(rank), rank, channel, agree, fused, epoch};
+  const uint64_t agree =
+      rail_agreement(ctx, cm, check, rank, epoch, record,
+                     WaitSite{kNodeCombine, coordinator ? intranode::kCoordinator : intranode::kReceiver, rank, channel,
+                              0, intranode::kHeader});
+  return {&cm,
+          in_node,
+          out,
+          slot.x_bytes,
+          slot.slot_bytes,
+          channel_token_range(num_tokens, cm.num_channels, channel),
+          ctx.buffer(rank),
+          rank,
+          channel,
+          agree,
+          fused,
+          epoch};
 }
 
 }  // namespace internode

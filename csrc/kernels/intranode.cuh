@@ -87,9 +87,7 @@ constexpr int kLine = 128;            // counters sit on their own 128-byte line
 constexpr int kFieldAlign = 16;       // slot fields start on 16 bytes (one vector access)
 constexpr int kMaxTopk = 32;
 
-MOE_HD int64_t align_up(int64_t value, int64_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
+MOE_HD int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 
 // ---- channels ---------------------------------------------------------------------------------
 
@@ -102,8 +100,7 @@ struct TokenRange {
 // function of (T, C, c) only, so sender, receiver and notify agree without talking.
 MOE_HD TokenRange channel_token_range(int num_tokens, int num_channels, int channel) {
   const int64_t t = num_tokens;
-  return {static_cast<int>(t * channel / num_channels),
-          static_cast<int>(t * (channel + 1) / num_channels)};
+  return {static_cast<int>(t * channel / num_channels), static_cast<int>(t * (channel + 1) / num_channels)};
 }
 
 // The channel owning token t: the inverse of channel_token_range,
@@ -161,7 +158,6 @@ MOE_HD SlotLayout make_slot_layout(int x_bytes, int scale_bytes, int num_topk) {
   s.slot_bytes = static_cast<int32_t>(s.aux_offset + kFieldAlign);
   return s;
 }
-
 
 // The whole 128-byte lines inside [p, p + bytes): all a consumed slot may discard, since a
 // line it shares with a neighbouring slot can hold that slot's live bytes.
@@ -222,12 +218,10 @@ struct BufferLayout {
     return reinterpret_cast<int32_t*>(base + meta_offset) + peer * num_channels + channel;
   }
   MOE_HD int32_t* tail(char* base, int peer, int channel) const {
-    return reinterpret_cast<int32_t*>(base + tail_offset +
-                                      static_cast<int64_t>(peer * num_channels + channel) * kLine);
+    return reinterpret_cast<int32_t*>(base + tail_offset + static_cast<int64_t>(peer * num_channels + channel) * kLine);
   }
   MOE_HD int32_t* head(char* base, int peer, int channel) const {
-    return reinterpret_cast<int32_t*>(base + head_offset +
-                                      static_cast<int64_t>(peer * num_channels + channel) * kLine);
+    return reinterpret_cast<int32_t*>(base + head_offset + static_cast<int64_t>(peer * num_channels + channel) * kLine);
   }
   MOE_HD uint64_t* epoch(char* base) const { return reinterpret_cast<uint64_t*>(base + epoch_offset); }
   MOE_HD int32_t* done(char* base) const { return reinterpret_cast<int32_t*>(base + epoch_offset + 8); }
@@ -262,8 +256,10 @@ MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_
   l.num_slots = num_slots;
   l.slot_bytes = static_cast<int32_t>(align_up(slot_bytes, kLine));
   l.relay_nodes = relay_nodes;
-  l.relay_bytes = relay_nodes > 0 ? static_cast<int32_t>(kLine + align_up(4 * static_cast<int64_t>(relay_nodes) *
-                                                                          num_channels, kLine)) : 0;
+  l.relay_bytes =
+      relay_nodes > 0
+          ? static_cast<int32_t>(kLine + align_up(4 * static_cast<int64_t>(relay_nodes) * num_channels, kLine))
+          : 0;
   const int64_t queues = static_cast<int64_t>(num_ranks) * num_channels;
   l.meta_offset = align_up(4 * static_cast<int64_t>(num_ranks), kLine);
   l.tail_offset = l.meta_offset + align_up(4 * queues, kLine);
@@ -272,7 +268,8 @@ MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_
   l.header_offset = l.epoch_offset + kLine;
   l.relay_offset = l.header_offset + 2 * kLine * static_cast<int64_t>(num_ranks);
   const int64_t relay = relay_nodes > 0 ? align_up(8 * static_cast<int64_t>(num_ranks), kLine) +
-                                              2 * static_cast<int64_t>(num_ranks) * l.relay_bytes : 0;
+                                              2 * static_cast<int64_t>(num_ranks) * l.relay_bytes
+                                        : 0;
   l.queue_offset = l.relay_offset + relay;
   l.total_bytes = l.queue_offset + queues * num_slots * static_cast<int64_t>(l.slot_bytes);
   return l;
@@ -379,7 +376,7 @@ MOE_HD uint16_t float_to_f16(float f) {
   const uint32_t u = float_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (a >= 0x38800000u) {                                               // normal half
+  if (a >= 0x38800000u) {                                              // normal half
     const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
     return static_cast<uint16_t>(sign | (r >> 13));
   }
@@ -412,9 +409,15 @@ enum DType : int32_t { kBf16 = 0, kF16 = 1, kF32 = 2 };
 template <class Fn>
 void with_dtype(DType dtype, Fn fn) {
   switch (dtype) {
-    case kBf16: fn(Bf16Tag{}); break;
-    case kF16: fn(F16Tag{}); break;
-    case kF32: fn(F32Tag{}); break;
+    case kBf16:
+      fn(Bf16Tag{});
+      break;
+    case kF16:
+      fn(F16Tag{});
+      break;
+    case kF32:
+      fn(F32Tag{});
+      break;
     default:
       throw std::invalid_argument("combine dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " +
                                   std::to_string(static_cast<int>(dtype)));
@@ -473,24 +476,24 @@ struct NotifyArgs {
 };
 
 struct DispatchRank {
-  const char* x;                  // [T, x_bytes] raw rows
-  const float* x_scales;          // [T, H/128] fp32 or null
-  const int64_t* topk_idx;        // [T, K] global ids, -1 = none
-  const float* topk_weights;      // [T, K] or null
-  const bool* is_token_in_rank;   // [T, W]
-  const int32_t* token_ids;       // [T] or null: what receivers record as a row's source token (null: t)
-  const int32_t* recv_prefix;     // [W * C + 1] from notify
-  char* recv_x;                   // [rows, x_bytes]
-  float* recv_scales;             // [rows, H/128] or null
-  int64_t* recv_topk_idx;         // [rows, K] local ids, -1 elsewhere (null when K = 0)
-  float* recv_topk_weights;       // [rows, K] or null
-  int32_t* recv_src_idx;          // [rows] source token index
-  int64_t* num_recv_per_expert;   // [E / W] zeroed by the caller; counts of stored rows
-  int32_t* overflow;              // [1] set when a row falls beyond `rows`
-  const int32_t* peer_ok;         // [W] notify's verdicts, or null: exchange headers now (cached dispatch)
+  const char* x;                 // [T, x_bytes] raw rows
+  const float* x_scales;         // [T, H/128] fp32 or null
+  const int64_t* topk_idx;       // [T, K] global ids, -1 = none
+  const float* topk_weights;     // [T, K] or null
+  const bool* is_token_in_rank;  // [T, W]
+  const int32_t* token_ids;      // [T] or null: what receivers record as a row's source token (null: t)
+  const int32_t* recv_prefix;    // [W * C + 1] from notify
+  char* recv_x;                  // [rows, x_bytes]
+  float* recv_scales;            // [rows, H/128] or null
+  int64_t* recv_topk_idx;        // [rows, K] local ids, -1 elsewhere (null when K = 0)
+  float* recv_topk_weights;      // [rows, K] or null
+  int32_t* recv_src_idx;         // [rows] source token index
+  int64_t* num_recv_per_expert;  // [E / W] zeroed by the caller; counts of stored rows
+  int32_t* overflow;             // [1] set when a row falls beyond `rows`
+  const int32_t* peer_ok;        // [W] notify's verdicts, or null: exchange headers now (cached dispatch)
   Check check;
-  int32_t num_tokens;             // T
-  int32_t num_rows;               // rows allocated (R, or the budget)
+  int32_t num_tokens;  // T
+  int32_t num_rows;    // rows allocated (R, or the budget)
 };
 
 struct DispatchArgs {
@@ -501,14 +504,14 @@ struct DispatchArgs {
 };
 
 struct CombineRank {
-  const char* y;                  // [rows, x_bytes] rows in dispatch's receive order
-  const float* row_scale;         // [rows] fp32 or null (scale 1)
-  const bool* is_token_in_rank;   // [T, W] of this rank's own tokens (as dispatched)
-  const int32_t* recv_prefix;     // [W * C + 1] of this rank's dispatch receive
-  char* out;                      // [T, x_bytes]
-  Check check;                    // combine always exchanges headers
-  int32_t num_tokens;             // T
-  int32_t num_rows;               // rows of y (rows at or beyond it are sent as zeros)
+  const char* y;                 // [rows, x_bytes] rows in dispatch's receive order
+  const float* row_scale;        // [rows] fp32 or null (scale 1)
+  const bool* is_token_in_rank;  // [T, W] of this rank's own tokens (as dispatched)
+  const int32_t* recv_prefix;    // [W * C + 1] of this rank's dispatch receive
+  char* out;                     // [T, x_bytes]
+  Check check;                   // combine always exchanges headers
+  int32_t num_tokens;            // T
+  int32_t num_rows;              // rows of y (rows at or beyond it are sent as zeros)
 };
 
 struct CombineArgs {

@@ -47,12 +47,13 @@ Common parse_common(const py::dict& d, int64_t num_launch_ranks) {
   c.l2_discard = int32(d, "l2_discard", what);
   c.variant = bind::parse_variant(d);
   c.timeout_cycles = integer(d, "timeout_cycles", what);
-  c.layout = make_buffer_layout(c.num_ranks, int32(d, "buffer_channels", what), int32(d, "num_slots", what),
-                                int32(d, "slot_bytes", what), d.contains("relay_nodes") ? int32(d, "relay_nodes", what) : 0);
+  c.layout =
+      make_buffer_layout(c.num_ranks, int32(d, "buffer_channels", what), int32(d, "num_slots", what),
+                         int32(d, "slot_bytes", what), d.contains("relay_nodes") ? int32(d, "relay_nodes", what) : 0);
   const auto buffers = field(d, "buffers", what).cast<std::vector<std::uintptr_t>>();
   MOE_HOST_CHECK(static_cast<int64_t>(buffers.size()) == c.num_ranks && c.num_ranks <= kMaxRanks,
                  "common['buffers'] must list one buffer per rank (" << c.num_ranks << ", at most " << kMaxRanks
-                                                                      << "), got " << buffers.size());
+                                                                     << "), got " << buffers.size());
   for (size_t i = 0; i < buffers.size(); ++i) c.buffers[i] = reinterpret_cast<char*>(buffers[i]);
   c.error = pointer<ErrorRecord>(d, "error", what);
   c.error_host = pointer<ErrorRecord>(d, "error_host", what);
@@ -77,8 +78,10 @@ DispatchArgs parse_dispatch(const py::dict& common, const py::list& ranks, int64
                             int64_t num_topk, int64_t experts_per_rank) {
   check_num_launch_ranks(ranks);
   MOE_HOST_CHECK(x_bytes > 0 && x_bytes <= INT32_MAX / 2, "x_bytes must be in (0, 2^30), got " << x_bytes);
-  MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2, "scale_bytes must be in [0, 2^30), got " << scale_bytes);
-  MOE_HOST_CHECK(num_topk >= 0 && num_topk <= kMaxTopk, "num_topk must be in [0, " << kMaxTopk << "], got " << num_topk);
+  MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2,
+                 "scale_bytes must be in [0, 2^30), got " << scale_bytes);
+  MOE_HOST_CHECK(num_topk >= 0 && num_topk <= kMaxTopk,
+                 "num_topk must be in [0, " << kMaxTopk << "], got " << num_topk);
   DispatchArgs a{};
   a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
   a.slot = make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
@@ -133,7 +136,8 @@ void register_intranode(py::module_& m) {
   limits["max_rows_in_flight"] = kMaxRowsInFlight;
   m.attr("intranode_limits") = limits;
   py::list copy_variants;  // (loads_in_flight, rows_in_flight, bulk_copy, register_cap, fused)
-  for (const CopyVariant& v : kCopyVariants) copy_variants.append(py::make_tuple(v.loads, v.rows, v.bulk, v.cap, v.fused));
+  for (const CopyVariant& v : kCopyVariants)
+    copy_variants.append(py::make_tuple(v.loads, v.rows, v.bulk, v.cap, v.fused));
   m.attr("copy_variants") = copy_variants;
 
   m.def(
@@ -158,12 +162,12 @@ void register_intranode(py::module_& m) {
   m.def(
       "intranode_slot_layout",
       [](int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
-        MOE_HOST_CHECK(x_bytes >= 0 && scale_bytes >= 0 && num_topk >= 0 && num_topk <= kMaxTopk &&
-                           x_bytes <= INT32_MAX / 2 && scale_bytes <= INT32_MAX / 2,
-                       "bad slot sizes: x_bytes=" << x_bytes << " scale_bytes=" << scale_bytes
-                                                  << " num_topk=" << num_topk);
-        const SlotLayout s = make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes),
-                                              static_cast<int>(num_topk));
+        MOE_HOST_CHECK(
+            x_bytes >= 0 && scale_bytes >= 0 && num_topk >= 0 && num_topk <= kMaxTopk && x_bytes <= INT32_MAX / 2 &&
+                scale_bytes <= INT32_MAX / 2,
+            "bad slot sizes: x_bytes=" << x_bytes << " scale_bytes=" << scale_bytes << " num_topk=" << num_topk);
+        const SlotLayout s =
+            make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
         py::dict d;
         d["x_bytes"] = s.x_bytes;
         d["scale_bytes"] = s.scale_bytes;
@@ -181,15 +185,15 @@ void register_intranode(py::module_& m) {
   m.def(
       "intranode_channel_of_token",
       [](int64_t num_tokens, int64_t num_channels, int64_t token) {
-        MOE_HOST_CHECK(num_tokens >= 1 && num_tokens <= INT32_MAX && num_channels >= 1 && token >= 0 &&
-                           token < num_tokens,
-                       "need 0 <= token < num_tokens and num_channels >= 1");
-        const TokenRange r = channel_token_range(static_cast<int>(num_tokens), static_cast<int>(num_channels),
-                                                 channel_of_token(static_cast<int>(num_tokens),
-                                                                  static_cast<int>(num_channels), static_cast<int>(token)));
-        return py::make_tuple(channel_of_token(static_cast<int>(num_tokens), static_cast<int>(num_channels),
-                                               static_cast<int>(token)),
-                              r.begin, r.end);
+        MOE_HOST_CHECK(
+            num_tokens >= 1 && num_tokens <= INT32_MAX && num_channels >= 1 && token >= 0 && token < num_tokens,
+            "need 0 <= token < num_tokens and num_channels >= 1");
+        const TokenRange r = channel_token_range(
+            static_cast<int>(num_tokens), static_cast<int>(num_channels),
+            channel_of_token(static_cast<int>(num_tokens), static_cast<int>(num_channels), static_cast<int>(token)));
+        return py::make_tuple(
+            channel_of_token(static_cast<int>(num_tokens), static_cast<int>(num_channels), static_cast<int>(token)),
+            r.begin, r.end);
       },
       py::arg("num_tokens"), py::arg("num_channels"), py::arg("token"),
       "(channel, begin, end): the channel owning `token` and its token range (protocol check).");
@@ -294,8 +298,7 @@ void register_intranode(py::module_& m) {
       py::arg("handle"), "Maps a peer's buffer into this process (cudaIpcOpenMemHandle); returns its address here.");
 
   m.def(
-      "ipc_close",
-      [](std::uintptr_t ptr) { MOE_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr))); },
+      "ipc_close", [](std::uintptr_t ptr) { MOE_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr))); },
       py::arg("ptr"), "Unmaps a buffer opened with ipc_open_handle (warns instead of raising).");
 
   m.def(

@@ -69,17 +69,18 @@ void launch_combine(const CombineArgs& args, DType dtype, bool cooperative, cuda
   MOE_HOST_CHECK(s.x_bytes > 0 && s.x_bytes % kFieldAlign == 0,
                  "y rows must be a positive multiple of " << kFieldAlign << " bytes, got " << s.x_bytes);
   const SlotLayout want = make_slot_layout(s.x_bytes, 0, 0);
-  MOE_HOST_CHECK(want.slot_bytes == s.slot_bytes && want.aux_offset == s.aux_offset && s.num_topk == 0 &&
-                     s.scale_bytes == 0,
-                 "the combine slot layout is not make_slot_layout(" << s.x_bytes << ", 0, 0)");
+  MOE_HOST_CHECK(
+      want.slot_bytes == s.slot_bytes && want.aux_offset == s.aux_offset && s.num_topk == 0 && s.scale_bytes == 0,
+      "the combine slot layout is not make_slot_layout(" << s.x_bytes << ", 0, 0)");
   MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
-                 "a combine slot needs " << s.slot_bytes << " bytes but the buffer's slots hold "
-                                         << c.layout.slot_bytes << "; make the Buffer for this hidden size and dtype");
+                 "a combine slot needs " << s.slot_bytes << " bytes but the buffer's slots hold " << c.layout.slot_bytes
+                                         << "; make the Buffer for this hidden size and dtype");
   for (int i = 0; i < c.num_launch_ranks; ++i) {
     const CombineRank& r = args.ranks[i];
     const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0,
-                   "rank " << rank << ": num_tokens and num_rows must be >= 0, got " << r.num_tokens << ", " << r.num_rows);
+    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank
+                                                                 << ": num_tokens and num_rows must be >= 0, got "
+                                                                 << r.num_tokens << ", " << r.num_rows);
     MOE_HOST_CHECK(r.recv_prefix != nullptr, "rank " << rank << ": recv_prefix must be a device pointer");
     MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_rank != nullptr),
                    "rank " << rank << ": out and is_token_in_rank must be device pointers");

@@ -30,8 +30,10 @@ uint64_t* epoch_word(const Common& c, int rank) { return c.layout.epoch(c.buffer
 
 void run_notify_cpu(const NotifyArgs& args) {
   const auto epochs = op_epochs(args.common, [&](int rank) { return epoch_word(args.common, rank); });
-  run_notify_threads<HostCtx, NotifyState>(args, [&epochs](HostCtx& ctx, const NotifyArgs& a, int rank,
-                                                           NotifyState* st) { notify(ctx, a, rank, epochs(rank), st); });
+  run_notify_threads<HostCtx, NotifyState>(args,
+                                           [&epochs](HostCtx& ctx, const NotifyArgs& a, int rank, NotifyState* st) {
+                                             notify(ctx, a, rank, epochs(rank), st);
+                                           });
 }
 
 // The group-structured blocks have one group per peer rank.
@@ -82,4 +84,3 @@ void run_combine_cpu(const CombineArgs& args, DType dtype, const CpuOptions& opt
 
 }  // namespace intranode
 }  // namespace moe_dispatch
-

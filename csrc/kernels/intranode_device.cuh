@@ -150,11 +150,10 @@ __device__ __forceinline__ void bulk_load(char* piece, const char* src, uint32_t
 __device__ __forceinline__ void bulk_wait(uint64_t* barrier, uint32_t parity) {
   uint32_t done = 0;
   do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_address(barrier)), "r"(parity)
-        : "memory");
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(smem_address(barrier)), "r"(parity)
+                 : "memory");
   } while (!done);
 }
 
@@ -216,8 +215,8 @@ template <>
 struct Vec<Bf16Tag> {
   static constexpr int kPer = 8;
   __device__ __forceinline__ static void unpack(const int4& v, float* f) {
-    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
-                           static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       f[2 * i] = __uint_as_float(w[i] << 16);
@@ -228,10 +227,9 @@ struct Vec<Bf16Tag> {
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      w[i] = static_cast<uint32_t>(float_to_bf16(f[2 * i])) |
-             (static_cast<uint32_t>(float_to_bf16(f[2 * i + 1])) << 16);
-    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
-                     static_cast<int>(w[3]));
+      w[i] =
+          static_cast<uint32_t>(float_to_bf16(f[2 * i])) | (static_cast<uint32_t>(float_to_bf16(f[2 * i + 1])) << 16);
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
   }
 };
 
@@ -354,8 +352,8 @@ struct DeviceCtxT {
     if (!locked) return;  // another offer holds it for a handful of stores; this one is dropped
     __threadfence();
     if (ld_volatile(&e->phase) == 0 || level < ld_volatile(&e->level)) {
-      const int32_t fields[10] = {1, site.phase, site.role, site.rank, site.channel, site.peer, site.counter,
-                                  expected, observed, level};
+      const int32_t fields[10] = {1,         site.phase,   site.role, site.rank, site.channel,
+                                  site.peer, site.counter, expected,  observed,  level};
       volatile int32_t* out = &e->flag;
 #pragma unroll
       for (int i = 1; i < 10; ++i) out[i] = fields[i];

@@ -59,12 +59,12 @@ void check_common(const Common& c) {
                  "the buffer is laid out for " << l.num_ranks << " ranks but the call has " << c.num_ranks);
   MOE_HOST_CHECK(l.num_channels >= 1 && l.num_channels <= kMaxChannels,
                  "the buffer's num_channels must be in [1, " << kMaxChannels << "], got " << l.num_channels);
-  MOE_HOST_CHECK(c.num_channels >= 1 && c.num_channels <= l.num_channels,
-                 "num_channels (num_sms / 2) must be in [1, " << l.num_channels
-                                                               << "] (the buffer's), got " << c.num_channels);
+  MOE_HOST_CHECK(
+      c.num_channels >= 1 && c.num_channels <= l.num_channels,
+      "num_channels (num_sms / 2) must be in [1, " << l.num_channels << "] (the buffer's), got " << c.num_channels);
   MOE_HOST_CHECK(c.num_launch_ranks >= 1 && c.rank_begin >= 0 && c.rank_begin + c.num_launch_ranks <= c.num_ranks,
-                 "launched ranks [" << c.rank_begin << ", " << c.rank_begin + c.num_launch_ranks
-                                    << ") must lie in [0, " << c.num_ranks << ")");
+                 "launched ranks [" << c.rank_begin << ", " << c.rank_begin + c.num_launch_ranks << ") must lie in [0, "
+                                    << c.num_ranks << ")");
   MOE_HOST_CHECK(l.num_slots >= 1 && c.chunk_tokens >= 1 && c.chunk_tokens <= l.num_slots,
                  "chunk_tokens must be in [1, num_slots=" << l.num_slots << "], got " << c.chunk_tokens);
   MOE_HOST_CHECK(l.slot_bytes > 0 && l.slot_bytes % kFieldAlign == 0,
@@ -78,11 +78,10 @@ void check_common(const Common& c) {
 
 void check_resident(int resident, dim3 grid, const char* what) {
   const long long blocks = static_cast<long long>(grid.x) * grid.y;
-  MOE_HOST_CHECK(blocks <= resident,
-                 "the intranode " << what << " launch needs all of its " << blocks << " blocks ("
-                                  << grid.x << " per rank x " << grid.y
-                                  << " ranks) resident at once, but this GPU holds " << resident
-                                  << "; lower num_sms (or the number of simulated ranks)");
+  MOE_HOST_CHECK(blocks <= resident, "the intranode " << what << " launch needs all of its " << blocks << " blocks ("
+                                                      << grid.x << " per rank x " << grid.y
+                                                      << " ranks) resident at once, but this GPU holds " << resident
+                                                      << "; lower num_sms (or the number of simulated ranks)");
 }
 
 void launch_notify(const NotifyArgs& args, bool cooperative, cudaStream_t stream) {
@@ -95,9 +94,11 @@ void launch_notify(const NotifyArgs& args, bool cooperative, cudaStream_t stream
     MOE_HOST_CHECK(r.num_tokens >= 0, "rank " << c.rank_begin + i << ": num_tokens must be >= 0, got " << r.num_tokens);
     MOE_HOST_CHECK(r.num_tokens == 0 || r.is_token_in_rank != nullptr,
                    "rank " << c.rank_begin + i << ": is_token_in_rank is null");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr,
-                   "rank " << c.rank_begin + i << ": recv_prefix, num_recv_tokens and overflow must be device pointers");
-    MOE_HOST_CHECK(r.budget >= -1, "rank " << c.rank_begin + i << ": budget must be >= 0, or -1 for none, got " << r.budget);
+    MOE_HOST_CHECK(
+        r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr,
+        "rank " << c.rank_begin + i << ": recv_prefix, num_recv_tokens and overflow must be device pointers");
+    MOE_HOST_CHECK(r.budget >= -1,
+                   "rank " << c.rank_begin + i << ": budget must be >= 0, or -1 for none, got " << r.budget);
     MOE_HOST_CHECK(r.peer_ok != nullptr, "rank " << c.rank_begin + i << ": peer_ok must be a device pointer");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
@@ -116,9 +117,9 @@ void launch_dispatch(const DispatchArgs& args, bool cooperative, cudaStream_t st
   MOE_HOST_CHECK(s.num_topk >= 0 && s.num_topk <= kMaxTopk,
                  "num_topk must be in [0, " << kMaxTopk << "], got " << s.num_topk);
   const SlotLayout want = make_slot_layout(s.x_bytes, s.scale_bytes, s.num_topk);
-  MOE_HOST_CHECK(want.slot_bytes == s.slot_bytes && want.aux_offset == s.aux_offset,
-                 "the slot layout is not make_slot_layout(" << s.x_bytes << ", " << s.scale_bytes << ", "
-                                                            << s.num_topk << ")");
+  MOE_HOST_CHECK(
+      want.slot_bytes == s.slot_bytes && want.aux_offset == s.aux_offset,
+      "the slot layout is not make_slot_layout(" << s.x_bytes << ", " << s.scale_bytes << ", " << s.num_topk << ")");
   MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
                  "a dispatch slot needs " << s.slot_bytes << " bytes but the buffer's slots hold "
                                           << c.layout.slot_bytes << "; make the Buffer for this hidden size");
@@ -126,10 +127,11 @@ void launch_dispatch(const DispatchArgs& args, bool cooperative, cudaStream_t st
   for (int i = 0; i < c.num_launch_ranks; ++i) {
     const DispatchRank& r = args.ranks[i];
     const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0,
-                   "rank " << rank << ": num_tokens and num_rows must be >= 0, got " << r.num_tokens << ", " << r.num_rows);
-    MOE_HOST_CHECK(r.num_tokens == 0 || (r.x != nullptr && r.is_token_in_rank != nullptr &&
-                                         (s.num_topk == 0 || r.topk_idx != nullptr)),
+    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank
+                                                                 << ": num_tokens and num_rows must be >= 0, got "
+                                                                 << r.num_tokens << ", " << r.num_rows);
+    MOE_HOST_CHECK(r.num_tokens == 0 ||
+                       (r.x != nullptr && r.is_token_in_rank != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
                    "rank " << rank << ": x, is_token_in_rank and topk_idx must be device pointers");
     MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
                    "rank " << rank << ": fp8 dispatch needs x_scales");

@@ -175,8 +175,8 @@ struct HostCtxT {
     for (uint32_t spin = 0;; ++spin) {
       const int64_t v = load();
       if (v >= target) return v;
-      const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::steady_clock::now() - start).count();
+      const auto waited =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
       if (__atomic_load_n(&common->error->flag, __ATOMIC_ACQUIRE) != 0) {
         if (2 * waited > common->timeout_cycles)
           offer_timeout(site, static_cast<int32_t>(target), static_cast<int32_t>(v));
@@ -195,7 +195,8 @@ struct HostCtxT {
     }
   }
   int32_t wait_ge_lane(const int32_t* p, int32_t target, const WaitSite& site) const {
-    return static_cast<int32_t>(bounded_wait([this, p]() { return static_cast<int64_t>(load_acquire(p)); }, target, site));
+    return static_cast<int32_t>(
+        bounded_wait([this, p]() { return static_cast<int64_t>(load_acquire(p)); }, target, site));
   }
   int32_t wait_ge(const int32_t* p, int32_t target, const WaitSite& site) const {
     return wait_ge_lane(p, target, site);
@@ -219,7 +220,9 @@ struct HostCtxT {
   void copy_in_rows(char* const* dst, const char* const* src, int n, int bytes) const {
     for (int r = 0; r < n; ++r) std::memcpy(dst[r], src[r], bytes);
   }
-  void copy_out_rows(char* const* dst, const char* const* src, int n, int bytes) const { copy_in_rows(dst, src, n, bytes); }
+  void copy_out_rows(char* const* dst, const char* const* src, int n, int bytes) const {
+    copy_in_rows(dst, src, n, bytes);
+  }
   void zero_row(char* dst, int bytes) const { std::memset(dst, 0, bytes); }
   // The GPU's discard leaves indeterminate bytes: a pattern that no oracle value matches, so a
   // slot read after its discard fails the tests.
@@ -314,9 +317,8 @@ class OpEpochs {
  public:
   OpEpochs(const CommonT& c, Word word) : common_(c), word_(word) {
     values_.assign(c.num_launch_ranks, 0);
-    for_each_launched_rank(c, [&](int rank) {
-      values_[rank - c.rank_begin] = __atomic_load_n(word_(rank), __ATOMIC_RELAXED);
-    });
+    for_each_launched_rank(
+        c, [&](int rank) { values_[rank - c.rank_begin] = __atomic_load_n(word_(rank), __ATOMIC_RELAXED); });
   }
   uint64_t operator()(int rank) const { return values_[rank - common_.rank_begin]; }
   void advance() const {

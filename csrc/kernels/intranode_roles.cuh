@@ -87,7 +87,8 @@ MOE_ROLE int32_t pair_verdict(Ctx& ctx, const Common& cm, const Check& check, co
     if (peer_ok != nullptr) {
       v = peer_ok[peer];
     } else {
-      if (write) ring::put_header_line(ctx, cm.layout.header(cm.buffers[peer], epoch, rank), check.header, epoch, nullptr);
+      if (write)
+        ring::put_header_line(ctx, cm.layout.header(cm.buffers[peer], epoch, rank), check.header, epoch, nullptr);
       int64_t theirs[kHeaderLineWords];
       v = ring::get_header_line(ctx, cm.layout.header(cm.buffers[rank], epoch, peer), epoch, site, theirs)
               ? ring::judge(ctx, check, rank, peer, theirs, record)
@@ -100,8 +101,8 @@ MOE_ROLE int32_t pair_verdict(Ctx& ctx, const Common& cm, const Check& check, co
 // Warp: bit p set where the pair (rank, p) agrees, over every peer's header line of this epoch
 // (written by the peers' senders); 0 when a wait failed (the timeout is recorded: no rows move).
 template <class Ctx>
-MOE_ROLE uint64_t agreeing_peers(Ctx& ctx, const Common& cm, const Check& check, int rank, uint64_t epoch,
-                                 bool record, WaitSite site) {
+MOE_ROLE uint64_t agreeing_peers(Ctx& ctx, const Common& cm, const Check& check, int rank, uint64_t epoch, bool record,
+                                 WaitSite site) {
   uint64_t ok = 0, failed = 0;
   for (int p = ctx.lane(); p < cm.num_ranks; p += ctx.width()) {
     site.peer = p;
@@ -122,8 +123,7 @@ template <class Ctx>
 MOE_ROLE bool rank_barrier(Ctx& ctx, const Common& cm, int rank, NotifyState* st) {
   const BufferLayout& l = cm.layout;
   ctx.block_sync();
-  for (int p = ctx.tid(); p < cm.num_ranks; p += ctx.num_threads())
-    ctx.signal_add(l.signal(cm.buffers[p]) + rank, 1);
+  for (int p = ctx.tid(); p < cm.num_ranks; p += ctx.num_threads()) ctx.signal_add(l.signal(cm.buffers[p]) + rank, 1);
   for (int p = ctx.tid(); p < cm.num_ranks; p += ctx.num_threads()) {
     int32_t* signal = l.signal(cm.buffers[rank]) + p;
     const WaitSite site{kNotify, kBarrier, rank, -1, p, kSignal};
@@ -178,8 +178,8 @@ MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, uint64_t epoch, No
   }
   ctx.block_sync();
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads())
-    st->counts[i] = st->ok[i / num_channels] ? ctx.load_acquire(l.meta(cm.buffers[rank], i / num_channels,
-                                                                        i % num_channels)) : 0;
+    st->counts[i] =
+        st->ok[i / num_channels] ? ctx.load_acquire(l.meta(cm.buffers[rank], i / num_channels, i % num_channels)) : 0;
   ctx.block_sync();
   const int32_t total = ctx.block_exclusive_scan(st->counts, num_queues);
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads()) me.recv_prefix[i] = st->counts[i];
@@ -294,9 +294,8 @@ MOE_ROLE void discard_slot(Ctx& ctx, const Common& cm, char* slot) {
 // Warp 0 of a group settles the pair's verdict; false (every warp leaves) when the pair moves
 // no rows or a wait failed.
 template <class Ctx>
-MOE_ROLE bool group_verdict(Ctx& ctx, const Common& cm, const Check& check, const int32_t* peer_ok, int rank,
-                            int peer, uint64_t epoch, bool write, bool record, const WaitSite& site, int warp,
-                            GroupState* gs) {
+MOE_ROLE bool group_verdict(Ctx& ctx, const Common& cm, const Check& check, const int32_t* peer_ok, int rank, int peer,
+                            uint64_t epoch, bool write, bool record, const WaitSite& site, int warp, GroupState* gs) {
   if (warp == 0) {
     const int32_t v = pair_verdict(ctx, cm, check, peer_ok, rank, peer, epoch, write, record, site);
     if (ctx.lane() == 0) ctx.shared_store(&gs->verdict, v == 1);
@@ -310,8 +309,8 @@ MOE_ROLE bool group_verdict(Ctx& ctx, const Common& cm, const Check& check, cons
 // Sender group (rank -> dst, channel): `warp` of `group_warps` warps. Entry i goes to warp
 // i % group_warps; warp 0 waits and publishes. Channel 0's group writes the header line.
 template <class Ctx>
-MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int dst, int warp,
-                            int group_warps, uint64_t epoch, GroupState* gs) {
+MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int dst, int warp, int group_warps,
+                            uint64_t epoch, GroupState* gs) {
   const Common& cm = a.common;
   const BufferLayout& l = cm.layout;
   const DispatchRank& me = a.ranks[rank - cm.rank_begin];
@@ -327,8 +326,7 @@ MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int chann
   };
   const int rows = ctx.rows_in_flight(cm.variant);
   if (ctx.slot_flags(cm.variant)) {
-    ring::send_flagged(ctx, q, l.num_slots, rows, range, selected, write, warp, group_warps, epoch,
-                       l.flag_offset());
+    ring::send_flagged(ctx, q, l.num_slots, rows, range, selected, write, warp, group_warps, epoch, l.flag_offset());
   } else {
     ring::send_selected(ctx, q, l.num_slots, cm.chunk_tokens, rows, range, selected, write, warp, group_warps, gs);
   }
@@ -337,8 +335,8 @@ MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int chann
 // Receiver group (src -> rank, channel): rows prefix[src][c] + i. Channel 0's group records a
 // mismatch of a cached dispatch (notify recorded a fresh one's).
 template <class Ctx>
-MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int src, int warp,
-                            int group_warps, uint64_t epoch, GroupState* gs) {
+MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int src, int warp, int group_warps,
+                            uint64_t epoch, GroupState* gs) {
   const Common& cm = a.common;
   const BufferLayout& l = cm.layout;
   const DispatchRank& me = a.ranks[rank - cm.rank_begin];
@@ -385,8 +383,7 @@ MOE_ROLE void write_combine_slots(Ctx& ctx, const SlotLayout& s, const char* y, 
       ctx.zero_row(slots[r], s.x_bytes);
     }
     if (ctx.lane() == 0)
-      *reinterpret_cast<float*>(slots[r] + s.aux_offset) =
-          (stored && row_scale != nullptr) ? row_scale[rows[r]] : 1.0f;
+      *reinterpret_cast<float*>(slots[r] + s.aux_offset) = (stored && row_scale != nullptr) ? row_scale[rows[r]] : 1.0f;
   }
   ctx.copy_in_rows(dst, src, m, s.x_bytes);
 }
@@ -394,8 +391,8 @@ MOE_ROLE void write_combine_slots(Ctx& ctx, const SlotLayout& s, const char* y, 
 // Sender group (holder rank -> dst = the rows' source, channel): rows
 // [prefix[dst][c], prefix[dst][c+1]) of y, in order, with their row scale.
 template <class Ctx>
-MOE_ROLE void combine_send(Ctx& ctx, const CombineArgs& a, int rank, int channel, int dst, int warp,
-                           int group_warps, uint64_t epoch, GroupState* gs) {
+MOE_ROLE void combine_send(Ctx& ctx, const CombineArgs& a, int rank, int channel, int dst, int warp, int group_warps,
+                           uint64_t epoch, GroupState* gs) {
   const Common& cm = a.common;
   const BufferLayout& l = cm.layout;
   const SlotLayout& s = a.slot;
@@ -415,8 +412,9 @@ MOE_ROLE void combine_send(Ctx& ctx, const CombineArgs& a, int rank, int channel
   };
   const int rows = ctx.rows_in_flight(cm.variant);
   if (ctx.slot_flags(cm.variant)) {
-    ring::send_flagged(ctx, q, l.num_slots, rows, TokenRange{0, count}, [](int) { return true; }, write, warp,
-                       group_warps, epoch, l.flag_offset());
+    ring::send_flagged(
+        ctx, q, l.num_slots, rows, TokenRange{0, count}, [](int) { return true; }, write, warp, group_warps, epoch,
+        l.flag_offset());
   } else {
     ring::send_entries(ctx, q, l.num_slots, cm.chunk_tokens, rows, count, write, warp, group_warps, gs);
   }
@@ -443,14 +441,16 @@ struct CombineSource {
   }
   MOE_ROLE bool owns(int i, int worker, int num_workers) const { return i % num_workers == worker; }
   template <class Ctx>
-  MOE_ROLE bool begin(Ctx&, int) const { return true; }
+  MOE_ROLE bool begin(Ctx&, int) const {
+    return true;
+  }
   // Ready flags: entry target - 1's own flag (so `target` entries are known to have landed).
   template <class Ctx>
   MOE_ROLE int64_t wait(Ctx& ctx, int p, int64_t target) const {
     const WaitSite site{kCombine, kReceiver, rank, channel, p, kTail};
     if (ctx.slot_flags(cm->variant))
-      return ring::wait_flag(ctx, cm->layout.slot(cm->buffers[rank], p, channel, target - 1), cm->layout.flag_offset(), epoch,
-                             target - 1, site)
+      return ring::wait_flag(ctx, cm->layout.slot(cm->buffers[rank], p, channel, target - 1), cm->layout.flag_offset(),
+                             epoch, target - 1, site)
                  ? target
                  : -1;
     return ctx.wait_ge(cm->layout.tail(cm->buffers[rank], p, channel), static_cast<int32_t>(target), site);
@@ -492,9 +492,9 @@ MOE_ROLE CombineSource combine_source(Ctx& ctx, const CombineArgs& a, int rank, 
                                       bool coordinator) {
   const Common& cm = a.common;
   const CombineRank& me = a.ranks[rank - cm.rank_begin];
-  const uint64_t agree = agreeing_peers(ctx, cm, me.check, rank, epoch, coordinator && channel == 0,
-                                        WaitSite{kCombine, coordinator ? kCoordinator : kReceiver, rank, channel, 0,
-                                                 kHeader});
+  const uint64_t agree =
+      agreeing_peers(ctx, cm, me.check, rank, epoch, coordinator && channel == 0,
+                     WaitSite{kCombine, coordinator ? kCoordinator : kReceiver, rank, channel, 0, kHeader});
   return {&cm, &a.slot, &me, channel_token_range(me.num_tokens, cm.num_channels, channel), rank, channel, agree, epoch};
 }
 

@@ -20,10 +20,9 @@ namespace moe_dispatch {
 // Outputs need no initialisation: every element is written.
 // Throws std::invalid_argument for sizes that do not fit (num_experts % num_ranks,
 // num_ranks % ranks_per_node, negative sizes, null pointers) and CudaError on launch failure.
-void get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
-                         int64_t num_experts, int64_t num_ranks, int64_t ranks_per_node,
-                         int64_t* num_tokens_per_rank, int64_t* num_tokens_per_node,
-                         int64_t* num_tokens_per_expert, bool* is_token_in_rank,
+void get_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                         int64_t num_ranks, int64_t ranks_per_node, int64_t* num_tokens_per_rank,
+                         int64_t* num_tokens_per_node, int64_t* num_tokens_per_expert, bool* is_token_in_rank,
                          cudaStream_t stream);
 
 }  // namespace moe_dispatch

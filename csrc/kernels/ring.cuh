@@ -87,12 +87,12 @@ using intranode::WaitSite;
 // once before a loop (`verdict`, `lo`, `hi`) has fields of its own, so a warp still reading it
 // never sees a loop's later store.
 struct GroupState {
-  int32_t value;    // receiver: the tail it saw; fused forwarder: the ring it picked
-  int32_t stop;     // 1: a wait failed, every warp of the group leaves
-  int32_t count;    // fused forwarder: entries of the picked chunk
-  int32_t first;    // fused forwarder: the chunk's first entry
-  int32_t verdict;  // 1: the group's pair moves rows
-  int32_t lo, hi;   // a 64-bit value settled with the verdict (a forwarder's rail report)
+  int32_t value;                // receiver: the tail it saw; fused forwarder: the ring it picked
+  int32_t stop;                 // 1: a wait failed, every warp of the group leaves
+  int32_t count;                // fused forwarder: entries of the picked chunk
+  int32_t first;                // fused forwarder: the chunk's first entry
+  int32_t verdict;              // 1: the group's pair moves rows
+  int32_t lo, hi;               // a 64-bit value settled with the verdict (a forwarder's rail report)
   int32_t progress[kNumWarps];  // flagged receiver (recv_flagged): warp w's next entry
   int32_t published;            // flagged receiver: entries added to the sender's head
 };

@@ -101,8 +101,9 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
   for (int s = 0; s < W; ++s)
     for (int t = 0; t < w.T[s]; ++t) {
       if (!w.in_rank[s][t * W + r]) continue;
-      bool good = row < R && got.src[row] == t &&
-                  !std::memcmp(&got.x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H], w.x_bytes);
+      bool good =
+          row < R && got.src[row] == t &&
+          !std::memcmp(&got.x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H], w.x_bytes);
       for (int k = 0; good && k < w.K; ++k) {
         const int32_t want = local_expert(w.idx[s][t * w.K + k], r, epr);
         good = got.idx[static_cast<size_t>(row) * w.K + k] == want &&
@@ -111,7 +112,8 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
       }
       if (!good)
         return std::printf("rank %d round %d: fused dispatch row %d (source %d token %d) is wrong\n", r, round, row, s,
-                           t), 1;
+                           t),
+               1;
       ++row;
     }
   if (row != R || overflow != 0 || got.per_expert != want_per_expert)
@@ -153,7 +155,8 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
     // as reported by the local peer of rank 0's rail.
     if (record.flag != 1 || record.rank != r || record.field != kHdrIdentity)
       return std::printf("rank %d: mismatch record flag %lld field %lld, expected field %d\n", r,
-                         static_cast<long long>(record.flag), static_cast<long long>(record.field), kHdrIdentity), 1;
+                         static_cast<long long>(record.flag), static_cast<long long>(record.field), kHdrIdentity),
+             1;
     if (r != 0 && record.peer != 0) return fail("the mismatch record does not name rank 0", r, round);
     return 0;
   }
@@ -165,7 +168,8 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
       const float want = holders * bf16_to_float(w.x[r][t * w.H + h]);
       if (bf16_to_float(out[t * w.H + h]) != want)
         return std::printf("rank %d round %d: fused combine token %d h %d: %g != %g\n", r, round, t, h,
-                           bf16_to_float(out[t * w.H + h]), want), 1;
+                           bf16_to_float(out[t * w.H + h]), want),
+               1;
     }
   }
   return 0;
@@ -220,9 +224,9 @@ int staged_round(const World& w, int r, int round, MismatchRecord& record) {
     const int s = m * w.L + local;
     for (int t = 0; t < w.T[s]; ++t) {
       if (!w.in_node[s][t * w.N + node]) continue;
-      bool good = row < num_recv && got.src[row] == t &&
-                  !std::memcmp(&got.x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H],
-                               w.x_bytes);
+      bool good =
+          row < num_recv && got.src[row] == t &&
+          !std::memcmp(&got.x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H], w.x_bytes);
       for (int k = 0; good && k < w.K; ++k) {
         const int32_t want = local_expert(w.idx[s][t * w.K + k], node, epn);
         good = got.idx[static_cast<size_t>(row) * w.K + k] == want &&

@@ -92,8 +92,8 @@ int run_rank(const World& w, int r, int rounds) {
         }
         if (!ids_ok || got.src[row] != t ||
             std::memcmp(&got.x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H], w.x_bytes))
-          return std::printf("rank %d round %d: dispatch row %d (source %d token %d) is wrong\n", r, round, row, s,
-                             t), 1;
+          return std::printf("rank %d round %d: dispatch row %d (source %d token %d) is wrong\n", r, round, row, s, t),
+                 1;
         ++row;
       }
     if (row != num_recv) return std::printf("rank %d round %d: %d rows, expected %d\n", r, round, num_recv, row), 1;
@@ -131,7 +131,8 @@ int run_rank(const World& w, int r, int rounds) {
           record.via != -1)
         return std::printf("rank %d: mismatch record flag %lld peer %lld field %lld, expected peer %lld field %d\n", r,
                            static_cast<long long>(record.flag), static_cast<long long>(record.peer),
-                           static_cast<long long>(record.field), static_cast<long long>(peer), kHdrIdentity), 1;
+                           static_cast<long long>(record.field), static_cast<long long>(peer), kHdrIdentity),
+               1;
       break;
     }
     if (record.flag != 0) return fail("a mismatch was recorded", r, round);
@@ -142,7 +143,8 @@ int run_rank(const World& w, int r, int rounds) {
         const float want = holders * bf16_to_float(w.x[r][t * w.H + h]);
         if (bf16_to_float(out[t * w.H + h]) != want)
           return std::printf("rank %d round %d: combine token %d h %d: %g != %g\n", r, round, t, h,
-                             bf16_to_float(out[t * w.H + h]), want), 1;
+                             bf16_to_float(out[t * w.H + h]), want),
+                 1;
       }
     }
   }
@@ -154,7 +156,8 @@ int run_rank(const World& w, int r, int rounds) {
 int main(int argc, char** argv) {
   Variant variant{};
   if (argc < 7 || !tsan::parse_variant(argc, argv, 8, variant)) {
-    std::fprintf(stderr, "usage: %s W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS [rows=R flags=F team=T backoff=B]]\n",
+    std::fprintf(stderr,
+                 "usage: %s W CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS [rows=R flags=F team=T backoff=B]]\n",
                  argv[0]);
     return 2;
   }

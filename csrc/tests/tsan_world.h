@@ -68,8 +68,11 @@ struct Received {
   std::vector<int32_t> src;
   std::vector<int64_t> per_expert;
   Received(int rows, int H, int K, int experts)
-      : x(static_cast<size_t>(rows) * H), idx(static_cast<size_t>(rows) * K), weights(static_cast<size_t>(rows) * K),
-        src(rows), per_expert(experts, 0) {}
+      : x(static_cast<size_t>(rows) * H),
+        idx(static_cast<size_t>(rows) * K),
+        weights(static_cast<size_t>(rows) * K),
+        src(rows),
+        per_expert(experts, 0) {}
 };
 
 // A dispatch rank's inputs (rank r of `w`) and outputs (`out`, `overflow`); any of the rank
@@ -98,8 +101,11 @@ inline bool parse_variant(int argc, char** argv, int first, moe_dispatch::Varian
     const size_t eq = arg.find('=');
     const std::string key = arg.substr(0, eq);
     const int value = eq == std::string::npos ? -1 : std::atoi(arg.c_str() + eq + 1);
-    int32_t* field = key == "rows" ? &v.rows_in_flight : key == "flags" ? &v.slot_flags
-                   : key == "team" ? &v.combine_warps : key == "backoff" ? &v.coordinator_backoff : nullptr;
+    int32_t* field = key == "rows"      ? &v.rows_in_flight
+                     : key == "flags"   ? &v.slot_flags
+                     : key == "team"    ? &v.combine_warps
+                     : key == "backoff" ? &v.coordinator_backoff
+                                        : nullptr;
     if (field == nullptr || value < 0) {
       std::fprintf(stderr, "bad variant argument '%s' (expected rows=, flags=, team= or backoff=)\n", argv[i]);
       return false;
@@ -124,9 +130,11 @@ inline int run_ranks(int W, const moe_dispatch::intranode::ErrorRecord& error, c
   for (auto& t : ranks) t.join();
   for (int r = 0; r < W; ++r) {
     if (status[r] != 0) {
-      std::printf("failed (rank %d first); timeout record: flag %d phase %d role %d rank %d channel %d peer %d "
-                  "counter %d expected %d observed %d\n", r, error.flag, error.phase, error.role, error.rank,
-                  error.channel, error.peer, error.counter, error.expected, error.observed);
+      std::printf(
+          "failed (rank %d first); timeout record: flag %d phase %d role %d rank %d channel %d peer %d "
+          "counter %d expected %d observed %d\n",
+          r, error.flag, error.phase, error.role, error.rank, error.channel, error.peer, error.counter, error.expected,
+          error.observed);
       return 1;
     }
   }
