@@ -23,7 +23,18 @@ from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 from .topology import Topology
 from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
-from .transport.base import Call, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
+from .transport.base import (
+    Call,
+    Field,
+    FreshDispatch,
+    Plan,
+    PlanSlot,
+    Transport,
+    drive,
+    finish,
+    start,
+    stream_order_wait,
+)
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistTransport
 
@@ -45,6 +56,12 @@ class DispatchHandle:
         recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
         is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
         slot: the transport's index plan and row counts (see :class:`PlanSlot`).
+
+    Host ints and device tensors: ``num_tokens``, ``num_recv_tokens`` (the rows of the receive
+    tensors) and ``dispatch_id`` are host ints in every mode. The count of rows actually
+    received is ``recv_count`` (``[1]`` int32 on the device, readable without a host sync in
+    budget mode); ``plan.num_recv_tokens`` is the same count as a host int, except in the
+    kernels' budget mode (one node), where it is None: there the host never learns it.
     """
 
     buffer_id: int
@@ -64,6 +81,34 @@ class DispatchHandle:
         """R, rows of this rank's receive-side tensors (``num_worst_tokens`` when the dispatch
         was given it; then the received count is ``plan.num_recv_tokens``)."""
         return self.slot.num_rows
+
+    @property
+    def dispatch_id(self) -> int:
+        """The dispatch's identity: the same on every rank (each Buffer counts its fresh
+        dispatches from 1). A combine or cached dispatch with this handle carries it, so ranks
+        replaying different dispatches are told apart."""
+        return self.slot.dispatch_id
+
+    @property
+    def recv_count(self) -> torch.Tensor:
+        """``[1]`` int32 on the Buffer's device: rows received (of which the first
+        ``num_recv_tokens`` at most are stored). Made from the host count where the host knows
+        it; in the kernels' budget mode the kernels' own count (no host sync). Valid once the
+        dispatch completed."""
+        plan = self.plan
+        count = getattr(plan, "recv_count", None)
+        if count is not None:
+            return count
+        return torch.full((1,), plan.num_recv_tokens, dtype=torch.int32, device=self.recv_topk_idx.device)
+
+    @property
+    def overflow(self) -> torch.Tensor:
+        """``[1]`` bool on the Buffer's device: True when a ``num_worst_tokens`` dispatch received
+        more rows than that (its ``on_overflow="drop"`` left them out); False otherwise. Valid
+        once the dispatch completed; reading it on the host synchronises."""
+        if self.slot.overflow is None:
+            return torch.zeros(1, dtype=torch.bool, device=self.recv_topk_idx.device)
+        return self.slot.overflow
 
     @property
     def plan(self) -> Plan:
@@ -111,13 +156,35 @@ class EventOverlap:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         if self.future is not None:
-            self.future.result()
+            stream_order_wait(self.future)
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, *exc) -> None:
         self.current_stream_wait()
+
+
+def _buffer_device(device: torch.device | str | None, backend: str) -> torch.device:
+    """The device of a Buffer on a group of ``backend`` (see ``Buffer(device=...)``)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {str(device)!r}")
+    if device.type == "cpu":
+        if "nccl" in backend:
+            raise ValueError(
+                "device='cpu' with an NCCL group: NCCL moves CUDA tensors only; use a gloo group for "
+                "CPU tensors, or device=None for the current CUDA device"
+            )
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} but torch sees no CUDA GPU")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def default_ranks_per_node(group: dist.ProcessGroup) -> int:
@@ -161,10 +228,10 @@ class Buffer:
             any divisor (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
         transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``: ``"torch_dist"``
             for now), ``"torch_dist"`` or ``"kernels"``: the ``_C`` kernels
-            (``moe_dispatch.transport.kernels``), the intranode ones for an EP group on one node;
-            with a gloo group they run on CPU tensors through the kernels' CPU backend (the
-            same protocol code; how the tests check it). ``"cuda"`` is the old name of
-            ``"kernels"``.
+            (``moe_dispatch.transport.kernels``), chosen by topology: the intranode kernels for
+            an EP group on one node, the hierarchical ones (NVSHMEM between nodes, NVLink inside)
+            for several; with CPU tensors they run through the kernels' CPU backend (the same
+            protocol code; how the tests check it). ``"cuda"`` is the old name of ``"kernels"``.
         num_sms: SM budget of the CUDA kernels (an even int in [2, 128], two per channel; checked
             on every transport, used by ``"kernels"`` only), None = the default ``Config``.
         config: the CUDA kernels' whole launch shape and queue sizes, a
@@ -180,13 +247,21 @@ class Buffer:
             same bits for any depth. None = ``torch_dist.NUM_CHUNKS`` where both stages cross
             processes (several nodes of several ranks), else 1. A positive int, the same on every
             rank; checked on every transport, used by ``"torch_dist"`` only.
+        device: where the tensors live: None (NCCL groups: the current CUDA device; others:
+            CPU), ``"cpu"``, or a CUDA device (``"cuda"`` = the current one). A gloo group with a
+            CUDA device is how several processes share one GPU (NCCL refuses two ranks on one
+            device): only ``transport="kernels"`` serves it (gloo carries the buffer handles
+            and the argument checks, the kernels the payload).
 
     Raises:
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
-            num_sms/timeout_s/num_chunks, both num_sms and config, transport="kernels" for a
-            group spanning nodes.
+            num_sms/timeout_s/num_chunks, both num_sms and config, more ranks per node than
+            transport="kernels" serves, a device that is neither CPU nor CUDA, an NCCL group
+            with CPU tensors, a gloo group with CUDA tensors and a transport other than
+            "kernels".
         TypeError: config is not a Config.
-        RuntimeError: transport="kernels" without the built extension.
+        RuntimeError: transport="kernels" without the built extension; a CUDA device without a
+            GPU.
 
     Collective: every rank of ``group`` must construct its Buffer together.
     """
@@ -201,6 +276,7 @@ class Buffer:
         timeout_s: float = 300.0,
         config: Config | None = None,
         num_chunks: int | None = None,
+        device: torch.device | str | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
@@ -237,11 +313,17 @@ class Buffer:
                 f"and combine) or None for the default, got {num_chunks!r}"
             )
         backend = str(dist.get_backend(self.group))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self.device = _buffer_device(device, backend)
         if transport == "auto":
             transport, self.transport_reason = choose_transport(self.device)
         else:
             self.transport_reason = "requested"
+        if self.device.type == "cuda" and "nccl" not in backend and transport != "kernels":
+            raise ValueError(
+                f"device={str(self.device)!r} with a {backend} group needs transport='kernels' (the kernels move "
+                f"the CUDA tensors, {backend} carries only their buffer handles); transport={transport!r} "
+                f"({self.transport_reason}) would run its collectives on {backend}, which cannot move CUDA tensors"
+            )
         self.transport_name = transport
         self.num_sms = config.num_sms if config is not None else None
         self.timeout_s = float(timeout_s)
@@ -340,6 +422,7 @@ class Buffer:
         return_recv_hook: bool = False,
         num_worst_tokens: int = 0,
         wgrad_store: "DelayedWgrad | None" = None,
+        on_overflow: str = "raise",
     ):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
@@ -387,10 +470,22 @@ class Buffer:
                 ``num_worst_tokens``) raise where the operation completes: the event, the hook,
                 or the call itself when synchronous. ``T * W`` rows can never overflow. A
                 combine then takes ``y`` with ``num_worst_tokens`` rows (the padding rows are
-                ignored). Not with ``handle=``.
+                ignored). Not with ``handle=``. With ``transport="kernels"`` on one node the
+                count stays on the device (``handle.recv_count``): nothing on the dispatch,
+                the experts or the combine waits for the host, and the step can be captured in
+                a CUDA graph, except what ``on_overflow="raise"`` reads; the topk_idx values
+                are then checked on the device too, raised by :meth:`check_errors`, once the
+                call signature was seen before (see :meth:`check_errors`).
             wgrad_store: a :class:`moe_dispatch.overlap.DelayedWgrad`; in this dispatch's
                 backward the gradient combine is launched first and ``wgrad_store.backward_dw()``
                 runs while it is in flight (delayed weight gradients of the experts).
+            on_overflow: with ``num_worst_tokens``, what happens when more rows arrive:
+                ``"raise"`` (default): ``BudgetOverflowError`` where the operation completes
+                (reading the overflow flag on the host: a host sync where the kernels keep it
+                on the device); ``"drop"``: the rows past ``num_worst_tokens`` (the last ones
+                in receive order) are left out, their combine contributions are zero, and
+                ``handle.overflow`` (``[1]`` bool on the device) says so, read by nobody but
+                the caller (HybridEP's drop-and-flag).
 
         Returns:
             ``recv_x [R, H]`` (x's dtype, or the fp8 tuple), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
@@ -403,14 +498,17 @@ class Buffer:
             ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign or unfinished
                 handle; async_finish with return_recv_hook; ranks that disagree on E, K, H,
                 dtypes or whether topk_weights are given (naming the rank).
-            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts).
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both
+                counts), with ``on_overflow="raise"``.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
         self._check_open()
-        if not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
+        if isinstance(num_worst_tokens, bool) or not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
             raise ValueError(
                 f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
             )
+        if on_overflow not in ("raise", "drop"):
+            raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
         call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
         call.wgrad_store = wgrad_store
         fp8 = isinstance(x, tuple)
@@ -437,7 +535,11 @@ class Buffer:
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if fp8 else x.shape[0]
-        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
+        # Without a host sync the values of topk_idx are checked on the device (check_errors).
+        sync_free = bool(num_worst_tokens) and self._transfers.sync_free
+        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
+        if sync_free:
+            self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
         self._check_num_experts(num_experts)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
@@ -452,11 +554,12 @@ class Buffer:
             "topk_weights given": topk_weights is not None,
         }
         is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
+        dispatch_id = self._transfers.next_dispatch_id()
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
-            slot = PlanSlot(num_tokens, num_worst_tokens)
+            slot = PlanSlot(num_tokens, num_worst_tokens, dispatch_id)
         else:
-            plan = self._transfers.plan(call, is_token_in_rank, fields)
-            slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
+            plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx, dispatch_id)
+            slot = PlanSlot(num_tokens, plan.num_recv_tokens, dispatch_id, plan)
         call.dispatch = routing = FreshDispatch(
             slot=slot,
             fields=fields,
@@ -467,6 +570,7 @@ class Buffer:
             num_recv_tokens_per_expert=torch.empty(
                 num_experts // self.world_size, dtype=torch.int64, device=self.device
             ),
+            on_overflow=on_overflow,
         )
         if fp8:  # fp8 is a forward-only format: no autograd
             *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
@@ -558,6 +662,26 @@ class Buffer:
         out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
         return (out, *self._completion(call))
 
+    def check_errors(self) -> None:
+        """Waits for this Buffer's queued operations (a host synchronisation), then raises the
+        first error recorded without one since the last check.
+
+        What is recorded rather than raised at once: with ``transport="kernels"``, a kernel
+        wait that ran out (on a GPU it is noticed only where the host reads the device), and,
+        in the sync-free budget mode (``num_worst_tokens`` on the kernels, see
+        :meth:`dispatch`), topk_idx values out of ``[-1, num_experts)`` or naming an expert
+        twice in a row. Those are also raised at the next point that synchronises anyway: a
+        dispatch without ``num_worst_tokens`` (it reads its receive count). Collective: no;
+        local to this rank.
+
+        Raises:
+            CommError: a kernel wait timed out (its message names the rank and what it waited
+                for; the Buffer's buffers are then in an undefined state: make a new Buffer).
+            ValueError: bad topk_idx values reached a sync-free dispatch.
+        """
+        self._check_open()
+        self._transfers.check_errors()
+
     # -- helpers ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         self._transfers.check_open()
@@ -628,6 +752,12 @@ class Transfers:
     ``"sync"`` returns complete, ``"async"`` sets ``call.event``, ``"hook"`` issues the first
     collective and sets ``call.hook``. Each is collective over the EP group.
 
+    Argument checks across ranks: a transport whose operations exchange their sizes (torch_dist)
+    compares the arguments of every operation. The kernels compare them on the device in every
+    launch when they carry an operation header (``transport.device_checks``); then the host
+    compares them only the first time a call signature (the operation and its checked fields)
+    appears on this Buffer, and every rank takes part in that check.
+
     Args:
         transport: the Buffer's transport.
         topology: this rank's place in the EP group.
@@ -637,9 +767,20 @@ class Transfers:
     def __init__(self, transport: Transport, topology: Topology, device: torch.device):
         self.transport, self.topology, self.device = transport, topology, device
         self._seq = 0  # operations issued, the same count on every rank (they are collective)
+        self._dispatches = 0  # fresh dispatches issued: their identities
+        self._signatures: set[tuple] = set()  # call signatures checked across ranks on the host
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{topology.rank}")
         self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._closed = False
+        # Sync-free dispatches' topk_idx checked on the device: set when one had bad values.
+        self._bad_topk_idx = torch.zeros((), dtype=torch.bool, device=device)
+
+    @property
+    def sync_free(self) -> bool:
+        """Whether a ``num_worst_tokens`` dispatch runs without any host synchronisation: the
+        transport keeps the counts on the device and checks the ranks' arguments there."""
+        t = self.transport
+        return bool(getattr(t, "budget_on_device", False) and getattr(t, "device_checks", False))
 
     def check_open(self) -> None:
         """Raises RuntimeError once the Buffer was closed."""
@@ -656,7 +797,51 @@ class Transfers:
             self._comm_stream.synchronize()
         self.transport.close()
 
-    def plan(self, call: Call, is_token_in_rank: torch.Tensor, fields: dict[str, Field]) -> Plan:
+    def next_dispatch_id(self) -> int:
+        """The identity of the next fresh dispatch (1, 2, ...: the same on every rank)."""
+        self._dispatches += 1
+        return self._dispatches
+
+    def check_topk_idx_on_device(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        """Records, on the device, whether ``topk_idx [T, K]`` has entries outside
+        ``[-1, num_experts)`` or an expert twice in a row (what ``check_topk_idx`` checks on the
+        host); :meth:`check_errors` raises it. Static-size device ops only (CUDA-graph safe)."""
+        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+        if topk_idx.shape[1] > 1:
+            s = topk_idx.sort(dim=1).values
+            bad = bad | ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()
+        self._bad_topk_idx |= bad
+
+    def check_errors(self) -> None:
+        """Waits for the queued operations (a host synchronisation), then raises what was
+        recorded on the device (see ``Buffer.check_errors``)."""
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()
+        else:
+            self._comm.submit(lambda: None).result()  # the communication thread's queue is drained
+        self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        """Raises what the device recorded; the caller has synchronised with the operations."""
+        check = getattr(self.transport, "check_errors", None)
+        if check is not None:
+            check()
+        if bool(self._bad_topk_idx):
+            self._bad_topk_idx.zero_()
+            raise ValueError(
+                f"EP rank {self.topology.rank}: a num_worst_tokens dispatch since the last check had topk_idx "
+                "entries outside [-1, num_experts) or an expert twice in a row (checked on the device in the "
+                "sync-free mode; its rows went only to the experts its valid ids name)"
+            )
+
+    def plan(
+        self,
+        call: Call,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        topk_idx: torch.Tensor,
+        dispatch_id: int,
+    ) -> Plan:
         """A fresh dispatch's plan: the counts exchanged and ``fields`` compared across ranks (a
         host synchronisation: receive sizes are host ints). Takes the operation's number into
         ``call.seq``, which its payload transfer reuses.
@@ -674,11 +859,38 @@ class Transfers:
         if not self.transport.plans_on_comm_thread:
             return drive(self.transport.plan(is_token_in_rank, fields))
         steps = self._marked(
-            self.transport.plan(is_token_in_rank, fields, on_comm_thread=True), call.seq, "dispatch (metadata)"
+            self._plan(is_token_in_rank, fields, topk_idx, None, dispatch_id), call.seq, "dispatch (metadata)"
         )
-        plan = self.submit(drive, steps).result()
+        plan = stream_order_wait(self.submit(drive, steps))
         self.join()
+        self._raise_recorded()  # the counts were read: the earlier launches have completed
         return plan
+
+    def _plan(
+        self,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        topk_idx: torch.Tensor,
+        num_rows: int | None,
+        dispatch_id: int,
+    ):
+        """Steps of a fresh dispatch's plan on the communication thread/stream (the kernels: the
+        argument check, then notify; torch_dist: the counts with the fields)."""
+        t = self.transport
+        if not getattr(t, "routes_on_device", False):
+            return (yield from t.plan(is_token_in_rank, fields, on_comm_thread=True))
+        # The operation first, so it is told apart from a combine's check.
+        yield from self._check({"operation": "dispatch (metadata)", **fields}, "dispatch", num_rows is None)
+        return (
+            yield from t.plan(
+                is_token_in_rank,
+                fields,
+                on_comm_thread=True,
+                topk_idx=topk_idx,
+                num_rows=num_rows,
+                dispatch_id=dispatch_id,
+            )
+        )
 
     def dispatch(self, call: Call, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor | None]:
         """A fresh dispatch (``call.dispatch`` says where to): allocates the outputs and moves x
@@ -693,53 +905,69 @@ class Transfers:
             ``[num_rows, K]`` (or None).
 
         Raises (where the operation completes: here, the event or the hook):
-            BudgetOverflowError: more rows arrived than ``num_worst_tokens``.
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (``on_overflow="raise"``).
         """
         routing = call.dispatch
         slot = routing.slot
         xs = x if isinstance(x, list) else [x]
         tensors = [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
-        out[len(xs)] = routing.recv_topk_idx
+        out[len(xs)] = recv_idx = routing.recv_topk_idx
         experts_per_rank = routing.num_experts // self.topology.world_size
         first = self.topology.rank * experts_per_rank
+        budget = slot.plan is None  # num_worst_tokens: the plan comes with the transfer
 
         def steps():
-            if slot.plan is None:
-                slot.plan = yield from self.transport.plan(
-                    routing.is_token_in_rank, routing.fields, on_comm_thread=True
+            if budget:
+                slot.plan = yield from self._plan(
+                    routing.is_token_in_rank, routing.fields, routing.topk_idx, slot.num_rows, slot.dispatch_id
                 )
             rows = slot.plan.num_recv_tokens
-            # Past the static size the rows still arrive (peers send them regardless), into
-            # scratch, and the overflow is raised once the transfer is complete.
-            dst = [o[:rows] for o in out] if rows <= slot.num_rows else [o.new_empty((rows, *o.shape[1:])) for o in out]
-            yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
-            if rows > slot.num_rows:
-                raise BudgetOverflowError(
-                    f"EP rank {self.topology.rank}: dispatch received {rows} rows but "
-                    f"num_worst_tokens={slot.num_rows}; raise num_worst_tokens to at least "
-                    f"{rows} (T * W never overflows)"
-                )
-            recv_idx = out[len(xs)]
-            for o in out:  # the padding rows of a static size
-                if o is not recv_idx:
-                    o[rows:].zero_()
-            recv_idx[rows:] = -1
+            if rows is None:  # the count is on the device: the kernels filled every row, padding too
+                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, out)
+                slot.overflow = slot.plan.overflow != 0
+                _pad_rows(out, _padding(slot), recv_idx)
+                if routing.on_overflow == "raise" and bool(slot.overflow):  # a host read, as asked
+                    self._overflow(int(slot.plan.recv_count), slot.num_rows)
+            else:
+                # Past the static size the rows still arrive (peers send them regardless), into
+                # scratch; they are dropped, or the overflow raised once the transfer is complete.
+                stored, over = min(rows, slot.num_rows), rows > slot.num_rows
+                dst = [o.new_empty((rows, *o.shape[1:])) for o in out] if over else [o[:rows] for o in out]
+                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
+                if budget:
+                    slot.overflow = torch.full((1,), over, dtype=torch.bool, device=self.device)
+                if over:
+                    if routing.on_overflow == "raise":
+                        self._overflow(rows, slot.num_rows)
+                    for o, d in zip(out, dst):  # "drop": the rows that fit
+                        o.copy_(d[: slot.num_rows])
+                for o in out:  # the padding rows of a static size
+                    if o is not recv_idx:
+                        o[stored:].zero_()
+                recv_idx[stored:] = -1
             local = recv_idx.sub_(first)  # in place: local ids, negative or too large elsewhere
             other = (local < 0) | (local >= experts_per_rank)
             local.masked_fill_(other, -1)
             # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
             # per-expert counts, so its size is the same on every rank whatever num_experts each
-            # one passed.
-            routing.num_recv_tokens_per_expert.copy_(
-                torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:]
-            )
+            # one passed. A static-size add (bincount would read the largest id on the host).
+            bins = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=self.device)
+            flat = local.view(-1).to(torch.int64) + 1
+            bins.index_add_(0, flat, torch.ones_like(flat))
+            routing.num_recv_tokens_per_expert.copy_(bins[1:])
             if topk_weights is not None:
                 out[-1].masked_fill_(other, 0.0)
 
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
         return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
+
+    def _overflow(self, rows: int, num_rows: int) -> None:
+        raise BudgetOverflowError(
+            f"EP rank {self.topology.rank}: dispatch received {rows} rows but num_worst_tokens={num_rows}; raise "
+            f"num_worst_tokens to at least {rows} (T * W never overflows), or pass on_overflow='drop'"
+        )
 
     def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
@@ -749,9 +977,17 @@ class Transfers:
         def steps():
             yield from self._agree("dispatch", tensors, 0, what)
             rows = slot.plan.num_recv_tokens
-            yield from self.transport.forward(tensors, slot.plan, [o[:rows] for o in out], what)
-            for o in out:
-                o[rows:].zero_()
+            if rows is None:  # the count is on the device
+                yield from self.transport.forward(tensors, slot.plan, out, what)
+                _pad_rows(out, _padding(slot))
+                return
+            stored, over = min(rows, slot.num_rows), rows > slot.num_rows
+            dst = [o.new_empty((rows, *o.shape[1:])) for o in out] if over else [o[:rows] for o in out]
+            yield from self.transport.forward(tensors, slot.plan, dst, what)
+            for o, d in zip(out, dst):
+                if over:  # a dispatch that dropped rows: the same rows again
+                    o.copy_(d[:stored])
+                o[stored:].zero_()
 
         self._run(steps(), call, [*tensors, *out], what)
         return out
@@ -761,16 +997,19 @@ class Transfers:
     ) -> list[torch.Tensor]:
         """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
         its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
-        outputs; returns them."""
+        outputs; returns them. Rows a ``num_worst_tokens`` dispatch dropped contribute zero."""
         out = self._alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
 
         def steps():
             yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
-            yield from self.transport.combine(
-                [t[:rows] for t in tensors], [None if sc is None else sc[:rows] for sc in scales], slot.plan, out, what
-            )
+            if rows is not None:  # the host knows R: the received rows, dropped ones as zeros
+                rows_ = [_rows(t, rows) for t in tensors]
+                scales_ = [None if sc is None else _rows(sc, rows) for sc in scales]
+            else:  # the kernels read only the rows they stored
+                rows_, scales_ = tensors, scales
+            yield from self.transport.combine(rows_, scales_, slot.plan, out, what)
 
         self._run(steps(), call, uses, what)
         return out
@@ -807,14 +1046,14 @@ class Transfers:
         told, so an early free cannot hand their memory to other work)."""
         steps = self._marked(steps, call.seq or self._next_seq(), what)
         if call.mode == "hook":
-            first = self.submit(start, steps).result()
+            first = stream_order_wait(self.submit(start, steps))
             call.hook = RecvHook(self, steps, first)
             self._record(uses)
             return
         future = self.submit(drive, steps)
         if call.mode == "sync":
             self.join()
-            future.result()
+            stream_order_wait(future)
             return
         self._record(uses)
         if self.device.type == "cuda":
@@ -842,19 +1081,57 @@ class Transfers:
 
     def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
         """Steps checking that every rank runs the same kind of operation on rows of the same
-        width and dtype: combine and cached dispatch exchange no sizes (see
-        ``TorchDistTransport.agree`` for where the check runs)."""
+        width and dtype: combine and cached dispatch exchange no sizes (see :meth:`_check`)."""
         t = tensors[0]
-        return self.transport.agree(
-            {
-                "operation": operation,
-                "hidden": math.prod(t.shape[1:]),
-                "dtype": t.dtype,
-                "tensors": len(tensors),
-                "row scales": num_scales,
-            },
-            what,
-        )
+        fields = {
+            "operation": operation,
+            "hidden": math.prod(t.shape[1:]),
+            "dtype": t.dtype,
+            "tensors": len(tensors),
+            "row scales": num_scales,
+        }
+        return self._check(fields, what)
+
+    def _check(self, fields: dict[str, Field], what: str, synchronizing: bool = False):
+        """Steps comparing ``fields`` (an operation's signature) across ranks on the host: every
+        time, or, where the transport checks every launch on the device (``device_checks``), the
+        first time this signature appears on this Buffer. ``synchronizing``: the operation reads
+        the device anyway (the kernels then check on any backend)."""
+        t = self.transport
+        if getattr(t, "device_checks", False):
+            signature = tuple(fields.items())
+            if signature in self._signatures:
+                return
+            yield from t.agree(fields, f"{what} (first call of this signature)", synchronizing=True)
+            self._signatures.add(signature)
+        elif getattr(t, "routes_on_device", False):
+            yield from t.agree(fields, what, synchronizing=synchronizing)
+        else:
+            yield from t.agree(fields, what)
+
+
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``t [num_rows, ...]``, zero rows appended where ``rows`` exceeds
+    them (the rows a dropping dispatch left out)."""
+    if rows <= t.shape[0]:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _padding(slot: PlanSlot) -> torch.Tensor:
+    """``[num_rows]`` bool on the device: rows past those received (the plan's device count)."""
+    count = slot.plan.recv_count
+    return torch.arange(slot.num_rows, device=count.device) >= count
+
+
+def _pad_rows(out: list[torch.Tensor], padding: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    """Zeroes the ``padding`` rows of each tensor of ``out`` (bit patterns: any dtype), -1 in
+    ``index``'s. Static-size device ops (CUDA-graph safe)."""
+    for o in out:
+        if o is index:
+            o.masked_fill_(padding.view(-1, 1), -1)
+        elif o.numel():
+            o.view(o.shape[0], -1).view(torch.uint8).masked_fill_(padding.view(-1, 1), 0)
 
 
 class RecvHook:
@@ -874,5 +1151,5 @@ class RecvHook:
         if self.called:
             raise RuntimeError("this receive hook was already called; each hook completes its operation once")
         self.called = True
-        self._transfers.submit(finish, self._steps, self._first).result()
+        stream_order_wait(self._transfers.submit(finish, self._steps, self._first))
         self._transfers.join()

@@ -347,9 +347,9 @@ def _wider_rows_later(rank, world_size, buf):
 
 
 def _mismatch_named_without_gloo_check(rank, world_size, buf):
-    """On NCCL the torch_dist check is skipped; the kernels' plan compares the arguments with
-    one all_gather on any backend (here forced onto that path on gloo)."""
-    dist_transport = buf.transport._dist
+    """On NCCL a fresh dispatch's arguments are compared with one all_gather of device codes
+    (it reads its counts anyway); here forced onto that path on gloo."""
+    dist_transport = buf.transport
     dist_transport._gloo = False
     try:
         num_tokens = [5] * world_size

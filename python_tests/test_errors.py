@@ -118,12 +118,13 @@ def _bad_input_cases(buf: Buffer) -> dict:
             r"default, got 0",
             lambda: Buffer(num_chunks=0),
         ),
-        "kernel-transport-across-nodes": lambda: _raises(
+        "device-type": lambda: _raises(
+            ValueError, r"device must be None, 'cpu' or a CUDA device, got 'meta'", lambda: Buffer(device="meta")
+        ),
+        "on-overflow": lambda: _raises(
             ValueError,
-            r"transport='kernels' runs the intranode kernels, "
-            r"for an EP group on one node, but this one spans 2 "
-            r"nodes",
-            lambda: Buffer(ranks_per_node=1, transport="kernels"),
+            r"on_overflow must be 'raise' or 'drop', got 'keep'",
+            lambda: buf.dispatch(x, idx, w, E, num_worst_tokens=8, on_overflow="keep"),
         ),
         "group-type": lambda: _raises(
             TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str", lambda: Buffer("world")

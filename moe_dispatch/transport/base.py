@@ -18,6 +18,7 @@ stream.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
@@ -80,6 +81,27 @@ def finish(steps: Steps[T], started) -> T:
     return drive(steps)
 
 
+_ORDERING = threading.local()  # .active: this thread is in stream_order_wait
+
+
+def stream_order_wait(future):
+    """``future.result()`` of a communication-thread future where, on a GPU, a stream would wait
+    for another instead of the host: on CPU the Buffer's communication thread stands in for its
+    CUDA stream, so this is the stand-in of ``wait_stream`` / ``wait_event``, not a host
+    synchronisation (``moe_dispatch.testing.sync`` lets these waits pass). Returns the result."""
+    previous = getattr(_ORDERING, "active", False)
+    _ORDERING.active = True
+    try:
+        return future.result()
+    finally:
+        _ORDERING.active = previous
+
+
+def in_stream_order_wait() -> bool:
+    """Whether this thread is inside :func:`stream_order_wait`."""
+    return getattr(_ORDERING, "active", False)
+
+
 def completed(value: T = None) -> Steps[T]:
     """Steps that finish at once with ``value``, waiting for nothing: what an operation returns
     when its work was done (or enqueued on the current CUDA stream) as it was called."""
@@ -93,13 +115,16 @@ class Plan(Protocol):
     :class:`~moe_dispatch.transport.kernels.KernelPlan`).
 
     Attributes:
-        num_recv_tokens: R, the rows this rank received.
+        num_recv_tokens: R, the rows this rank received, as a host int; None where only the
+            device knows it (the kernels' budget mode): then ``recv_count`` (``[1]`` int32) and
+            ``overflow`` (``[1]`` int32: more rows than the plan's static size arrived) are
+            device tensors.
         internode_rows: rows this rank sent to other nodes (and receives back in combine).
         intranode_rows: rows this rank sent to the other ranks of its node.
     """
 
     @property
-    def num_recv_tokens(self) -> int: ...
+    def num_recv_tokens(self) -> int | None: ...
 
     @property
     def internode_rows(self) -> int: ...
@@ -187,12 +212,20 @@ class PlanSlot:
     Attributes:
         num_tokens: T, tokens the source sent.
         num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
-        plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
+        dispatch_id: the dispatch's identity, the same on every rank (the Buffer counts its fresh
+            dispatches); the kernels check on the device that a combine or cached dispatch
+            replays the same dispatch on every rank.
+        plan: the transport's plan (its first ``min(R, num_rows)`` rows are valid; R is
+            ``plan.num_recv_tokens``, or ``plan.recv_count`` on the device when that is None).
+        overflow: ``[1]`` bool on the device, for a dispatch with ``num_worst_tokens``: more
+            than ``num_rows`` rows arrived (set once the dispatch completed); None otherwise.
     """
 
     num_tokens: int
     num_rows: int
+    dispatch_id: int = 0
     plan: Plan | None = None
+    overflow: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -208,6 +241,9 @@ class FreshDispatch:
         recv_topk_idx: ``[num_rows, K]`` output: local expert ids of the received rows, -1
             elsewhere.
         num_recv_tokens_per_expert: ``[E/W]`` int64 output.
+        on_overflow: with ``num_worst_tokens``, what more rows than ``num_rows`` do: ``"raise"``
+            (BudgetOverflowError where the dispatch completes) or ``"drop"`` (the rows past
+            ``num_rows`` are left out, ``slot.overflow`` says so).
     """
 
     slot: PlanSlot
@@ -217,6 +253,7 @@ class FreshDispatch:
     num_experts: int
     recv_topk_idx: torch.Tensor
     num_recv_tokens_per_expert: torch.Tensor
+    on_overflow: Literal["raise", "drop"] = "raise"
 
 
 @dataclasses.dataclass(eq=False)
