@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from moe_dispatch import BudgetOverflowError, Buffer, _ext
+from moe_dispatch import BudgetOverflowError, Buffer
 
 from .test_dispatch import expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
@@ -228,8 +228,4 @@ def test_async(world_size, ranks_per_node, case):
     assert_case(world_results(_entry, world_size, ranks_per_node), case)
 
 
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
-@pytest.mark.parametrize("case", list(CASES))
-def test_async_kernel_transport(case):
-    """The same cases through Buffer(transport="kernels"): 3 ranks on one node, CPU backend."""
-    assert_case(world_results(_entry, 3, 3, "kernels"), case)
+# The same cases through Buffer(transport="kernels"): test_kernel_path.py, in worlds of every topology.

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from moe_dispatch import Buffer, _ext
+from moe_dispatch import Buffer
 from moe_dispatch.config import Config
 from moe_dispatch.semantics import reference
 
@@ -324,9 +324,6 @@ def test_world(world_size, ranks_per_node, case):
     assert_case(world_results(_world_entry, world_size, ranks_per_node), case)
 
 
-KERNEL_WORLDS = [1, 3, 4]
-
-
 def _wider_rows_later(rank, world_size, buf):
     """A combine (fp16) and a cached dispatch wider than the dispatch that made the plan: the
     kernels' buffers grow on every rank, and the old handle still works."""
@@ -440,25 +437,8 @@ KERNEL_CASES = {
 }
 
 
-def _kernel_entry(rank, world_size):
-    return run_cases(rank, world_size, KERNEL_CASES, Buffer(transport="kernels", timeout_s=60))
-
-
-@pytest.mark.world
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_kernel_transport_only(case):
-    assert_case(world_results(_kernel_entry, 2), case)
-
-
-@pytest.mark.world
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
-@pytest.mark.parametrize("case", CASE_NAMES)
-@pytest.mark.parametrize("world_size", KERNEL_WORLDS, ids=[f"w{w}" for w in KERNEL_WORLDS])
-def test_world_kernel_transport(world_size, case):
-    """The same cases through Buffer(transport="kernels") (one node): on CPU tensors the
-    kernels' CPU backend in every process, over shared memory."""
-    assert_case(world_results(_world_entry, world_size, world_size, "kernels"), case)
+# KERNEL_CASES run in the kernels' two-rank world of test_kernel_path.py, and every case above in
+# its worlds of every topology.
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -7,8 +7,9 @@ a device and so nothing can be observed waiting. On CPU tensors it intercepts, i
 thread, the Python-level calls that on a GPU would block the host:
 
 - reading tensor values on the host: ``Tensor.item``, ``.tolist``, ``bool()`` / ``int()`` /
-  ``float()`` / ``operator.index()`` of a tensor, and ``.cpu()`` / ``.to("cpu")`` /
-  ``.numpy()`` of a CUDA tensor;
+  ``float()`` / ``operator.index()`` of a tensor (of a CUDA tensor where a GPU is present; of
+  any tensor where none is, CPU tensors standing in for device ones), and ``.cpu()`` /
+  ``.to("cpu")`` / ``.numpy()`` of a CUDA tensor;
 - explicit waits: ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``,
   ``torch.cuda.Stream.synchronize``, ``torch.distributed.barrier``;
 - host waits on a Buffer's communication thread: ``concurrent.futures.Future.result``. On CPU
@@ -67,9 +68,12 @@ def _fail(name: str):
     )
 
 
-def _tensor_read(name: str, original, always: bool = True):
+def _tensor_read(name: str, original, cpu_too: bool):
+    """``Tensor.<name>`` failing for tensors that stand for device memory: CUDA tensors, and
+    (``cpu_too``) CPU tensors on a machine without a GPU, where they stand in for them."""
+
     def wrapper(self, *args, **kwargs):
-        if always or self.device.type != "cpu":
+        if cpu_too or self.device.type != "cpu":
             _fail(f"Tensor.{name}() of a {self.device.type} tensor {list(self.shape)}")
         return original(self, *args, **kwargs)
 
@@ -105,12 +109,10 @@ def _future_result(original):
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for every intercepted call."""
     T = torch.Tensor
-    patches = [(T, name, _tensor_read(name, getattr(T, name))) for name in ("item", "tolist")]
-    patches += [
-        (T, dunder, _tensor_read(dunder, getattr(T, dunder)))
-        for dunder in ("__bool__", "__int__", "__float__", "__index__")
-    ]
-    patches += [(T, name, _tensor_read(name, getattr(T, name), always=False)) for name in ("cpu", "numpy")]
+    host_reads = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    stand_in = not torch.cuda.is_available()  # CPU tensors stand for device tensors
+    patches = [(T, name, _tensor_read(name, getattr(T, name), stand_in)) for name in host_reads]
+    patches += [(T, name, _tensor_read(name, getattr(T, name), False)) for name in ("cpu", "numpy")]
     patches.append((T, "to", _to_cpu(T.to)))
     patches += [
         (torch.cuda, "synchronize", _blocked("torch.cuda.synchronize()")),

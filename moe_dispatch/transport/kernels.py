@@ -49,7 +49,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..config import MAX_RANKS, Config
+from ..config import MAX_RANKS, MAX_TOPK, Config
 from ..topology import Topology
 from .base import Field, Steps, completed
 from .internode import InternodeHandle, InternodeTimeoutError, check_rdma_config
@@ -165,6 +165,12 @@ class KernelTransport:
     # branch's kernels, so the Buffer keeps its own check for calls whose sizes are not exchanged.
     device_checks = False
 
+    @property
+    def budget_on_device(self) -> bool:
+        """Whether a ``num_worst_tokens`` dispatch keeps its counts on the device: one node (the
+        intranode notify's budget mode); this branch's hierarchical pipeline reads them."""
+        return self.topology.num_nodes == 1
+
     def __init__(
         self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config, device: torch.device
     ):
@@ -277,6 +283,8 @@ class KernelTransport:
         )
         if num_rows is None:
             self._check_errors()  # the count read synchronised
+        else:
+            self._after_launch()
         return KernelPlan(
             handle, experts_per_rank, self.topology, handle.num_rows, dispatch_id, scratch[0] if scratch else None
         )
@@ -468,7 +476,8 @@ class KernelTransport:
         if self._kernels is not None and row_elements <= held_rows and num_topk <= held_topk:
             return self._kernels
         self._check_errors()  # before a resize could drop the record with the old buffers
-        capacity = (max(row_elements, held_rows), max(num_topk, held_topk, 1))
+        # Grown in powers of two from 4 KiB rows and top-8: a resize is a collective set-up.
+        capacity = (max(_next_pow2(row_elements), 1024, held_rows), min(max(num_topk, held_topk, 8), MAX_TOPK))
         topo = self.topology
         options = {"config": self.config, "element_bytes": 4, "timeout_s": self.timeout_s, "device": self.device}
         if topo.num_nodes > 1:
@@ -507,6 +516,10 @@ def _recorded(mirror: torch.Tensor | None, record: torch.Tensor) -> list[int] | 
     the CPU backend (host memory)."""
     values = (mirror if mirror is not None else record).numpy().tolist()
     return values if values[0] or (mirror is None and values[1]) else None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
