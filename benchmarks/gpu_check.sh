@@ -138,17 +138,22 @@ else
          --warmup 1 --iters 3 || exit 1; done; done' "$PY"
   fi
   step tests_internode 120 "${PYTEST[@]}" python_tests/test_internode_cuda.py -m gpu --junitxml="$OUT/tests_internode.xml"
-  # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU; cross-node
-  # bytes against the de-dup lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
-  step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 8 16 --json "$OUT/bench_internode.json"
-  # Deeper rings and bigger chunks for the node stage: ncu found its warps waiting at the per-chunk
-  # group barriers (chunk 8 = one token per warp of a 2-node group between two barriers).
+  # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU, the fused
+  # and the staged pipeline side by side (a fused/staged table); cross-node bytes against the de-dup
+  # lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
+  step bench_internode 60 "$PY" benchmarks/bench_internode.py --num-sms 6 12 --json "$OUT/bench_internode.json"
+  # Deeper rings and bigger chunks for the node stage (the staged pipeline's warps waited at its
+  # per-chunk group barriers; the fused one's RDMA warps put their own chunks).
   step bench_internode_chunks 45 "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 4x2 \
-       --num-sms 16 --slots 128 --chunk 32
-  if command -v ncu > /dev/null; then  # stage 1 (the node hop) of the hierarchical dispatch, 2x4, 16 SMs
-    step ncu_node_dispatch 60 ncu -k "regex:node_dispatch_kernel" --launch-skip 2 --launch-count 1 \
-         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-         "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 --num-sms 16 --warmup 1 --iters 3
+       --num-sms 12 --slots 128 --chunk 32
+  if command -v ncu > /dev/null; then  # one launch of each pipeline's dispatch kernel, 2x4, 12 SMs
+    for kernel in fused_dispatch node_dispatch; do
+      pipeline=$([[ "$kernel" == fused_dispatch ]] && echo fused || echo staged)
+      step "ncu_$kernel" 60 ncu -k "regex:${kernel}_kernel" --launch-skip 2 --launch-count 1 \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+           "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 --num-sms 12 --pipelines "$pipeline" \
+           --warmup 1 --iters 3
+    done
   fi
   # The routing-layout CUDA kernel and the Triton kernels (layout, permute, fp8 quantisation) natively.
   step tests_kernels 120 "${PYTEST[@]}" python_tests/test_extension.py python_tests/test_layout.py \

@@ -20,7 +20,7 @@ from moe_dispatch.ops.quant import per_token_cast_to_fp8
 @dataclasses.dataclass(frozen=True)
 class Shape:
     name: str
-    tokens: int       # per simulated rank
+    tokens: int  # per simulated rank
     hidden: int
     topk: int
     num_experts: int
@@ -101,14 +101,26 @@ def cached_cases(lb, shape: Shape, xs, xs8, idxs, ws, num_sms: int):
     ys = [r.recv_x for r in first]
     received = sum(h.num_rows for h in handles)
     row_bf16 = shape.hidden * 2
-    cases = [("dispatch bf16", received * row_bf16, row_bf16,
-              lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, handles=handles, check=False, validate=False)),
-             ("combine bf16", received * row_bf16, row_bf16, lambda: lb.combine(ys, handles, check=False))]
+    cases = [
+        (
+            "dispatch bf16",
+            received * row_bf16,
+            row_bf16,
+            lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, handles=handles, check=False, validate=False),
+        ),
+        ("combine bf16", received * row_bf16, row_bf16, lambda: lb.combine(ys, handles, check=False)),
+    ]
     if xs8 is not None:
         row8 = shape.hidden + 4 * (shape.hidden // 128)
-        cases.insert(1, ("dispatch fp8", received * row8, row8,
-                         lambda: lb.dispatch(xs8, idxs, ws, shape.num_experts, handles=handles, check=False,
-                                             validate=False)))
+        cases.insert(
+            1,
+            (
+                "dispatch fp8",
+                received * row8,
+                row8,
+                lambda: lb.dispatch(xs8, idxs, ws, shape.num_experts, handles=handles, check=False, validate=False),
+            ),
+        )
     return handles, received, cases
 
 
@@ -121,8 +133,13 @@ def time_copy(nbytes: int, device: torch.device, args) -> tuple[float, float, fl
 
 
 def add_shapes_arg(parser) -> None:
-    parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
-                        help="default: deepseek-v3 gpt-oss on GPU, tiny on CPU")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        choices=sorted(SHAPES),
+        help="default: deepseek-v3 gpt-oss on GPU, tiny on CPU",
+    )
 
 
 def add_run_args(parser, warmup: int, iters: int) -> None:
@@ -175,7 +192,11 @@ def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
 def write_json(path: str, device: torch.device, rows: list, **env) -> None:
     """The rows (dataclasses) and the environment (``env`` after device, torch, gpu) to ``path``."""
     on_gpu = device.type == "cuda"
-    env = {"device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
-           "torch": torch.__version__, "gpu": on_gpu, **env}
+    env = {
+        "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "gpu": on_gpu,
+        **env,
+    }
     with open(path, "w") as f:
         json.dump({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)

@@ -18,6 +18,9 @@ MAX_TOPK = 32
 FIELD_ALIGN = 16  # slot fields start on 16 bytes
 LINE = 128  # each head/tail counter owns a 128-byte line
 ERROR_RECORD_INTS = 16
+MISMATCH_RECORD_WORDS = 8  # csrc/kernels/header.cuh MismatchRecord
+HEADER_WORDS = 8
+INTERNODE_PIPELINES = ("fused", "staged")
 
 
 def _align(value: int, alignment: int) -> int:
@@ -65,24 +68,49 @@ class BufferLayout:
     num_channels: int
     num_slots: int
     slot_bytes: int
+    relay_nodes: int
+    relay_bytes: int
     meta_offset: int
     tail_offset: int
     head_offset: int
+    epoch_offset: int
+    header_offset: int
+    relay_offset: int
     queue_offset: int
     total_bytes: int
 
 
-def buffer_layout(num_ranks: int, num_channels: int, num_slots: int, slot_bytes: int) -> BufferLayout:
+def buffer_layout(
+    num_ranks: int, num_channels: int, num_slots: int, slot_bytes: int, relay_nodes: int = 0
+) -> BufferLayout:
     """Mirror of the C++ make_buffer_layout (intranode.cuh): slots of ``slot_bytes`` rounded up to
-    128 bytes, so that each starts on a cache line."""
+    128 bytes, so that each starts on a cache line; ``relay_nodes`` N > 0 adds the fused internode
+    pipeline's relay region (its NVLink buffers)."""
     slot_bytes = _align(slot_bytes, LINE)
+    relay_bytes = LINE + _align(4 * relay_nodes * num_channels, LINE) if relay_nodes else 0
     queues = num_ranks * num_channels
     meta = _align(4 * num_ranks, LINE)
     tail = meta + _align(4 * queues, LINE)
     head = tail + LINE * queues
-    queue = head + LINE * queues
+    epoch = head + LINE * queues
+    header = epoch + LINE
+    relay = header + 2 * LINE * num_ranks
+    queue = relay + (_align(8 * num_ranks, LINE) + 2 * num_ranks * relay_bytes if relay_nodes else 0)
     return BufferLayout(
-        num_ranks, num_channels, num_slots, slot_bytes, meta, tail, head, queue, queue + queues * num_slots * slot_bytes
+        num_ranks,
+        num_channels,
+        num_slots,
+        slot_bytes,
+        relay_nodes,
+        relay_bytes,
+        meta,
+        tail,
+        head,
+        epoch,
+        header,
+        relay,
+        queue,
+        queue + queues * num_slots * slot_bytes,
     )
 
 
@@ -144,7 +172,14 @@ class Config:
             measured on a GPU: ``benchmarks/bench_intranode.py`` times both (``--l2-discard``).
             On the CPU backend the discarded bytes are overwritten with a poison pattern, so tests
             catch a slot read after its discard. The internode kernels honour it in their NVLink
-            stage (the intranode kernels), not in their RDMA stage.
+            stage, not in their RDMA stage.
+        internode_pipeline: how the internode (several nodes) kernels run. ``"fused"`` (the
+            default): one notify computes every count on the device, then one kernel per
+            dispatch or combine runs the RDMA stage and the NVLink forwarding at the same time,
+            with three blocks per channel: ``max(1, num_sms // 3)`` channels.
+            ``"staged"``: the earlier pipeline (node stage, host read, one intranode operation per
+            source node), kept to time both side by side (``benchmarks/bench_internode.py``).
+            The intranode kernels ignore it.
 
     Raises:
         ValueError: naming the field, the rule and the value, when built.
@@ -154,6 +189,7 @@ class Config:
     num_slots: int = 32
     chunk_tokens: int = 8
     l2_discard: bool = False
+    internode_pipeline: str = "fused"
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "num_slots", "chunk_tokens"):
@@ -162,6 +198,10 @@ class Config:
                 raise ValueError(f"Config.{name} must be an int, got {value!r}")
         if not isinstance(self.l2_discard, bool):
             raise ValueError(f"Config.l2_discard must be a bool, got {self.l2_discard!r}")
+        if self.internode_pipeline not in INTERNODE_PIPELINES:
+            raise ValueError(
+                f"Config.internode_pipeline must be one of {INTERNODE_PIPELINES}, got {self.internode_pipeline!r}"
+            )
         if (error := num_sms_error(self.num_sms)) is not None:
             raise ValueError(f"Config.num_sms {error}")
         if not 1 <= self.num_slots <= 1 << 20:

@@ -42,6 +42,7 @@ built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not availa
 
 # --- the build -------------------------------------------------------------------------------
 
+
 def test_extension_built_where_nvcc_exists():
     if setup_py.find_nvcc(os.environ) is None:
         pytest.skip("nvcc not found: the pure-Python install is expected here")
@@ -74,9 +75,11 @@ def test_missing_nvshmem_library_is_named_with_the_fix(monkeypatch):
     monkeypatch.setattr(_ext.importlib, "import_module", import_fails)
     module, status = _ext._load()
     assert module is None and not status.built and not status.with_nvshmem
-    assert status.error == ("moe_dispatch._C failed to load: libnvshmem_host.so.3: cannot open shared object file: "
-                            "No such file or directory; it needs libnvshmem_host.so.3 from the nvidia-nvshmem-cu13 "
-                            "package, which is not installed (pip install nvidia-nvshmem-cu13)")
+    assert status.error == (
+        "moe_dispatch._C failed to load: libnvshmem_host.so.3: cannot open shared object file: "
+        "No such file or directory; it needs libnvshmem_host.so.3 from the nvidia-nvshmem-cu13 "
+        "package, which is not installed (pip install nvidia-nvshmem-cu13)"
+    )
 
 
 @built
@@ -98,8 +101,9 @@ def test_with_nvshmem_when_package_installed():
 def test_device_count_error_is_a_named_exception():
     if _ext.cuda_available():
         pytest.skip("a GPU is visible: device_count succeeds")
-    with pytest.raises(_ext._C.CudaError,
-                       match=r"CUDA error \d+ \(cudaError\w+: .*\) at csrc/bindings\.cpp:\d+") as info:
+    with pytest.raises(
+        _ext._C.CudaError, match=r"CUDA error \d+ \(cudaError\w+: .*\) at csrc/bindings\.cpp:\d+"
+    ) as info:
         _ext._C.device_count()
     error = info.value
     assert isinstance(error, RuntimeError)
@@ -122,11 +126,11 @@ def test_layout_binding_rejects_bad_sizes(sizes, match):
     # Host checks run before anything touches CUDA, so they are testable without a GPU.
     num_tokens, num_topk, num_experts, num_ranks, ranks_per_node = sizes
     with pytest.raises(ValueError, match=match):
-        _ext._C.get_dispatch_layout(8, num_tokens, num_topk, num_experts, num_ranks, ranks_per_node,
-                                    8, 8, 8, 8, 0)
+        _ext._C.get_dispatch_layout(8, num_tokens, num_topk, num_experts, num_ranks, ranks_per_node, 8, 8, 8, 8, 0)
 
 
 # --- setup.py's decision (called directly: no pip run) -----------------------------------
+
 
 def test_require_cuda_without_nvcc_fails(tmp_path):
     environ = {"PATH": str(tmp_path), "MOE_DISPATCH_REQUIRE_CUDA": "1"}
@@ -145,8 +149,10 @@ def test_announce_skip_prints_one_line(capsys):
     setup_py.announce_skip(setup_py.CudaPlan(None, "MOE_DISPATCH_SKIP_CUDA=1"))
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("moe_dispatch: CUDA extension moe_dispatch._C skipped (MOE_DISPATCH_SKIP_CUDA=1); "
-                            "building the pure-Python package (py3-none-any)\n")
+    assert captured.err == (
+        "moe_dispatch: CUDA extension moe_dispatch._C skipped (MOE_DISPATCH_SKIP_CUDA=1); "
+        "building the pure-Python package (py3-none-any)\n"
+    )
 
 
 def _fake_nvcc(path: Path, version: str, archs: list[str] | None) -> Path:
@@ -155,7 +161,7 @@ def _fake_nvcc(path: Path, version: str, archs: list[str] | None) -> Path:
     listing = 'printf "%s\\n" ' + " ".join(f"compute_{a}" for a in archs) if archs is not None else "exit 1"
     path.write_text(f"""#!/bin/sh
 case "$1" in
-  --version) echo "Cuda compilation tools, release {version.rsplit('.', 1)[0]}, V{version}" ;;
+  --version) echo "Cuda compilation tools, release {version.rsplit(".", 1)[0]}, V{version}" ;;
   --list-gpu-arch) {listing} ;;
   *) exit 2 ;;
 esac
@@ -172,8 +178,10 @@ def test_nvcc_found_in_cuda_home_and_queried(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("archs, default", [(["75", "80", "86", "89", "90"], "90"), (None, "90"),
-                                            (["90", "100", "103", "110", "120"], "90;100")])
+@pytest.mark.parametrize(
+    "archs, default",
+    [(["75", "80", "86", "89", "90"], "90"), (None, "90"), (["90", "100", "103", "110", "120"], "90;100")],
+)
 def test_default_archs_follow_what_nvcc_supports(tmp_path, archs, default):
     nvcc = _fake_nvcc(tmp_path / "nvcc", "12.4.131", archs)
     assert setup_py.nvcc_gpu_archs(str(nvcc)) == (None if archs is None else set(archs))
@@ -204,8 +212,9 @@ def test_nvcc_version_rejects_unknown_output(tmp_path):
 
 
 def test_skip_cuda_overrides_nvcc_and_contradicts_require():
-    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) == setup_py.CudaPlan(None,
-                                                                                         "MOE_DISPATCH_SKIP_CUDA=1")
+    assert setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1"}) == setup_py.CudaPlan(
+        None, "MOE_DISPATCH_SKIP_CUDA=1"
+    )
     with pytest.raises(SystemExit, match="contradict"):
         setup_py.plan_cuda_build({"MOE_DISPATCH_SKIP_CUDA": "1", "MOE_DISPATCH_REQUIRE_CUDA": "1"})
 
@@ -215,8 +224,12 @@ def test_build_info_module_round_trips():
     values = {}
     exec(setup_py.build_info_source(plan, "ab" * 20, True, "3.4.5"), values)
     assert {k: v for k, v in values.items() if k.isupper()} == {
-        "COMMIT": "ab" * 20, "COMMIT_DIRTY": True, "NVCC_VERSION": "13.0.88", "CUDA_ARCHS": "90;100",
-        "NVSHMEM_VERSION": "3.4.5"}
+        "COMMIT": "ab" * 20,
+        "COMMIT_DIRTY": True,
+        "NVCC_VERSION": "13.0.88",
+        "CUDA_ARCHS": "90;100",
+        "NVSHMEM_VERSION": "3.4.5",
+    }
 
 
 def test_git_commit_only_for_the_checkout_top_level(tmp_path):
@@ -245,8 +258,9 @@ def test_nvshmem_home_is_used_when_complete(tmp_path):
     assert setup_py.find_nvshmem({"NVSHMEM_HOME": str(tmp_path)}) == str(tmp_path)
 
 
-@pytest.mark.parametrize("raw, archs", [(None, "90"), ("90", "90"), ("90, 100a", "90;100a"),
-                                        ("80;90a-real", "80;90a-real")])
+@pytest.mark.parametrize(
+    "raw, archs", [(None, "90"), ("90", "90"), ("90, 100a", "90;100a"), ("80;90a-real", "80;90a-real")]
+)
 def test_cuda_archs(raw, archs):
     # Without what nvcc supports (None), the default is sm_90 alone.
     assert setup_py.cuda_archs({} if raw is None else {"MOE_DISPATCH_CUDA_ARCHS": raw}) == archs
@@ -258,6 +272,7 @@ def test_cuda_archs_rejects_junk():
 
 
 # --- the torch wrapper -------------------------------------------------------------------------
+
 
 def test_wrapper_validates_before_launch():
     with pytest.raises(ValueError, match=r"topk_idx must be a CUDA tensor, got device cpu"):
@@ -278,12 +293,16 @@ def test_op_fake_impl_gives_shapes():
 
 # --- the kernel (GPU only) ---------------------------------------------------------------------
 
+
 def _routing(gen, num_tokens, num_topk, num_experts, skewed, drop):
     """``[T, K]`` int64 top-k without repeats; skewed piles tokens onto a few experts, drop is
     the fraction of entries set to -1."""
     weights = torch.rand(num_experts, generator=gen) ** 8 + 1e-6 if skewed else torch.ones(num_experts)
-    idx = torch.multinomial(weights.expand(num_tokens, -1), num_topk, generator=gen) if num_tokens else \
-        torch.empty(0, num_topk, dtype=torch.int64)
+    idx = (
+        torch.multinomial(weights.expand(num_tokens, -1), num_topk, generator=gen)
+        if num_tokens
+        else torch.empty(0, num_topk, dtype=torch.int64)
+    )
     idx[torch.rand(idx.shape, generator=gen) < drop] = -1
     return idx
 
@@ -310,8 +329,9 @@ def test_layout_kernel_matches_reference(case):
     topk_idx = _routing(gen, num_tokens, num_topk, num_experts, skewed, drop).cuda()
     got = _ext.get_dispatch_layout_cuda(topk_idx, num_experts, num_ranks, ranks_per_node)
     want = get_dispatch_layout_reference(topk_idx, num_experts, num_ranks, ranks_per_node)
-    for name, g, w in zip(("num_tokens_per_rank", "num_tokens_per_node", "num_tokens_per_expert",
-                           "is_token_in_rank"), got, want):
+    for name, g, w in zip(
+        ("num_tokens_per_rank", "num_tokens_per_node", "num_tokens_per_expert", "is_token_in_rank"), got, want
+    ):
         assert g.dtype == w.dtype and g.device == topk_idx.device, name
         assert torch.equal(g, w), name  # counts are exact
 

@@ -4,19 +4,24 @@ CPU (wherever the extension is built): the byte layouts of the Python mirror equ
 ones; the channel split is a partition; ``Config`` validates itself; and the protocol itself -
 the very role code the kernels run, on threads standing in for warps - reproduces the oracle
 bit for bit across world sizes, ring depths down to one slot, warps per group, routing shapes,
-empty ranks, fp8, weights, budget mode and cached dispatch, and names the withheld rank when a
-wait times out. A ThreadSanitizer build of the same code checks that the protocol orders every
-slot access.
+empty ranks, fp8, bf16/fp16/fp32, weights, budget mode and cached dispatch, and names the
+withheld rank when a wait times out. The device-side header check (header.py): a handle of
+another dispatch on one rank, a differing hidden size on one rank, and a refusal (status != 0)
+on one rank, in dispatch, cached dispatch and combine, are recorded by every other rank, raise
+MismatchError and time nothing out; the world works again after. A ThreadSanitizer build of the
+same code (csrc/tests/intranode_tsan.cpp) checks that the protocol orders every slot access.
 
 GPU (skipped without one): the kernels through the loopback harness (W simulated ranks on one
 GPU, one launch) against the oracle for W in {2, 4, 8}, hidden 2880 and 7168, bf16 and fp8,
-random and skewed routing, empty ranks; budget mode inside a CUDA graph; the timeout error.
+random and skewed routing, empty ranks; budget mode inside a CUDA graph; the header cases; the
+timeout error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import zlib
@@ -30,6 +35,7 @@ from moe_dispatch.config import Config, buffer_layout, max_slot_bytes, slot_layo
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
+from moe_dispatch.transport.header import STATUS_INVALID_ARGUMENTS, STATUS_TEST, MismatchError, describe_mismatch
 from moe_dispatch.transport.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
@@ -47,9 +53,21 @@ built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not availa
 
 # --- routing and data (one seed builds every rank's inputs) ------------------------------------
 
-def make_world(seed: int, world_size: int, tokens: list[int] | int, hidden: int, num_topk: int, num_experts: int, *,
-               skewed: bool = False, drop: float = 0.1, dtype=torch.bfloat16, weights: bool = True,
-               device: str = "cpu"):
+
+def make_world(
+    seed: int,
+    world_size: int,
+    tokens: list[int] | int,
+    hidden: int,
+    num_topk: int,
+    num_experts: int,
+    *,
+    skewed: bool = False,
+    drop: float = 0.1,
+    dtype=torch.bfloat16,
+    weights: bool = True,
+    device: str = "cpu",
+):
     """Per rank x (values that name their source rank and token), topk_idx, topk_weights."""
     gen = torch.Generator().manual_seed(seed)
     tokens = [tokens] * world_size if isinstance(tokens, int) else tokens
@@ -59,8 +77,11 @@ def make_world(seed: int, world_size: int, tokens: list[int] | int, hidden: int,
         x = torch.randn(t, hidden, generator=gen)
         x[:, 0] = r  # the source rank and token, readable in any failure
         x[:, 1] = torch.arange(t) % 256
-        idx = (torch.multinomial(popularity.expand(t, -1), num_topk, generator=gen) if t
-               else torch.empty(0, num_topk, dtype=torch.int64))
+        idx = (
+            torch.multinomial(popularity.expand(t, -1), num_topk, generator=gen)
+            if t
+            else torch.empty(0, num_topk, dtype=torch.int64)
+        )
         idx[torch.rand(idx.shape, generator=gen) < drop] = -1
         xs.append(x.to(dtype).to(device))
         idxs.append(idx.to(device))
@@ -82,9 +103,14 @@ def cpu(value):
 
 def assert_dispatch_equal(results, refs, num_rows=None):
     for r, (got, want) in enumerate(zip(results, refs)):
-        got = dataclasses.replace(got, recv_x=cpu(got.recv_x), recv_topk_idx=cpu(got.recv_topk_idx),
-                                  recv_topk_weights=cpu(got.recv_topk_weights), recv_src_idx=cpu(got.recv_src_idx),
-                                  num_recv_tokens_per_expert=cpu(got.num_recv_tokens_per_expert))
+        got = dataclasses.replace(
+            got,
+            recv_x=cpu(got.recv_x),
+            recv_topk_idx=cpu(got.recv_topk_idx),
+            recv_topk_weights=cpu(got.recv_topk_weights),
+            recv_src_idx=cpu(got.recv_src_idx),
+            num_recv_tokens_per_expert=cpu(got.num_recv_tokens_per_expert),
+        )
         n = want.src_idx.numel() if num_rows is None else min(num_rows, want.src_idx.numel())
         recv_x = got.recv_x[0] if isinstance(got.recv_x, tuple) else got.recv_x
         want_x = want.recv_x[0] if isinstance(want.recv_x, tuple) else want.recv_x
@@ -122,23 +148,31 @@ def run_roundtrip(lb: Loopback, xs, idxs, ws, num_experts, *, row_scales=False, 
     gen = torch.Generator().manual_seed(99)
     ys = [torch.randn(ref.src_idx.shape[0], xs[0].shape[1], generator=gen).to(xs[0].dtype) for ref in refs]
     scales = [torch.rand(y.shape[0], generator=gen) for y in ys] if row_scales else None
-    outs = lb.combine([y.to(lb.device) for y in ys], [r.handle for r in results],
-                      [sc.to(lb.device) for sc in scales] if scales else None)
+    outs = lb.combine(
+        [y.to(lb.device) for y in ys],
+        [r.handle for r in results],
+        [sc.to(lb.device) for sc in scales] if scales else None,
+    )
     want = reference.combine(ys, cpu(idxs), num_experts, world_size, weights=scales)
     for r, (o, w) in enumerate(zip(cpu(outs), want)):
-        assert o.dtype == w.dtype and torch.equal(o, w), \
+        assert o.dtype == w.dtype and torch.equal(o, w), (
             f"combine of rank {r}: max diff {(o.float() - w.float()).abs().max().item()}"
+        )
     return results
 
 
 # --- layouts, channels, Config (pure host) ------------------------------------------------------
 
+
 @built
-@pytest.mark.parametrize("x_bytes, scale_bytes, num_topk", [(14336, 224, 8), (5760, 0, 8), (16, 0, 0), (256, 8, 3),
-                                                            (7168, 224, 32), (11520, 0, 1)])
+@pytest.mark.parametrize(
+    "x_bytes, scale_bytes, num_topk",
+    [(14336, 224, 8), (5760, 0, 8), (16, 0, 0), (256, 8, 3), (7168, 224, 32), (11520, 0, 1)],
+)
 def test_slot_layout_mirror_matches_extension(x_bytes, scale_bytes, num_topk):
-    assert slot_layout(x_bytes, scale_bytes, num_topk).__dict__ == \
-        _ext._C.intranode_slot_layout(x_bytes, scale_bytes, num_topk)
+    assert slot_layout(x_bytes, scale_bytes, num_topk).__dict__ == _ext._C.intranode_slot_layout(
+        x_bytes, scale_bytes, num_topk
+    )
     s = slot_layout(x_bytes, scale_bytes, num_topk)
     fields = [0, s.scale_offset, s.topk_idx_offset, s.topk_weights_offset, s.aux_offset, s.slot_bytes]
     assert all(f % 16 == 0 for f in fields) and fields == sorted(fields)
@@ -146,11 +180,15 @@ def test_slot_layout_mirror_matches_extension(x_bytes, scale_bytes, num_topk):
 
 
 @built
-@pytest.mark.parametrize("world_size, channels, slots, slot_bytes",
-                         [(1, 1, 1, 16), (8, 8, 32, 14640), (16, 64, 4, 5808), (3, 5, 7, 48)])
+@pytest.mark.parametrize(
+    "world_size, channels, slots, slot_bytes", [(1, 1, 1, 16), (8, 8, 32, 14640), (16, 64, 4, 5808), (3, 5, 7, 48)]
+)
 def test_buffer_layout_mirror_matches_extension(world_size, channels, slots, slot_bytes):
     layout = buffer_layout(world_size, channels, slots, slot_bytes)
     assert layout.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes)
+    relay = buffer_layout(world_size, channels, slots, slot_bytes, relay_nodes=5)  # an internode node's buffers
+    assert relay.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes, 5)
+    assert relay.queue_offset > layout.queue_offset and relay.relay_bytes >= 128 + 4 * 5 * channels
     assert layout.queue_offset % 128 == 0 and layout.tail_offset >= layout.meta_offset + 4 * world_size * channels
     stride = -(-slot_bytes // 128) * 128  # every slot starts on a cache line
     assert layout.slot_bytes == stride and stride - slot_bytes < 128
@@ -204,7 +242,7 @@ def test_timeout_message_names_rank_channel_and_counter():
 PROTOCOL_CASES = [
     # W, tokens, hidden, K, E, num_sms, slots, chunk, group_warps, workers, skewed
     (1, 19, 32, 2, 4, 2, 2, 1, 1, 1, False),
-    (2, 33, 64, 4, 8, 4, 1, 1, 2, 3, False),      # one-slot rings: every entry waits for the last
+    (2, 33, 64, 4, 8, 4, 1, 1, 2, 3, False),  # one-slot rings: every entry waits for the last
     (3, [0, 25, 40], 48, 3, 9, 6, 3, 2, 3, 2, True),  # an empty source, W not a power of two
     (4, 37, 64, 3, 16, 4, 4, 2, 2, 3, False),
     (4, [50, 0, 0, 9], 32, 8, 32, 8, 5, 5, 1, 7, True),
@@ -213,12 +251,24 @@ PROTOCOL_CASES = [
 
 
 @built
-@pytest.mark.parametrize("case", PROTOCOL_CASES, ids=lambda c: "W{}-T{}-H{}-K{}-sms{}-slots{}-chunk{}-g{}-w{}".format(
-    c[0], c[1], c[2], c[3], c[5], c[6], c[7], c[8], c[9]))
+@pytest.mark.parametrize(
+    "case",
+    PROTOCOL_CASES,
+    ids=lambda c: "W{}-T{}-H{}-K{}-sms{}-slots{}-chunk{}-g{}-w{}".format(
+        c[0], c[1], c[2], c[3], c[5], c[6], c[7], c[8], c[9]
+    ),
+)
 def test_cpu_protocol_matches_oracle(case):
     world_size, tokens, hidden, num_topk, num_experts, num_sms, slots, chunk, group_warps, workers, skewed = case
-    lb = Loopback(world_size, hidden, num_topk, config=Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk),
-                  device="cpu", timeout_s=60, cpu_options={"group_warps": group_warps, "num_workers": workers})
+    lb = Loopback(
+        world_size,
+        hidden,
+        num_topk,
+        config=Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk),
+        device="cpu",
+        timeout_s=60,
+        cpu_options={"group_warps": group_warps, "num_workers": workers},
+    )
     xs, idxs, ws = make_world(seed_of(case), world_size, tokens, hidden, num_topk, num_experts, skewed=skewed)
     first = run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=True)
     # The rings and counters were reset: a second, cached dispatch reproduces the first; so does
@@ -227,17 +277,22 @@ def test_cpu_protocol_matches_oracle(case):
     bare = lb.dispatch(xs, None, None, num_experts, handles=[r.handle for r in first])
     for a, b, c in zip(first, again, bare):
         assert torch.equal(a.recv_x, b.recv_x) and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
-        assert torch.equal(a.recv_x, c.recv_x) and c.recv_topk_idx is None
-        assert torch.equal(a.recv_src_idx, c.recv_src_idx)
+        assert (
+            torch.equal(a.recv_x, c.recv_x) and c.recv_topk_idx is None and torch.equal(a.recv_src_idx, c.recv_src_idx)
+        )
 
 
 @built
-@pytest.mark.parametrize("case", [
-    # W, tokens, hidden, K, E, num_sms, slots, chunk, group_warps, workers
-    (2, 40, 256, 4, 8, 4, 1, 1, 2, 3),    # one-slot rings: each slot is rewritten right after its discard
-    (3, [30, 0, 45], 200, 3, 9, 2, 3, 2, 2, 2),
-    (4, 37, 448, 8, 16, 4, 4, 2, 1, 3),
-], ids=lambda c: f"W{c[0]}-H{c[2]}-slots{c[6]}-chunk{c[7]}")
+@pytest.mark.parametrize(
+    "case",
+    [
+        # W, tokens, hidden, K, E, num_sms, slots, chunk, group_warps, workers
+        (2, 40, 256, 4, 8, 4, 1, 1, 2, 3),  # one-slot rings: each slot is rewritten right after its discard
+        (3, [30, 0, 45], 200, 3, 9, 2, 3, 2, 2, 2),
+        (4, 37, 448, 8, 16, 4, 4, 2, 1, 3),
+    ],
+    ids=lambda c: f"W{c[0]}-H{c[2]}-slots{c[6]}-chunk{c[7]}",
+)
 def test_cpu_l2_discard_poisons_slots_only_after_their_last_read(case):
     """Config.l2_discard: on the CPU backend a discard overwrites the slot's whole 128-byte lines
     with a poison byte, so a receiver that discards a slot before its last read of it (x, scales,
@@ -246,31 +301,39 @@ def test_cpu_l2_discard_poisons_slots_only_after_their_last_read(case):
     test_protocol_has_no_data_race_under_threadsanitizer's to catch."""
     world_size, tokens, hidden, num_topk, num_experts, num_sms, slots, chunk, group_warps, workers = case
     config = Config(num_sms=num_sms, num_slots=slots, chunk_tokens=chunk, l2_discard=True)
-    lb = Loopback(world_size, hidden, num_topk, config=config, device="cpu", timeout_s=60,
-                  cpu_options={"group_warps": group_warps, "num_workers": workers})
+    lb = Loopback(
+        world_size,
+        hidden,
+        num_topk,
+        config=config,
+        device="cpu",
+        timeout_s=60,
+        cpu_options={"group_warps": group_warps, "num_workers": workers},
+    )
     xs, idxs, ws = make_world(seed_of(case), world_size, tokens, hidden, num_topk, num_experts, skewed=True)
     results = run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=True)
     run_roundtrip(lb, xs, idxs, ws, num_experts)  # the rings after discards serve the next operation
     for rank, (buf, res) in enumerate(zip(lb._buffers, results)):
-        poisoned = int((buf[lb.layout.queue_offset:] == 0xA5).sum())
+        poisoned = int((buf[lb.layout.queue_offset :] == 0xA5).sum())
         if res.recv_x.shape[0] > 0:  # it received rows, so its receivers discarded slots
             assert poisoned >= 128, f"rank {rank}: no discarded line in its rings"
 
 
 @built
 def test_cpu_protocol_fp8_fp32_and_no_weights():
-    lb = Loopback(4, 256, 4, config=Config(num_sms=4, num_slots=3, chunk_tokens=2), device="cpu", element_bytes=4,
-                  timeout_s=60)
+    lb = Loopback(
+        4, 256, 4, config=Config(num_sms=4, num_slots=3, chunk_tokens=2), device="cpu", element_bytes=4, timeout_s=60
+    )
     xs, idxs, _ = make_world(3, 4, [20, 0, 31, 8], 256, 4, 8, weights=False)
     run_roundtrip(lb, xs, idxs, None, 8, fp8=True)
     run_roundtrip(lb, [x.float() for x in xs], idxs, None, 8, row_scales=True)  # fp32 rows and combine
+    run_roundtrip(lb, [x.half() for x in xs], idxs, None, 8, row_scales=True)  # fp16: the sum rounded once
 
 
 @built
 def test_cpu_protocol_budget_mode_and_overflow():
     world_size, num_experts = 4, 16
-    lb = Loopback(world_size, 32, 4, config=Config(num_sms=4, num_slots=4, chunk_tokens=2), device="cpu",
-                  timeout_s=60)
+    lb = Loopback(world_size, 32, 4, config=Config(num_sms=4, num_slots=4, chunk_tokens=2), device="cpu", timeout_s=60)
     xs, idxs, ws = make_world(5, world_size, 30, 32, 4, num_experts)
     refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
     most = max(r.src_idx.numel() for r in refs)
@@ -301,8 +364,7 @@ def test_cpu_protocol_budget_mode_and_overflow():
 @pytest.mark.parametrize("phase", ["notify", "dispatch", "combine"])
 def test_cpu_withheld_rank_times_out_with_its_name(phase):
     world_size, withheld = 4, 2
-    lb = Loopback(world_size, 32, 2, config=Config(num_sms=4, num_slots=2, chunk_tokens=1), device="cpu",
-                  timeout_s=0.3)
+    lb = Loopback(world_size, 32, 2, config=Config(num_sms=4, num_slots=2, chunk_tokens=1), device="cpu", timeout_s=0.3)
     xs, idxs, ws = make_world(11, world_size, 16, 32, 2, 8, drop=0.0)
     if phase == "combine":
         results = lb.dispatch(xs, idxs, ws, 8)
@@ -345,10 +407,12 @@ def test_bad_arguments_name_the_value():
     assert [r.recv_x.shape for r in unbudgeted] == [r.recv_x.shape for r in results]
     with pytest.raises(ValueError, match=r"world_size must be in \[1, 16\], got 17"):
         Loopback(17, 64, 2, device="cpu")
-    for bad, match in [(dict(hidden=0), r"hidden must be a positive int .*got 0"),
-                       (dict(num_topk=40), r"num_topk must be an int in \[0, 32\], got 40"),
-                       (dict(element_bytes=3), r"element_bytes must be 2 .* or 4 .*got 3"),
-                       (dict(device="meta"), r"device must be a CUDA device or 'cpu'.*got 'meta'")]:
+    for bad, match in [
+        (dict(hidden=0), r"hidden must be a positive int .*got 0"),
+        (dict(num_topk=40), r"num_topk must be an int in \[0, 32\], got 40"),
+        (dict(element_bytes=3), r"element_bytes must be 2 .* or 4 .*got 3"),
+        (dict(device="meta"), r"device must be a CUDA device or 'cpu'.*got 'meta'"),
+    ]:
         with pytest.raises(ValueError, match=match):
             Loopback(**{"world_size": 2, "hidden": 64, "num_topk": 2, "device": "cpu", **bad})
     with pytest.raises(TypeError, match=r"config must be a moe_dispatch.config.Config or None, got str"):
@@ -362,24 +426,44 @@ def test_bad_arguments_name_the_value():
 
 @built
 def test_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
-    """The CPU backend's own driver, built with -fsanitize=thread: every simulated rank runs
-    notify/dispatch/combine rounds as its own launches, not joined with the others between
-    operations (the real multi-GPU launch shape), over reused buffers. The queue protocol must
-    order every slot write before its read and every read before the slot is rewritten, and
-    the barrier-free reuse of rings and counters must hold while ranks run ahead."""
+    """The CPU backend's driver (csrc/tests/intranode_tsan.cpp), built with -fsanitize=thread:
+    every simulated rank runs notify/dispatch/cached dispatch/combine rounds as its own
+    launches, not joined with the others between operations (the real multi-GPU launch shape),
+    over reused buffers. The queue protocol must order every slot write before its read and
+    every read before the slot is rewritten, the barrier-free reuse of rings, counters and
+    header lines must hold while ranks run ahead, and a last round's mismatched combine must be
+    recorded by every rank without a timeout."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
     exe = tmp_path / "intranode_tsan"
-    build = subprocess.run([gxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-DMOE_INTRANODE_CPU_MAIN",
-                            f"-I{ROOT / 'csrc'}", str(ROOT / "csrc/kernels/intranode_cpu.cpp"), "-o", str(exe),
-                            "-pthread"], capture_output=True, text=True)
+    build = subprocess.run(
+        [
+            gxx,
+            "-std=c++17",
+            "-O1",
+            "-g",
+            "-fsanitize=thread",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "csrc/kernels/intranode_cpu.cpp"),
+            str(ROOT / "csrc/tests/intranode_tsan.cpp"),
+            "-o",
+            str(exe),
+            "-pthread",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if build.returncode != 0 and "tsan" in build.stderr.lower():
         pytest.skip(f"ThreadSanitizer unavailable: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
-    for args in (["3", "2", "2", "1", "2", "2", "4"], ["4", "1", "1", "1", "1", "3", "4"],
-                 ["2", "3", "3", "2", "3", "1", "4"], ["8", "1", "2", "1", "1", "1", "2"]):
+    for args in (
+        ["3", "2", "2", "1", "2", "2", "4"],
+        ["4", "1", "1", "1", "1", "3", "4"],
+        ["2", "3", "3", "2", "3", "1", "4"],
+        ["8", "1", "2", "1", "1", "1", "2"],
+    ):
         run = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stdout + run.stderr[-4000:]
         assert "ok" in run.stdout
@@ -405,8 +489,9 @@ def test_gpu_loopback_matches_oracle(case, l2_discard):
     world_size, tokens, hidden, num_topk, num_experts, skewed, fp8 = case
     config = Config(num_sms=8, num_slots=16, chunk_tokens=4, l2_discard=l2_discard)
     lb = Loopback(world_size, hidden, num_topk, config=config, timeout_s=20)
-    xs, idxs, ws = make_world(seed_of(case), world_size, tokens, hidden, num_topk, num_experts, skewed=skewed,
-                              device="cuda")
+    xs, idxs, ws = make_world(
+        seed_of(case), world_size, tokens, hidden, num_topk, num_experts, skewed=skewed, device="cuda"
+    )
     results = run_roundtrip(lb, xs, idxs, ws, num_experts, row_scales=not fp8, fp8=fp8)
     for r in results:
         assert (r.recv_x[0] if fp8 else r.recv_x).device == lb.device
@@ -467,12 +552,99 @@ def test_gpu_withheld_rank_times_out_with_its_name(phase):
     run_roundtrip(lb, xs, idxs, ws, 16)  # after reset() the buffers work again
 
 
+# --- the device-side header check (moe_dispatch.transport.header) -------------------------------
+
+
+def set_records(records) -> dict[int, list[int]]:
+    """Launched rank -> its set mismatch record (read without clearing)."""
+    return {i: row for i, row in enumerate(records.records.tolist()) if row[0]}
+
+
+def assert_recorded(lb, records, culprit: int, field: str, world_size: int, *, refusal: bool = False):
+    """Every rank (but a refusing culprit, whose host knows) recorded the mismatch naming the
+    culprit (the culprit names another rank), and ``lb.check()`` raises it once."""
+    seen = set_records(records)
+    expected = set(range(world_size)) - ({culprit} if refusal else set())
+    assert set(seen) == expected, f"ranks with a record: {sorted(seen)}, expected {sorted(expected)}"
+    for rank, row in seen.items():
+        message, fields = describe_mismatch(row)
+        assert fields["field"] == field and fields["rank"] == rank, message
+        assert (fields["peer"] == culprit) == (rank != culprit), message
+    with pytest.raises(
+        MismatchError,
+        match=rf"rank {culprit} refused the operation"
+        if field == "status"
+        else rf"rank {culprit} disagrees on the {re.escape(field)}",
+    ):
+        lb.check()
+    assert not set_records(records)  # cleared: the buffers stay usable
+
+
+def header_cases(lb, records, device: str, roundtrip=None) -> None:
+    """A handle of another dispatch on rank 1 (combine and cached dispatch) and a refusal on rank
+    2 (dispatch, cached dispatch, combine), over a loopback of either transport: recorded,
+    raised, and the world works again (``roundtrip(lb, xs, idxs, ws, E, row_scales=True)``,
+    default :func:`run_roundtrip`)."""
+    W, E = lb.world_size, 4 * lb.world_size
+    xs, idxs, ws = make_world(17, W, [24, 0, 30, 12, 9, 40, 7, 16][:W], 32, 2, E, device=device)
+    first = lb.dispatch(xs, idxs, ws, E)
+    second = lb.dispatch(xs, idxs, ws, E)
+    handles = [r.handle for r in second]
+    handles[1] = first[1].handle  # the same routing, another dispatch
+    lb.combine([r.recv_x for r in second], handles, check=False)
+    assert_recorded(lb, records, 1, "dispatch id (handle)", W)
+    lb.dispatch(xs, None, None, E, handles=handles, check=False)
+    assert_recorded(lb, records, 1, "dispatch id (handle)", W)
+    refuse = {2: STATUS_TEST}
+    lb.dispatch(xs, idxs, ws, E, status=refuse, check=False)
+    assert_recorded(lb, records, 2, "status", W, refusal=True)
+    lb.dispatch(xs, idxs, ws, E, handles=[r.handle for r in second], status=refuse, check=False)
+    assert_recorded(lb, records, 2, "status", W, refusal=True)
+    lb.combine([r.recv_x for r in second], [r.handle for r in second], status=refuse, check=False)
+    assert_recorded(lb, records, 2, "status", W, refusal=True)
+    (roundtrip or run_roundtrip)(lb, xs, idxs, ws, E, row_scales=True)
+
+
+@built
+def test_cpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
+    lb = Loopback(4, 32, 2, config=Config(num_sms=2, num_slots=2, chunk_tokens=1), device="cpu", timeout_s=30)
+    header_cases(lb, lb.engine.records, "cpu")
+
+
+@built
+def test_header_mirror_matches_extension():
+    from moe_dispatch.config import HEADER_WORDS, MISMATCH_RECORD_WORDS
+    from moe_dispatch.transport.header import header_words
+
+    limits = _ext._C.intranode_limits
+    assert (limits["header_words"], limits["mismatch_record_words"]) == (HEADER_WORDS, MISMATCH_RECORD_WORDS)
+    assert len(header_words(1, 2, 3, torch.bfloat16, 4, 5, 6)) == HEADER_WORDS
+
+
+def test_mismatch_message_names_ranks_and_field():
+    assert describe_mismatch([0] * 8) is None
+    message, fields = describe_mismatch([1, 3, 1, 1, 7, 9, -1, 0])
+    assert "rank 1 disagrees on the dispatch id (handle): 9 on rank 1, 7 on rank 3" in message
+    assert fields == {"rank": 3, "peer": 1, "field": "dispatch id (handle)", "mine": 7, "theirs": 9, "via": None}
+    message, fields = describe_mismatch([1, 5, 0, 7, 0, STATUS_INVALID_ARGUMENTS, 4, 0])
+    assert "rank 0 refused the operation: its arguments were invalid" in message and fields["via"] == 4
+    message, _ = describe_mismatch([1, 0, 2, 3, 0, 2, -1, 0])
+    assert "dtype: float32 on rank 2, bfloat16 on rank 0" in message
+
+
+@needs_gpu
+def test_gpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
+    lb = Loopback(4, 2880, 4, config=Config(num_sms=4, num_slots=8, chunk_tokens=2), timeout_s=20)
+    header_cases(lb, lb.engine.records, "cuda")
+
+
 def test_handle_is_a_named_dataclass():
     fields = {f for f in IntranodeHandle.__dataclass_fields__}
     assert {"is_token_in_rank", "recv_prefix", "num_rows", "overflow", "num_channels"} <= fields
 
 
 # --- one process per rank, buffers shared through CUDA IPC ---------------------------------------
+
 
 def _shm_world_roundtrip(rank, world_size):
     """The CPU path of IntranodeTransport: each process's buffer is a shared-memory segment
@@ -481,8 +653,15 @@ def _shm_world_roundtrip(rank, world_size):
 
     hidden, num_topk, num_experts = 256, 4, 4 * world_size
     xs, idxs, ws = make_world(45, world_size, [96, 0, 64, 40][:world_size], hidden, num_topk, num_experts)
-    transport = IntranodeTransport(dist.group.WORLD, rank, hidden, num_topk, device="cpu",
-                                   config=Config(num_sms=4, num_slots=8, chunk_tokens=2), timeout_s=30)
+    transport = IntranodeTransport(
+        dist.group.WORLD,
+        rank,
+        hidden,
+        num_topk,
+        device="cpu",
+        config=Config(num_sms=4, num_slots=8, chunk_tokens=2),
+        timeout_s=30,
+    )
     try:
         rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size)
         first = transport.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
@@ -498,8 +677,15 @@ def _shm_world_withheld_rank(rank, world_size):
 
     withheld = world_size - 1
     xs, idxs, ws = make_world(46, world_size, 32, 128, 2, 2 * world_size, drop=0.0)
-    transport = IntranodeTransport(dist.group.WORLD, rank, 128, 2, device="cpu",
-                                   config=Config(num_sms=2, num_slots=4, chunk_tokens=2), timeout_s=0.5)
+    transport = IntranodeTransport(
+        dist.group.WORLD,
+        rank,
+        128,
+        2,
+        device="cpu",
+        config=Config(num_sms=2, num_slots=4, chunk_tokens=2),
+        timeout_s=0.5,
+    )
     try:
         if rank != withheld:
             with pytest.raises(IntranodeTimeoutError, match=f"rank {withheld}") as info:
@@ -510,13 +696,95 @@ def _shm_world_withheld_rank(rank, world_size):
         transport.close()
 
 
+def expect_mismatch(
+    call, rank: int, culprit: int, field: str, *, refusing: type | None = None, limit_s: float = 5.0
+) -> None:
+    """``call()`` raises MismatchError naming ``culprit`` and ``field`` (the culprit itself: the
+    ``refusing`` error, or MismatchError naming another rank), within ``limit_s`` (nothing timed
+    out: the transports' bound is longer)."""
+    import time
+
+    start = time.monotonic()
+    expected = refusing if (rank == culprit and refusing is not None) else MismatchError
+    with pytest.raises(expected) as info:
+        call()
+    assert time.monotonic() - start < limit_s, f"rank {rank} took {time.monotonic() - start:.1f} s"
+    if expected is MismatchError:
+        assert info.value.field == field and (info.value.peer == culprit) == (rank != culprit), str(info.value)
+
+
+def transport_header_cases(transport, rank: int, xs, idxs, ws, num_experts: int, roundtrip) -> None:
+    """One rank's part of the header cases over a one-process-per-rank transport: a handle of
+    another dispatch on rank 1, a hidden size of its own on rank 1, a bad argument on rank 1 in
+    dispatch, cached dispatch and combine; then ``roundtrip()`` must still equal the oracle."""
+    device = transport.device
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    first = transport.dispatch(x, idx, w, num_experts)
+    second = transport.dispatch(x, idx, w, num_experts)
+    mine = first.handle if rank == 1 else second.handle
+    expect_mismatch(lambda: transport.combine(second.recv_x, mine), rank, 1, "dispatch id (handle)")
+    expect_mismatch(
+        lambda: transport.dispatch(x, None, None, num_experts, handle=mine), rank, 1, "dispatch id (handle)"
+    )
+    y = second.recv_x[:, : x.shape[1] // 2].contiguous() if rank == 1 else second.recv_x  # fits the slots too
+    expect_mismatch(lambda: transport.combine(y, second.handle), rank, 1, "row bytes")
+    bad_idx = torch.full_like(idx, num_experts) if rank == 1 else idx  # out of range on rank 1
+    expect_mismatch(lambda: transport.dispatch(x, bad_idx, w, num_experts), rank, 1, "status", refusing=ValueError)
+    bad_x = x[:-1] if rank == 1 else x  # one token short of the handle
+    expect_mismatch(
+        lambda: transport.dispatch(bad_x, None, None, num_experts, handle=second.handle),
+        rank,
+        1,
+        "status",
+        refusing=ValueError,
+    )
+    bad_y = second.recv_x[:-1] if rank == 1 and second.recv_x.shape[0] else second.recv_x
+    if rank == 1 and not second.recv_x.shape[0]:
+        bad_y = torch.zeros(1, x.shape[1], dtype=x.dtype, device=device)
+    expect_mismatch(lambda: transport.combine(bad_y, second.handle), rank, 1, "status", refusing=ValueError)
+    roundtrip()
+
+
+def _shm_world_headers(rank, world_size):
+    """The header cases over IntranodeTransport's CPU path (shared memory, one process per rank)."""
+    import torch.distributed as dist
+
+    hidden, num_topk, num_experts = 64, 2, 4 * world_size
+    xs, idxs, ws = make_world(48, world_size, [40, 12, 0, 33][:world_size], hidden, num_topk, num_experts)
+    transport = IntranodeTransport(
+        dist.group.WORLD,
+        rank,
+        hidden,
+        num_topk,
+        device="cpu",
+        config=Config(num_sms=2, num_slots=4, chunk_tokens=2),
+        timeout_s=20,
+    )
+    try:
+        transport_header_cases(
+            transport,
+            rank,
+            xs,
+            idxs,
+            ws,
+            num_experts,
+            lambda: rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size, rounds=1),
+        )
+    finally:
+        transport.close()
+
+
 def _shm_entry(rank, world_size):
-    return run_cases(rank, world_size, {"roundtrip": _shm_world_roundtrip, "withheld rank": _shm_world_withheld_rank})
+    return run_cases(
+        rank,
+        world_size,
+        {"roundtrip": _shm_world_roundtrip, "withheld rank": _shm_world_withheld_rank, "headers": _shm_world_headers},
+    )
 
 
 @pytest.mark.world
 @built
-@pytest.mark.parametrize("case", ["roundtrip", "withheld rank"])
+@pytest.mark.parametrize("case", ["roundtrip", "withheld rank", "headers"])
 def test_cpu_shared_memory_world_matches_oracle(case):
     assert_case(world_results(_shm_entry, 3), case)
 
@@ -528,12 +796,21 @@ def _failed_setup(rank, world_size):
     from moe_dispatch.transport import intranode as intranode_transport
 
     if rank == 1:
+
         def refuse(self, path):
             raise OSError(f"mapping {path} refused (test)")
+
         intranode_transport._SharedMemoryBuffer.open = refuse
     try:
-        IntranodeTransport(dist.group.WORLD, rank, 64, 2, device="cpu", timeout_s=5,
-                           config=Config(num_sms=2, num_slots=4, chunk_tokens=2))
+        IntranodeTransport(
+            dist.group.WORLD,
+            rank,
+            64,
+            2,
+            device="cpu",
+            timeout_s=5,
+            config=Config(num_sms=2, num_slots=4, chunk_tokens=2),
+        )
     except Exception as err:  # noqa: BLE001 - the test reports which error each rank saw
         return type(err).__name__
     return "no error"
@@ -559,8 +836,9 @@ def _ipc_world_roundtrip(rank, world_size):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(44, world_size, [256, 0, 384, 128][:world_size], hidden, num_topk, num_experts)
-    transport = IntranodeTransport(dist.group.WORLD, rank, hidden, num_topk,
-                                   config=Config(num_sms=4, num_slots=16, chunk_tokens=4), timeout_s=30)
+    transport = IntranodeTransport(
+        dist.group.WORLD, rank, hidden, num_topk, config=Config(num_sms=4, num_slots=16, chunk_tokens=4), timeout_s=30
+    )
     try:
         rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size)
     finally:
@@ -575,8 +853,10 @@ def rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, ranks_per_node, 
     for _ in range(rounds):
         got = transport.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device), num_experts)
         assert_dispatch_equal([got], [refs[rank]])
-        ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-              for r, ref in enumerate(refs)]
+        ys = [
+            torch.randn(ref.src_idx.shape[0], hidden, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+            for r, ref in enumerate(refs)
+        ]
         out = transport.combine(ys[rank].to(device), got.handle)
         want = reference.combine(ys, idxs, num_experts, ranks_per_node, ranks=[rank])[0]
         assert torch.equal(out.cpu(), want), f"combine of rank {rank}"

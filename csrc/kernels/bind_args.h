@@ -4,9 +4,11 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/intranode.cuh"
@@ -39,6 +41,20 @@ inline int32_t int32(const py::dict& d, const char* key, const char* what) {
   return static_cast<int32_t>(v);
 }
 
+// The rank's header check (header.cuh): 'header' lists the 8 header words, 'mismatch' is the
+// device record, 'mismatch_host' (optional) its host-mapped mirror.
+inline intranode::Check parse_check(const py::dict& r, const char* what) {
+  intranode::Check c{};
+  const auto words = field(r, "header", what).cast<std::vector<int64_t>>();
+  MOE_HOST_CHECK(words.size() == kHeaderWords,
+                 what << "['header'] must list " << kHeaderWords << " words, got " << words.size());
+  for (int i = 0; i < kHeaderWords; ++i) c.header.w[i] = words[i];
+  c.mismatch = pointer<MismatchRecord>(r, "mismatch", what);
+  MOE_HOST_CHECK(c.mismatch != nullptr, what << "['mismatch'] must be a device pointer");
+  c.mismatch_host = r.contains("mismatch_host") ? pointer<MismatchRecord>(r, "mismatch_host", what) : nullptr;
+  return c;
+}
+
 inline intranode::NotifyRank parse_notify_rank(const py::dict& r) {
   const char* what = "notify rank";
   intranode::NotifyRank n{};
@@ -49,6 +65,8 @@ inline intranode::NotifyRank parse_notify_rank(const py::dict& r) {
   n.recv_topk_idx = pointer<int64_t>(r, "recv_topk_idx", what);
   n.recv_topk_weights = pointer<float>(r, "recv_topk_weights", what);
   n.recv_src_idx = pointer<int32_t>(r, "recv_src_idx", what);
+  n.peer_ok = pointer<int32_t>(r, "peer_ok", what);
+  n.check = parse_check(r, what);
   n.num_tokens = int32(r, "num_tokens", what);
   n.budget = int32(r, "budget", what);
   return n;
@@ -71,6 +89,8 @@ inline intranode::DispatchRank parse_dispatch_rank(const py::dict& r) {
   d.recv_src_idx = pointer<int32_t>(r, "recv_src_idx", what);
   d.num_recv_per_expert = pointer<int64_t>(r, "num_recv_per_expert", what);
   d.overflow = pointer<int32_t>(r, "overflow", what);
+  d.peer_ok = pointer<const int32_t>(r, "peer_ok", what);  // None: a cached dispatch exchanges headers
+  d.check = parse_check(r, what);
   d.num_tokens = int32(r, "num_tokens", what);
   d.num_rows = int32(r, "num_rows", what);
   return d;
@@ -84,6 +104,7 @@ inline intranode::CombineRank parse_combine_rank(const py::dict& r) {
   c.is_token_in_rank = pointer<const bool>(r, "is_token_in_rank", what);
   c.recv_prefix = pointer<const int32_t>(r, "recv_prefix", what);
   c.out = pointer<char>(r, "out", what);
+  c.check = parse_check(r, what);
   c.num_tokens = int32(r, "num_tokens", what);
   c.num_rows = int32(r, "num_rows", what);
   return c;

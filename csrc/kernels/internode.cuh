@@ -1,7 +1,8 @@
 // Internode (hierarchical) dispatch/combine: protocol, RDMA buffer layout, kernel arguments.
 //
-// Shared by the CUDA kernels (internode_kernels.cu: loopback and NVSHMEM modes) and the CPU
-// backend (internode_cpu.cpp), which run the same role code (internode_roles.cuh). Plain C++17
+// Shared by the CUDA kernels (internode_kernels.cu: the staged pipeline; internode_fused.cu:
+// the fused one; both in loopback and NVSHMEM modes) and the CPU backend (internode_cpu.cpp),
+// which run the same role code (internode_roles.cuh, internode_fused_roles.cuh). Plain C++17
 // outside `#ifdef __CUDA_ARCH__`, like intranode.cuh.
 //
 // ---------------------------------------------------------------------------------------------
@@ -9,63 +10,104 @@
 // [r E/W, (r+1) E/W), so node n owns [n E/N, (n+1) E/N) ("node-local" ids subtract n E/N).
 //
 // Stage 1 (RDMA): rank (m, l) sends each of its tokens once to every node n that holds it
-// (is_token_in_node [T, N], any over the node's ranks), always to the same local index:
-// the forwarder (n, l). So stage 1 is N independent "rails", one per local index l, each a
-// world of N peers. It is the intranode queue protocol with nodes as peers, moved by
-// put-with-signal instead of NVLink stores:
-//   - per (source node m -> dest node n, channel c) one ring of S slots in n's symmetric
-//     buffer, and a staging ring with the same indices in m's buffer (the source of the puts);
-//   - the sender fills K = chunk_tokens staged slots (write_dispatch_slot: x row, fp8
-//     scales, top-k ids in the node-local numbering of n, -1 elsewhere, weights, source token),
-//     then one put-with-signal moves the chunk into n's ring and SETs n's tail[m][c] to the
-//     slots written so far (data lands before the signal). S % K == 0 and chunks start at
-//     multiples of K, so a chunk never wraps the ring and is one contiguous put;
-//   - the receiver copies slots out (read_dispatch_slot) into staging rows ordered by
-//     (source node, channel, i) = (source node, source token), then SETs m's head[n][c];
-//   - self-resetting counters as intranode: the receiver zeroes its tail before the final head,
-//     the sender zeroes its head after seeing the final head (local stores, then a system fence
-//     before any later signal), so every operation starts from zero without a barrier;
-//   - node notify: counts [N][C] per destination node are put with a signal SET to
-//     `epoch + 1` into every peer's meta[epoch % 2][me]; a rank reads its meta once every
-//     peer's arrive[epoch % 2][p] >= epoch + 1, then advances its own epoch. Double-buffering
-//     by parity needs no first barrier: a peer can only write this parity again two notifies
-//     later, after it waited for my next notify, which starts after I read this one.
+// (is_token_in_node [T, N], any over the node's ranks), always to the same local index: the
+// forwarder (n, l). So stage 1 is L independent "rails", one per local index, each a world of
+// N peers. Per (source node m -> dest node n, channel c) there is one ring of S slots in n's
+// buffer, and a staging ring with the same indices in m's (the source of the puts); the
+// source's channel c tokens travel in token order, top-k ids node-local (n's), -1 elsewhere.
+// Stage 2 (NVLink): inside node n, forwarder (n, l) hands each row to the local ranks that own
+// its experts. Rows end ordered by (source rank, source token): the oracle's order.
+// Combine runs backwards: the holders return their rows to the forwarder, which pre-reduces each
+// row over its holders in ascending local rank in fp32 and rounds once to y's dtype (the node
+// partial); stage 1 puts each node partial back once; the source sums a token's partials in
+// ascending node order in fp32 (scale 1, exact steps) and rounds once. Fixed orders, no
+// atomics: results are deterministic and equal moe_dispatch.reference bit for bit.
 //
-// Stage 2 (NVLink): inside node n, forwarder (n, l) hands the rows it received from source node
-// m to the local ranks that own their experts: one intranode operation per source node m
-// (intranode_roles.cuh, unchanged) whose "tokens of rank l" are l's stage-1 rows from m. The
-// intranode receive order (source l, then token) inside op m, ops stacked by m, gives rows
-// ordered by (m, l, token) = (source rank, source token): the oracle's order.
+// Two pipelines run this design (Config.internode_pipeline):
 //
-// Combine runs backwards: stage 2's intranode combine of op m reduces, on the forwarder, each
-// forwarded row over its holders in ascending local rank in fp32 and rounds it once to y's
-// dtype (the node partial); stage 1 puts each node partial back once over RDMA; the source
-// sums the partials of a token over its nodes in ascending node order in fp32 (scale 1, an
-// exact step) and rounds once. Every sum has a fixed order, no atomics: results are
-// deterministic and equal moe_dispatch.reference bit for bit.
+// FUSED (the default): one notify kernel computes everything on the device, then one kernel
+// per dispatch or combine runs both stages at once, three blocks per channel:
+//   notify    every rank counts, per destination node m, its tokens per channel (the stage-1
+//             ring sizes) and per rank of m per channel, and puts both with its header to the
+//             rail peer (m, l). The forwarder checks the headers, writes its forward_prefix
+//             (stage-1 rows by (channel, source node)) and relays to each local rank d its
+//             header, its rail verdicts and the counts of every source (m, l) for d. Each
+//             rank's receive prefix over (source rank, channel) then comes from device counts
+//             alone: without a budget the host reads R (and the forwarded rows R1) once; with
+//             one (num_worst_tokens) it reads nothing.
+//   dispatch  RDMA senders: every warp owns chunks q, q + G, ... of its group's rings (no
+//             per-chunk barrier), stages each and issues its own put-with-signal, the signal
+//             being that chunk's flag (tag: op epoch and chunk), so chunks land and are seen in
+//             any order. Forwarders: a warp group per local destination d polls the stage-1
+//             rings of its channel, takes whichever chunk has landed, forwards the rows d holds
+//             over the NVLink ring (me -> d, c) (or straight into its own outputs when d is
+//             itself), and frees stage-1 slots once every group passed them (each group adds
+//             its progress to the sender's head). NVLink receivers: a group per forwarder
+//             writes each row where its slot says (receive row = prefix[source, channel] + i).
+//             Stage 1 and stage 2 overlap; there is no staging copy of the rows and no host
+//             synchronisation between them.
+//   combine   holders stream their rows to the forwarder over NVLink (rows of sources (m, f),
+//             m ascending); the forwarder's workers reduce each forwarded row over its holders
+//             (forward_mask, written by the dispatch) straight into the stage-1 staging slots,
+//             and each puts the chunks it owns with their flags; the source reduces over nodes.
+// STAGED (kept so one GPU run can time both side by side): node notify, a host read of the
+// stage-1 counts, node dispatch into staging rows, a layout of them, one intranode notify per
+// source node, a second host read, one intranode dispatch per source node; combine reverses
+// it (one intranode combine per source node into node partials, then the node combine). Its
+// stage 1 is the ring protocol of ring.cuh with one put-with-signal per chunk from warp 0.
 //
-// Waits: every wait is bounded (as intranode, ErrorRecord): phase (node notify / node dispatch
-// / node combine), role, waiting rank, channel, the peer rank awaited and the counter.
+// RDMA ring protocol of the fused pipeline (per ring, S % K == 0, Q = S / K chunks):
+//   - chunk q = entries [qK, qK + K) (the last may be short) lands with one put whose signal
+//     SETs flag[q % Q] = chunk_tag(op epoch, q). Tags grow within an operation and across
+//     operations (the epoch is in the high word), so no flag is ever reset;
+//   - the receiving side frees entries by adding to the sender's head (fused dispatch: each
+//     forwarder group adds the progress every group has passed, via shared_fetch_max; combine:
+//     the source's coordinator SETs it); a sender writes chunk q once head >= qK + K - S;
+//   - at the end of an operation a sender waits for head == its entry count and resets it:
+//     the next operation's first put happens after every slot was consumed.
+// The staged pipeline's stage 1 keeps intranode.cuh's tail/head counters (ring.cuh's loops).
+//
+// Notify double-buffering (both pipelines): messages are put with a signal SET to
+// `notify epoch + 1` into the peer's meta[epoch % 2][me]; a peer can write this parity again
+// only two notifies later, after it waited for my next notify, which I send after reading this
+// one. The fused notify's NVLink relay follows the same rule in the NVLink buffers' relay region.
+//
+// Headers (header.cuh): notify carries them in its messages; cached dispatch and combine
+// exchange header lines in the kernel: one warp of the forwarder block of channel 0 puts this
+// rank's line to each rail peer, checks theirs, then writes its NVLink line (with a report of
+// its rail verdicts) to each local peer; every other role reads the lines it needs. A rank
+// thus learns of every rank's header: directly from its rail and local peers, and from each
+// local peer's report about that peer's rail. Cost: one signal round per link (an RDMA round,
+// then an NVLink hop), overlapped with the start of the kernel: the RDMA senders begin as soon
+// as their rail peer's line is there. The staged pipeline checks its rail pairs in its node
+// operations and its local pairs in its intranode ones, without the relay: a refusing rank is
+// then learnt of by its rail and local peers only.
+//
+// Waits: every wait is bounded (ErrorRecord): phase, role, waiting rank, channel, the peer rank
+// awaited and the counter.
 // ---------------------------------------------------------------------------------------------
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/header.cuh"
 #include "kernels/intranode.cuh"
 
 namespace moe_dispatch {
 namespace internode {
 
 using intranode::align_up;
+using intranode::Check;
 using intranode::CombineRank;
 using intranode::DispatchRank;
 using intranode::ErrorRecord;
 using intranode::NotifyRank;
 using intranode::SlotLayout;
 
-constexpr int kMaxNodes = 64;  // shared-memory arrays of the combine receiver; N * C <= kNotifyThreads
+constexpr int kMaxNodes = 64;  // shared-memory arrays of the combine receiver (and 64-bit rail masks)
 constexpr int kMaxChannels = intranode::kMaxChannels;
-constexpr int kMaxLaunchRanks = 16;  // ranks one launch serves (loopback: all W; NVSHMEM: 1)
+constexpr int kMaxLocal = intranode::kMaxRanks;  // L: warp groups of a 16-warp block, one per local rank
+constexpr int kMaxLaunchRanks = 16;              // ranks one launch serves (loopback: all W; NVSHMEM: 1)
 constexpr int kNumThreads = intranode::kNumThreads;
 constexpr int kNumWarps = intranode::kNumWarps;
 constexpr int kNotifyThreads = 1024;
@@ -75,16 +117,24 @@ constexpr int kLine = intranode::kLine;
 enum Phase : int32_t { kNodeNotify = 4, kNodeDispatch = 5, kNodeCombine = 6 };
 
 // One rank's RDMA buffer (NVSHMEM: one symmetric allocation, same offsets on every PE).
-// N = num_nodes, C = num_channels, S = num_slots, B = slot_bytes (the largest slot of any op;
-// an operation strides its rings by its own slot size, so fp8 rows do not move bf16 padding):
+// N = num_nodes, L = ranks_per_node, C = num_channels, S = num_slots, B = slot_bytes (the
+// largest slot of any op; an operation strides its rings by its own slot size, so fp8 rows do
+// not move bf16 padding), M = msg_bytes = 128 + align128(4 C (1 + L)):
 //
 //   byte offset        region
-//   0                  epoch     uint64               node notifies this rank completed
-//   arrive_offset      arrive    uint64 [2][N]        signal: node p's counts of epoch parity e arrived
-//   meta_offset        meta      int32 [2][N][C]      counts node p -> me per channel (written by p)
-//   meta_out_offset    meta_out  int32 [2][N][C]      my counts for node p (source of the put)
-//   tail_offset        tail      [N][C] 128-B lines   uint64: slots of ring (p -> me, c) written (p's signal)
-//   head_offset        head      [N][C] 128-B lines   uint64: slots of ring (me -> p, c) consumed (p's signal)
+//   0                  control   one line: uint64 notify epoch, uint64 op epoch, int32 done (byte 16)
+//   arrive_offset      arrive    uint64 [2][N]        signal: node p's notify message of parity e arrived
+//   meta_offset        meta      [2][N] x M           node p's notify message (written by p): its header
+//                                                     line, counts int32 [C] of its channel-c tokens for
+//                                                     my node, then [L][C] for each of my node's ranks
+//   meta_out_offset    meta_out  [2][N] x M           my messages (the source of the puts)
+//   header_offset      header    [2][N] lines         rail header lines of node p (exchange operations;
+//                                                     the marker is the put's signal)
+//   header_out_offset  [N] lines                      my header line for node p (the source of the puts)
+//   tail_offset        tail      [N][C] lines         staged: uint64 slots of ring (p -> me, c) written
+//   head_offset        head      [N][C] lines         uint64: slots of ring (me -> p, c) consumed
+//   flag_offset        flag      uint64 [N][C][S]     fused: chunk flags of ring (p -> me, c)
+//   zero_offset        zero      B bytes of zeros     fused combine: the row of a dropped receive
 //   recv_offset        recv      [N][C][S] x B        ring (p -> me, c)
 //   send_offset        send      [N][C][S] x B        staging of ring (me -> p, c), same slot indices
 //   total_bytes
@@ -92,27 +142,43 @@ enum Phase : int32_t { kNodeNotify = 4, kNodeDispatch = 5, kNodeCombine = 6 };
 // Everything before recv_offset must be zero when the buffer is made.
 struct RdmaLayout {
   int32_t num_nodes;
+  int32_t ranks_per_node;
   int32_t num_channels;
   int32_t num_slots;
   int32_t slot_bytes;
+  int32_t msg_bytes;
   int64_t arrive_offset;
   int64_t meta_offset;
   int64_t meta_out_offset;
+  int64_t header_offset;
+  int64_t header_out_offset;
   int64_t tail_offset;
   int64_t head_offset;
+  int64_t flag_offset;
+  int64_t zero_offset;
   int64_t recv_offset;
   int64_t send_offset;
   int64_t total_bytes;
 
-  MOE_HD uint64_t* epoch(char* base) const { return reinterpret_cast<uint64_t*>(base); }
+  MOE_HD uint64_t* notify_epoch(char* base) const { return reinterpret_cast<uint64_t*>(base); }
+  MOE_HD uint64_t* op_epoch(char* base) const { return reinterpret_cast<uint64_t*>(base) + 1; }
+  MOE_HD int32_t* done(char* base) const { return reinterpret_cast<int32_t*>(base + 16); }
   MOE_HD uint64_t* arrive(char* base, int parity, int node) const {
     return reinterpret_cast<uint64_t*>(base + arrive_offset) + parity * num_nodes + node;
   }
-  MOE_HD int32_t* meta(char* base, int parity, int node) const {
-    return reinterpret_cast<int32_t*>(base + meta_offset) + (parity * num_nodes + node) * num_channels;
+  // A notify message: its header line (int64[16]), then int32 counts.
+  MOE_HD char* meta(char* base, int parity, int node) const {
+    return base + meta_offset + static_cast<int64_t>(parity * num_nodes + node) * msg_bytes;
   }
-  MOE_HD int32_t* meta_out(char* base, int parity, int node) const {
-    return reinterpret_cast<int32_t*>(base + meta_out_offset) + (parity * num_nodes + node) * num_channels;
+  MOE_HD char* meta_out(char* base, int parity, int node) const {
+    return base + meta_out_offset + static_cast<int64_t>(parity * num_nodes + node) * msg_bytes;
+  }
+  MOE_HD int64_t* header(char* base, uint64_t epoch, int node) const {
+    return reinterpret_cast<int64_t*>(base + header_offset +
+                                      (static_cast<int64_t>(epoch & 1u) * num_nodes + node) * kLine);
+  }
+  MOE_HD int64_t* header_out(char* base, int node) const {
+    return reinterpret_cast<int64_t*>(base + header_out_offset + static_cast<int64_t>(node) * kLine);
   }
   MOE_HD uint64_t* tail(char* base, int node, int channel) const {
     return reinterpret_cast<uint64_t*>(base + tail_offset +
@@ -122,6 +188,11 @@ struct RdmaLayout {
     return reinterpret_cast<uint64_t*>(base + head_offset +
                                        static_cast<int64_t>(node * num_channels + channel) * kLine);
   }
+  MOE_HD uint64_t* flag(char* base, int node, int channel, int64_t chunk_slot) const {
+    return reinterpret_cast<uint64_t*>(base + flag_offset) +
+           static_cast<int64_t>(node * num_channels + channel) * num_slots + chunk_slot;
+  }
+  MOE_HD char* zero(char* base) const { return base + zero_offset; }
   // Slot `index` of ring (node, channel) for an operation whose slots are `stride` bytes.
   MOE_HD char* recv_slot(char* base, int node, int channel, int64_t index, int stride) const {
     return base + recv_offset + ring_offset(node, channel) + (index % num_slots) * stride;
@@ -134,22 +205,37 @@ struct RdmaLayout {
   }
 };
 
-MOE_HD RdmaLayout make_rdma_layout(int num_nodes, int num_channels, int num_slots, int slot_bytes) {
+// A notify message's counts: [C] for the destination node, then [L][C] for its ranks.
+MOE_HD int32_t* message_counts(char* message) { return reinterpret_cast<int32_t*>(message + kLine); }
+
+MOE_HD RdmaLayout make_rdma_layout(int num_nodes, int ranks_per_node, int num_channels, int num_slots, int slot_bytes) {
   RdmaLayout l{};
   l.num_nodes = num_nodes;
+  l.ranks_per_node = ranks_per_node;
   l.num_channels = num_channels;
   l.num_slots = num_slots;
   l.slot_bytes = slot_bytes;
+  l.msg_bytes = static_cast<int32_t>(kLine + align_up(4 * static_cast<int64_t>(num_channels) * (1 + ranks_per_node), kLine));
   const int64_t queues = static_cast<int64_t>(num_nodes) * num_channels;
+  const int64_t messages = 2 * static_cast<int64_t>(num_nodes) * l.msg_bytes;
   l.arrive_offset = kLine;
   l.meta_offset = l.arrive_offset + align_up(16 * static_cast<int64_t>(num_nodes), kLine);
-  l.meta_out_offset = l.meta_offset + align_up(8 * queues, kLine);
-  l.tail_offset = l.meta_out_offset + align_up(8 * queues, kLine);
+  l.meta_out_offset = l.meta_offset + messages;
+  l.header_offset = l.meta_out_offset + messages;
+  l.header_out_offset = l.header_offset + 2 * kLine * static_cast<int64_t>(num_nodes);
+  l.tail_offset = l.header_out_offset + kLine * static_cast<int64_t>(num_nodes);
   l.head_offset = l.tail_offset + kLine * queues;
-  l.recv_offset = l.head_offset + kLine * queues;
+  l.flag_offset = l.head_offset + kLine * queues;
+  l.zero_offset = l.flag_offset + align_up(8 * queues * num_slots, kLine);
+  l.recv_offset = l.zero_offset + align_up(slot_bytes, kLine);
   l.send_offset = l.recv_offset + queues * num_slots * static_cast<int64_t>(slot_bytes);
   l.total_bytes = l.send_offset + queues * num_slots * static_cast<int64_t>(slot_bytes);
   return l;
+}
+
+// The flag value of chunk `chunk` of an operation at op epoch `epoch`.
+MOE_HD uint64_t chunk_tag(uint64_t epoch, int64_t chunk) {
+  return ((epoch + 1) << 32) | static_cast<uint64_t>(chunk + 1);
 }
 
 // ---- kernel arguments (by value; one launch serves ranks [rank_begin, +num_launch_ranks)) ----
@@ -162,10 +248,14 @@ struct Common {
   int32_t num_launch_ranks;  // W in loopback, 1 with NVSHMEM
   int32_t skip_rank;         // loopback tests: this rank's blocks do nothing (-1: none)
   int32_t chunk_tokens;      // K
+  int32_t l2_discard;        // fused: NVLink receivers discard consumed slots (Config.l2_discard)
+  int32_t nvl_first_rank;    // fused: the global rank of nvl_buffers[0] (loopback 0, else my node's first)
   int64_t timeout_cycles;    // bound of every wait (clock64 cycles; ns on the CPU backend)
   RdmaLayout layout;
-  char* symmetric;                 // NVSHMEM: this PE's buffer (a symmetric address); else null
-  char* buffers[kMaxLaunchRanks];  // loopback / CPU: every rank's buffer, by global rank
+  intranode::BufferLayout nvl_layout;  // fused: the NVLink buffers (relay_nodes = N)
+  char* symmetric;                     // NVSHMEM: this PE's buffer (a symmetric address); else null
+  char* buffers[kMaxLaunchRanks];      // loopback / CPU: every rank's RDMA buffer, by global rank
+  char* nvl_buffers[kMaxLaunchRanks];  // fused: NVLink buffers as this process maps them
   ErrorRecord* error;
   ErrorRecord* error_host;
 };
@@ -175,7 +265,12 @@ MOE_HD int rail_peer(const Common& c, int rank, int node) {
   return node * c.ranks_per_node + rank % c.ranks_per_node;
 }
 
-// is_token_in_rank fields mean is_token_in_node [T, N] here; recv_prefix is [N * C + 1].
+// `rank`'s NVLink buffer (a rank of a node with a launched rank).
+MOE_HD char* nvl_buffer(const Common& c, int rank) { return c.nvl_buffers[rank - c.nvl_first_rank]; }
+
+// ---- the staged pipeline's stage 1 ----
+// is_token_in_rank fields mean is_token_in_node [T, N] here; recv_prefix is [N * C + 1];
+// peer_ok is [N] (the rail verdicts).
 struct NotifyArgs {
   Common common;
   NotifyRank ranks[kMaxLaunchRanks];
@@ -194,6 +289,85 @@ struct CombineArgs {
   Common common;
   SlotLayout slot;
   CombineRank ranks[kMaxLaunchRanks];
+};
+
+// ---- the fused pipeline ----
+// Verdicts peer_ok [N + L]: 1 where my rail pair with node m (index m) / my NVLink pair with
+// local rank l (index N + l) agrees.
+
+struct FusedNotifyRank {
+  const bool* is_token_in_rank;  // [T, W]
+  const bool* is_token_in_node;  // [T, N]
+  int32_t* recv_prefix;          // [W * C + 1] out: rows before (source rank, channel), R last
+  int32_t* forward_prefix;       // [C * N + 1] out: stage-1 rows before (channel, source node), R1 last
+  int32_t* counts;               // [2] out: R, R1
+  int32_t* overflow;             // [1] out: R > budget, or R1 > forward_capacity
+  int32_t* peer_ok;              // [N + L] out
+  int64_t* recv_topk_idx;        // [budget, K] or null: rows [R, budget) get -1 (budget mode)
+  float* recv_topk_weights;      // [budget, K] or null: rows [R, budget) get 0
+  int32_t* recv_src_idx;         // [budget] or null: rows [R, budget) get -1
+  Check check;
+  int32_t num_tokens;            // T
+  int32_t budget;                // rows allocated for the receive, -1 = exactly R (host read)
+  int32_t forward_capacity;      // rows of forward_mask, -1 = exactly R1 (host read)
+};
+
+struct FusedNotifyArgs {
+  Common common;
+  int32_t num_topk;
+  FusedNotifyRank ranks[kMaxLaunchRanks];
+};
+
+struct FusedDispatchRank {
+  const char* x;                 // [T, x_bytes]
+  const float* x_scales;         // [T, H/128] or null
+  const int64_t* topk_idx;       // [T, K] global ids, -1 = none
+  const float* topk_weights;     // [T, K] or null
+  const int32_t* token_ids;      // always null: a row's source token is t
+  const bool* is_token_in_node;  // [T, N]
+  const int32_t* recv_prefix;    // [W * C + 1]
+  const int32_t* forward_prefix; // [C * N + 1]
+  int32_t* forward_mask;         // [forward_capacity] out: bit l set where local rank l holds forwarded row
+  char* recv_x;                  // [rows, x_bytes]
+  float* recv_scales;            // [rows, H/128] or null
+  int64_t* recv_topk_idx;        // [rows, K] local ids (null when K = 0)
+  float* recv_topk_weights;      // [rows, K] or null
+  int32_t* recv_src_idx;         // [rows]
+  int64_t* num_recv_per_expert;  // [E / W] zeroed by the caller
+  int32_t* overflow;             // [1]
+  const int32_t* peer_ok;        // [N + L] notify's verdicts, or null: exchange header lines (cached)
+  Check check;
+  int32_t num_tokens;
+  int32_t num_rows;              // rows allocated (R, or the budget)
+  int32_t forward_capacity;
+};
+
+struct FusedDispatchArgs {
+  Common common;
+  SlotLayout slot;  // the stage-1 and NVLink slots (x, scales, top-k, weights; aux: token, queue, index)
+  int32_t experts_per_rank;
+  int32_t experts_per_node;
+  FusedDispatchRank ranks[kMaxLaunchRanks];
+};
+
+struct FusedCombineRank {
+  const char* y;                 // [rows, x_bytes] in the dispatch's receive order
+  const float* row_scale;        // [rows] or null
+  const bool* is_token_in_node;  // [T, N]
+  const int32_t* recv_prefix;    // [W * C + 1]
+  const int32_t* forward_prefix; // [C * N + 1]
+  const int32_t* forward_mask;   // [forward_capacity]
+  char* out;                     // [T, x_bytes]
+  Check check;
+  int32_t num_tokens;
+  int32_t num_rows;
+  int32_t forward_capacity;
+};
+
+struct FusedCombineArgs {
+  Common common;
+  SlotLayout slot;  // combine slots: y row, row scale
+  FusedCombineRank ranks[kMaxLaunchRanks];
 };
 
 }  // namespace internode

@@ -1,7 +1,8 @@
-// CPU backend of stage 1 of the internode protocol: the role functions of internode_roles.cuh
-// (the code the kernels run) with one std::thread per warp. A put-with-signal is a memcpy into
-// the peer's buffer followed by a release store of the signal, which is the ordering NVSHMEM
-// guarantees (data before signal); waits acquire. Timeouts count nanoseconds.
+// CPU backend of the internode protocol: the role functions of internode_roles.cuh and
+// internode_fused_roles.cuh (the code the kernels run) with one std::thread per warp. A
+// put-with-signal is a memcpy into the peer's buffer followed by a release store of the
+// signal, which is the ordering NVSHMEM guarantees (data before signal); waits acquire.
+// Timeouts count nanoseconds. The ThreadSanitizer driver csrc/tests/internode_tsan.cpp runs it.
 #include "kernels/internode_cpu.h"
 
 #include <cstring>
@@ -10,12 +11,15 @@
 #include <string>
 #include <vector>
 
-#include "kernels/internode_roles.cuh"
+#include "kernels/internode_fused_roles.cuh"
 #include "kernels/intranode_host.h"
 
 namespace moe_dispatch {
 namespace internode {
 namespace {
+
+using intranode::ThreadBarrier;
+using intranode::Threads;
 
 struct HostRdmaCtx : intranode::HostCtxT<Common> {
   char* buffer(int rank) const { return common->buffers[rank]; }
@@ -32,6 +36,7 @@ struct HostRdmaCtx : intranode::HostCtxT<Common> {
   int64_t wait_signal(const uint64_t* sig, int64_t target, const intranode::WaitSite& site) const {
     return wait_signal_lane(sig, target, site);
   }
+  bool signal_reached(const uint64_t* sig, uint64_t value) const { return __atomic_load_n(sig, __ATOMIC_ACQUIRE) >= value; }
   void put_signal_lane(int rank, int peer, char* dst, const char* src, int64_t bytes, uint64_t* sig,
                        uint64_t value) const {
     std::memcpy(at_peer(rank, peer, dst), src, static_cast<size_t>(bytes));
@@ -43,6 +48,9 @@ struct HostRdmaCtx : intranode::HostCtxT<Common> {
   void signal_set(int rank, int peer, uint64_t* sig, uint64_t value) const {
     __atomic_store_n(at_peer(rank, peer, sig), value, __ATOMIC_RELEASE);
   }
+  void signal_add_at(int rank, int peer, uint64_t* sig, uint64_t value) const {
+    __atomic_fetch_add(at_peer(rank, peer, sig), value, __ATOMIC_RELEASE);
+  }
   void reset_signal(uint64_t* sig) const { __atomic_store_n(sig, 0, __ATOMIC_RELEASE); }
 };
 
@@ -51,7 +59,82 @@ void check_cpu(const Common& c, const CpuOptions& o) {
   if (c.symmetric != nullptr) throw std::invalid_argument("the CPU backend runs loopback buffers, not NVSHMEM");
 }
 
+template <class Args>
+auto rdma_epochs(const Args& args) {
+  return intranode::op_epochs(args.common,
+                              [&args](int rank) { return args.common.layout.op_epoch(args.common.buffers[rank]); });
+}
+
+// One block's warp groups on threads: num_groups groups of group_warps threads, each group
+// with its GroupState (in `states`) and, when it has several threads, its barrier; role(ctx,
+// group, warp, state).
+template <class Role>
+void spawn_groups(Threads& threads, std::vector<std::unique_ptr<ThreadBarrier>>& barriers, const Common& c,
+                  int num_groups, int group_warps, GroupState* states, Role role) {
+  for (int g = 0; g < num_groups; ++g) {
+    barriers.push_back(group_warps > 1 ? std::make_unique<ThreadBarrier>(group_warps) : nullptr);
+    ThreadBarrier* barrier = barriers.back().get();
+    for (int w = 0; w < group_warps; ++w)
+      threads.spawn([&c, role, g, w, barrier, states]() {
+        HostRdmaCtx ctx{{&c, barrier}};
+        role(ctx, g, w, &states[g]);
+      });
+  }
+}
+
+// One reducer block on threads: a coordinator and `workers` workers sharing `state`.
+template <class State, class Coordinator, class Worker>
+void spawn_reducer(Threads& threads, const Common& c, int workers, State* state, Coordinator coordinator, Worker worker) {
+  threads.spawn([&c, coordinator, state]() {
+    HostRdmaCtx ctx{{&c, nullptr}};
+    coordinator(ctx, state);
+  });
+  for (int w = 0; w < workers; ++w)
+    threads.spawn([&c, worker, w, state]() {
+      HostRdmaCtx ctx{{&c, nullptr}};
+      worker(ctx, w, state);
+    });
+}
+
+// Per (launched rank, channel, role) one block(rank, channel, role, block_state, threads).
+template <class Block, class Spawn>
+void run_blocks(const Common& c, int num_roles, Spawn spawn) {
+  std::vector<std::unique_ptr<Block>> blocks;
+  Threads threads;
+  std::exception_ptr error;
+  try {
+    intranode::for_each_launched_rank(c, [&](int rank) {
+      for (int channel = 0; channel < c.num_channels; ++channel)
+        for (int role = 0; role < num_roles; ++role) {
+          blocks.push_back(std::make_unique<Block>());
+          spawn(rank, channel, role, blocks.back().get(), threads);
+        }
+    });
+  } catch (...) {
+    error = std::current_exception();  // join what started before rethrowing
+  }
+  threads.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// The source reducers of the two pipelines (internode_roles.cuh SourceReduce).
+SourceReduce node_source(HostRdmaCtx& ctx, const CombineArgs& a, int rank, int channel, uint64_t epoch,
+                         bool coordinator) {
+  const CombineRank& me = a.ranks[rank - a.common.rank_begin];
+  return source_reduce(ctx, a.common, me.check, me.is_token_in_rank, me.out, me.num_tokens, a.slot, rank, channel,
+                       epoch, false, coordinator, coordinator && channel == 0);
+}
+
+SourceReduce fused_source(HostRdmaCtx& ctx, const FusedCombineArgs& a, int rank, int channel, uint64_t epoch,
+                          bool coordinator) {
+  const FusedCombineRank& me = a.ranks[rank - a.common.rank_begin];
+  return source_reduce(ctx, a.common, me.check, me.is_token_in_node, me.out, me.num_tokens, a.slot, rank, channel,
+                       epoch, true, coordinator, false);
+}
+
 }  // namespace
+
+// ---- staged pipeline ----------------------------------------------------------------------------
 
 void run_node_notify_cpu(const NotifyArgs& args) {
   intranode::run_notify_threads<HostRdmaCtx, NotifyState>(
@@ -61,271 +144,156 @@ void run_node_notify_cpu(const NotifyArgs& args) {
 // The group-structured blocks have one group per node.
 void run_node_dispatch_cpu(const DispatchArgs& args, const CpuOptions& options) {
   check_cpu(args.common, options);
+  const auto epochs = rdma_epochs(args);
   intranode::run_groups<HostRdmaCtx, kMaxNodes>(
       args.common, options, args.common.num_nodes, 2,
-      [&args](HostRdmaCtx& ctx, int role, int rank, int channel, int node, int warp, int group_warps, GroupState* gs) {
+      [&](HostRdmaCtx& ctx, int role, int rank, int channel, int node, int warp, int group_warps, GroupState* gs) {
         if (role == 0) {
-          node_dispatch_send(ctx, args, rank, channel, node, warp, group_warps, gs);
+          node_dispatch_send(ctx, args, rank, channel, node, warp, group_warps, epochs(rank), gs);
         } else {
-          node_dispatch_recv(ctx, args, rank, channel, node, warp, group_warps, gs);
+          node_dispatch_recv(ctx, args, rank, channel, node, warp, group_warps, epochs(rank), gs);
         }
       });
+  epochs.advance();
 }
 
-void run_node_combine_cpu(const CombineArgs& args, intranode::DType dtype, const CpuOptions& options) {
+template <class T>
+void run_node_combine_typed(const CombineArgs& args, const CpuOptions& options) {
   const Common& c = args.common;
-  check_cpu(c, options);
-  if (dtype != intranode::kBf16 && dtype != intranode::kF32)
-    throw std::invalid_argument("the CPU combine supports bf16 (0) and fp32 (2), got dtype " + std::to_string(dtype));
   const int workers = options.num_workers;
+  const auto epochs = rdma_epochs(args);
   intranode::run_combine_threads<HostRdmaCtx, CombineRecvState>(
       c, workers,
-      [&args, workers](HostRdmaCtx& ctx, int rank, int channel, CombineRecvState* st) {
-        node_combine_recv_coordinator(ctx, args, rank, channel, workers, st);
+      [&](HostRdmaCtx& ctx, int rank, int channel, CombineRecvState* st) {
+        ring::reduce_coordinator(ctx, node_source(ctx, args, rank, channel, epochs(rank), true), workers, st);
       },
-      [&args, workers, dtype](HostRdmaCtx& ctx, int rank, int channel, int w, CombineRecvState* st) {
-        if (dtype == intranode::kBf16) {
-          node_combine_recv_worker<intranode::Bf16Tag>(ctx, args, rank, channel, w, workers, st);
-        } else {
-          node_combine_recv_worker<intranode::F32Tag>(ctx, args, rank, channel, w, workers, st);
-        }
+      [&](HostRdmaCtx& ctx, int rank, int channel, int w, CombineRecvState* st) {
+        ring::reduce_worker<T>(ctx, node_source(ctx, args, rank, channel, epochs(rank), false), args.slot.x_bytes, w,
+                               workers, st);
       },
       [&]() {
         intranode::run_groups<HostRdmaCtx, kMaxNodes>(
             c, options, c.num_nodes, 1,
-            [&args](HostRdmaCtx& ctx, int, int rank, int channel, int node, int warp, int group_warps,
-                    GroupState* gs) { node_combine_send(ctx, args, rank, channel, node, warp, group_warps, gs); });
+            [&](HostRdmaCtx& ctx, int, int rank, int channel, int node, int warp, int group_warps, GroupState* gs) {
+              node_combine_send(ctx, args, rank, channel, node, warp, group_warps, epochs(rank), gs);
+            });
       });
+  epochs.advance();
+}
+
+void run_node_combine_cpu(const CombineArgs& args, intranode::DType dtype, const CpuOptions& options) {
+  check_cpu(args.common, options);
+  intranode::with_dtype(dtype, [&](auto tag) { run_node_combine_typed<decltype(tag)>(args, options); });
+}
+
+// ---- fused pipeline -------------------------------------------------------------------------------
+
+void run_fused_notify_cpu(const FusedNotifyArgs& args) {
+  intranode::run_notify_threads<HostRdmaCtx, FusedNotifyState>(
+      args, [](HostRdmaCtx& ctx, const FusedNotifyArgs& a, int rank, FusedNotifyState* st) {
+        fused_notify(ctx, a, rank, st);
+      });
+}
+
+// Blocks as on the GPU (internode_fused.cu): RDMA senders with a group per node, forwarders and
+// NVLink receivers with a group per local rank; the forwarder group 0 of channel 0 runs a cached
+// dispatch's header round first.
+void run_fused_dispatch_cpu(const FusedDispatchArgs& args, const CpuOptions& options) {
+  const Common& c = args.common;
+  check_cpu(c, options);
+  const auto epochs = rdma_epochs(args);
+  struct Block {
+    GroupState groups[kMaxNodes] = {};
+    ForwardState forward = {};
+    std::vector<std::unique_ptr<ThreadBarrier>> barriers;
+  };
+  const int gw = options.group_warps;
+  run_blocks<Block>(c, 3, [&](int rank, int channel, int role, Block* b, Threads& threads) {
+    const uint64_t epoch = epochs(rank);
+    const bool handshake = args.ranks[rank - c.rank_begin].peer_ok == nullptr && channel == 0;
+    if (role == 0) {
+      spawn_groups(threads, b->barriers, c, c.num_nodes, gw, b->groups, [&args, rank, channel, epoch, gw](
+                                                                             HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
+        fused_rdma_send(ctx, args, rank, channel, g, args.common.num_nodes, w, gw, epoch, gs);
+      });
+    } else if (role == 1) {
+      ForwardState* fs = &b->forward;
+      spawn_groups(threads, b->barriers, c, c.ranks_per_node, gw, b->groups,
+                   [&args, rank, channel, epoch, gw, handshake, fs](HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
+                     const FusedDispatchRank& me = args.ranks[rank - args.common.rank_begin];
+                     if (handshake && g == 0 && w == 0) fused_handshake(ctx, args.common, me.check, rank, epoch, kNodeDispatch);
+                     fused_forward(ctx, args, rank, channel, g, w, gw, epoch, fs, gs);
+                   });
+    } else {
+      spawn_groups(threads, b->barriers, c, c.ranks_per_node, gw, b->groups, [&args, rank, channel, epoch, gw](
+                                                                                 HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
+        fused_nvl_recv(ctx, args, rank, channel, g, w, gw, epoch, gs);
+      });
+    }
+  });
+  epochs.advance();
+}
+
+// Blocks as on the GPU: holder senders (a group per local rank), the forwarder reducer (its
+// coordinator of channel 0 runs the header round first) and the source reducer.
+template <class T>
+void run_fused_combine_typed(const FusedCombineArgs& args, const CpuOptions& options) {
+  const Common& c = args.common;
+  const auto epochs = rdma_epochs(args);
+  struct Block {
+    GroupState groups[kMaxLocal] = {};
+    ring::ReduceState<kMaxLocal> forward = {};
+    CombineRecvState source = {};
+    std::vector<std::unique_ptr<ThreadBarrier>> barriers;
+  };
+  const int gw = options.group_warps, workers = options.num_workers;
+  run_blocks<Block>(c, 3, [&](int rank, int channel, int role, Block* b, Threads& threads) {
+    const uint64_t epoch = epochs(rank);
+    const FusedCombineRank* me = &args.ranks[rank - c.rank_begin];
+    if (role == 0) {
+      spawn_groups(threads, b->barriers, c, c.ranks_per_node, gw, b->groups,
+                   [&args, rank, channel, epoch, gw](HostRdmaCtx& ctx, int g, int w, GroupState* gs) {
+                     fused_holder_send(ctx, args, rank, channel, g, w, gw, epoch, gs);
+                   });
+    } else if (role == 1) {
+      // Each thread builds its own tables (the GPU shares one copy per block).
+      auto source = [&args, rank, channel, epoch, me](HostRdmaCtx& ctx, ForwardTables* t) {
+        forward_tables(ctx, args, rank, channel, epoch, t);
+        return ForwardCombineSource{&args.common, &args, me, t, ctx.buffer(rank), nvl_buffer(args.common, rank), rank,
+                                    channel, epoch};
+      };
+      spawn_reducer(
+          threads, c, workers, &b->forward,
+          [&args, source, rank, channel, epoch, workers, me](HostRdmaCtx& ctx, ring::ReduceState<kMaxLocal>* st) {
+            if (channel == 0) fused_handshake(ctx, args.common, me->check, rank, epoch, kNodeCombine);
+            ForwardTables t;
+            const ForwardCombineSource src = source(ctx, &t);
+            ring::reduce_coordinator(ctx, src, workers, st);
+            forward_combine_finish(ctx, src);
+          },
+          [&args, source, workers](HostRdmaCtx& ctx, int w, ring::ReduceState<kMaxLocal>* st) {
+            ForwardTables t;
+            ring::reduce_worker<T>(ctx, source(ctx, &t), args.slot.x_bytes, w, workers, st);
+          });
+    } else {
+      spawn_reducer(
+          threads, c, workers, &b->source,
+          [&args, rank, channel, epoch, workers](HostRdmaCtx& ctx, CombineRecvState* st) {
+            ring::reduce_coordinator(ctx, fused_source(ctx, args, rank, channel, epoch, true), workers, st);
+          },
+          [&args, rank, channel, epoch, workers](HostRdmaCtx& ctx, int w, CombineRecvState* st) {
+            ring::reduce_worker<T>(ctx, fused_source(ctx, args, rank, channel, epoch, false), args.slot.x_bytes, w,
+                                   workers, st);
+          });
+    }
+  });
+  epochs.advance();
+}
+
+void run_fused_combine_cpu(const FusedCombineArgs& args, intranode::DType dtype, const CpuOptions& options) {
+  check_cpu(args.common, options);
+  intranode::with_dtype(dtype, [&](auto tag) { run_fused_combine_typed<decltype(tag)>(args, options); });
 }
 
 }  // namespace internode
 }  // namespace moe_dispatch
-
-#ifdef MOE_INTERNODE_CPU_MAIN
-// Standalone driver for sanitizer builds (see python_tests/test_internode_cuda.py):
-//   internode_cpu N L CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]
-// Stage 1 alone, N nodes x L ranks: every simulated rank runs on its own thread ROUNDS
-// (default 3) times: node notify, node dispatch, node combine, each a launch of that rank
-// alone (rank_begin = r, one launched rank: the launch shape of the NVSHMEM mode), over RDMA
-// buffers the rounds reuse. Ranks are not joined between operations, so a fast rank starts the
-// next one while its rail peers finish the last: the case the epoch parity of node notify and
-// the self-resetting head/tail signals must get right. Routing is random with a fixed seed;
-// rows are small integers (exact in bf16). Dispatch is checked against a direct computation
-// (rows ordered by source node, then token; node-local top-k ids; per-expert counts); combine
-// gets the forwarder's received rows back as its node partials, so each token must come back
-// as x times the number of nodes holding it. Prints "ok", or the first mismatch and exits 1.
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <random>
-#include <thread>
-
-namespace {
-
-using namespace moe_dispatch::internode;
-using moe_dispatch::intranode::bf16_to_float;
-using moe_dispatch::intranode::float_to_bf16;
-
-struct World {
-  int N, L, W, C, S, H, K, E, x_bytes;
-  CpuOptions options;
-  std::vector<int> T;
-  std::vector<std::vector<uint16_t>> x;
-  std::vector<std::vector<int64_t>> idx;
-  std::vector<std::vector<float>> weights;
-  std::vector<std::vector<uint8_t>> in_node;  // [T, N]
-  Common common;
-};
-
-// Rank r's rounds; returns 0 or prints the failure and returns 1.
-int run_rank(const World& w, int r, int rounds) {
-  Common common = w.common;
-  common.rank_begin = r;
-  common.num_launch_ranks = 1;
-  const int node = r / w.L, local = r % w.L, experts_per_node = w.E / w.N;
-  const bool* in_node = reinterpret_cast<const bool*>(w.in_node[r].data());
-  for (int round = 0; round < rounds; ++round) {
-    NotifyArgs na{};
-    na.common = common;
-    std::vector<int32_t> prefix(w.N * w.C + 1, -1);
-    int32_t num_recv = -1, overflow = -1;
-    moe_dispatch::intranode::NotifyRank& n = na.ranks[0];
-    n.is_token_in_rank = in_node;
-    n.recv_prefix = prefix.data();
-    n.num_recv_tokens = &num_recv;
-    n.overflow = &overflow;
-    n.num_tokens = w.T[r];
-    n.budget = -1;
-    run_node_notify_cpu(na);
-    if (w.common.error->flag) return std::printf("rank %d round %d: node notify timed out\n", r, round), 1;
-    int expected_rows = 0;
-    for (int m = 0; m < w.N; ++m) {
-      const int s = m * w.L + local;
-      for (int t = 0; t < w.T[s]; ++t) expected_rows += w.in_node[s][t * w.N + node];
-    }
-    if (num_recv != expected_rows || prefix[w.N * w.C] != num_recv || overflow != 0)
-      return std::printf("rank %d round %d: notify says %d rows (prefix %d, overflow %d), expected %d\n", r, round,
-                         num_recv, prefix[w.N * w.C], overflow, expected_rows), 1;
-
-    DispatchArgs da{};
-    da.common = common;
-    da.slot = moe_dispatch::intranode::make_slot_layout(w.x_bytes, 0, w.K);
-    da.experts_per_node = experts_per_node;
-    std::vector<uint16_t> recv_x(static_cast<size_t>(num_recv) * w.H);
-    std::vector<int64_t> recv_idx(static_cast<size_t>(num_recv) * w.K), per_expert(experts_per_node, 0);
-    std::vector<float> recv_w(static_cast<size_t>(num_recv) * w.K);
-    std::vector<int32_t> recv_src(num_recv);
-    DispatchRank& d = da.ranks[0];
-    d.x = reinterpret_cast<const char*>(w.x[r].data());
-    d.topk_idx = w.idx[r].data();
-    d.topk_weights = w.weights[r].data();
-    d.is_token_in_rank = in_node;
-    d.recv_prefix = prefix.data();
-    d.recv_x = reinterpret_cast<char*>(recv_x.data());
-    d.recv_topk_idx = recv_idx.data();
-    d.recv_topk_weights = recv_w.data();
-    d.recv_src_idx = recv_src.data();
-    d.num_recv_per_expert = per_expert.data();
-    d.overflow = &overflow;
-    d.num_tokens = w.T[r];
-    d.num_rows = num_recv;
-    run_node_dispatch_cpu(da, w.options);
-    if (w.common.error->flag) return std::printf("rank %d round %d: node dispatch timed out\n", r, round), 1;
-    std::vector<int64_t> want_per_expert(experts_per_node, 0);
-    int row = 0;  // expected receive order: by source node (my rail), then source token
-    for (int m = 0; m < w.N; ++m) {
-      const int s = m * w.L + local;
-      for (int t = 0; t < w.T[s]; ++t) {
-        if (!w.in_node[s][t * w.N + node]) continue;
-        bool good = row < num_recv && recv_src[row] == t &&
-                    !std::memcmp(&recv_x[static_cast<size_t>(row) * w.H], &w.x[s][static_cast<size_t>(t) * w.H],
-                                 w.x_bytes);
-        for (int k = 0; good && k < w.K; ++k) {
-          const int64_t e = w.idx[s][t * w.K + k];
-          const int64_t want = (e >= node * experts_per_node && e < (node + 1) * experts_per_node)
-                                   ? e - node * experts_per_node : -1;
-          good = recv_idx[static_cast<size_t>(row) * w.K + k] == want &&
-                 recv_w[static_cast<size_t>(row) * w.K + k] == (want >= 0 ? w.weights[s][t * w.K + k] : 0.0f);
-          if (want >= 0) ++want_per_expert[want];
-        }
-        if (!good)
-          return std::printf("rank %d round %d: dispatch row %d (source rank %d token %d) is wrong\n", r, round, row,
-                             s, t), 1;
-        ++row;
-      }
-    }
-    if (overflow != 0 || per_expert != want_per_expert)
-      return std::printf("rank %d round %d: overflow %d or per-expert counts are wrong\n", r, round, overflow), 1;
-
-    CombineArgs ca{};
-    ca.common = common;
-    ca.slot = moe_dispatch::intranode::make_slot_layout(w.x_bytes, 0, 0);
-    std::vector<uint16_t> out(static_cast<size_t>(w.T[r]) * w.H, 0xffff);
-    CombineRank& c = ca.ranks[0];
-    c.y = reinterpret_cast<const char*>(recv_x.data());  // node partials: the received rows themselves
-    c.is_token_in_rank = in_node;
-    c.recv_prefix = prefix.data();
-    c.out = reinterpret_cast<char*>(out.data());
-    c.num_tokens = w.T[r];
-    c.num_rows = num_recv;
-    run_node_combine_cpu(ca, moe_dispatch::intranode::kBf16, w.options);
-    if (w.common.error->flag) return std::printf("rank %d round %d: node combine timed out\n", r, round), 1;
-    for (int t = 0; t < w.T[r]; ++t) {
-      int holders = 0;
-      for (int m = 0; m < w.N; ++m) holders += w.in_node[r][t * w.N + m];
-      for (int h = 0; h < w.H; ++h) {
-        const float want = holders * bf16_to_float(w.x[r][t * w.H + h]);
-        if (bf16_to_float(out[t * w.H + h]) != want)
-          return std::printf("rank %d round %d: combine token %d h %d: %g != %g\n", r, round, t, h,
-                             bf16_to_float(out[t * w.H + h]), want), 1;
-      }
-    }
-  }
-  return 0;
-}
-
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc != 8 && argc != 9) {
-    std::fprintf(stderr, "usage: %s N L CHANNELS SLOTS CHUNK GROUP_WARPS WORKERS [ROUNDS]\n", argv[0]);
-    return 2;
-  }
-  World w{};
-  w.N = std::atoi(argv[1]);
-  w.L = std::atoi(argv[2]);
-  w.C = std::atoi(argv[3]);
-  w.S = std::atoi(argv[4]);
-  const int chunk = std::atoi(argv[5]);
-  w.options.group_warps = std::atoi(argv[6]);
-  w.options.num_workers = std::atoi(argv[7]);
-  const int rounds = argc == 9 ? std::atoi(argv[8]) : 3;
-  w.W = w.N * w.L;
-  if (w.N < 1 || w.L < 1 || w.W > kMaxLaunchRanks || w.C < 1 || w.C > kMaxChannels || chunk < 1 || w.S % chunk != 0 ||
-      rounds < 1) {
-    std::fprintf(stderr, "need 1 <= N * L <= %d, 1 <= CHANNELS <= %d, CHUNK dividing SLOTS, ROUNDS >= 1\n",
-                 kMaxLaunchRanks, kMaxChannels);
-    return 2;
-  }
-  w.H = 32;
-  w.K = 3;
-  w.E = 4 * w.N;
-  w.x_bytes = 2 * w.H;
-  const int experts_per_node = w.E / w.N;
-  std::mt19937 rng(static_cast<unsigned>(w.N * 131 + w.L * 17 + w.C * 7 + w.S));
-  w.T.resize(w.W);
-  w.x.resize(w.W);
-  w.idx.resize(w.W);
-  w.weights.resize(w.W);
-  w.in_node.resize(w.W);
-  for (int r = 0; r < w.W; ++r) {
-    w.T[r] = r == 1 ? 0 : 20 + 3 * r;  // rank 1 sends nothing
-    w.x[r].resize(static_cast<size_t>(w.T[r]) * w.H);
-    for (int t = 0; t < w.T[r]; ++t)
-      for (int h = 0; h < w.H; ++h) w.x[r][t * w.H + h] = float_to_bf16(static_cast<float>((t * 7 + h + 3 * r) % 17 - 8));
-    w.idx[r].assign(static_cast<size_t>(w.T[r]) * w.K, -1);
-    w.weights[r].assign(static_cast<size_t>(w.T[r]) * w.K, 0.0f);
-    w.in_node[r].assign(static_cast<size_t>(w.T[r]) * w.N, 0);
-    for (int t = 0; t < w.T[r]; ++t) {
-      std::vector<int> experts(w.E);
-      for (int e = 0; e < w.E; ++e) experts[e] = e;
-      std::shuffle(experts.begin(), experts.end(), rng);
-      for (int k = 0; k < w.K; ++k) {
-        if (rng() % 5 == 0) continue;
-        w.idx[r][t * w.K + k] = experts[k];
-        w.weights[r][t * w.K + k] = 0.25f * static_cast<float>(1 + rng() % 4);
-        w.in_node[r][t * w.N + experts[k] / experts_per_node] = 1;
-      }
-    }
-  }
-  const int slot_bytes = moe_dispatch::intranode::make_slot_layout(w.x_bytes, 0, w.K).slot_bytes;
-  const RdmaLayout layout = make_rdma_layout(w.N, w.C, w.S, slot_bytes);
-  std::vector<std::vector<int64_t>> buffers(w.W, std::vector<int64_t>(layout.total_bytes / 8 + 16, 0));
-  ErrorRecord error{};
-  w.common.num_nodes = w.N;
-  w.common.ranks_per_node = w.L;
-  w.common.num_channels = w.C;
-  w.common.skip_rank = -1;
-  w.common.chunk_tokens = chunk;
-  w.common.timeout_cycles = 20'000'000'000LL;  // ns
-  w.common.layout = layout;
-  w.common.symmetric = nullptr;
-  for (int r = 0; r < w.W; ++r) w.common.buffers[r] = reinterpret_cast<char*>(buffers[r].data());
-  w.common.error = &error;
-  w.common.error_host = nullptr;
-
-  std::vector<int> status(w.W, 0);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < w.W; ++r) ranks.emplace_back([&w, &status, r, rounds]() { status[r] = run_rank(w, r, rounds); });
-  for (auto& t : ranks) t.join();
-  for (int r = 0; r < w.W; ++r) {
-    if (status[r] != 0) {
-      std::printf("failed (rank %d first); timeout record: flag %d phase %d rank %d peer %d counter %d\n", r,
-                  error.flag, error.phase, error.rank, error.peer, error.counter);
-      return 1;
-    }
-  }
-  std::printf("ok\n");
-  return 0;
-}
-#endif  // MOE_INTERNODE_CPU_MAIN

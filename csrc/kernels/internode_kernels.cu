@@ -1,195 +1,76 @@
-// Stage-1 (RDMA) kernels of the internode protocol and their host launchers, in two modes:
-// loopback (every rank's buffer in this process: a put is a warp copy into the peer's buffer
-// plus a release store of the signal; one GPU checks the protocol) and NVSHMEM (a put is
-// nvshmemx_putmem_signal_nbi_warp to the PE of the same local index). The per-warp protocol
-// lives in internode_roles.cuh, shared with the CPU backend; this file maps warps to roles.
+// Stage-1 (RDMA) kernels of the staged internode pipeline and their host launchers, plus the
+// checks every internode launch shares (internode.h). The per-warp protocol lives in
+// internode_roles.cuh, shared with the CPU backend; the contexts in internode_device.cuh; this
+// file maps warps to roles.
 #include <cuda_runtime.h>
 
 #include "core/error.h"
 #include "core/launch.h"
-#include "kernels/internode.h"
+#include "kernels/internode_device.cuh"
 #include "kernels/internode_roles.cuh"
-#include "kernels/intranode_device.cuh"
-
-#ifdef MOE_DISPATCH_WITH_NVSHMEM
-#include <nvshmem.h>
-#include <nvshmemx.h>
-#endif
 
 namespace moe_dispatch {
 namespace internode {
 namespace {
 
-using intranode::DeviceCtxT;
-using intranode::WaitSite;
-
-__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// What both modes share: local words, warp-level waits.
-struct RdmaCtxBase : DeviceCtxT<Common> {
-  __device__ uint64_t load_local(const uint64_t* p) const { return *reinterpret_cast<const volatile uint64_t*>(p); }
-  __device__ void store_local(uint64_t* p, uint64_t v) const { *reinterpret_cast<volatile uint64_t*>(p) = v; }
-};
-
-struct LoopbackCtx : RdmaCtxBase {
-  __device__ char* buffer(int rank) const { return common->buffers[rank]; }
-  template <class P>
-  __device__ P* at_peer(int rank, int peer, P* p) const {
-    return reinterpret_cast<P*>(common->buffers[peer] + (reinterpret_cast<char*>(p) - common->buffers[rank]));
-  }
-  __device__ int64_t wait_signal_lane(const uint64_t* sig, int64_t target, const WaitSite& site) const {
-    return bounded_wait([sig]() { return static_cast<int64_t>(ld_acquire_sys_u64(sig)); }, target, site);
-  }
-  __device__ int64_t wait_signal(const uint64_t* sig, int64_t target, const WaitSite& site) const {
-    int64_t v = 0;
-    if (lane() == 0) v = wait_signal_lane(sig, target, site);
-    return __shfl_sync(0xffffffffu, v, 0);
-  }
-  // The staging slots were written in this kernel: read them at L2 (copy_out), not via .nc.
-  __device__ void put_signal(int rank, int peer, char* dst, const char* src, int64_t bytes, uint64_t* sig,
-                             uint64_t value) const {
-    copy_out(at_peer(rank, peer, dst), src, static_cast<int>(bytes));
-    __syncwarp();
-    if (lane() == 0) st_release_sys_u64(at_peer(rank, peer, sig), value);
-    __syncwarp();
-  }
-  __device__ void put_signal_lane(int rank, int peer, char* dst, const char* src, int64_t bytes, uint64_t* sig,
-                                  uint64_t value) const {
-    int32_t* d = at_peer(rank, peer, reinterpret_cast<int32_t*>(dst));
-    const int32_t* s = reinterpret_cast<const int32_t*>(src);
-    for (int64_t i = 0; i < bytes / 4; ++i) d[i] = intranode::ld_queue_i32(s + i);
-    st_release_sys_u64(at_peer(rank, peer, sig), value);
-  }
-  __device__ void signal_set(int rank, int peer, uint64_t* sig, uint64_t value) const {
-    st_release_sys_u64(at_peer(rank, peer, sig), value);
-  }
-  __device__ void reset_signal(uint64_t* sig) const { st_relaxed_sys_u64(sig, 0); }
-};
-
-#ifdef MOE_DISPATCH_WITH_NVSHMEM
-struct NvshmemCtx : RdmaCtxBase {
-  __device__ char* buffer(int) const { return common->symmetric; }
-  // Bounded polling of the signal word, then NVSHMEM's own wait (already satisfied, returns at
-  // once) for the memory-consistency step its transports need after a signal.
-  __device__ int64_t wait_signal_lane(uint64_t* sig, int64_t target, const WaitSite& site) const {
-    const int64_t v = bounded_wait([sig]() { return static_cast<int64_t>(nvshmem_signal_fetch(sig)); }, target, site);
-    if (v >= 0) nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, static_cast<uint64_t>(target));
-    return v;
-  }
-  __device__ int64_t wait_signal(uint64_t* sig, int64_t target, const WaitSite& site) const {
-    int64_t v = 0;
-    if (lane() == 0) v = wait_signal_lane(sig, target, site);
-    return __shfl_sync(0xffffffffu, v, 0);
-  }
-  // The group's staging stores must be visible to the NIC before it reads them.
-  __device__ void put_signal(int, int peer, char* dst, const char* src, int64_t bytes, uint64_t* sig,
-                             uint64_t value) const {
-    __threadfence_system();
-    __syncwarp();
-    nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), sig, value, NVSHMEM_SIGNAL_SET, peer);
-  }
-  __device__ void put_signal_lane(int, int peer, char* dst, const char* src, int64_t bytes, uint64_t* sig,
-                                  uint64_t value) const {
-    __threadfence_system();
-    nvshmem_putmem_signal(dst, src, static_cast<size_t>(bytes), sig, value, NVSHMEM_SIGNAL_SET, peer);
-  }
-  __device__ void signal_set(int, int peer, uint64_t* sig, uint64_t value) const {
-    __threadfence_system();
-    nvshmemx_signal_op(sig, value, NVSHMEM_SIGNAL_SET, peer);
-  }
-  // A local store (the ring is idle: no remote write can be in flight), fenced so that it lands
-  // before the signal that lets the peer write again.
-  __device__ void reset_signal(uint64_t* sig) const {
-    st_relaxed_sys_u64(sig, 0);
-    __threadfence_system();
-  }
-};
-#endif
-
 template <class Ctx>
 __global__ void __launch_bounds__(kNotifyThreads, 1) node_notify_kernel(const __grid_constant__ NotifyArgs args) {
-  const int rank = args.common.rank_begin + static_cast<int>(blockIdx.x);
-  if (rank == args.common.skip_rank) return;
   __shared__ NotifyState state;
-  Ctx ctx{{{&args.common, 0, 0}}};
-  node_notify(ctx, args, rank, &state);
+  notify_block<Ctx>(args.common, [&](Ctx& ctx, int rank) { node_notify(ctx, args, rank, &state); });
 }
 
-// Sender/receiver blocks: min(N, 16) warp groups; group g serves nodes g, g + groups, ...
-struct Groups {
-  int count, warps, group;
-};
-
-__device__ __forceinline__ Groups groups_of(const Common& c) {
-  const int count = c.num_nodes < kNumWarps ? c.num_nodes : kNumWarps;
-  const int warps = kNumWarps / count;
-  return {count, warps, static_cast<int>(threadIdx.x) / 32 / warps};
-}
-
-// blockIdx = (2 * channel + is_receiver, launched rank).
+// blockIdx = (2 * channel + is_receiver, launched rank). min(N, 16) warp groups; group g serves
+// nodes g, g + groups, ...
 template <class Ctx>
 __global__ void __launch_bounds__(kNumThreads, 2) node_dispatch_kernel(const __grid_constant__ DispatchArgs args) {
-  const Common& common = args.common;
-  const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
-  if (rank == common.skip_rank) return;
-  const int channel = static_cast<int>(blockIdx.x) / 2;
-  const Groups g = groups_of(common);
-  if (g.group >= g.count) return;
-  const int warp = static_cast<int>(threadIdx.x) / 32 % g.warps;
-  __shared__ GroupState groups[kNumWarps];
-  Ctx ctx{{{&common, g.group + 1, g.warps * 32}}};
-  for (int node = g.group; node < common.num_nodes; node += g.count) {
-    if (blockIdx.x % 2 == 0) {
-      node_dispatch_send(ctx, args, rank, channel, node, warp, g.warps, &groups[g.group]);
-    } else {
-      node_dispatch_recv(ctx, args, rank, channel, node, warp, g.warps, &groups[g.group]);
+  rank_block<Ctx>(args.common, [&](Ctx&, int rank, uint64_t epoch) {
+    const Common& common = args.common;
+    const int channel = static_cast<int>(blockIdx.x) / 2;
+    const Groups g = groups_of(common.num_nodes);
+    __shared__ GroupState groups[kNumWarps];
+    if (g.group >= g.count) return;
+    const int warp = static_cast<int>(threadIdx.x) / 32 % g.warps;
+    Ctx ctx{{{&common, g.group + 1, g.warps * 32}}};
+    for (int node = g.group; node < common.num_nodes; node += g.count) {
+      if (blockIdx.x % 2 == 0) {
+        node_dispatch_send(ctx, args, rank, channel, node, warp, g.warps, epoch, &groups[g.group]);
+      } else {
+        node_dispatch_recv(ctx, args, rank, channel, node, warp, g.warps, epoch, &groups[g.group]);
+      }
     }
-  }
+  });
 }
 
 // Senders: warp groups over nodes; receivers: warp 0 coordinates, the others reduce.
 template <class Ctx, class T>
 __global__ void __launch_bounds__(kNumThreads, 2) node_combine_kernel(const __grid_constant__ CombineArgs args) {
-  const Common& common = args.common;
-  const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
-  if (rank == common.skip_rank) return;
-  const int channel = static_cast<int>(blockIdx.x) / 2;
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  if (blockIdx.x % 2 == 0) {
-    const Groups g = groups_of(common);
-    if (g.group >= g.count) return;
-    __shared__ GroupState groups[kNumWarps];
-    Ctx ctx{{{&common, g.group + 1, g.warps * 32}}};
-    for (int node = g.group; node < common.num_nodes; node += g.count)
-      node_combine_send(ctx, args, rank, channel, node, warp % g.warps, g.warps, &groups[g.group]);
-    return;
-  }
-  __shared__ CombineRecvState state;
-  for (int i = threadIdx.x; i < kNumWarps * kMaxNodes; i += blockDim.x) {
-    (&state.progress[0][0])[i] = 0;
-    (&state.seen_tail[0][0])[i] = 0;
-  }
-  if (threadIdx.x == 0) state.done = 0;
-  __syncthreads();
-  Ctx ctx{{{&common, 0, 32}}};
-  if (warp == 0) {
-    node_combine_recv_coordinator(ctx, args, rank, channel, kNumWarps - 1, &state);
-  } else {
-    node_combine_recv_worker<T>(ctx, args, rank, channel, warp - 1, kNumWarps - 1, &state);
-  }
+  rank_block<Ctx>(args.common, [&](Ctx& ctx0, int rank, uint64_t epoch) {
+    const Common& common = args.common;
+    const int channel = static_cast<int>(blockIdx.x) / 2;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    if (blockIdx.x % 2 == 0) {
+      const Groups g = groups_of(common.num_nodes);
+      __shared__ GroupState groups[kNumWarps];
+      if (g.group >= g.count) return;
+      Ctx ctx{{{&common, g.group + 1, g.warps * 32}}};
+      for (int node = g.group; node < common.num_nodes; node += g.count)
+        node_combine_send(ctx, args, rank, channel, node, warp % g.warps, g.warps, epoch, &groups[g.group]);
+      return;
+    }
+    __shared__ CombineRecvState state;
+    ring::init_reduce_state(&state);
+    const CombineRank& me = args.ranks[rank - common.rank_begin];
+    const SourceReduce src = source_reduce(ctx0, common, me.check, me.is_token_in_rank, me.out, me.num_tokens,
+                                           args.slot, rank, channel, epoch, false, warp == 0, warp == 0 && channel == 0);
+    if (warp == 0) {
+      ring::reduce_coordinator(ctx0, src, kNumWarps - 1, &state);
+    } else {
+      ring::reduce_worker<T>(ctx0, src, args.slot.x_bytes, warp - 1, kNumWarps - 1, &state);
+    }
+  });
 }
+
+}  // namespace
 
 void check_resident(int resident, dim3 grid, const char* what) {
   const long long blocks = static_cast<long long>(grid.x) * grid.y;
@@ -199,22 +80,6 @@ void check_resident(int resident, dim3 grid, const char* what) {
                                                       << "; lower num_sms (or the number of simulated ranks)");
 }
 
-// Runs fn(kernel-for-Ctx) with the context of `mode`.
-template <class Fn>
-void with_mode(Mode mode, Fn fn) {
-  if (mode == kLoopback) {
-    fn(LoopbackCtx{});
-    return;
-  }
-#ifdef MOE_DISPATCH_WITH_NVSHMEM
-  fn(NvshmemCtx{});
-#else
-  MOE_HOST_CHECK(false, "NVSHMEM mode needs the extension built with NVSHMEM (this one was built without)");
-#endif
-}
-
-}  // namespace
-
 bool nvshmem_compiled() {
 #ifdef MOE_DISPATCH_WITH_NVSHMEM
   return true;
@@ -223,7 +88,7 @@ bool nvshmem_compiled() {
 #endif
 }
 
-void check_common(const Common& c, Mode mode) {
+void check_common(const Common& c, Mode mode, bool fused) {
   const RdmaLayout& l = c.layout;
   MOE_HOST_CHECK(c.num_nodes >= 1 && c.num_nodes <= kMaxNodes,
                  "num_nodes must be in [1, " << kMaxNodes << "], got " << c.num_nodes);
@@ -235,9 +100,12 @@ void check_common(const Common& c, Mode mode) {
   MOE_HOST_CHECK(c.num_channels >= 1 && c.num_channels <= l.num_channels,
                  "num_channels (num_sms / 2) must be in [1, " << l.num_channels << "] (the buffer's), got "
                                                                << c.num_channels);
-  MOE_HOST_CHECK(c.num_nodes * c.num_channels <= kNotifyThreads,
+  MOE_HOST_CHECK(fused || c.num_nodes * c.num_channels <= kNotifyThreads,
                  "num_nodes x num_channels must be <= " << kNotifyThreads << " (one notify thread per queue), got "
                                                         << c.num_nodes << " x " << c.num_channels << "; lower num_sms");
+  MOE_HOST_CHECK(l.ranks_per_node == c.ranks_per_node,
+                 "the RDMA buffer is laid out for " << l.ranks_per_node << " ranks per node but the call has "
+                                                    << c.ranks_per_node);
   const int world = c.num_nodes * c.ranks_per_node;
   MOE_HOST_CHECK(c.num_launch_ranks >= 1 && c.num_launch_ranks <= kMaxLaunchRanks && c.rank_begin >= 0 &&
                      c.rank_begin + c.num_launch_ranks <= world,
@@ -258,18 +126,40 @@ void check_common(const Common& c, Mode mode) {
                                                                         << c.num_nodes << " x " << c.ranks_per_node);
     for (int r = 0; r < world; ++r) MOE_HOST_CHECK(c.buffers[r] != nullptr, "the buffer of rank " << r << " is null");
   }
+  if (!fused) return;
+  const intranode::BufferLayout& nl = c.nvl_layout;
+  MOE_HOST_CHECK(c.ranks_per_node <= kMaxLocal, "the fused pipeline serves at most " << kMaxLocal
+                                                                                   << " ranks per node, got "
+                                                                                   << c.ranks_per_node);
+  MOE_HOST_CHECK(nl.num_ranks == c.ranks_per_node && nl.relay_nodes == c.num_nodes && nl.num_channels >= c.num_channels,
+                 "the NVLink buffers are laid out for " << nl.num_ranks << " ranks, " << nl.relay_nodes << " nodes and "
+                                                        << nl.num_channels << " channels; the call has "
+                                                        << c.ranks_per_node << ", " << c.num_nodes << " and "
+                                                        << c.num_channels);
+  MOE_HOST_CHECK(c.chunk_tokens <= nl.num_slots, "chunk_tokens must be <= the NVLink rings' num_slots=" << nl.num_slots);
+  // The NVLink buffers of every node with a launched rank.
+  const int L = c.ranks_per_node;
+  for (int i = 0; i < c.num_launch_ranks; ++i) {
+    const int node = (c.rank_begin + i) / L;
+    for (int r = node * L; r < (node + 1) * L; ++r)
+      MOE_HOST_CHECK(r - c.nvl_first_rank >= 0 && r - c.nvl_first_rank < kMaxLaunchRanks &&
+                         c.nvl_buffers[r - c.nvl_first_rank] != nullptr,
+                     "the NVLink buffer of rank " << r << " is missing (nvl_first_rank " << c.nvl_first_rank << ")");
+  }
 }
 
 void launch_node_notify(const NotifyArgs& args, Mode mode, bool cooperative, cudaStream_t stream) {
   const Common& c = args.common;
-  check_common(c, mode);
+  check_common(c, mode, false);
   for (int i = 0; i < c.num_launch_ranks; ++i) {
     const NotifyRank& r = args.ranks[i];
     MOE_HOST_CHECK(r.num_tokens >= 0, "rank " << c.rank_begin + i << ": num_tokens must be >= 0, got " << r.num_tokens);
     MOE_HOST_CHECK(r.num_tokens == 0 || r.is_token_in_rank != nullptr,
                    "rank " << c.rank_begin + i << ": is_token_in_node is null");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr,
-                   "rank " << c.rank_begin + i << ": recv_prefix, num_recv_tokens and overflow must be device pointers");
+    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr &&
+                       r.peer_ok != nullptr,
+                   "rank " << c.rank_begin + i << ": recv_prefix, num_recv_tokens, overflow and peer_ok must be device "
+                                                  "pointers");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
@@ -282,7 +172,7 @@ void launch_node_notify(const NotifyArgs& args, Mode mode, bool cooperative, cud
 void launch_node_dispatch(const DispatchArgs& args, Mode mode, bool cooperative, cudaStream_t stream) {
   const Common& c = args.common;
   const SlotLayout& s = args.slot;
-  check_common(c, mode);
+  check_common(c, mode, false);
   const SlotLayout want = intranode::make_slot_layout(s.x_bytes, s.scale_bytes, s.num_topk);
   MOE_HOST_CHECK(s.x_bytes > 0 && s.x_bytes % intranode::kFieldAlign == 0 && want.slot_bytes == s.slot_bytes,
                  "the dispatch slot layout is not make_slot_layout(" << s.x_bytes << ", " << s.scale_bytes << ", "
@@ -318,7 +208,7 @@ void launch_node_combine(const CombineArgs& args, intranode::DType dtype, Mode m
                          cudaStream_t stream) {
   const Common& c = args.common;
   const SlotLayout& s = args.slot;
-  check_common(c, mode);
+  check_common(c, mode, false);
   const SlotLayout want = intranode::make_slot_layout(s.x_bytes, 0, 0);
   MOE_HOST_CHECK(s.x_bytes > 0 && s.x_bytes % intranode::kFieldAlign == 0 && want.slot_bytes == s.slot_bytes &&
                      s.num_topk == 0 && s.scale_bytes == 0,
@@ -336,17 +226,11 @@ void launch_node_combine(const CombineArgs& args, intranode::DType dtype, Mode m
   }
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
-    using Ctx = decltype(ctx);
-    auto launch = [&](auto kernel) {
+    intranode::with_dtype(dtype, [&](auto tag) {
+      auto kernel = node_combine_kernel<decltype(ctx), decltype(tag)>;
       check_resident(max_resident_blocks(kernel, kNumThreads), grid, "node combine");
       launch_kernel(kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
-    };
-    switch (dtype) {
-      case intranode::kBf16: launch(node_combine_kernel<Ctx, intranode::Bf16Tag>); break;
-      case intranode::kF16: launch(node_combine_kernel<Ctx, intranode::F16Tag>); break;
-      case intranode::kF32: launch(node_combine_kernel<Ctx, intranode::F32Tag>); break;
-      default: MOE_HOST_CHECK(false, "combine dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " << dtype);
-    }
+    });
   });
 }
 

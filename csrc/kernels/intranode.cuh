@@ -53,6 +53,10 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/header.cuh"
 
 #if defined(__CUDACC__)
 #define MOE_HD __host__ __device__ __forceinline__
@@ -162,19 +166,32 @@ MOE_HD LineSpan inner_lines(char* p, int bytes) {
 //   tail_offset   = meta_offset + align128(4WC) tail    [W][C] lines  int32 at byte 0 of each 128-B line:
 //                                                                     slots of queue (p -> me, c) written
 //   head_offset   = tail_offset + 128 W C       head    [W][C] lines  slots of queue (me -> p, c) freed by p
-//   queue_offset  = head_offset + 128 W C       queue   [W][C][S]     B bytes each: ring (p -> me, c)
+//   epoch_offset  = head_offset + 128 W C       epoch   one line      uint64 op epoch (dispatch and combine
+//                                                                     kernels run), int32 done at byte 8
+//   header_offset = epoch_offset + 128          header  [2][W] lines  header lines of peer p (header.cuh)
+//   relay_offset  = header_offset + 256 W       relay   internode only (relay_nodes N > 0; else empty):
+//                                                 arrive int32 [2][W] (align128), then per (parity, p)
+//                                                 relay_bytes = 128 + align128(4NC): p's header line and
+//                                                 the counts [N][C] it forwards to me (internode.cuh)
+//   queue_offset  = relay_offset + relay size   queue   [W][C][S]     B bytes each: ring (p -> me, c)
 //   total_bytes   = queue_offset + W C S B
 //
-// Everything before queue_offset (the control region) must be zero when the Buffer is made
-// and stays zero between operations (the protocol resets what it uses).
+// Everything before queue_offset (the control region) must be zero when the Buffer is made.
+// The protocol resets what it uses, except the op epoch, which counts on (every rank runs the
+// same operations, so the ranks' epochs agree) and is zeroed with the rest by a reset.
 struct BufferLayout {
   int32_t num_ranks;
   int32_t num_channels;
   int32_t num_slots;
   int32_t slot_bytes;
+  int32_t relay_nodes;
+  int32_t relay_bytes;
   int64_t meta_offset;
   int64_t tail_offset;
   int64_t head_offset;
+  int64_t epoch_offset;
+  int64_t header_offset;
+  int64_t relay_offset;
   int64_t queue_offset;
   int64_t total_bytes;
 
@@ -190,23 +207,49 @@ struct BufferLayout {
     return reinterpret_cast<int32_t*>(base + head_offset +
                                       static_cast<int64_t>(peer * num_channels + channel) * kLine);
   }
+  MOE_HD uint64_t* epoch(char* base) const { return reinterpret_cast<uint64_t*>(base + epoch_offset); }
+  MOE_HD int32_t* done(char* base) const { return reinterpret_cast<int32_t*>(base + epoch_offset + 8); }
+  MOE_HD int64_t* header(char* base, uint64_t epoch, int peer) const {
+    return reinterpret_cast<int64_t*>(base + header_offset +
+                                      (static_cast<int64_t>(epoch & 1u) * num_ranks + peer) * kLine);
+  }
+  MOE_HD int32_t* relay_arrive(char* base, int parity, int peer) const {
+    return reinterpret_cast<int32_t*>(base + relay_offset) + parity * num_ranks + peer;
+  }
+  // p's relay message of `parity`: its header line (int64[16]), then int32 counts [N][C].
+  MOE_HD int64_t* relay_line(char* base, int parity, int peer) const {
+    return reinterpret_cast<int64_t*>(base + relay_offset + align_up(8 * static_cast<int64_t>(num_ranks), kLine) +
+                                      static_cast<int64_t>(parity * num_ranks + peer) * relay_bytes);
+  }
+  MOE_HD int32_t* relay_counts(char* base, int parity, int peer) const {
+    return reinterpret_cast<int32_t*>(relay_line(base, parity, peer) + 16);
+  }
   MOE_HD char* slot(char* base, int peer, int channel, int64_t index) const {
     const int64_t ring = static_cast<int64_t>(peer * num_channels + channel) * num_slots;
     return base + queue_offset + (ring + index % num_slots) * slot_bytes;
   }
 };
 
-MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_slots, int slot_bytes) {
+MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_slots, int slot_bytes,
+                                       int relay_nodes = 0) {
   BufferLayout l{};
   l.num_ranks = num_ranks;
   l.num_channels = num_channels;
   l.num_slots = num_slots;
   l.slot_bytes = static_cast<int32_t>(align_up(slot_bytes, kLine));
+  l.relay_nodes = relay_nodes;
+  l.relay_bytes = relay_nodes > 0 ? static_cast<int32_t>(kLine + align_up(4 * static_cast<int64_t>(relay_nodes) *
+                                                                          num_channels, kLine)) : 0;
   const int64_t queues = static_cast<int64_t>(num_ranks) * num_channels;
   l.meta_offset = align_up(4 * static_cast<int64_t>(num_ranks), kLine);
   l.tail_offset = l.meta_offset + align_up(4 * queues, kLine);
   l.head_offset = l.tail_offset + kLine * queues;
-  l.queue_offset = l.head_offset + kLine * queues;
+  l.epoch_offset = l.head_offset + kLine * queues;
+  l.header_offset = l.epoch_offset + kLine;
+  l.relay_offset = l.header_offset + 2 * kLine * static_cast<int64_t>(num_ranks);
+  const int64_t relay = relay_nodes > 0 ? align_up(8 * static_cast<int64_t>(num_ranks), kLine) +
+                                              2 * static_cast<int64_t>(num_ranks) * l.relay_bytes : 0;
+  l.queue_offset = l.relay_offset + relay;
   l.total_bytes = l.queue_offset + queues * num_slots * static_cast<int64_t>(l.slot_bytes);
   return l;
 }
@@ -215,8 +258,12 @@ MOE_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int num_
 
 enum Phase : int32_t { kNotify = 1, kDispatch = 2, kCombine = 3 };
 enum Role : int32_t { kBarrier = 1, kSender = 2, kReceiver = 3, kCoordinator = 4 };
-// What a wait polled: a barrier signal, a queue's tail (data to arrive), a queue's head (room).
-enum Counter : int32_t { kSignal = 1, kTail = 2, kHead = 3 };
+// What a wait polled: a barrier signal, a queue's tail (data to arrive), a queue's head (room),
+// a peer's header line (header.cuh); internode also a local peer's relayed header (sent after
+// that peer's own rail headers arrived) and the tail of a queue a forwarder fills from other
+// nodes (empty while the forwarder waits for its sources): a rank stuck behind a missing rail
+// peer is then the better-named cause.
+enum Counter : int32_t { kSignal = 1, kTail = 2, kHead = 3, kHeader = 4, kRelayHeader = 5, kForwardTail = 6 };
 
 // Where a wait happened: enough to name it in an error message.
 struct WaitSite {
@@ -250,12 +297,16 @@ static_assert(sizeof(ErrorRecord) == 64, "ErrorRecord is read as int32[16] by Py
 constexpr int kErrorRecordInts = 16;
 
 // How well a timed-out wait names the cause, lower is better: 0 = the peer never stored to
-// this tail or barrier signal in this operation (it never started, died, or is stuck in an
-// earlier one); 1 = a queue's head never moved (its receiver freed nothing, often because it
-// waits on a level-0 peer itself); 2 = the peer made progress, then stopped.
+// this tail, barrier signal or header in this operation (it never started, died, or is stuck
+// in an earlier one); 1 = a queue's head never moved (its receiver freed nothing, often
+// because it waits on a level-0 peer itself), a relayed header never came, or a forwarded
+// queue stayed empty (kForwardTail); 2 = the peer made progress, then stopped. `observed`
+// counts this operation's stores (header waits pass 0).
 MOE_HD int32_t timeout_level(int32_t counter, int32_t observed) {
+  if (counter == kHeader) return 0;
+  if (counter == kRelayHeader) return 1;
   if (observed > 0) return 2;
-  return counter == kHead ? 1 : 0;
+  return (counter == kHead || counter == kForwardTail) ? 1 : 0;
 }
 
 // ---- numerics -----------------------------------------------------------------------------------
@@ -285,6 +336,37 @@ MOE_HD uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+MOE_HD float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (man << 13));  // inf, NaN
+  if (exp != 0) return bits_float(sign | ((exp + 112) << 23) | (man << 13));
+  if (man == 0) return bits_float(sign);
+  int e = 113;  // subnormal: normalise the mantissa
+  uint32_t m = man;
+  while ((m & 0x400u) == 0) {
+    m <<= 1;
+    --e;
+  }
+  return bits_float(sign | (static_cast<uint32_t>(e) << 23) | ((m & 0x3ffu) << 13));
+}
+
+// Round to nearest even, overflow to inf, NaN stays NaN: torch's float -> float16.
+MOE_HD uint16_t float_to_f16(float f) {
+  const uint32_t u = float_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
+  if (a >= 0x38800000u) {                                               // normal half
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+    return static_cast<uint16_t>(sign | (r >> 13));
+  }
+  // Subnormal half (or zero): the value in units of 2^-24, rounded to nearest even.
+  const int shift = 126 - static_cast<int>(a >> 23);  // 14 .. 126
+  if (shift > 24) return static_cast<uint16_t>(sign);
+  const uint32_t man = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t q = man >> shift, rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  return static_cast<uint16_t>(sign | (q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u)));
+}
+
 // The combine's reduction step: acc + value * scale, each rounded to fp32 (no FMA), as
 // torch computes `partial += y.float() * w` in the oracle. scale = 1 is exact.
 MOE_HD float combine_step(float acc, float value, float scale) {
@@ -301,6 +383,19 @@ struct Bf16Tag {};
 struct F16Tag {};
 struct F32Tag {};
 enum DType : int32_t { kBf16 = 0, kF16 = 1, kF32 = 2 };
+
+// Host: fn(tag) with the element tag of `dtype` (Bf16Tag{}, F16Tag{} or F32Tag{}).
+template <class Fn>
+void with_dtype(DType dtype, Fn fn) {
+  switch (dtype) {
+    case kBf16: fn(Bf16Tag{}); break;
+    case kF16: fn(F16Tag{}); break;
+    case kF32: fn(F32Tag{}); break;
+    default:
+      throw std::invalid_argument("combine dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " +
+                                  std::to_string(static_cast<int>(dtype)));
+  }
+}
 
 // Global expert id -> the destination's local id, -1 when another rank owns it (or none).
 MOE_HD int32_t local_expert(int64_t expert, int rank, int experts_per_rank) {
@@ -325,6 +420,13 @@ struct Common {
   ErrorRecord* error_host;   // host-mapped mirror (may be null), readable without a sync
 };
 
+// A launched rank's side of the header check (header.cuh).
+struct Check {
+  Header header;                  // what this rank does; compared with every peer's
+  MismatchRecord* mismatch;       // device memory: written when a peer's header differs
+  MismatchRecord* mismatch_host;  // host-mapped mirror (may be null), readable without a sync
+};
+
 struct NotifyRank {
   const bool* is_token_in_rank;  // [T, W]
   int32_t* recv_prefix;          // [W * C + 1] out: rows before (source, channel), total last
@@ -333,6 +435,8 @@ struct NotifyRank {
   int64_t* recv_topk_idx;        // [budget, K] or null: rows [R, budget) get -1 (budget mode)
   float* recv_topk_weights;      // [budget, K] or null: rows [R, budget) get 0
   int32_t* recv_src_idx;         // [budget] or null: rows [R, budget) get -1
+  int32_t* peer_ok;              // [W] out: 1 where this rank's and peer p's headers agree
+  Check check;                   // this rank's header and mismatch record
   int32_t num_tokens;            // T of this rank
   int32_t budget;                // rows allocated for the receive, -1 = exactly R (host sync)
 };
@@ -358,6 +462,8 @@ struct DispatchRank {
   int32_t* recv_src_idx;          // [rows] source token index
   int64_t* num_recv_per_expert;   // [E / W] zeroed by the caller; counts of stored rows
   int32_t* overflow;              // [1] set when a row falls beyond `rows`
+  const int32_t* peer_ok;         // [W] notify's verdicts, or null: exchange headers now (cached dispatch)
+  Check check;
   int32_t num_tokens;             // T
   int32_t num_rows;               // rows allocated (R, or the budget)
 };
@@ -375,6 +481,7 @@ struct CombineRank {
   const bool* is_token_in_rank;   // [T, W] of this rank's own tokens (as dispatched)
   const int32_t* recv_prefix;     // [W * C + 1] of this rank's dispatch receive
   char* out;                      // [T, x_bytes]
+  Check check;                    // combine always exchanges headers
   int32_t num_tokens;             // T
   int32_t num_rows;               // rows of y (rows at or beyond it are sent as zeros)
 };

@@ -47,7 +47,7 @@ Common parse_common(const py::dict& d, int64_t num_launch_ranks) {
   c.l2_discard = int32(d, "l2_discard", what);
   c.timeout_cycles = integer(d, "timeout_cycles", what);
   c.layout = make_buffer_layout(c.num_ranks, int32(d, "buffer_channels", what), int32(d, "num_slots", what),
-                                int32(d, "slot_bytes", what));
+                                int32(d, "slot_bytes", what), d.contains("relay_nodes") ? int32(d, "relay_nodes", what) : 0);
   const auto buffers = field(d, "buffers", what).cast<std::vector<std::uintptr_t>>();
   MOE_HOST_CHECK(static_cast<int64_t>(buffers.size()) == c.num_ranks && c.num_ranks <= kMaxRanks,
                  "common['buffers'] must list one buffer per rank (" << c.num_ranks << ", at most " << kMaxRanks
@@ -102,9 +102,14 @@ py::dict buffer_layout_dict(const BufferLayout& l) {
   d["num_channels"] = l.num_channels;
   d["num_slots"] = l.num_slots;
   d["slot_bytes"] = l.slot_bytes;
+  d["relay_nodes"] = l.relay_nodes;
+  d["relay_bytes"] = l.relay_bytes;
   d["meta_offset"] = l.meta_offset;
   d["tail_offset"] = l.tail_offset;
   d["head_offset"] = l.head_offset;
+  d["epoch_offset"] = l.epoch_offset;
+  d["header_offset"] = l.header_offset;
+  d["relay_offset"] = l.relay_offset;
   d["queue_offset"] = l.queue_offset;
   d["total_bytes"] = l.total_bytes;
   return d;
@@ -121,12 +126,15 @@ void register_intranode(py::module_& m) {
   limits["max_topk"] = kMaxTopk;
   limits["num_threads"] = kNumThreads;
   limits["error_record_ints"] = kErrorRecordInts;
+  limits["mismatch_record_words"] = kMismatchRecordWords;
+  limits["header_words"] = static_cast<int>(kHeaderWords);
   limits["field_align"] = kFieldAlign;
   m.attr("intranode_limits") = limits;
 
   m.def(
       "intranode_buffer_layout",
-      [](int64_t num_ranks, int64_t num_channels, int64_t num_slots, int64_t slot_bytes) {
+      [](int64_t num_ranks, int64_t num_channels, int64_t num_slots, int64_t slot_bytes, int64_t relay_nodes) {
+        MOE_HOST_CHECK(relay_nodes >= 0 && relay_nodes <= 64, "relay_nodes must be in [0, 64], got " << relay_nodes);
         MOE_HOST_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks,
                        "num_ranks must be in [1, " << kMaxRanks << "], got " << num_ranks);
         MOE_HOST_CHECK(num_channels >= 1 && num_channels <= kMaxChannels,
@@ -135,9 +143,11 @@ void register_intranode(py::module_& m) {
         MOE_HOST_CHECK(slot_bytes > 0 && slot_bytes % kFieldAlign == 0 && slot_bytes <= INT32_MAX / 2,
                        "slot_bytes must be a positive multiple of " << kFieldAlign << ", got " << slot_bytes);
         return buffer_layout_dict(make_buffer_layout(static_cast<int>(num_ranks), static_cast<int>(num_channels),
-                                                     static_cast<int>(num_slots), static_cast<int>(slot_bytes)));
+                                                     static_cast<int>(num_slots), static_cast<int>(slot_bytes),
+                                                     static_cast<int>(relay_nodes)));
       },
       py::arg("num_ranks"), py::arg("num_channels"), py::arg("num_slots"), py::arg("slot_bytes"),
+      py::arg("relay_nodes") = 0,
       "Byte offsets of one rank's communication buffer (csrc/kernels/intranode.cuh draws it).");
 
   m.def(

@@ -18,30 +18,31 @@ __global__ void __launch_bounds__(kNumThreads, 2) combine_kernel(const __grid_co
   const Common& common = args.common;
   const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
   if (rank == common.skip_rank) return;
+  const BufferLayout& l = common.layout;
+  __shared__ uint64_t epoch_shared;
+  const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
   const int channel = static_cast<int>(blockIdx.x) / 2;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   if (blockIdx.x % 2 == 0) {
     __shared__ GroupState groups[kMaxRanks];
     const int group_warps = kNumWarps / common.num_ranks;
     const int peer = warp / group_warps;
-    if (peer >= common.num_ranks) return;
-    DeviceCtx ctx{&common, peer + 1, group_warps * 32};
-    combine_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, &groups[peer]);
-    return;
-  }
-  __shared__ CombineRecvState state;
-  for (int i = threadIdx.x; i < kNumWarps * kMaxRanks; i += blockDim.x) {
-    (&state.progress[0][0])[i] = 0;
-    (&state.seen_tail[0][0])[i] = 0;
-  }
-  if (threadIdx.x == 0) state.done = 0;
-  __syncthreads();
-  DeviceCtx ctx{&common, 0, 32};
-  if (warp == 0) {
-    combine_recv_coordinator(ctx, args, rank, channel, kNumWarps - 1, &state);
+    if (peer < common.num_ranks) {
+      DeviceCtx ctx{&common, peer + 1, group_warps * 32};
+      combine_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+    }
   } else {
-    combine_recv_worker<T>(ctx, args, rank, channel, warp - 1, kNumWarps - 1, &state);
+    __shared__ CombineRecvState state;
+    ring::init_reduce_state(&state);
+    DeviceCtx ctx{&common, 0, 32};
+    const CombineSource src = combine_source(ctx, args, rank, channel, epoch, warp == 0);
+    if (warp == 0) {
+      ring::reduce_coordinator(ctx, src, kNumWarps - 1, &state);
+    } else {
+      ring::reduce_worker<T>(ctx, src, args.slot.x_bytes, warp - 1, kNumWarps - 1, &state);
+    }
   }
+  op_epoch_end(l.epoch(common.buffers[rank]), l.done(common.buffers[rank]), epoch, static_cast<int>(gridDim.x));
 }
 
 template <class T>
@@ -77,12 +78,7 @@ void launch_combine(const CombineArgs& args, DType dtype, bool cooperative, cuda
                    "rank " << rank << ": out and is_token_in_rank must be device pointers");
     MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": y must be a device pointer");
   }
-  switch (dtype) {
-    case kBf16: launch_typed<Bf16Tag>(args, cooperative, stream); break;
-    case kF16: launch_typed<F16Tag>(args, cooperative, stream); break;
-    case kF32: launch_typed<F32Tag>(args, cooperative, stream); break;
-    default: MOE_HOST_CHECK(false, "combine dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " << dtype);
-  }
+  with_dtype(dtype, [&](auto tag) { launch_typed<decltype(tag)>(args, cooperative, stream); });
 }
 
 }  // namespace intranode

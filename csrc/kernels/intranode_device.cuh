@@ -34,6 +34,26 @@ __device__ __forceinline__ void st_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ int64_t ld_acquire_sys_64(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int64_t ld_relaxed_sys_64(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys_64(int64_t* p, int64_t v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys_64(int64_t* p, int64_t v) {
+  asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void red_add_release_sys(int32_t* p, int32_t v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -128,6 +148,29 @@ struct Vec<F32Tag> {
   }
 };
 
+// ---- op epochs (intranode.cuh) ----------------------------------------------------------------
+
+// Every block of a dispatch / combine launch reads its rank's op epoch when it starts (all
+// threads call this; the value lands in `shared`), and the last of the rank's `blocks` blocks
+// to finish advances it (op_epoch_end): by then every block has read it. The next launch on
+// the stream sees the new value.
+__device__ __forceinline__ uint64_t op_epoch_begin(const uint64_t* epoch, uint64_t* shared) {
+  if (threadIdx.x == 0) *shared = *reinterpret_cast<const volatile uint64_t*>(epoch);
+  __syncthreads();
+  return *shared;
+}
+
+__device__ __forceinline__ void op_epoch_end(uint64_t* epoch, int32_t* done, uint64_t value, int blocks) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(done, 1) == blocks - 1) {
+    *reinterpret_cast<volatile int32_t*>(done) = 0;
+    *reinterpret_cast<volatile uint64_t*>(epoch) = value + 1;
+    __threadfence();
+  }
+}
+
 // ---- the context ----------------------------------------------------------------------------
 
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per lane before the first store
@@ -154,7 +197,17 @@ struct DeviceCtxT {
     }
   }
 
+  __device__ int32_t broadcast(int32_t v) const { return __shfl_sync(0xffffffffu, v, 0); }
+  __device__ uint64_t warp_or(uint64_t v) const {
+    const uint32_t lo = __reduce_or_sync(0xffffffffu, static_cast<uint32_t>(v));
+    const uint32_t hi = __reduce_or_sync(0xffffffffu, static_cast<uint32_t>(v >> 32));
+    return (static_cast<uint64_t>(hi) << 32) | lo;
+  }
   __device__ int32_t load_acquire(const int32_t* p) const { return ld_acquire_sys(p); }
+  __device__ int64_t load_acquire64(const int64_t* p) const { return ld_acquire_sys_64(p); }
+  __device__ int64_t load_relaxed64(const int64_t* p) const { return ld_relaxed_sys_64(p); }
+  __device__ void store_release64(int64_t* p, int64_t v) const { st_release_sys_64(p, v); }
+  __device__ void store_relaxed64(int64_t* p, int64_t v) const { st_relaxed_sys_64(p, v); }
   __device__ void store_release(int32_t* p, int32_t v) const { st_release_sys(p, v); }
   __device__ void store_relaxed(int32_t* p, int32_t v) const { st_relaxed_sys(p, v); }
   __device__ void signal_add(int32_t* p, int32_t v) const { red_add_release_sys(p, v); }
@@ -164,7 +217,10 @@ struct DeviceCtxT {
   __device__ int32_t shared_load(const int32_t* p) const { return *reinterpret_cast<const volatile int32_t*>(p); }
   __device__ void shared_store(int32_t* p, int32_t v) const { *reinterpret_cast<volatile int32_t*>(p) = v; }
   __device__ void shared_add(int32_t* p, int32_t v) const { atomicAdd(p, v); }
+  __device__ int32_t shared_fetch_max(int32_t* p, int32_t v) const { return atomicMax(p, v); }
+  __device__ void relax() const {}
   __device__ void fence_block() const { __threadfence_block(); }
+  __device__ void fence_sc() const { asm volatile("fence.sc.cta;" ::: "memory"); }
 
   // Offers a timed-out wait to the launch's record (see ErrorRecord): written when none is
   // there yet or when this one names the cause better (lower timeout_level).
@@ -191,6 +247,35 @@ struct DeviceCtxT {
     }
     __threadfence_system();
     atomicExch(&e->lock, 0);
+  }
+
+  // Offers a header mismatch to the rank's record (header.cuh): kept when none is there yet or
+  // when it names a lower (peer, relayed) key.
+  __device__ void offer_mismatch(const Check& check, int rank, int peer, int via, int field, int64_t mine,
+                                 int64_t theirs) const {
+    MismatchRecord* r = check.mismatch;
+    if (r == nullptr || check.header.w[kHdrStatus] != 0) return;  // a refusing rank knows already
+    unsigned long long* lock = reinterpret_cast<unsigned long long*>(&r->lock);
+    bool locked = false;
+    for (int i = 0; i < (1 << 16) && !locked; ++i) locked = atomicCAS(lock, 0ull, 1ull) == 0ull;
+    if (!locked) return;
+    __threadfence();
+    volatile int64_t* out = &r->flag;
+    const int64_t key = 2 * static_cast<int64_t>(peer) + (via >= 0);
+    if (out[0] == 0 || key < 2 * out[2] + (out[6] >= 0)) {
+      const int64_t fields[7] = {1, rank, peer, field, mine, theirs, via};
+      for (int i = 1; i < 7; ++i) out[i] = fields[i];
+      __threadfence();
+      out[0] = 1;
+      if (check.mismatch_host != nullptr) {  // the pinned mirror: fields first, then its flag
+        volatile int64_t* host = &check.mismatch_host->flag;
+        for (int i = 1; i < 7; ++i) host[i] = fields[i];
+        __threadfence_system();
+        host[0] = 1;
+      }
+    }
+    __threadfence_system();
+    atomicExch(lock, 0ull);
   }
 
   // Polls load() until it is >= target. -1 after timeout_cycles, or once another wait of the
@@ -224,25 +309,41 @@ struct DeviceCtxT {
     return static_cast<int32_t>(bounded_wait([p]() { return static_cast<int64_t>(ld_acquire_sys(p)); }, target, site));
   }
 
+  __device__ int64_t wait_ge64_lane(const int64_t* p, int64_t target, const WaitSite& site) const {
+    return bounded_wait([p]() { return ld_acquire_sys_64(p); }, target, site);
+  }
+
   __device__ int32_t wait_ge(const int32_t* p, int32_t target, const WaitSite& site) const {
     int32_t v = 0;
     if (lane() == 0) v = wait_ge_lane(p, target, site);
     return __shfl_sync(0xffffffffu, v, 0);
   }
 
+  // In place over n entries of shared or global memory (any n): each thread sums a contiguous
+  // segment, a Hillis-Steele scan over the segment sums (in `scratch`, one per thread), then
+  // each thread rewrites its segment. Returns the total.
   __device__ int32_t block_exclusive_scan(int32_t* data, int n) const {
-    const int i = tid();
-    const int32_t own = i < n ? data[i] : 0;
+    __shared__ int32_t scratch[1024];
+    const int i = tid(), threads = num_threads();
+    const int per = (n + threads - 1) / threads;
+    const int begin = i * per < n ? i * per : n, end = begin + per < n ? begin + per : n;
+    int32_t sum = 0;
+    for (int k = begin; k < end; ++k) sum += data[k];
+    scratch[i] = sum;
     __syncthreads();
-    for (int offset = 1; offset < n; offset <<= 1) {
-      const int32_t add = (i < n && i >= offset) ? data[i - offset] : 0;
+    for (int offset = 1; offset < threads; offset <<= 1) {
+      const int32_t add = i >= offset ? scratch[i - offset] : 0;
       __syncthreads();
-      if (i < n) data[i] += add;
+      scratch[i] += add;
       __syncthreads();
     }
-    const int32_t total = n > 0 ? data[n - 1] : 0;
-    __syncthreads();
-    if (i < n) data[i] -= own;
+    const int32_t total = scratch[threads - 1];
+    int32_t running = scratch[i] - sum;
+    for (int k = begin; k < end; ++k) {
+      const int32_t v = data[k];
+      data[k] = running;
+      running += v;
+    }
     __syncthreads();
     return total;
   }

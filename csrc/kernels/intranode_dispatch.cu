@@ -15,8 +15,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
   const int rank = args.common.rank_begin + static_cast<int>(blockIdx.x);
   if (rank == args.common.skip_rank) return;
   __shared__ NotifyState state;
+  __shared__ uint64_t epoch;
   DeviceCtx ctx{&args.common, 0, 0};
-  notify(ctx, args, rank, &state);
+  // Notify reads the op epoch (its header lines' parity); the dispatch kernel after it advances it.
+  notify(ctx, args, rank, op_epoch_begin(args.common.layout.epoch(args.common.buffers[rank]), &epoch), &state);
 }
 
 // blockIdx = (2 * channel + is_receiver, launched rank). Warps form W groups of
@@ -25,18 +27,23 @@ __global__ void __launch_bounds__(kNumThreads, 2) dispatch_kernel(const __grid_c
   const Common& common = args.common;
   const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
   if (rank == common.skip_rank) return;
+  const BufferLayout& l = common.layout;
+  __shared__ uint64_t epoch_shared;
+  const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
   const int channel = static_cast<int>(blockIdx.x) / 2;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int group_warps = kNumWarps / common.num_ranks;
   const int peer = warp / group_warps;
-  if (peer >= common.num_ranks) return;  // W does not divide the warps: the rest idle
   __shared__ GroupState groups[kMaxRanks];
-  DeviceCtx ctx{&common, peer + 1, group_warps * 32};
-  if (blockIdx.x % 2 == 0) {
-    dispatch_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, &groups[peer]);
-  } else {
-    dispatch_recv(ctx, args, rank, channel, peer, warp % group_warps, group_warps, &groups[peer]);
+  if (peer < common.num_ranks) {  // W does not divide the warps: the rest idle
+    DeviceCtx ctx{&common, peer + 1, group_warps * 32};
+    if (blockIdx.x % 2 == 0) {
+      dispatch_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+    } else {
+      dispatch_recv(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+    }
   }
+  op_epoch_end(l.epoch(common.buffers[rank]), l.done(common.buffers[rank]), epoch, static_cast<int>(gridDim.x));
 }
 
 }  // namespace
@@ -87,6 +94,7 @@ void launch_notify(const NotifyArgs& args, bool cooperative, cudaStream_t stream
     MOE_HOST_CHECK(r.recv_prefix != nullptr && r.num_recv_tokens != nullptr && r.overflow != nullptr,
                    "rank " << c.rank_begin + i << ": recv_prefix, num_recv_tokens and overflow must be device pointers");
     MOE_HOST_CHECK(r.budget >= -1, "rank " << c.rank_begin + i << ": budget must be >= 0, or -1 for none, got " << r.budget);
+    MOE_HOST_CHECK(r.peer_ok != nullptr, "rank " << c.rank_begin + i << ": peer_ok must be a device pointer");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
   check_resident(max_resident_blocks(notify_kernel, kNotifyThreads), grid, "notify");

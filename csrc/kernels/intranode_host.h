@@ -58,6 +58,12 @@ struct HostElem<Bf16Tag> {
   static Storage store(float f) { return float_to_bf16(f); }
 };
 template <>
+struct HostElem<F16Tag> {
+  using Storage = uint16_t;
+  static float load(Storage v) { return f16_to_float(v); }
+  static Storage store(float f) { return float_to_f16(f); }
+};
+template <>
 struct HostElem<F32Tag> {
   using Storage = float;
   static float load(Storage v) { return v; }
@@ -80,7 +86,13 @@ struct HostCtxT {
     if (group != nullptr) group->arrive_and_wait();
   }
 
+  int32_t broadcast(int32_t v) const { return v; }
+  uint64_t warp_or(uint64_t v) const { return v; }
   int32_t load_acquire(const int32_t* p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  int64_t load_acquire64(const int64_t* p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  int64_t load_relaxed64(const int64_t* p) const { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+  void store_release64(int64_t* p, int64_t v) const { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  void store_relaxed64(int64_t* p, int64_t v) const { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
   void store_release(int32_t* p, int32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
   void store_relaxed(int32_t* p, int32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
   void signal_add(int32_t* p, int32_t v) const { __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
@@ -88,9 +100,23 @@ struct HostCtxT {
   int32_t shared_load(const int32_t* p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
   void shared_store(int32_t* p, int32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
   void shared_add(int32_t* p, int32_t v) const { __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+  int32_t shared_fetch_max(int32_t* p, int32_t v) const {
+    int32_t old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    }
+    return old;
+  }
+  void relax() const { std::this_thread::yield(); }
   // shared_load/shared_store acquire/release already order what fence_block orders on the GPU
   // (and ThreadSanitizer does not model fences).
   void fence_block() const {}
+  // An RMW on one process-wide word: RMWs on a word are totally ordered and each reads the one
+  // before, so of two threads that store, fence and load, one sees the other's store (a plain
+  // seq_cst fence would do, but ThreadSanitizer does not model fences).
+  void fence_sc() const {
+    static int32_t word = 0;
+    __atomic_fetch_add(&word, 0, __ATOMIC_SEQ_CST);
+  }
 
   // As DeviceCtx::offer_timeout: the better-named cause (lower timeout_level) wins.
   void offer_timeout(const WaitSite& site, int32_t expected, int32_t observed) const {
@@ -113,6 +139,28 @@ struct HostCtxT {
       e->level = level;
     }
     __atomic_store_n(&e->lock, 0, __ATOMIC_RELEASE);
+  }
+
+  // As DeviceCtx::offer_mismatch: the lowest (peer, relayed) key wins.
+  void offer_mismatch(const Check& check, int rank, int peer, int via, int field, int64_t mine, int64_t theirs) const {
+    MismatchRecord* r = check.mismatch;
+    if (r == nullptr || check.header.w[kHdrStatus] != 0) return;  // a refusing rank knows already
+    int64_t unlocked = 0;
+    while (!__atomic_compare_exchange_n(&r->lock, &unlocked, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+      unlocked = 0;
+      std::this_thread::yield();
+    }
+    const int64_t key = 2 * static_cast<int64_t>(peer) + (via >= 0);
+    if (__atomic_load_n(&r->flag, __ATOMIC_RELAXED) == 0 || key < 2 * r->peer + (r->via >= 0)) {
+      r->rank = rank;
+      r->peer = peer;
+      r->field = field;
+      r->mine = mine;
+      r->theirs = theirs;
+      r->via = via;
+      __atomic_store_n(&r->flag, 1, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&r->lock, 0, __ATOMIC_RELEASE);
   }
 
   // Polls load() until it is >= target; -1 after timeout_cycles (ns), or once another wait
@@ -147,6 +195,9 @@ struct HostCtxT {
   }
   int32_t wait_ge(const int32_t* p, int32_t target, const WaitSite& site) const {
     return wait_ge_lane(p, target, site);
+  }
+  int64_t wait_ge64_lane(const int64_t* p, int64_t target, const WaitSite& site) const {
+    return bounded_wait([this, p]() { return load_acquire64(p); }, target, site);
   }
 
   int32_t block_exclusive_scan(int32_t* data, int n) const {
@@ -245,6 +296,36 @@ void for_each_launched_rank(const CommonT& c, Fn fn) {
     const int rank = c.rank_begin + i;
     if (rank != c.skip_rank) fn(rank);
   }
+}
+
+// The op epochs of a launch's ranks (intranode.cuh): read before its threads start and
+// advanced after they all joined, as the GPU's blocks do (op_epoch_begin / op_epoch_end).
+// `word(rank)` is the rank's epoch word; a withheld rank's is left alone.
+template <class CommonT, class Word>
+class OpEpochs {
+ public:
+  OpEpochs(const CommonT& c, Word word) : common_(c), word_(word) {
+    values_.assign(c.num_launch_ranks, 0);
+    for_each_launched_rank(c, [&](int rank) {
+      values_[rank - c.rank_begin] = __atomic_load_n(word_(rank), __ATOMIC_RELAXED);
+    });
+  }
+  uint64_t operator()(int rank) const { return values_[rank - common_.rank_begin]; }
+  void advance() const {
+    for_each_launched_rank(common_, [&](int rank) {
+      __atomic_store_n(word_(rank), values_[rank - common_.rank_begin] + 1, __ATOMIC_RELAXED);
+    });
+  }
+
+ private:
+  const CommonT& common_;
+  Word word_;
+  std::vector<uint64_t> values_;
+};
+
+template <class CommonT, class Word>
+OpEpochs<CommonT, Word> op_epochs(const CommonT& c, Word word) {
+  return OpEpochs<CommonT, Word>(c, word);
 }
 
 // The notify launch: one thread per launched rank, notify(ctx, args, rank, state).

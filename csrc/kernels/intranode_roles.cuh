@@ -1,73 +1,114 @@
 // The intranode protocol itself: what each warp (group) of the notify, dispatch and combine
-// kernels does, written once against a context `Ctx` so that the same code runs
-//   - on the GPU (DeviceCtx in intranode_device.cuh: lanes, named barriers, PTX
-//     acquire/release, bounded clock64 waits, 16-byte vector copies), and
-//   - on the CPU (HostCtx in intranode_host.h: one thread per warp, width 1,
-//     std atomics, steady_clock waits), where tests compare it with moe_dispatch.reference.
-// See intranode.cuh for the layout and the protocol in prose.
+// kernels does, over the ring loops of ring.cuh (whose Ctx contract this code uses). The same
+// code runs on the GPU (intranode_device.cuh) and on the CPU (intranode_host.h). See
+// intranode.cuh for the layout and the protocol in prose, header.cuh for the header check.
 //
-// Ctx contract (every call is made by all lanes of the calling warp unless marked "lane"):
-//   int lane(), width()                        this lane, lanes per warp (32 / 1)
-//   int tid(), num_threads()                   thread in block (notify only)
-//   void warp_sync(), group_sync(), block_sync()
-//   int32_t load_acquire(const int32_t*)       lane; a counter another rank stores
-//   void store_release(int32_t*, int32_t)      lane; publish a counter (orders prior stores)
-//   void store_relaxed(int32_t*, int32_t)      lane
-//   void signal_add(int32_t*, int32_t)         lane; atomic add with release (barriers)
-//   void count_add(int64_t*, int64_t)          lane; atomic add (expert counts)
-//   int32_t wait_ge_lane(p, target, site)      lane; bounded wait: value >= target, or -1
-//   int32_t wait_ge(p, target, site)           warp; lane 0 waits, all get its result
-//   int32_t shared_load(const int32_t*)        lane; block-shared state another warp writes
-//   void shared_store(int32_t*, int32_t)       lane
-//   void shared_add(int32_t*, int32_t)         lane
-//   void fence_block()                         lane; order my loads/stores before later shared stores
-//   int32_t block_exclusive_scan(int32_t*, n)  block; in place, returns the total
-//   void copy_in(char* dst, const char* src, int bytes)   warp; from a read-only input
-//   void copy_out(char* dst, const char* src, int bytes)  warp; from a queue slot
-//   void zero_row(char* dst, int bytes)                    warp
-//   int32_t queue_i32(const char*), float queue_f32(const char*)   lane; scalars from a slot
-//   void discard(char* slot, int bytes)        warp; a consumed slot's bytes are dead: the whole
-//                                              128-byte lines inside it (inner_lines) may lose
-//                                              their contents (GPU: dropped from L2 unwritten;
-//                                              CPU: poisoned, so a later read shows)
-//   template <class T> void reduce_rows(char* out, char* const* rows, const float* scales,
-//                                       int num_rows, int bytes)   warp; combine_step order
+// Every role takes `epoch`, its rank's op epoch when the launch began (intranode.cuh): the
+// header lines of this operation have parity epoch % 2.
 #pragma once
 
 #include "kernels/intranode.cuh"
-
-#if defined(__CUDACC__)
-#define MOE_ROLE __device__ __forceinline__
-#else
-#define MOE_ROLE inline
-#endif
+#include "kernels/ring.cuh"
 
 namespace moe_dispatch {
 namespace intranode {
 
-// Per warp group (shared memory on the GPU): the leader's verdict for this round.
-struct GroupState {
-  int32_t value;  // dispatch receiver: the tail it saw
-  int32_t stop;   // 1: a wait failed, every warp of the group leaves
-};
+using ring::GroupState;
+using CombineRecvState = ring::ReduceState<kMaxRanks>;
 
 struct NotifyState {
   int32_t counts[kMaxRanks * kMaxChannels];
+  int32_t ok[kMaxRanks];
   int32_t stop;
 };
 
-// Combine receiver block state. progress[w][r]: slots of queue (r -> me, c) that worker w no
-// longer needs (the r-rows of the tokens before its scan position; a worker never scans past
-// a token of its own it has not reduced). min over workers = slots safe to free.
-struct CombineRecvState {
-  int32_t progress[kNumWarps][kMaxRanks];
-  int32_t seen_tail[kNumWarps][kMaxRanks];
-  float scales[kNumWarps][kMaxRanks];
-  char* rows[kNumWarps][kMaxRanks];
-  int32_t total[kMaxRanks];
-  int32_t published[kMaxRanks];
-  int32_t done;
+// NVLink ring (src -> dst, channel) of intranode.cuh as the loops of ring.cuh see it: it lives
+// in dst's buffer, its tail too; its head in src's. `index` is src's ring index in dst's
+// buffer, `peer` dst's head index in src's (the fused internode path numbers both locally).
+struct NvlQueue {
+  const BufferLayout* layout;
+  char* ring_buffer;  // dst's buffer
+  int32_t* tail;
+  int32_t* head;
+  int index;
+  int channel;
+  WaitSite site;
+
+  MOE_ROLE char* slot(int64_t i) const { return layout->slot(ring_buffer, index, channel, i); }
+  template <class Ctx>
+  MOE_ROLE int64_t wait_room(Ctx& ctx, int64_t target) const {
+    return ctx.wait_ge(head, static_cast<int32_t>(target), site);
+  }
+  template <class Ctx>
+  MOE_ROLE void publish(Ctx& ctx, int64_t begin, int count) const {
+    if (ctx.lane() == 0) ctx.store_release(tail, static_cast<int32_t>(begin + count));
+  }
+  template <class Ctx>
+  MOE_ROLE void finish(Ctx& ctx, int64_t total) const {
+    const int32_t seen = ctx.wait_ge(head, static_cast<int32_t>(total), site);
+    if (ctx.lane() == 0 && seen >= 0) ctx.store_relaxed(head, 0);
+  }
+  template <class Ctx>
+  MOE_ROLE int64_t wait_data(Ctx& ctx, int64_t target) const {
+    return ctx.wait_ge(tail, static_cast<int32_t>(target), site);
+  }
+  // Before the final head: reset my tail (no further tail store can come in this operation).
+  template <class Ctx>
+  MOE_ROLE void release(Ctx& ctx, int64_t consumed, bool final) const {
+    if (final) ctx.store_relaxed(tail, 0);
+    ctx.store_release(head, static_cast<int32_t>(consumed));
+  }
 };
+
+// The ring src -> dst of channel c over the buffers of src and dst; `site` names the wait.
+MOE_ROLE NvlQueue nvl_queue(const BufferLayout& l, char* src_buffer, char* dst_buffer, int src, int dst, int channel,
+                            const WaitSite& site) {
+  return {&l, dst_buffer, l.tail(dst_buffer, src, channel), l.head(src_buffer, dst, channel), src, channel, site};
+}
+
+// ---- the header check -------------------------------------------------------------------------
+
+// Warp: the verdict for the pair (rank, peer): 1 move rows, 0 not, -1 a wait failed. From the
+// notify's verdicts (peer_ok), or from the peers' header lines of this epoch: `write` puts this
+// rank's line to the peer first (one writer per pair and operation), `record` offers a mismatch.
+// Cost of the exchange (a cached dispatch, a combine): per pair one 128-byte line stored into the
+// peer's buffer and a poll of the line the peer stored here: one signal round in the same
+// launch, which the senders' first chunk would wait for anyway, no extra kernel.
+template <class Ctx>
+MOE_ROLE int32_t pair_verdict(Ctx& ctx, const Common& cm, const Check& check, const int32_t* peer_ok, int rank,
+                              int peer, uint64_t epoch, bool write, bool record, const WaitSite& site) {
+  int32_t v = 0;
+  if (ctx.lane() == 0) {
+    if (peer_ok != nullptr) {
+      v = peer_ok[peer];
+    } else {
+      if (write) ring::put_header_line(ctx, cm.layout.header(cm.buffers[peer], epoch, rank), check.header, epoch, nullptr);
+      int64_t theirs[kHeaderLineWords];
+      v = ring::get_header_line(ctx, cm.layout.header(cm.buffers[rank], epoch, peer), epoch, site, theirs)
+              ? ring::judge(ctx, check, rank, peer, theirs, record)
+              : -1;
+    }
+  }
+  return ctx.broadcast(v);
+}
+
+// Warp: bit p set where the pair (rank, p) agrees, over every peer's header line of this epoch
+// (written by the peers' senders); 0 when a wait failed (the timeout is recorded: no rows move).
+template <class Ctx>
+MOE_ROLE uint64_t agreeing_peers(Ctx& ctx, const Common& cm, const Check& check, int rank, uint64_t epoch,
+                                 bool record, WaitSite site) {
+  uint64_t ok = 0, failed = 0;
+  for (int p = ctx.lane(); p < cm.num_ranks; p += ctx.width()) {
+    site.peer = p;
+    int64_t theirs[kHeaderLineWords];
+    if (!ring::get_header_line(ctx, cm.layout.header(cm.buffers[rank], epoch, p), epoch, site, theirs)) {
+      failed |= uint64_t{1} << p;
+    } else if (ring::judge(ctx, check, rank, p, theirs, record)) {
+      ok |= uint64_t{1} << p;
+    }
+  }
+  return ctx.warp_or(failed) != 0 ? 0 : ctx.warp_or(ok);
+}
 
 // ---- notify -----------------------------------------------------------------------------------
 
@@ -91,9 +132,10 @@ MOE_ROLE bool rank_barrier(Ctx& ctx, const Common& cm, int rank, NotifyState* st
   return ctx.shared_load(&st->stop) == 0;
 }
 
-// Exchanges the per-(source, channel) counts and writes this rank's receive prefix.
+// Exchanges the per-(source, channel) counts and the headers, writes this rank's receive
+// prefix and its verdict on every peer (peer_ok; a refused pair's counts read as 0).
 template <class Ctx>
-MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* st) {
+MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, uint64_t epoch, NotifyState* st) {
   const Common& cm = a.common;
   const BufferLayout& l = cm.layout;
   const NotifyRank& me = a.ranks[rank - cm.rank_begin];
@@ -101,7 +143,7 @@ MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* st) {
   const int num_queues = num_ranks * num_channels;
   if (ctx.tid() == 0) ctx.shared_store(&st->stop, 0);
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads()) st->counts[i] = 0;
-  // 1. Everyone is done reading the previous operation's meta.
+  // 1. Everyone is done reading the previous operation's meta and header lines.
   if (!rank_barrier(ctx, cm, rank, st)) return;
   // 2. counts[d][c]: my tokens of channel c that rank d holds.
   const int64_t num_flags = static_cast<int64_t>(me.num_tokens) * num_ranks;
@@ -111,15 +153,28 @@ MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* st) {
     ctx.shared_add(&st->counts[dst * num_channels + channel_of_token(me.num_tokens, num_channels, token)], 1);
   }
   ctx.block_sync();
-  // 3. Into every destination's meta[me][c]; the barrier's release publishes them.
+  // 3. Into every destination's meta[me][c] and header line; the barrier's release publishes them.
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads()) {
     const int dst = i / num_channels, channel = i % num_channels;
     ctx.store_relaxed(l.meta(cm.buffers[dst], rank, channel), ctx.shared_load(&st->counts[i]));
   }
+  for (int p = ctx.tid(); p < num_ranks; p += ctx.num_threads())
+    ring::put_header_line(ctx, l.header(cm.buffers[p], epoch, rank), me.check.header, epoch, nullptr);
   if (!rank_barrier(ctx, cm, rank, st)) return;
-  // 4. My meta[s][c] in (source, channel) order -> exclusive prefix = first receive row.
+  // 4. Verdicts, then my meta[s][c] in (source, channel) order -> exclusive prefix = first row.
+  for (int p = ctx.tid(); p < num_ranks; p += ctx.num_threads()) {
+    const WaitSite site{kNotify, kBarrier, rank, -1, p, kHeader};
+    int64_t theirs[kHeaderLineWords];
+    const int32_t ok = ring::get_header_line(ctx, l.header(cm.buffers[rank], epoch, p), epoch, site, theirs)
+                           ? ring::judge(ctx, me.check, rank, p, theirs, true)
+                           : 0;
+    st->ok[p] = ok;
+    me.peer_ok[p] = ok;
+  }
+  ctx.block_sync();
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads())
-    st->counts[i] = ctx.load_acquire(l.meta(cm.buffers[rank], i / num_channels, i % num_channels));
+    st->counts[i] = st->ok[i / num_channels] ? ctx.load_acquire(l.meta(cm.buffers[rank], i / num_channels,
+                                                                        i % num_channels)) : 0;
   ctx.block_sync();
   const int32_t total = ctx.block_exclusive_scan(st->counts, num_queues);
   for (int i = ctx.tid(); i < num_queues; i += ctx.num_threads()) me.recv_prefix[i] = st->counts[i];
@@ -145,9 +200,9 @@ MOE_ROLE void notify(Ctx& ctx, const NotifyArgs& a, int rank, NotifyState* st) {
 // Token `token` of `me` into a queue slot bound for `dst` (warp-cooperative): top-k ids become
 // dst's local ids (experts [dst * experts_per_rank, +experts_per_rank)), -1 elsewhere. The RDMA
 // stage of internode_roles.cuh passes nodes as `dst` and experts per node.
-template <class Ctx>
-MOE_ROLE void write_dispatch_slot(Ctx& ctx, const SlotLayout& s, int experts_per_rank, const DispatchRank& me,
-                                  int dst, int token, char* slot) {
+template <class Ctx, class Rank>
+MOE_ROLE void write_dispatch_slot(Ctx& ctx, const SlotLayout& s, int experts_per_rank, const Rank& me, int dst,
+                                  int token, char* slot) {
   ctx.copy_in(slot, me.x + static_cast<int64_t>(token) * s.x_bytes, s.x_bytes);
   if (s.scale_bytes > 0)
     ctx.copy_in(slot + s.scale_offset,
@@ -165,9 +220,12 @@ MOE_ROLE void write_dispatch_slot(Ctx& ctx, const SlotLayout& s, int experts_per
 }
 
 // A received slot into output row `row` (warp-cooperative); rows past the allocation are
-// dropped and flagged.
-template <class Ctx>
-MOE_ROLE void read_dispatch_slot(Ctx& ctx, const SlotLayout& s, const DispatchRank& me, const char* slot, int row) {
+// dropped and flagged. The slot's top-k ids become id - expert_base where that lies in
+// [0, experts_per_rank), else -1 (weights 0 there): slots bound for this rank pass base 0; the
+// fused forwarder's own rows pass node-local ids and its first expert.
+template <class Ctx, class Rank>
+MOE_ROLE void read_dispatch_slot(Ctx& ctx, const SlotLayout& s, const Rank& me, const char* slot, int row,
+                                 int expert_base, int experts_per_rank) {
   if (row >= me.num_rows) {
     if (ctx.lane() == 0) ctx.store_relaxed(me.overflow, 1);
     return;
@@ -178,237 +236,176 @@ MOE_ROLE void read_dispatch_slot(Ctx& ctx, const SlotLayout& s, const DispatchRa
                  slot + s.scale_offset, s.scale_bytes);
   for (int k = ctx.lane(); k < s.num_topk; k += ctx.width()) {
     const int64_t entry = static_cast<int64_t>(row) * s.num_topk + k;
-    const int32_t local = ctx.queue_i32(slot + s.topk_idx_offset + 4 * k);
+    const int32_t id = ctx.queue_i32(slot + s.topk_idx_offset + 4 * k);
+    const int32_t local = (id >= 0 && id - expert_base >= 0 && id - expert_base < experts_per_rank) ? id - expert_base : -1;
     me.recv_topk_idx[entry] = local;
-    if (me.recv_topk_weights != nullptr) me.recv_topk_weights[entry] = ctx.queue_f32(slot + s.topk_weights_offset + 4 * k);
+    if (me.recv_topk_weights != nullptr)
+      me.recv_topk_weights[entry] = local >= 0 ? ctx.queue_f32(slot + s.topk_weights_offset + 4 * k) : 0.0f;
     if (local >= 0) ctx.count_add(me.num_recv_per_expert + local, 1);
   }
   if (ctx.lane() == 0 && me.recv_src_idx != nullptr) me.recv_src_idx[row] = ctx.queue_i32(slot + s.aux_offset);
 }
 
-// Sender group (rank -> dst, channel): `warp` of `group_warps` warps. Entry i goes to warp
-// i % group_warps; warp 0's lane 0 waits and publishes.
+// Warp 0 of a group settles the pair's verdict; false (every warp leaves) when the pair moves
+// no rows or a wait failed.
 template <class Ctx>
-MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int dst, int warp,
-                            int group_warps, GroupState* gs) {
-  const Common& cm = a.common;
-  const BufferLayout& l = cm.layout;
-  const DispatchRank& me = a.ranks[rank - cm.rank_begin];
-  const TokenRange range = channel_token_range(me.num_tokens, cm.num_channels, channel);
-  char* dst_buffer = cm.buffers[dst];
-  int32_t* tail = l.tail(dst_buffer, rank, channel);
-  int32_t* head = l.head(cm.buffers[rank], dst, channel);
-  const WaitSite site{kDispatch, kSender, rank, channel, dst, kHead};
-  int sent = 0;
-  for (int token = range.begin; token < range.end;) {
-    if (warp == 0) {  // room for a whole chunk: entries [sent, sent + K) are free
-      const int32_t target = sent + cm.chunk_tokens - l.num_slots;
-      const int32_t seen = target > 0 ? ctx.wait_ge(head, target, site) : 0;
-      if (ctx.lane() == 0) ctx.shared_store(&gs->stop, seen < 0);
-    }
-    ctx.group_sync();
-    if (ctx.shared_load(&gs->stop)) return;
-    int count = 0;  // every warp scans the same tokens, so all agree on count and slots
-    for (; token < range.end && count < cm.chunk_tokens; ++token) {
-      if (!me.is_token_in_rank[static_cast<int64_t>(token) * cm.num_ranks + dst]) continue;
-      if ((sent + count) % group_warps == warp)
-        write_dispatch_slot(ctx, a.slot, a.experts_per_rank, me, dst, token,
-                            l.slot(dst_buffer, rank, channel, sent + count));
-      ++count;
-    }
-    ctx.group_sync();
-    if (warp == 0 && ctx.lane() == 0 && count > 0) ctx.store_release(tail, sent + count);
-    sent += count;
+MOE_ROLE bool group_verdict(Ctx& ctx, const Common& cm, const Check& check, const int32_t* peer_ok, int rank,
+                            int peer, uint64_t epoch, bool write, bool record, const WaitSite& site, int warp,
+                            GroupState* gs) {
+  if (warp == 0) {
+    const int32_t v = pair_verdict(ctx, cm, check, peer_ok, rank, peer, epoch, write, record, site);
+    if (ctx.lane() == 0) ctx.shared_store(&gs->verdict, v == 1);
   }
-  // Wait until dst consumed everything, then reset my head for the next operation.
-  if (warp == 0 && sent > 0) {
-    const int32_t seen = ctx.wait_ge(head, sent, site);
-    if (ctx.lane() == 0 && seen >= 0) ctx.store_relaxed(head, 0);
-  }
+  ctx.group_sync();
+  const bool ok = ctx.shared_load(&gs->verdict) == 1;
+  ctx.group_sync();  // read by all before warp 0 may settle the group's next pair
+  return ok;
 }
 
-// Receiver group (src -> rank, channel).
+// Sender group (rank -> dst, channel): `warp` of `group_warps` warps. Entry i goes to warp
+// i % group_warps; warp 0 waits and publishes. Channel 0's group writes the header line.
 template <class Ctx>
-MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int src, int warp,
-                            int group_warps, GroupState* gs) {
+MOE_ROLE void dispatch_send(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int dst, int warp,
+                            int group_warps, uint64_t epoch, GroupState* gs) {
   const Common& cm = a.common;
   const BufferLayout& l = cm.layout;
   const DispatchRank& me = a.ranks[rank - cm.rank_begin];
+  if (!group_verdict(ctx, cm, me.check, me.peer_ok, rank, dst, epoch, channel == 0, false,
+                     WaitSite{kDispatch, kSender, rank, channel, dst, kHeader}, warp, gs))
+    return;
+  const NvlQueue q = nvl_queue(l, cm.buffers[rank], cm.buffers[dst], rank, dst, channel,
+                               WaitSite{kDispatch, kSender, rank, channel, dst, kHead});
+  ring::send_selected(
+      ctx, q, l.num_slots, cm.chunk_tokens, channel_token_range(me.num_tokens, cm.num_channels, channel),
+      [&](int token) { return me.is_token_in_rank[static_cast<int64_t>(token) * cm.num_ranks + dst]; },
+      [&](int token, char* slot) { write_dispatch_slot(ctx, a.slot, a.experts_per_rank, me, dst, token, slot); },
+      warp, group_warps, gs);
+}
+
+// Receiver group (src -> rank, channel): rows prefix[src][c] + i. Channel 0's group records a
+// mismatch of a cached dispatch (notify recorded a fresh one's).
+template <class Ctx>
+MOE_ROLE void dispatch_recv(Ctx& ctx, const DispatchArgs& a, int rank, int channel, int src, int warp,
+                            int group_warps, uint64_t epoch, GroupState* gs) {
+  const Common& cm = a.common;
+  const BufferLayout& l = cm.layout;
+  const DispatchRank& me = a.ranks[rank - cm.rank_begin];
+  if (!group_verdict(ctx, cm, me.check, me.peer_ok, rank, src, epoch, false, channel == 0,
+                     WaitSite{kDispatch, kReceiver, rank, channel, src, kHeader}, warp, gs))
+    return;
   const int queue = src * cm.num_channels + channel;
   const int first_row = me.recv_prefix[queue];
-  const int num_entries = me.recv_prefix[queue + 1] - first_row;
-  char* my_buffer = cm.buffers[rank];
-  int32_t* tail = l.tail(my_buffer, src, channel);
-  int32_t* head = l.head(cm.buffers[src], rank, channel);
-  const WaitSite site{kDispatch, kReceiver, rank, channel, src, kTail};
-  for (int consumed = 0; consumed < num_entries;) {
-    if (warp == 0) {
-      const int32_t seen = ctx.wait_ge(tail, consumed + 1, site);
-      if (ctx.lane() == 0) {
-        ctx.shared_store(&gs->value, seen);
-        ctx.shared_store(&gs->stop, seen < 0);
-      }
-    }
-    ctx.group_sync();
-    if (ctx.shared_load(&gs->stop)) return;
-    const int available = ctx.shared_load(&gs->value);
-    for (int i = consumed + warp; i < available; i += group_warps) {
-      char* slot = l.slot(my_buffer, src, channel, i);
-      read_dispatch_slot(ctx, a.slot, me, slot, first_row + i);
-      if (cm.l2_discard) {
-        ctx.warp_sync();  // every lane's reads of the slot are done
-        ctx.discard(slot, l.slot_bytes);  // the slot's whole stride: what the call leaves unused is dead too
-      }
-    }
-    ctx.group_sync();
-    if (warp == 0 && ctx.lane() == 0) {
-      if (available == num_entries) ctx.store_relaxed(tail, 0);  // before the final head
-      ctx.store_release(head, available);
-    }
-    consumed = available;
-  }
+  const NvlQueue q = nvl_queue(l, cm.buffers[src], cm.buffers[rank], src, rank, channel,
+                               WaitSite{kDispatch, kReceiver, rank, channel, src, kTail});
+  ring::recv_entries(
+      ctx, q, me.recv_prefix[queue + 1] - first_row,
+      [&](char* slot, int64_t i) {
+        read_dispatch_slot(ctx, a.slot, me, slot, first_row + static_cast<int>(i), 0, a.experts_per_rank);
+        if (cm.l2_discard) {
+          ctx.warp_sync();                  // every lane's reads of the slot are done
+          ctx.discard(slot, l.slot_bytes);  // the slot's whole stride: what the call leaves unused is dead too
+        }
+      },
+      warp, group_warps, gs);
 }
 
 // ---- combine ----------------------------------------------------------------------------------
 
+// A row of y with its row scale into a combine slot (warp); a row at or past num_rows (budget
+// mode: a dropped receive) goes as zeros with scale 1.
+template <class Ctx>
+MOE_ROLE void write_combine_slot(Ctx& ctx, const SlotLayout& s, const char* y, const float* row_scale, int64_t row,
+                                 int num_rows, char* slot) {
+  const bool stored = row < num_rows;
+  if (stored) {
+    ctx.copy_in(slot, y + row * s.x_bytes, s.x_bytes);
+  } else {
+    ctx.zero_row(slot, s.x_bytes);
+  }
+  if (ctx.lane() == 0)
+    *reinterpret_cast<float*>(slot + s.aux_offset) = (stored && row_scale != nullptr) ? row_scale[row] : 1.0f;
+}
+
 // Sender group (holder rank -> dst = the rows' source, channel): rows
-// [prefix[dst][c], prefix[dst][c+1]) of y, in order.
+// [prefix[dst][c], prefix[dst][c+1]) of y, in order, with their row scale.
 template <class Ctx>
 MOE_ROLE void combine_send(Ctx& ctx, const CombineArgs& a, int rank, int channel, int dst, int warp,
-                           int group_warps, GroupState* gs) {
+                           int group_warps, uint64_t epoch, GroupState* gs) {
   const Common& cm = a.common;
   const BufferLayout& l = cm.layout;
   const SlotLayout& s = a.slot;
   const CombineRank& me = a.ranks[rank - cm.rank_begin];
+  if (!group_verdict(ctx, cm, me.check, nullptr, rank, dst, epoch, channel == 0, false,
+                     WaitSite{kCombine, kSender, rank, channel, dst, kHeader}, warp, gs))
+    return;
   const int queue = dst * cm.num_channels + channel;
   const int first_row = me.recv_prefix[queue];
-  const int num_entries = me.recv_prefix[queue + 1] - first_row;
-  char* dst_buffer = cm.buffers[dst];
-  int32_t* tail = l.tail(dst_buffer, rank, channel);
-  int32_t* head = l.head(cm.buffers[rank], dst, channel);
-  const WaitSite site{kCombine, kSender, rank, channel, dst, kHead};
-  for (int sent = 0; sent < num_entries;) {
-    const int count = num_entries - sent < cm.chunk_tokens ? num_entries - sent : cm.chunk_tokens;
-    if (warp == 0) {
-      const int32_t target = sent + count - l.num_slots;
-      const int32_t seen = target > 0 ? ctx.wait_ge(head, target, site) : 0;
-      if (ctx.lane() == 0) ctx.shared_store(&gs->stop, seen < 0);
-    }
-    ctx.group_sync();
-    if (ctx.shared_load(&gs->stop)) return;
-    for (int i = sent + warp; i < sent + count; i += group_warps) {
-      char* slot = l.slot(dst_buffer, rank, channel, i);
-      const int row = first_row + i;
-      const bool stored = row < me.num_rows;  // budget mode: dropped rows return as zeros
-      if (stored) {
-        ctx.copy_in(slot, me.y + static_cast<int64_t>(row) * s.x_bytes, s.x_bytes);
-      } else {
-        ctx.zero_row(slot, s.x_bytes);
-      }
-      if (ctx.lane() == 0)
-        *reinterpret_cast<float*>(slot + s.aux_offset) = (stored && me.row_scale != nullptr) ? me.row_scale[row] : 1.0f;
-    }
-    ctx.group_sync();
-    if (warp == 0 && ctx.lane() == 0) ctx.store_release(tail, sent + count);
-    sent += count;
-  }
-  if (warp == 0 && num_entries > 0) {
-    const int32_t seen = ctx.wait_ge(head, num_entries, site);
-    if (ctx.lane() == 0 && seen >= 0) ctx.store_relaxed(head, 0);
-  }
+  const NvlQueue q = nvl_queue(l, cm.buffers[rank], cm.buffers[dst], rank, dst, channel,
+                               WaitSite{kCombine, kSender, rank, channel, dst, kHead});
+  ring::send_entries(
+      ctx, q, l.num_slots, cm.chunk_tokens, me.recv_prefix[queue + 1] - first_row,
+      [&](int64_t i, char* slot) { write_combine_slot(ctx, s, me.y, me.row_scale, first_row + i, me.num_rows, slot); },
+      warp, group_warps, gs);
 }
 
-// Worker `worker` of `num_workers` (source rank, channel): reduces tokens i % num_workers ==
-// worker of the channel, holders in ascending rank order, into `out`.
-template <class T, class Ctx>
-MOE_ROLE void combine_recv_worker(Ctx& ctx, const CombineArgs& a, int rank, int channel, int worker,
-                                  int num_workers, CombineRecvState* st) {
-  const Common& cm = a.common;
-  const BufferLayout& l = cm.layout;
-  const SlotLayout& s = a.slot;
-  const CombineRank& me = a.ranks[rank - cm.rank_begin];
-  const int num_ranks = cm.num_ranks;
-  const TokenRange range = channel_token_range(me.num_tokens, cm.num_channels, channel);
-  char* my_buffer = cm.buffers[rank];
-  int32_t* progress = st->progress[worker];
-  int32_t* seen_tail = st->seen_tail[worker];
-  bool failed = false;
-  for (int token = range.begin; token < range.end && !failed; ++token) {
-    const bool* holds = me.is_token_in_rank + static_cast<int64_t>(token) * num_ranks;
-    if ((token - range.begin) % num_workers == worker) {
-      int num_holders = 0;
-      for (int r = 0; r < num_ranks && !failed; ++r) {
-        if (!holds[r]) continue;
-        const int32_t slot_index = ctx.shared_load(&progress[r]);
-        if (ctx.shared_load(&seen_tail[r]) <= slot_index) {
-          const WaitSite site{kCombine, kReceiver, rank, channel, r, kTail};
-          const int32_t seen = ctx.wait_ge(l.tail(my_buffer, r, channel), slot_index + 1, site);
-          failed = seen < 0;
-          ctx.warp_sync();
-          if (ctx.lane() == 0) ctx.shared_store(&seen_tail[r], seen);
-        }
-        char* slot = l.slot(my_buffer, r, channel, slot_index);
-        if (ctx.lane() == 0) {
-          st->rows[worker][num_holders] = slot;
-          st->scales[worker][num_holders] = ctx.queue_f32(slot + s.aux_offset);
-        }
-        ++num_holders;
-      }
-      if (failed) break;
-      ctx.warp_sync();
-      ctx.template reduce_rows<T>(me.out + static_cast<int64_t>(token) * s.x_bytes, st->rows[worker],
-                                  st->scales[worker], num_holders, s.x_bytes);
-      ctx.warp_sync();
-      if (cm.l2_discard) {  // before the progress below lets the coordinator free these slots
-        for (int h = 0; h < num_holders; ++h) ctx.discard(st->rows[worker][h], l.slot_bytes);
-        ctx.warp_sync();
-      }
-    }
-    // Past this token: its rows (mine reduced above, others' not my business) are released.
-    ctx.fence_block();
-    for (int r = ctx.lane(); r < num_ranks; r += ctx.width())
-      if (holds[r]) ctx.shared_store(&progress[r], ctx.shared_load(&progress[r]) + 1);
+// The combine receiver (source rank, channel) as ring::reduce_worker sees it: the channel's
+// tokens round robin over the workers, holders in ascending rank among the agreeing peers.
+struct CombineSource {
+  const Common* cm;
+  const SlotLayout* s;
+  const CombineRank* me;
+  TokenRange range;
+  int rank;
+  int channel;
+  uint64_t agree;  // bit p: the pair (rank, p) moves rows
+
+  MOE_ROLE int num_tokens() const { return range.end - range.begin; }
+  MOE_ROLE int num_peers() const { return cm->num_ranks; }
+  MOE_ROLE bool holds(int i, int p) const {
+    return ((agree >> p) & 1u) && me->is_token_in_rank[static_cast<int64_t>(range.begin + i) * cm->num_ranks + p];
+  }
+  MOE_ROLE bool owns(int i, int worker, int num_workers) const { return i % num_workers == worker; }
+  template <class Ctx>
+  MOE_ROLE bool begin(Ctx&, int) const { return true; }
+  template <class Ctx>
+  MOE_ROLE int64_t wait(Ctx& ctx, int p, int64_t target) const {
+    return ctx.wait_ge(cm->layout.tail(cm->buffers[rank], p, channel), static_cast<int32_t>(target),
+                       WaitSite{kCombine, kReceiver, rank, channel, p, kTail});
+  }
+  template <class Ctx>
+  MOE_ROLE char* row(Ctx&, int p, int64_t index, int) const {
+    return cm->layout.slot(cm->buffers[rank], p, channel, index);
+  }
+  template <class Ctx>
+  MOE_ROLE float scale(Ctx& ctx, int, const char* row, int64_t, int) const {
+    return ctx.queue_f32(row + s->aux_offset);
+  }
+  MOE_ROLE char* out(int i) const { return me->out + static_cast<int64_t>(range.begin + i) * s->x_bytes; }
+  template <class Ctx>
+  MOE_ROLE void after(Ctx& ctx, int, char* const* rows, int num_rows) const {
+    if (!cm->l2_discard) return;
+    for (int h = 0; h < num_rows; ++h) ctx.discard(rows[h], cm->layout.slot_bytes);
     ctx.warp_sync();
   }
-  ctx.fence_block();
-  if (ctx.lane() == 0) ctx.shared_add(&st->done, 1);
-}
+  // Before the final head of a queue: reset its tail (see intranode.cuh).
+  template <class Ctx>
+  MOE_ROLE void free(Ctx& ctx, int p, int32_t freed, bool final) const {
+    if (final) ctx.store_relaxed(cm->layout.tail(cm->buffers[rank], p, channel), 0);
+    ctx.store_release(cm->layout.head(cm->buffers[p], rank, channel), freed);
+  }
+};
 
-// Coordinator (source rank, channel): publishes head = min over workers of progress; before
-// the final head of a queue it resets that queue's tail (see intranode.cuh).
+// Warp: the receiver block's view of this launch (coordinator or worker), after the header
+// check: every warp reads every peer's header line; the coordinator of channel 0 records.
 template <class Ctx>
-MOE_ROLE void combine_recv_coordinator(Ctx& ctx, const CombineArgs& a, int rank, int channel, int num_workers,
-                                       CombineRecvState* st) {
+MOE_ROLE CombineSource combine_source(Ctx& ctx, const CombineArgs& a, int rank, int channel, uint64_t epoch,
+                                      bool coordinator) {
   const Common& cm = a.common;
-  const BufferLayout& l = cm.layout;
   const CombineRank& me = a.ranks[rank - cm.rank_begin];
-  const int num_ranks = cm.num_ranks;
-  const TokenRange range = channel_token_range(me.num_tokens, cm.num_channels, channel);
-  for (int r = ctx.lane(); r < num_ranks; r += ctx.width()) {
-    int32_t total = 0;
-    for (int token = range.begin; token < range.end; ++token)
-      total += me.is_token_in_rank[static_cast<int64_t>(token) * num_ranks + r];
-    st->total[r] = total;
-    st->published[r] = 0;
-  }
-  ctx.warp_sync();
-  for (;;) {
-    const bool finished = ctx.shared_load(&st->done) == num_workers;
-    ctx.fence_block();
-    for (int r = ctx.lane(); r < num_ranks; r += ctx.width()) {
-      int32_t freed = st->total[r];
-      for (int w = 0; w < num_workers; ++w) {
-        const int32_t p = ctx.shared_load(&st->progress[w][r]);
-        freed = p < freed ? p : freed;
-      }
-      if (freed > st->published[r]) {
-        if (freed == st->total[r]) ctx.store_relaxed(l.tail(cm.buffers[rank], r, channel), 0);
-        ctx.store_release(l.head(cm.buffers[r], rank, channel), freed);
-        st->published[r] = freed;
-      }
-    }
-    if (finished) break;
-  }
+  const uint64_t agree = agreeing_peers(ctx, cm, me.check, rank, epoch, coordinator && channel == 0,
+                                        WaitSite{kCombine, coordinator ? kCoordinator : kReceiver, rank, channel, 0,
+                                                 kHeader});
+  return {&cm, &a.slot, &me, channel_token_range(me.num_tokens, cm.num_channels, channel), rank, channel, agree};
 }
 
 }  // namespace intranode

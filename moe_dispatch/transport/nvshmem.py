@@ -7,14 +7,10 @@
   unless already set); the transport (IBGDA, IBRC, UCX, libfabric) is NVSHMEM's choice from its
   own environment (``NVSHMEM_REMOTE_TRANSPORT``, ``NVSHMEM_IB_ENABLE_IBGDA``, ...). One per
   process; :meth:`NvshmemWorld.close` frees and finalizes.
-- :class:`InternodeTransport`: stage 1 of :mod:`moe_dispatch.transport.internode` in NVSHMEM
-  mode (put-with-signal to the PE of the same local index) and stage 2 on an
-  :class:`~moe_dispatch.transport.intranode.IntranodeTransport` over the node's ranks.
-
-Status: on one H200 the NVSHMEM path ran with one PE (unique-id bootstrap, symmetric heap,
-the NVSHMEM-mode kernels, teardown) and equals the oracle; several PEs (GPUs or nodes) have not
-run yet. The CPU path (shared memory, one process per rank) runs in ``make test``. ``Buffer``
-does not use this transport yet.
+- :class:`InternodeTransport`: the kernels of :mod:`moe_dispatch.transport.internode` for one
+  rank per process: the RDMA side in NVSHMEM mode (put-with-signal to the PE of the same local
+  index), the NVLink side over the buffers of an
+  :class:`~moe_dispatch.transport.intranode.IntranodeTransport` of the node's ranks.
 """
 
 from __future__ import annotations
@@ -25,21 +21,27 @@ import torch
 import torch.distributed as dist
 
 from ..config import ERROR_RECORD_INTS, Config
+from ..errors import CommError
+from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records
 from .internode import (
     InternodeDispatch,
     InternodeHandle,
     InternodeTimeoutError,
+    StagedInternodeHandle,
     _combine,
     _dispatch,
     _RdmaEngine,
     _Transport,
     check_rdma_config,
     describe_timeout,
+    empty_handle,
     rdma_layout,
 )
 from .intranode import (
     IntranodeTransport,
+    _empty_input,
     _ext,
+    _Input,
     _loopback_device,
     _map_peers,
     _prepare,
@@ -77,19 +79,24 @@ class NvshmemWorld:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, heap_bytes: int):
         C = _ext()
         if not C.with_nvshmem:
-            raise RuntimeError("moe_dispatch._C was built without NVSHMEM: reinstall with nvidia-nvshmem-cu13 present "
-                               "(or NVSHMEM_HOME set)")
+            raise RuntimeError(
+                "moe_dispatch._C was built without NVSHMEM: reinstall with nvidia-nvshmem-cu13 present "
+                "(or NVSHMEM_HOME set)"
+            )
         if NvshmemWorld._active is not None:
-            raise RuntimeError("NVSHMEM is already initialised in this process (one NvshmemWorld per process; close() "
-                               "the other first)")
+            raise RuntimeError(
+                "NVSHMEM is already initialised in this process (one NvshmemWorld per process; close() the other first)"
+            )
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         os.environ.setdefault(HEAP_ENV, str(heap_bytes))
         unique_id = [C.nvshmem_unique_id() if self.rank == 0 else None]
         dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
         C.nvshmem_init(unique_id[0], self.rank, self.world_size, device.index)
         if (C.nvshmem_my_pe(), C.nvshmem_n_pes()) != (self.rank, self.world_size):
-            raise RuntimeError(f"NVSHMEM made this rank PE {C.nvshmem_my_pe()} of {C.nvshmem_n_pes()}, expected PE "
-                               f"{self.rank} of {self.world_size} (the group's rank)")
+            raise RuntimeError(
+                f"NVSHMEM made this rank PE {C.nvshmem_my_pe()} of {C.nvshmem_n_pes()}, expected PE "
+                f"{self.rank} of {self.world_size} (the group's rank)"
+            )
         self._allocations: list[int] = []
         NvshmemWorld._active = self
 
@@ -114,10 +121,17 @@ class InternodeTransport:
     """The internode kernels for an EP group of W = N x L ranks, one process each, PE = group rank.
 
     On GPUs (one each) stage 1 puts over NVSHMEM and stage 2 runs on CUDA IPC buffers. On CPU
-    (``device="cpu"``) every rank's stage-1 buffer is shared memory that every rank maps, the
-    puts are copies (the kernels' CPU backend in loopback mode) and stage 2 is the CPU path of
-    :class:`~moe_dispatch.transport.intranode.IntranodeTransport`: the multi-process wrapper is
-    tested without GPUs.
+    (``device="cpu"``) every rank's RDMA buffer is shared memory that every rank maps, the puts
+    are copies (the kernels' CPU backend in loopback mode) and the NVLink buffers are those of an
+    :class:`~moe_dispatch.transport.intranode.IntranodeTransport` on its CPU path: the multi-process
+    wrapper is tested without GPUs.
+
+    Pipelines: ``Config.internode_pipeline`` (see :mod:`moe_dispatch.transport.internode`). What
+    synchronises (fused): a fresh dispatch without ``num_worst_tokens`` reads its receive count
+    once (R and R1 in one read); with it, nothing waits for the host; cached dispatch and combine
+    never do. Mismatched calls (header.py) raise
+    :class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation: right after
+    the operation on CPU, after that count read, or from :meth:`check_errors` / :meth:`check`.
 
     Args:
         group: the EP process group (NCCL on GPUs, gloo on CPU); ranks ``[n L, (n+1) L)`` form
@@ -139,9 +153,19 @@ class InternodeTransport:
     groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, ranks_per_node: int, hidden: int, num_topk: int, *,
-                 config: Config | None = None, element_bytes: int = 2, timeout_s: float | None = None,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        ranks_per_node: int,
+        hidden: int,
+        num_topk: int,
+        *,
+        config: Config | None = None,
+        element_bytes: int = 2,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+    ):
         world_size = dist.get_world_size(group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
@@ -151,63 +175,202 @@ class InternodeTransport:
         self.device, _ = _loopback_device("cuda" if device is None else device)  # before anything collective
         C = _ext()
         self.group, self.rank, self.world_size = group, rank, world_size
-        self.num_nodes, self.ranks_per_node = world_size // ranks_per_node, ranks_per_node
+        self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
         on_gpu = self.device.type == "cuda"
         timeout = default_timeout_s(timeout_s)
-        layout = rdma_layout(self.num_nodes, self.config.num_channels, self.config.num_slots, slot_bytes)
+        layout = rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
         # Every rank creates every node group, in the same order (new_group is collective).
-        node = rank // ranks_per_node
-        node_groups = [dist.new_group([group_rank(group, n * ranks_per_node + i) for i in range(ranks_per_node)])
-                       for n in range(self.num_nodes)]
-        self.intranode = IntranodeTransport(node_groups[node], rank % ranks_per_node, hidden, num_topk,
-                                            config=self.config, element_bytes=element_bytes, timeout_s=timeout,
-                                            device=self.device)
+        node = rank // L
+        node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
+        self.intranode = IntranodeTransport(
+            node_groups[node],
+            rank % L,
+            hidden,
+            num_topk,
+            config=self.config,
+            element_bytes=element_bytes,
+            timeout_s=timeout,
+            device=self.device,
+            relay_nodes=N,
+        )
+        nvl = self.intranode.engine.buffers
         error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
+        records = Records(1, self.device, mirror=on_gpu)
+        nodes = {node: self.intranode.engine} if self.config.internode_pipeline == "staged" else {}
         self.nvshmem, self._rdma_own, self._rdma_peers, self._error_host = None, None, {}, None
         if on_gpu:
             self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
             symmetric = self.nvshmem.malloc(layout.total_bytes)
             self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
-            rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, [], symmetric, error,
-                               C.host_device_pointer(self._error_host.data_ptr()), "cuda", "nvshmem", timeout)
-            self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
+            rdma = _RdmaEngine(
+                N,
+                L,
+                self.config,
+                slot_bytes,
+                [],
+                symmetric,
+                nvl,
+                node * L,
+                error,
+                C.host_device_pointer(self._error_host.data_ptr()),
+                "cuda",
+                "nvshmem",
+                timeout,
+                records=records,
+                rank_begin=rank,
+            )
+            self.transport = _Transport(N, L, rdma, nodes)
             dist.barrier(group=group)
         else:
             self._rdma_own = _SharedMemoryBuffer(layout)
             try:
                 buffers = _map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers)
-                rdma = _RdmaEngine(self.num_nodes, ranks_per_node, self.config, slot_bytes, buffers, None, error,
-                                   None, "cpu", "loopback", timeout)
-                self.transport = _Transport(self.num_nodes, ranks_per_node, rdma, {node: self.intranode.engine})
+                rdma = _RdmaEngine(
+                    N,
+                    L,
+                    self.config,
+                    slot_bytes,
+                    buffers,
+                    None,
+                    nvl,
+                    node * L,
+                    error,
+                    None,
+                    "cpu",
+                    "loopback",
+                    timeout,
+                    records=records,
+                    rank_begin=rank,
+                )
+                self.transport = _Transport(N, L, rdma, nodes)
                 dist.barrier(group=group)  # every rank has mapped every buffer
             except BaseException:
                 self.close()  # leave no mapping or shared-memory file behind (local: no collective)
                 raise
             self._rdma_own.mapped()
 
-    def dispatch(self, x, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_experts: int, *,
-                 num_sms: int | None = None, handle: InternodeHandle | None = None) -> InternodeDispatch:
-        """This rank's dispatch (collective). A fresh dispatch synchronises the host twice (the
-        stage-1 and stage-2 receive counts); a cached one (``handle=``) never."""
-        self.check_errors()
-        inp = _prepare(self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device,
-                       handle=handle)
-        return _dispatch(self.transport, [inp], num_experts, num_sms=num_sms or self.config.num_sms,
-                         handles=[handle] if handle is not None else None, skip_rank=None, skip_phase=None,
-                         check=handle is None)[0]
+    def _launches(self) -> int:
+        return self.transport.rdma.launches + self.intranode.engine.launches
 
-    def combine(self, y: torch.Tensor, handle: InternodeHandle, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's combine (collective; no host sync)."""
+    def dispatch(
+        self,
+        x,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_experts: int,
+        *,
+        num_sms: int | None = None,
+        handle: InternodeHandle | StagedInternodeHandle | None = None,
+        num_worst_tokens: int | None = None,
+        dispatch_id: int | None = None,
+    ) -> InternodeDispatch:
+        """This rank's dispatch (collective). Arguments as
+        :meth:`~moe_dispatch.transport.internode.InternodeLoopback.dispatch` for one rank. Raises
+        ValueError / TypeError for bad arguments (after taking part with a refusal, so the peers
+        finish at once and record it), MismatchError, InternodeTimeoutError."""
         self.check_errors()
-        return _combine(self.transport, self.rank, [y], [handle], [row_scale], None, None, check=False)[0]
+        op, launches = (OP_DISPATCH if handle is None else OP_CACHED_DISPATCH), self._launches()
+        try:
+            inp = _prepare(
+                self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device, handle=handle
+            )
+            result = _dispatch(
+                self.transport,
+                [inp],
+                num_experts,
+                num_sms=num_sms or self.config.num_sms,
+                handles=[handle] if handle is not None else None,
+                num_worst_tokens=num_worst_tokens,
+                skip_rank=None,
+                skip_phase=None,
+                dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
+                statuses=None,
+                check=False,
+            )[0]
+        except (ValueError, TypeError) as err:
+            if self._launches() == launches:
+                self._refuse(op, err)
+            raise
+        self._after(synchronized=handle is None and not num_worst_tokens)
+        return result
+
+    def combine(
+        self, y: torch.Tensor, handle: InternodeHandle | StagedInternodeHandle, row_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's combine (collective; never synchronises the host on a GPU)."""
+        self.check_errors()
+        launches = self._launches()
+        try:
+            out = _combine(self.transport, self.rank, [y], [handle], [row_scale], None, None, None, check=False)[0]
+        except (ValueError, TypeError) as err:
+            if self._launches() == launches:
+                self._refuse(OP_COMBINE, err)
+            raise
+        self._after(synchronized=False)
+        return out
+
+    def _refuse(self, op: int, err: Exception) -> None:
+        """Runs ``op`` with no tokens and status STATUS_INVALID_ARGUMENTS (the peers finish at
+        once and record it); if that fails too, raises ``err`` caused by it."""
+        statuses = {self.rank: STATUS_INVALID_ARGUMENTS}
+        x = torch.zeros(0, 8, dtype=torch.bfloat16, device=self.device)
+        inp = _Input(
+            self.rank,
+            x,
+            None,
+            torch.zeros(0, 1, dtype=torch.int64, device=self.device),
+            None,
+            torch.zeros(0, self.world_size, dtype=torch.bool, device=self.device),
+            torch.int64,
+        )
+        handle = empty_handle(self.transport, self.rank)
+        try:
+            if op == OP_COMBINE:
+                _combine(self.transport, self.rank, [x], [handle], None, None, None, statuses, check=False)
+            else:
+                _dispatch(
+                    self.transport,
+                    [inp if op == OP_DISPATCH else _empty_input(inp)],
+                    self.world_size,
+                    num_sms=self.config.num_sms,
+                    handles=None if op == OP_DISPATCH else [handle],
+                    num_worst_tokens=None,
+                    skip_rank=None,
+                    skip_phase=None,
+                    dispatch_ids=None,
+                    statuses=statuses,
+                    check=False,
+                )
+        except CommError as refusal:
+            raise err from refusal
+
+    def _after(self, synchronized: bool) -> None:
+        """The next synchronisation after an operation: at once on the CPU backend; on a GPU when
+        the host just read the notify's counts (``synchronized``), from the pinned mirrors."""
+        if self.device.type == "cpu":
+            self.transport.check()
+        elif synchronized:
+            self.check_errors()
 
     def check_errors(self) -> None:
-        """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out (reads the
-        pinned mirrors: does not wait for running kernels)."""
+        """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out, or
+        :class:`~moe_dispatch.transport.header.MismatchError` if a peer's call differed (reads
+        the pinned mirrors on a GPU: does not wait for running kernels)."""
         record = self._error_host.tolist() if self._error_host is not None else self.transport.rdma.read_error()
         if record and record[0]:
-            raise InternodeTimeoutError(*describe_timeout(record, self.transport.rdma.timeout_s, self.ranks_per_node))
-        self.intranode.check_errors()
+            raise InternodeTimeoutError(
+                *describe_timeout(
+                    record, self.transport.rdma.timeout_s, self.ranks_per_node, fused=self.transport.fused
+                )
+            )
+        self.intranode.check_timeout()
+        self.transport.check_mismatches(synchronize=False)  # the node engine's with global ranks
+
+    def check(self) -> None:
+        """Synchronises with this rank's kernels, then raises as :meth:`check_errors`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check_errors()
 
     def close(self) -> None:
         """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
@@ -217,7 +380,8 @@ class InternodeTransport:
             for address in self._rdma_peers.values():
                 self._rdma_own.close_peer(address)
             self._rdma_peers = {}
-            self._rdma_own.free()
+            if self._rdma_own is not None:
+                self._rdma_own.free()
         self.intranode.close()
 
 

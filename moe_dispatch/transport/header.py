@@ -1,0 +1,197 @@
+"""The kernels' operation header and mismatch record (``csrc/kernels/header.cuh``).
+
+Every kernel operation (the notify of a fresh dispatch, a cached dispatch, a combine; intranode
+and internode) exchanges a header of 8 int64 words with the peers it moves rows with:
+
+====  ============  ===========================================================================
+word  field         value
+====  ============  ===========================================================================
+0     op            1 dispatch (notify + dispatch), 2 cached dispatch, 3 combine
+1     identity      the dispatch id the handle carries (the caller's ``dispatch_id``)
+2     row bytes     bytes of one x / y row
+3     dtype         :data:`DTYPE_CODES`
+4     top-k         K that travels (0: none)
+5     experts       E
+6     shape         num_channels | flags << 16 (flag 1: top-k weights travel)
+7     status        0, or why this rank refused its own arguments (:data:`STATUS_NAMES`)
+====  ============  ===========================================================================
+
+A pair whose headers differ (or where either status is non-zero) moves no rows, so nothing
+waits for rows that will not come; each rank writes what it saw into its mismatch record
+(``int64[8]``: flag, rank, peer, field, mine, theirs, via, lock), which the host reads at its
+next synchronisation: :func:`describe_mismatch` turns it into a message, :class:`MismatchError`
+is what the transports raise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MISMATCH_RECORD_WORDS
+
+OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
+OPS = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
+FIELDS = ("operation", "dispatch id (handle)", "row bytes", "dtype", "top-k", "experts", "channels and flags", "status")
+FIELD_STATUS = 7
+DTYPE_CODES = {
+    torch.bfloat16: 0,
+    torch.float16: 1,
+    torch.float32: 2,
+    torch.float8_e4m3fn: 3,
+    torch.uint8: 4,
+    torch.int8: 5,
+    torch.int16: 6,
+    torch.int32: 7,
+    torch.int64: 8,
+    torch.float64: 9,
+}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
+FLAG_WEIGHTS = 1
+
+STATUS_INVALID_ARGUMENTS = 1
+STATUS_WRONG_HANDLE = 2
+STATUS_TEST = 99  # the loopbacks' ``status=`` test knob
+STATUS_NAMES = {
+    STATUS_INVALID_ARGUMENTS: "its arguments were invalid",
+    STATUS_WRONG_HANDLE: "its handle does not belong to this transport or shape",
+    STATUS_TEST: "a test asked it to refuse",
+}
+
+
+def header_words(
+    op: int,
+    identity: int,
+    row_bytes: int,
+    dtype: torch.dtype,
+    num_topk: int,
+    num_experts: int,
+    num_channels: int,
+    *,
+    weights: bool = False,
+    status: int = 0,
+) -> list[int]:
+    """The 8 header words of an operation (see the module doc)."""
+    return [
+        op,
+        identity,
+        row_bytes,
+        DTYPE_CODES.get(dtype, 15),
+        num_topk,
+        num_experts,
+        num_channels | ((FLAG_WEIGHTS if weights else 0) << 16),
+        status,
+    ]
+
+
+class MismatchError(ValueError):
+    """Ranks called a collective kernel operation with arguments that do not match.
+
+    Raised by the transport of a rank whose mismatch record is set (see
+    :func:`describe_mismatch`). Attributes: ``rank`` (the rank that recorded it), ``peer`` (the
+    rank whose header differs), ``field`` (its name), ``mine`` / ``theirs`` (both values), ``via``
+    (None, or the local rank that reported the peer's header: internode).
+    """
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.__dict__.update(fields)
+
+
+def _value(field: int, value: int) -> str:
+    if field == 0:
+        return OPS.get(value, str(value))
+    if field == 3:
+        return _DTYPE_NAMES.get(value, str(value))
+    if field == 6:
+        flags = ", top-k weights" if (value >> 16) & FLAG_WEIGHTS else ""
+        return f"{value & 0xFFFF} channels{flags}"
+    if field == FIELD_STATUS:
+        return "0 (ok)" if value == 0 else f"{value} ({STATUS_NAMES.get(value, 'refused')})"
+    return str(value)
+
+
+def describe_mismatch(record: list[int]) -> tuple[str, dict] | None:
+    """None for a clear record (``int64[8]``), else ``(message, fields)`` naming the ranks, the
+    first differing field and both values."""
+    flag, rank, peer, field, mine, theirs, via = record[:7]
+    if not flag:
+        return None
+    name = FIELDS[field] if 0 <= field < len(FIELDS) else f"field {field}"
+    fields = {
+        "rank": rank,
+        "peer": peer,
+        "field": name,
+        "mine": mine,
+        "theirs": theirs,
+        "via": None if via < 0 else via,
+    }
+    if via >= 0:
+        who = f"rank {via} (a peer of rank {rank}) reported that rank {peer}"
+        holder = f"rank {via}"
+    else:
+        who, holder = f"rank {peer}", f"rank {rank}"
+    if field == FIELD_STATUS:
+        refuser, code = (peer, theirs) if theirs != 0 else ((via if via >= 0 else rank), mine)
+        what = f"rank {refuser} refused the operation: {STATUS_NAMES.get(code, f'status {code}')}"
+    else:
+        what = (
+            f"{who} disagrees on the {name}: {_value(field, theirs)} on rank {peer}, {_value(field, mine)} on {holder}"
+        )
+    message = (
+        f"moe_dispatch: rank {rank} saw mismatched kernel calls: {what}. Every rank of the group must call "
+        "the same operation with the same handle and the same row size, dtype, top-k, experts and SMs; no "
+        "rows moved between the disagreeing ranks, and the buffers stay usable."
+    )
+    return message, fields
+
+
+class Records:
+    """The mismatch records of an engine's launched ranks (``int64[n, 8]`` on its device, plus
+    a pinned host mirror the kernels also write when ``mirror``: readable without a sync)."""
+
+    def __init__(self, count: int, device: torch.device, mirror: bool = False):
+        from .intranode import _ext
+
+        self.device = device
+        self.records = torch.zeros(count, MISMATCH_RECORD_WORDS, dtype=torch.int64, device=device)
+        self.host = torch.zeros(count, MISMATCH_RECORD_WORDS, dtype=torch.int64).pin_memory() if mirror else None
+        self._host_ptr = _ext().host_device_pointer(self.host.data_ptr()) if mirror else None
+
+    def fields(self, index: int, header: list[int]) -> dict:
+        """The ``header`` / ``mismatch`` / ``mismatch_host`` keys of launched rank ``index``'s dict
+        (``header``: the 8 ints of :func:`header_words`)."""
+        row = MISMATCH_RECORD_WORDS * 8
+        out = {"header": header, "mismatch": self.records.data_ptr() + index * row}
+        if self._host_ptr is not None:
+            out["mismatch_host"] = self._host_ptr + index * row
+        return out
+
+    def read(self, synchronize: bool = True) -> list[list[int]]:
+        """The set records (flag != 0); from the device (a host sync) or, without
+        ``synchronize``, from the mirror when there is one."""
+        rows = (self.host if (self.host is not None and not synchronize) else self.records).tolist()
+        return [r for r in rows if r[0]]
+
+    def clear(self) -> None:
+        self.records.zero_()
+        if self.host is not None:
+            self.host.zero_()
+
+    def raise_if_set(self, synchronize: bool = True, rank_offset: int = 0) -> None:
+        """Raises :class:`MismatchError` for the first set record (and clears them all: the
+        operation completed, the buffers are usable). ``rank_offset`` turns the ranks of an
+        engine that numbers them locally (a node's) into global ones."""
+        rows = self.read(synchronize)
+        if rows:
+            self.clear()
+            flag, rank, peer, field, mine, theirs, via = rows[0][:7]
+            record = [
+                flag,
+                rank + rank_offset,
+                peer + rank_offset,
+                field,
+                mine,
+                theirs,
+                via + rank_offset if via >= 0 else via,
+            ]
+            raise MismatchError(*describe_mismatch(record))
