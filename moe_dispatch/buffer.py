@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -503,56 +504,18 @@ class Buffer:
             CommError: a peer failed or did not join within ``timeout_s``.
         """
         self._check_open()
-        if isinstance(num_worst_tokens, bool) or not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
-            raise ValueError(
-                f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
-            )
-        if on_overflow not in ("raise", "drop"):
-            raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
-        call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
-        call.wgrad_store = wgrad_store
+        with self._refusing("dispatch" if handle is None else "cached dispatch"):
+            call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+            call.wgrad_store = wgrad_store
+            fields = self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
         fp8 = isinstance(x, tuple)
         if handle is not None:
-            self._check_handle(handle)
-            self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
-            if topk_idx is not None or topk_weights is not None or num_worst_tokens:
-                raise ValueError(
-                    "a cached dispatch (handle=...) replays the handle's routing and row count: "
-                    "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
-                )
             if fp8:
                 recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
             else:
                 recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
             return (recv_x, None, None, None, handle, *self._completion(call))
-
-        self._check_x(x)
-        if isinstance(topk_weights, int) and num_experts is None:
-            raise TypeError(
-                f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
-                "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
-            )
-        if topk_idx is None or num_experts is None:
-            raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
-        num_tokens = x[0].shape[0] if fp8 else x.shape[0]
-        # Without a host sync the values of topk_idx are checked on the device (check_errors).
-        sync_free = bool(num_worst_tokens) and self._transfers.sync_free
-        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
-        if sync_free:
-            self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
-        self._check_num_experts(num_experts)
-        if topk_weights is not None:
-            check_topk_weights(topk_weights, topk_idx, device=self.device)
-        x0 = x[0] if fp8 else x
-        fields = {
-            "num_experts": num_experts,
-            "top-k": topk_idx.shape[1],
-            "hidden": x0.shape[1],
-            "x dtype": x0.dtype,
-            "fp8 x": fp8,
-            "topk_idx dtype": topk_idx.dtype,
-            "topk_weights given": topk_weights is not None,
-        }
+        num_tokens = topk_idx.shape[0]
         is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
         dispatch_id = self._transfers.next_dispatch_id()
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
@@ -594,6 +557,55 @@ class Buffer:
             *self._completion(call),
         )
 
+    def _check_dispatch(
+        self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens: int, on_overflow: str
+    ) -> dict[str, Field] | None:
+        """The argument checks of :meth:`dispatch` (raising what it documents); returns the
+        fields every rank must agree on (None for a cached dispatch)."""
+        if isinstance(num_worst_tokens, bool) or not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
+            raise ValueError(
+                f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
+            )
+        if on_overflow not in ("raise", "drop"):
+            raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
+        fp8 = isinstance(x, tuple)
+        if handle is not None:
+            self._check_handle(handle)
+            self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
+            if topk_idx is not None or topk_weights is not None or num_worst_tokens:
+                raise ValueError(
+                    "a cached dispatch (handle=...) replays the handle's routing and row count: "
+                    "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
+                )
+            return None
+        self._check_x(x)
+        if isinstance(topk_weights, int) and num_experts is None:
+            raise TypeError(
+                f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
+                "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
+            )
+        if topk_idx is None or num_experts is None:
+            raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
+        num_tokens = x[0].shape[0] if fp8 else x.shape[0]
+        # Without a host sync the values of topk_idx are checked on the device (check_errors).
+        sync_free = bool(num_worst_tokens) and self._transfers.sync_free
+        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
+        if sync_free:
+            self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
+        self._check_num_experts(num_experts)
+        if topk_weights is not None:
+            check_topk_weights(topk_weights, topk_idx, device=self.device)
+        x0 = x[0] if fp8 else x
+        return {
+            "num_experts": num_experts,
+            "top-k": topk_idx.shape[1],
+            "hidden": x0.shape[1],
+            "x dtype": x0.dtype,
+            "fp8 x": fp8,
+            "topk_idx dtype": topk_idx.dtype,
+            "topk_weights given": topk_weights is not None,
+        }
+
     def combine(
         self,
         y: torch.Tensor,
@@ -630,7 +642,15 @@ class Buffer:
             CommError: a peer failed or did not join within ``timeout_s``.
         """
         self._check_open()
-        call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+        with self._refusing("combine"):
+            call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+            row_scale = self._check_combine(y, handle, topk_weights)
+        out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
+        return (out, *self._completion(call))
+
+    def _check_combine(self, y, handle, topk_weights) -> torch.Tensor | None:
+        """The argument checks of :meth:`combine` (raising what it documents); returns the row
+        scales ``[R]`` fp32 (or None)."""
         self._check_handle(handle)
         if isinstance(y, tuple):
             raise TypeError(
@@ -659,8 +679,18 @@ class Buffer:
                     f"{list(topk_weights.shape)} on {topk_weights.device}"
                 )
             row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
-        return (out, *self._completion(call))
+        return row_scale
+
+    @contextlib.contextmanager
+    def _refusing(self, operation: str):
+        """The argument checks of a collective ``operation``: an error raised inside is first
+        told to the peers (``Transfers.refuse``: with the kernels they finish at once and record
+        this rank's refusal), then raised here."""
+        try:
+            yield
+        except (ValueError, TypeError) as err:
+            self._transfers.refuse(operation, err)
+            raise
 
     def check_errors(self) -> None:
         """Waits for this Buffer's queued operations (a host synchronisation), then raises the
@@ -802,6 +832,22 @@ class Transfers:
         self._dispatches += 1
         return self._dispatches
 
+    def refuse(self, operation: str, err: Exception) -> None:
+        """This rank's arguments for ``operation`` ("dispatch", "cached dispatch", "combine")
+        were refused (``err``): where the transport can (the kernels), it takes part in the
+        operation with no rows and a non-zero status, so the peers finish at once and record
+        which rank refused; elsewhere the peers' own checks or timeouts name this rank."""
+        refuse = getattr(self.transport, "refuse", None)
+        if refuse is None or self._closed:
+            return
+        seq = self._next_seq()
+
+        def run():
+            self.transport.progress.mark("comm", seq, f"{operation} (refused: invalid arguments)")
+            refuse(operation, err)
+
+        stream_order_wait(self.submit(run))
+
     def check_topk_idx_on_device(self, topk_idx: torch.Tensor, num_experts: int) -> None:
         """Records, on the device, whether ``topk_idx [T, K]`` has entries outside
         ``[-1, num_experts)`` or an expert twice in a row (what ``check_topk_idx`` checks on the
@@ -863,7 +909,6 @@ class Transfers:
         )
         plan = stream_order_wait(self.submit(drive, steps))
         self.join()
-        self._raise_recorded()  # the counts were read: the earlier launches have completed
         return plan
 
     def _plan(
@@ -935,6 +980,7 @@ class Transfers:
                 stored, over = min(rows, slot.num_rows), rows > slot.num_rows
                 dst = [o.new_empty((rows, *o.shape[1:])) for o in out] if over else [o[:rows] for o in out]
                 yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
+                self._raise_recorded()  # the host read the counts: a point that synchronises anyway
                 if budget:
                     slot.overflow = torch.full((1,), over, dtype=torch.bool, device=self.device)
                 if over:

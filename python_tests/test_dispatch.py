@@ -344,13 +344,14 @@ def _wider_rows_later(rank, world_size, buf):
 
 
 def _mismatch_named_without_gloo_check(rank, world_size, buf):
-    """On NCCL a fresh dispatch's arguments are compared with one all_gather of device codes
-    (it reads its counts anyway); here forced onto that path on gloo."""
+    """On NCCL the first call of a signature compares the arguments with one all_gather of
+    device codes (a host sync, once); here forced onto that path on gloo. A num_experts no other
+    case uses makes this call every rank's first of its signature."""
     dist_transport = buf.transport
     dist_transport._gloo = False
     try:
         num_tokens = [5] * world_size
-        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32)
+        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
         x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
         other = 1 - rank
         with pytest.raises(ValueError, match=f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"):
@@ -361,17 +362,19 @@ def _mismatch_named_without_gloo_check(rank, world_size, buf):
 
 def _mixed_operations(rank, world_size, buf):
     """Rank 0 combines while rank 1 starts a fresh dispatch: both checks run on one group, so
-    both ranks raise a ValueError naming the other's operation (not a gloo abort)."""
+    both ranks raise a ValueError naming the other's operation (not a gloo abort). With the
+    kernels these are both ranks' first calls of their signatures (fp16 rows of 48, a dispatch
+    without weights), which the host checks."""
     num_tokens = [5] * world_size
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=33)
-    x = make_x(num_tokens, 16, torch.float32, seed=33)[rank]
+    x = make_x(num_tokens, 48, torch.float16, seed=33)[rank]
     recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
     theirs = "dispatch (metadata)" if rank == 0 else "combine"
     with pytest.raises(ValueError, match=rf"operation is .* here but {re.escape(theirs)} on EP rank {1 - rank}"):
         if rank == 0:
             buf.combine(recv_x, handle)
         else:
-            buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+            buf.dispatch(x, idxs[rank], None, num_experts)
     out, _ = buf.combine(recv_x, handle)  # still in step afterwards
     assert out.shape == x.shape
 

