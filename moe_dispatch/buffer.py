@@ -23,7 +23,7 @@ from .ops.quant import check_fp8_pair
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
 from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
 from .topology import Topology
-from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport
+from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport, log_choice
 from .transport.base import (
     Call,
     Field,
@@ -317,6 +317,7 @@ class Buffer:
         self.device = _buffer_device(device, backend)
         if transport == "auto":
             transport, self.transport_reason = choose_transport(self.device)
+            log_choice(transport, self.transport_reason)
         else:
             self.transport_reason = "requested"
         if self.device.type == "cuda" and "nccl" not in backend and transport != "kernels":

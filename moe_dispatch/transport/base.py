@@ -148,6 +148,20 @@ class Transport(Protocol):
             every other operation (the kernels: their launches share one set of rings).
         progress: the :class:`~moe_dispatch.transport.progress.Progress` records that name,
             in a timeout's message, the operation each peer had reached.
+
+    Optional, where a transport has them (the kernels; read with ``getattr``, absent = False /
+    None):
+
+    - ``routes_on_device``: :meth:`plan` also takes ``topk_idx=``, ``num_rows=`` (a static
+      receive size) and ``dispatch_id=``; the Buffer calls :meth:`agree` before it.
+    - ``budget_on_device``: with ``num_rows`` the plan keeps R on the device
+      (``num_recv_tokens`` None, see :class:`Plan`).
+    - ``device_checks``: every launch compares the ranks' calls on the device, so the Buffer
+      compares a call signature on the host only the first time it appears.
+    - ``refuse(operation, err)``: takes part in an operation with no rows for a rank whose own
+      arguments were refused, so its peers finish at once.
+    - ``check_errors()``: raises what the device recorded (timeouts, mismatched calls),
+      reading host memory only.
     """
 
     plans_on_comm_thread: bool
