@@ -481,3 +481,49 @@ def world_entry(rank: int, world_size: int):
 @pytest.mark.parametrize("case", list(ALL_CASES))
 def test_megatron_world(case):
     assert_case(world_results(world_entry, WORLD_SIZE), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a whole MoE layer step through the manager, captured in a CUDA graph
+# ---------------------------------------------------------------------------------------------
+
+def _graph_entry(rank: int, world_size: int):
+    """EP 2 on one GPU (gloo carries the kernels' handles: NCCL refuses two ranks on one GPU):
+    Megatron's moe_expert_rank_capacity_factor and transport="kernels", one manager step
+    (setup_metadata, dispatch, permute, expert, unpermute, combine, backward) captured in a
+    CUDA graph; replays with new tokens equal eager steps."""
+    torch.cuda.set_device(0)
+    _init_parallel(2)
+    d = _dispatcher(_config(2, "custom", transport="kernels", moe_expert_rank_capacity_factor=4.0))
+    manager = d._comm_manager
+    x, routing_map, probs = _inputs(rank, 41)
+    hidden, routing_map, probs = x.reshape(-1, HIDDEN).cuda(), routing_map.cuda(), probs.cuda()
+    eager = [_manager_step(manager, hidden * s, routing_map, probs) for s in (1.0, 2.0)]
+    static = hidden.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph wants
+        _manager_step(manager, static, routing_map, probs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _manager_step(manager, static, routing_map, probs)
+    for s, want in zip((1.0, 2.0), eager):
+        static.copy_(hidden * s)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got, ref in zip(("output", "grad hidden", "grad probs"), captured[:3], want[:3]):
+            assert torch.equal(got, ref), f"{name}: a graph replay differs from the eager step"
+    return "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.world
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_manager_step_in_a_cuda_graph():
+    import os
+
+    from moe_dispatch.testing.launch import spawn_world
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or "0"
+    assert spawn_world(2, _graph_entry, env={"CUDA_VISIBLE_DEVICES": visible}, timeout_s=300) == ["ok", "ok"]

@@ -72,19 +72,20 @@ def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> 
 
 
 def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-               timeout_s: float = 300.0, transport: str = "auto", config: Config | None = None) -> Buffer:
+               timeout_s: float = 300.0, transport: str = "auto", config: Config | None = None,
+               device: torch.device | None = None) -> Buffer:
     """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, kernel
-    Config or SM budget, timeout, transport).
+    Config or SM budget, timeout, transport, device; see ``Buffer`` for each).
 
     Collective on first use for a group (every rank of ``group`` must reach it together, which
     Megatron's identical layer order on all EP ranks guarantees).
     """
     rpn = ep_ranks_per_node(group, ranks_per_node)
-    key = (group, rpn, num_sms, config, float(timeout_s), transport)
+    key = (group, rpn, num_sms, config, float(timeout_s), transport, device)
     buf = _BUFFERS.get(key)
     if buf is None:
         buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, config=config, timeout_s=timeout_s,
-                     transport=transport)
+                     transport=transport, device=device)
         _BUFFERS[key] = buf
     return buf
 
@@ -182,11 +183,21 @@ class CustomDispatchManager(_DispatchManager):
     # -- helpers ---------------------------------------------------------------------------
     @property
     def buffer(self) -> Buffer:
-        """The EP group's Buffer (created on first use; collective then)."""
+        """The EP group's Buffer (created by the first dispatch, on its tensors' device)."""
+        if self._buffer is None:
+            raise RuntimeError("the manager's Buffer is made by its first dispatch (on the tokens' device)")
+        return self._buffer
+
+    def _buffer_for(self, device: torch.device) -> Buffer:
+        """The Buffer for tokens on ``device`` (made on first use; collective then): the group's
+        backend decides by default (NCCL: CUDA), a gloo group with CUDA tokens is processes
+        sharing a GPU (``transport="kernels"``)."""
         if self._buffer is None:
             self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
                                       config=self.kernel_config, timeout_s=self.options.timeout_s,
-                                      transport=self.options.transport)
+                                      transport=self.options.transport, device=device)
+        if self.over_budget.device != device:  # the flag follows the tokens (no transfer per dispatch)
+            self.over_budget = self.over_budget.to(device)
         return self._buffer
 
     def budget(self, num_tokens: int) -> int | None:
@@ -228,7 +239,7 @@ class CustomDispatchManager(_DispatchManager):
             tokens_per_expert[-1] += budget - tokens_per_expert.sum()
             state.tokens_per_expert = tokens_per_expert
         if budget is not None or capacity is not None:
-            self.over_budget |= res.handle.overflow.to(self.over_budget.device)
+            self.over_budget |= res.handle.overflow
             if self.options.raise_on_overflow:  # host reads: the permute's flag, then the dispatch's
                 check_permute_overflow(res.handle)
                 if bool(state.handle.overflow):
@@ -299,7 +310,8 @@ class CustomDispatchManager(_DispatchManager):
         budget = self.receive_budget(num_tokens)
         launch = {"async_finish": async_finish, "allocate_on_comm_stream": allocate_on_comm_stream,
                   "num_worst_tokens": budget or 0, "on_overflow": "drop"}
-        args = (hidden_states.contiguous(), probs.contiguous(), self.buffer, self.token_indices, self.num_experts,
+        buffer = self._buffer_for(hidden_states.device)
+        args = (hidden_states.contiguous(), probs.contiguous(), buffer, self.token_indices, self.num_experts,
                 self.wgrad_store, launch)
         routed: dict = {}
         if self.fp8_dispatch:
@@ -308,7 +320,7 @@ class CustomDispatchManager(_DispatchManager):
             recv_x, recv_probs = _dispatch(*args, routed)
         handle, recv_idx = routed["handle"], routed["recv_topk_idx"]
         if budget is not None:  # raised with the permute's own check (raise_on_overflow)
-            self.over_budget |= handle.overflow.to(self.over_budget.device)
+            self.over_budget |= handle.overflow
         state = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=recv_idx, fused=self.fused)
         self._inflight = state
         if self.fused:
