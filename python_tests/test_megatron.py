@@ -254,6 +254,16 @@ def _manager_step(m, hidden, routing_map, probs):
     return out.detach(), hidden.grad, probs.grad, tokens.shape[0]
 
 
+def _rank_capacity_factor(factor: float) -> dict:
+    """Megatron's moe_expert_rank_capacity_factor where this megatron-core has it (0.19), else
+    the backend's own knob of the same meaning (0.16)."""
+    from moe_dispatch.megatron import compat
+
+    if compat.missing_config_field("moe_expert_rank_capacity_factor") is None:
+        return {"moe_expert_rank_capacity_factor": factor}
+    return {"expert_rank_capacity_factor": factor}
+
+
 def _check_sync_free_static_shape(ep: int, seed: int):
     """Megatron's moe_expert_rank_capacity_factor with transport="kernels": the static expert
     input of moe_ncclep_static_shape (every row of the fixed-size buffer goes to the experts),
@@ -269,7 +279,7 @@ def _check_sync_free_static_shape(ep: int, seed: int):
 
         x, routing_map, probs = _inputs(rank, seed)
         hidden = x.reshape(-1, HIDDEN)
-        static = _dispatcher(_config(ep, "custom", transport="kernels", moe_expert_rank_capacity_factor=4.0))
+        static = _dispatcher(_config(ep, "custom", transport="kernels", **_rank_capacity_factor(4.0)))
         manager = static._comm_manager
         budget = manager.budget(hidden.shape[0])
         assert budget == -(-hidden.shape[0] * TOPK * 4 // 1)  # ceil(T * topk * 4), pad_multiple 1
@@ -494,7 +504,7 @@ def _graph_entry(rank: int, world_size: int):
     CUDA graph; replays with new tokens equal eager steps."""
     torch.cuda.set_device(0)
     _init_parallel(2)
-    d = _dispatcher(_config(2, "custom", transport="kernels", moe_expert_rank_capacity_factor=4.0))
+    d = _dispatcher(_config(2, "custom", transport="kernels", **_rank_capacity_factor(4.0)))
     manager = d._comm_manager
     x, routing_map, probs = _inputs(rank, 41)
     hidden, routing_map, probs = x.reshape(-1, HIDDEN).cuda(), routing_map.cuda(), probs.cuda()
