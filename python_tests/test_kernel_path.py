@@ -30,6 +30,7 @@ from moe_dispatch.config import Config
 from moe_dispatch.semantics import reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.sync import HostSyncError, no_host_sync
+from moe_dispatch.transport.header import MismatchError
 
 from . import test_async, test_dispatch
 from .test_dispatch import expert, make_routing, make_x
@@ -179,6 +180,45 @@ def _device_checked_topk_idx(rank, world_size, buf):
     buf.check_errors()  # cleared
 
 
+def _device_mismatch_flag(rank, world_size, buf):
+    """Later calls are compared on the device: with both signatures seen before (so neither rank
+    checks on the host), rank 0 combines fp32 rows while the others combine bf16 ones. No rows
+    move between them, every rank raises MismatchError naming the ranks and the field where the
+    operation completes, and the Buffer stays usable."""
+    _, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=57)
+    recv_x, _, _, _, handle, _ = buf.dispatch(*_dev(buf, xs[rank], idxs[rank], ws[rank]), num_experts)
+    y = expert(recv_x, rank)
+    want = buf.combine(y, handle)[0]
+    buf.combine(y.float(), handle)  # both signatures seen
+    mine = y.float() if rank == 0 else y
+    with pytest.raises(MismatchError) as err:
+        _, event = buf.combine(mine, handle, async_finish=True)
+        event.current_stream_wait()
+        buf.check_errors()  # on a GPU the records are read here
+    assert err.value.field in ("row bytes", "dtype") and 0 in (err.value.rank, err.value.peer), str(err.value)
+    assert torch.equal(buf.combine(y, handle)[0], want), "the Buffer must stay usable"
+
+
+def _refusal_named(rank, world_size, buf):
+    """A rank whose own arguments are bad (combine rows that do not fit the handle) takes part
+    with a non-zero status: it raises its ValueError, the others MismatchError naming it, all at
+    once (no timeout), and the Buffer stays usable."""
+    _, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=58)
+    recv_x, _, _, _, handle, _ = buf.dispatch(*_dev(buf, xs[rank], idxs[rank], ws[rank]), num_experts)
+    y = expert(recv_x, rank)
+    want = buf.combine(y, handle)[0]
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"y has shape .* but handle \(tokens received\) has"):
+            buf.combine(y[1:], handle)
+    else:
+        with pytest.raises(MismatchError, match="rank 0 refused the operation: its arguments were invalid"):
+            buf.combine(y, handle)
+            buf.check_errors()
+    assert time.monotonic() - start < buf.timeout_s / 2, "the refusal must end the operation at once"
+    assert torch.equal(buf.combine(y, handle)[0], want), "the Buffer must stay usable"
+
+
 def _handle_fields(rank, world_size, buf):
     """Handles carry the dispatch's identity (counted the same on every rank), the received count
     on the device, and the overflow flag; rows sent inside and across nodes match torch_dist's."""
@@ -251,6 +291,8 @@ KERNEL_CASES = {
     "budget-overflow": _budget_overflow,
     "handle-fields": _handle_fields,
     "device-checked-topk-idx": _device_checked_topk_idx,
+    "device-mismatch-flag": _device_mismatch_flag,
+    "refusal-named": _refusal_named,
 }
 
 

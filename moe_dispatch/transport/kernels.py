@@ -441,12 +441,12 @@ class KernelTransport:
                     kernels._refuse(op, err)
         except CommError as refusal:
             raise err from refusal
-        if self.device.type == "cpu":
-            # Its own verdicts name itself: not news here, where the peers raise right after the
-            # operation. On a GPU they stay, so this rank raises with its peers at the next point
-            # that reads the records (every rank the same).
-            for records in self._records():
-                records.clear()
+        # Its own verdicts name itself: not news to a rank that raises its own error now. Cleared
+        # once the refusal has run (on a GPU, an error path, the host waits for it).
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for records in self._records():
+            records.clear()
 
     def check_errors(self) -> None:
         """Raises what the kernels recorded: an
