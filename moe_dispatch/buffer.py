@@ -785,9 +785,14 @@ class Transfers:
 
     Argument checks across ranks: a transport whose operations exchange their sizes (torch_dist)
     compares the arguments of every operation. The kernels compare them on the device in every
-    launch when they carry an operation header (``transport.device_checks``); then the host
-    compares them only the first time a call signature (the operation and its checked fields)
-    appears on this Buffer, and every rank takes part in that check.
+    launch (their operation header, ``transport.device_checks``); then the host compares them
+    only the first time a call signature (the operation and its checked fields) appears on this
+    Buffer, and every rank takes part in that check. What that leaves: a rank whose call has a
+    signature new to it while its peers' (different) one is not waits in the host check while
+    they wait in the kernels; both end in a CommError naming the other within ``timeout_s``
+    (no hang). Likewise a rank in a combine while its peers start a fresh dispatch, each of a
+    signature seen before: the combine's and the notify's headers do not meet, so that pair
+    times out, naming the peer, instead of recording a mismatch.
 
     Args:
         transport: the Buffer's transport.
