@@ -697,17 +697,22 @@ class Buffer:
         """Waits for this Buffer's queued operations (a host synchronisation), then raises the
         first error recorded without one since the last check.
 
-        What is recorded rather than raised at once: with ``transport="kernels"``, a kernel
-        wait that ran out (on a GPU it is noticed only where the host reads the device), and,
-        in the sync-free budget mode (``num_worst_tokens`` on the kernels, see
-        :meth:`dispatch`), topk_idx values out of ``[-1, num_experts)`` or naming an expert
-        twice in a row. Those are also raised at the next point that synchronises anyway: a
-        dispatch without ``num_worst_tokens`` (it reads its receive count). Collective: no;
-        local to this rank.
+        What is recorded rather than raised at once, with ``transport="kernels"``: a kernel
+        wait that ran out; a peer whose call differed from this rank's (the kernels compare
+        the operation, the dispatch id the handle carries, row bytes, dtype, top-k, experts and
+        SMs on the device; no rows moved between the two) or that refused its own arguments;
+        and, in the sync-free budget mode (``num_worst_tokens``, see :meth:`dispatch`), topk_idx
+        values out of ``[-1, num_experts)`` or naming an expert twice in a row. On a GPU they
+        are raised here and at the next point that synchronises anyway (a dispatch without
+        ``num_worst_tokens``, after its payload launch); on CPU tensors right after the
+        operation. Collective: no; local to this rank.
 
         Raises:
             CommError: a kernel wait timed out (its message names the rank and what it waited
                 for; the Buffer's buffers are then in an undefined state: make a new Buffer).
+            MismatchError (a ValueError, ``moe_dispatch.transport.header``): a peer's call
+                differed or was refused, naming the ranks, the field and both values (the
+                buffers stay usable).
             ValueError: bad topk_idx values reached a sync-free dispatch.
         """
         self._check_open()
