@@ -8,7 +8,9 @@ import dataclasses
 import itertools
 import math
 import os
+import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -17,13 +19,22 @@ import torch.distributed as dist
 
 from . import autograd
 from .config import Config, check_config, num_sms_error
-from .errors import BudgetOverflowError
+from .errors import BudgetOverflowError, CommError
 from .ops.layout import get_dispatch_layout
 from .ops.quant import check_fp8_pair
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
-from .semantics.validation import check_hidden, check_timeout_s, check_topk_idx, check_topk_weights
+from .semantics.validation import (
+    check_hidden,
+    check_num_experts,
+    check_timeout_s,
+    check_topk_idx,
+    check_topk_weights,
+    dense,
+    is_int,
+)
 from .topology import Topology
-from .transport import TRANSPORT_ALIASES, TRANSPORTS, choose_transport, log_choice
+from .transport import TRANSPORT_ALIASES, TRANSPORTS, agreement, choose_transport, log_choice
+from .transport.agreement import DispatchId, agree_in_store, refusing_fields
 from .transport.base import (
     Call,
     Field,
@@ -37,12 +48,43 @@ from .transport.base import (
     stream_order_wait,
 )
 from .transport.kernels import KernelTransport
-from .transport.torch_dist import TorchDistTransport
+from .transport.torch_dist import TorchDistTransport, default_num_chunks
 
 if TYPE_CHECKING:
     from .overlap import DelayedWgrad
 
 _BUFFER_IDS = itertools.count()
+# A fresh dispatch's fields, compared across ranks in its metadata exchange (in this order).
+DISPATCH_FIELDS = ("num_experts", "top-k", "hidden", "x dtype", "fp8 x", "topk_idx dtype", "topk_weights given")
+# Transports of Buffers dropped without close(), released at the next Buffer() or close() (where
+# destroying process groups cannot cut into c10d's own bookkeeping, as a garbage collection could).
+_DROPPED: list[Transport] = []
+
+
+def _dropped(rank: int, comm: ThreadPoolExecutor, transport: Transport) -> None:
+    """A Buffer's finalizer: warns, ends its communication thread, queues the rest."""
+    warnings.warn(
+        f"moe_dispatch.Buffer of EP rank {rank} was garbage-collected without close(): its process groups, "
+        "threads and store keys are freed at the next Buffer() or close() of this process; call close() on "
+        "every rank after the last operation",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    comm.shutdown(wait=False)
+    _DROPPED.append(transport)
+
+
+def release_dropped() -> None:
+    """Frees what Buffers dropped without close() made (local: no collective)."""
+    while _DROPPED:
+        _DROPPED.pop().release()
+
+
+def _truthy(value) -> bool:
+    try:
+        return bool(value)
+    except Exception:  # noqa: BLE001 - a value that has no truth is no size either
+        return False
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,7 +104,7 @@ class DispatchHandle:
     tensors) and ``dispatch_id`` are host ints in every mode. The count of rows actually
     received is ``recv_count`` (``[1]`` int32 on the device, readable without a host sync in
     budget mode); ``plan.num_recv_tokens`` is the same count as a host int, except in the
-    kernels' budget mode (one node), where it is None: there the host never learns it.
+    kernels' budget mode, where it is None: there the host never learns it.
     """
 
     buffer_id: int
@@ -78,17 +120,17 @@ class DispatchHandle:
         return self.slot.num_tokens
 
     @property
-    def num_recv_tokens(self) -> int:
-        """R, rows of this rank's receive-side tensors (``num_worst_tokens`` when the dispatch
-        was given it; then the received count is ``plan.num_recv_tokens``)."""
-        return self.slot.num_rows
+    def dispatch_id(self) -> int:
+        """The dispatch's operation number on its Buffer: equal on every rank of a consistent
+        program; combine and cached dispatch compare it across ranks, so a rank holding another
+        dispatch's handle gets a ValueError (on every rank) before anything moves."""
+        return self.slot.dispatch_id
 
     @property
-    def dispatch_id(self) -> int:
-        """The dispatch's identity: the same on every rank (each Buffer counts its fresh
-        dispatches from 1). A combine or cached dispatch with this handle carries it, so ranks
-        replaying different dispatches are told apart."""
-        return self.slot.dispatch_id
+    def num_recv_tokens(self) -> int:
+        """R, rows of this rank's receive-side tensors (``num_worst_tokens`` when the dispatch
+        was given it; then the received count is :attr:`recv_count`)."""
+        return self.slot.num_rows
 
     @property
     def recv_count(self) -> torch.Tensor:
@@ -166,28 +208,6 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-def _buffer_device(device: torch.device | str | None, backend: str) -> torch.device:
-    """The device of a Buffer on a group of ``backend`` (see ``Buffer(device=...)``)."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}") from err
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {str(device)!r}")
-    if device.type == "cpu":
-        if "nccl" in backend:
-            raise ValueError(
-                "device='cpu' with an NCCL group: NCCL moves CUDA tensors only; use a gloo group for "
-                "CPU tensors, or device=None for the current CUDA device"
-            )
-        return device
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"device={str(device)!r} but torch sees no CUDA GPU")
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
 def default_ranks_per_node(group: dist.ProcessGroup) -> int:
     """EP ranks per node of ``group``, from where its ranks run.
 
@@ -217,6 +237,169 @@ def default_ranks_per_node(group: dist.ProcessGroup) -> int:
     return world_size
 
 
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _buffer_device(device: torch.device | str | None, backend: str) -> torch.device:
+    """The device of a Buffer on a group of ``backend`` (see ``Buffer(device=...)``)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {str(device)!r}")
+    if device.type == "cpu":
+        if "nccl" in backend:
+            raise ValueError(
+                "device='cpu' with an NCCL group: NCCL moves CUDA tensors only; use a gloo group for "
+                "CPU tensors, or device=None for the current CUDA device"
+            )
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} but torch sees no CUDA GPU")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _resolve_arguments(
+    group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks, device=None
+) -> tuple[dict, dict | None]:
+    """``Buffer()``'s arguments checked and resolved on this rank (nothing collective).
+
+    Returns:
+        ``(args, None)``: the resolved arguments, ``args["posted"]`` what the ranks compare; or
+        ``(args, refused)`` with ``refused = {"field", "type", "message"}`` for the first bad
+        argument (``args`` then holds what is needed to agree: the group, the timeout).
+    """
+    args = {"group": dist.group.WORLD, "timeout_s": DEFAULT_TIMEOUT_S}
+    field = "group"
+    try:
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            # Agreed over the world: peers that pass None learn of it at once.
+            raise TypeError(
+                f"group must be a torch.distributed ProcessGroup or None (the world), got {type(group).__name__}"
+            )
+        args["group"] = group = group if group is not None else dist.group.WORLD
+        field = "timeout_s"
+        args["timeout_s"] = check_timeout_s(timeout_s)
+        field = "ranks_per_node"
+        given_ranks_per_node = ranks_per_node
+        if ranks_per_node is None:
+            ranks_per_node = default_ranks_per_node(group)
+        if not is_int(ranks_per_node) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        topology = Topology(dist.get_rank(group), dist.get_world_size(group), ranks_per_node)
+        field = "transport"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        transport = TRANSPORT_ALIASES.get(transport, transport)
+        field = "num_sms"
+        if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
+            raise ValueError(f"num_sms {error}, or None for the default")
+        field = "config"
+        check_config(config)
+        if config is not None:
+            if num_sms is not None:
+                raise ValueError(
+                    f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: pass one"
+                )
+        elif num_sms is not None:
+            config = Config(num_sms=num_sms)
+        field = "num_chunks"
+        if num_chunks is not None and (not is_int(num_chunks) or num_chunks < 1):
+            raise ValueError(
+                f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
+                f"and combine) or None for the default, got {num_chunks!r}"
+            )
+        field = "device"
+        backend = str(dist.get_backend(group))
+        device = _buffer_device(device, backend)
+        field = "transport"
+        reason = "requested"
+        if transport == "auto":
+            transport, reason = choose_transport(device)
+            log_choice(transport, reason)
+        if device.type == "cuda" and "nccl" not in backend and transport != "kernels":
+            raise ValueError(
+                f"device={str(device)!r} with a {backend} group needs transport='kernels' (the kernels move "
+                f"the CUDA tensors, {backend} carries only their buffer handles and checks); transport="
+                f"{transport!r} ({reason}) would run its collectives on {backend}, which cannot move CUDA tensors"
+            )
+        if transport == "kernels":
+            KernelTransport.check(topology, config or Config())
+            num_chunks = None
+        elif num_chunks is None:
+            num_chunks = default_num_chunks(topology)
+    except (TypeError, ValueError, RuntimeError) as err:
+        args["error"] = err
+        return args, {"field": field, "type": type(err).__name__, "message": str(err)}
+    args.update(
+        topology=topology,
+        transport=transport,
+        transport_reason=reason,
+        device=device,
+        config=config,
+        num_chunks=num_chunks,
+        given_ranks_per_node=given_ranks_per_node,
+        posted={
+            "device": device.type,
+            "transport": transport,
+            "ranks_per_node": ranks_per_node,
+            "num_chunks": num_chunks,
+            "config": repr(config or Config()) if transport == "kernels" else None,
+        },
+    )
+    return args, None
+
+
+# c10d names a group made with use_local_synchronization (as the transports make theirs) after its
+# ranks and a count of the groups this process has made: members whose counts differ (one made a
+# Buffer on a group the others are not in) would name the same group differently and deadlock in
+# new_group. The ranks post their counts and all continue from the largest.
+_GROUP_COUNT = "c10d group count"
+
+
+def _c10d_group_count() -> int | None:
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
+
+
+def _align_group_count(count: int | None) -> None:
+    if count is not None and _c10d_group_count() is not None:
+        dist.distributed_c10d._world.group_count = count
+
+
+_ERROR_TYPES = {t.__name__: t for t in (TypeError, ValueError, RuntimeError)}
+_UNCHANGED = "no rank created anything, so a Buffer() with good arguments can follow"
+
+
+def _check_posts(posts: list[dict], rank: int, args: dict) -> None:
+    """Raises, on every rank alike, when a rank refused its arguments (the first such rank's
+    error, of its type) or the ranks' resolved arguments differ (ValueError)."""
+    bad = [(r, post["error"]) for r, post in enumerate(posts) if "error" in post]
+    if bad:
+        first, error = bad[0]
+        others = f" (EP ranks {[r for r, _ in bad[1:]]} refused theirs too)" if len(bad) > 1 else ""
+        raise _ERROR_TYPES.get(error["type"], ValueError)(
+            f"EP rank {rank}: Buffer() refused by EP rank {first}{others}: {error['field']}: {error['message']}; "
+            f"{_UNCHANGED}"
+        ) from args.get("error")
+    mine = args["posted"]
+    for field, value in mine.items():
+        differ = [(r, post[field]) for r, post in enumerate(posts) if post[field] != value]
+        if differ:
+            theirs = ", ".join(f"{v!r} on EP rank {r}" for r, v in differ)
+            resolved = (
+                " (resolved from LOCAL_WORLD_SIZE or the GPU count where not given)"
+                if field == "ranks_per_node" and args["given_ranks_per_node"] is None
+                else ""
+            )
+            raise ValueError(
+                f"EP rank {rank}: Buffer() arguments differ across ranks: {field} is {value!r} here{resolved} but "
+                f"{theirs}; every rank must pass the same ({_UNCHANGED})"
+            )
+
+
 class Buffer:
     """Hierarchical expert-parallel dispatch/combine for one EP group.
 
@@ -228,11 +411,12 @@ class Buffer:
             ``LOCAL_WORLD_SIZE`` or the GPU count; else W, one node). A CPU world may declare
             any divisor (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
         transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``: ``"torch_dist"``
-            for now), ``"torch_dist"`` or ``"kernels"``: the ``_C`` kernels
-            (``moe_dispatch.transport.kernels``), chosen by topology: the intranode kernels for
-            an EP group on one node, the hierarchical ones (NVSHMEM between nodes, NVLink inside)
-            for several; with CPU tensors they run through the kernels' CPU backend (the same
-            protocol code; how the tests check it). ``"cuda"`` is the old name of ``"kernels"``.
+            for now; it logs its choice and why once), ``"torch_dist"`` or ``"kernels"``: the
+            ``_C`` kernels (``moe_dispatch.transport.kernels``), chosen by topology: the
+            intranode kernels for an EP group on one node, the hierarchical ones (NVSHMEM
+            between nodes, NVLink inside) for several; with CPU tensors they run through the
+            kernels' CPU backend (the same protocol code; how the tests check it). ``"cuda"`` is
+            the old name of ``"kernels"``.
         num_sms: SM budget of the CUDA kernels (an even int in [2, 128], two per channel; checked
             on every transport, used by ``"kernels"`` only), None = the default ``Config``.
         config: the CUDA kernels' whole launch shape and queue sizes, a
@@ -254,17 +438,23 @@ class Buffer:
             device): only ``transport="kernels"`` serves it (gloo carries the buffer handles
             and the argument checks, the kernels the payload).
 
-    Raises:
+    Raises (on every rank alike: the ranks agree their arguments through torch.distributed's
+    store before any process group is made, so a refusal leaves the world as it was and a later
+    ``Buffer()`` with good arguments works; the message names the refusing rank and the field):
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
             num_sms/timeout_s/num_chunks, both num_sms and config, more ranks per node than
             transport="kernels" serves, a device that is neither CPU nor CUDA, an NCCL group
             with CPU tensors, a gloo group with CUDA tensors and a transport other than
-            "kernels".
-        TypeError: config is not a Config.
+            "kernels"; the ranks' resolved device, transport, ranks_per_node, num_chunks or
+            (kernels) config differ.
+        TypeError: group is not a ProcessGroup, config is not a Config.
         RuntimeError: transport="kernels" without the built extension; a CUDA device without a
             GPU.
+        CommError: a rank did not construct its Buffer within ``timeout_s``.
 
-    Collective: every rank of ``group`` must construct its Buffer together.
+    Collective: every rank of ``group`` must construct its Buffer together, and :meth:`close`
+    it. A Buffer dropped without close() warns (ResourceWarning) and frees its threads, groups
+    and store keys at the next ``Buffer()`` or ``close()`` of this process.
     """
 
     def __init__(
@@ -274,76 +464,61 @@ class Buffer:
         ranks_per_node: int | None = None,
         transport: str = "auto",
         num_sms: int | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         config: Config | None = None,
         num_chunks: int | None = None,
         device: torch.device | str | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"group must be a torch.distributed ProcessGroup or None (the world), got {type(group).__name__}"
-            )
-        self.group = group if group is not None else dist.group.WORLD
-        world_size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if ranks_per_node is None:
-            ranks_per_node = default_ranks_per_node(self.group)
-        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
-        self.topology = Topology(rank, world_size, ranks_per_node)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        transport = TRANSPORT_ALIASES.get(transport, transport)
-        if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
-            raise ValueError(f"num_sms {error}, or None for the default")
-        check_config(config)
-        if config is not None:
-            if num_sms is not None:
-                raise ValueError(
-                    f"num_sms={num_sms} and config (num_sms={config.num_sms}) both set the SM budget: pass one"
-                )
-        elif num_sms is not None:
-            config = Config(num_sms=num_sms)
-        check_timeout_s(timeout_s)
-        if num_chunks is not None and (
-            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        # A group made without this process (new_group gives its non-members NON_GROUP_MEMBER): nothing to agree with.
+        if group is dist.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
         ):
             raise ValueError(
-                f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
-                f"and combine) or None for the default, got {num_chunks!r}"
+                f"group does not contain this process (global rank {dist.get_rank()}): build a Buffer on the "
+                "ranks of its group only"
             )
-        backend = str(dist.get_backend(self.group))
-        self.device = _buffer_device(device, backend)
-        if transport == "auto":
-            transport, self.transport_reason = choose_transport(self.device)
-            log_choice(transport, self.transport_reason)
-        else:
-            self.transport_reason = "requested"
-        if self.device.type == "cuda" and "nccl" not in backend and transport != "kernels":
-            raise ValueError(
-                f"device={str(self.device)!r} with a {backend} group needs transport='kernels' (the kernels move "
-                f"the CUDA tensors, {backend} carries only their buffer handles); transport={transport!r} "
-                f"({self.transport_reason}) would run its collectives on {backend}, which cannot move CUDA tensors"
-            )
-        self.transport_name = transport
-        self.num_sms = config.num_sms if config is not None else None
-        self.timeout_s = float(timeout_s)
+        release_dropped()
+        args, refused = _resolve_arguments(
+            group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks, device
+        )
+        # Agreed before any process group exists, so a refusal on any rank leaves the world as it was.
+        posts = agree_in_store(
+            dist.get_process_group_ranks(args["group"]),
+            dist.get_rank(args["group"]),
+            {**(args["posted"] if refused is None else {"error": refused}), _GROUP_COUNT: _c10d_group_count()},
+            args["timeout_s"],
+        )
+        _check_posts(posts, dist.get_rank(args["group"]), args)
+        _align_group_count(max((p[_GROUP_COUNT] for p in posts if p[_GROUP_COUNT] is not None), default=None))
+        self.group, self.topology, self.device = args["group"], args["topology"], args["device"]
+        self.transport_name, self.transport_reason = args["transport"], args["transport_reason"]
+        self.num_sms = args["config"].num_sms if args["config"] is not None else None
+        self.timeout_s = args["timeout_s"]
         self._uid = next(_BUFFER_IDS)
-        if transport == "kernels":
+        if self.transport_name == "kernels":
             chosen: Transport = KernelTransport(
-                self.group, self.topology, self.timeout_s, config or Config(), self.device
+                self.group, self.topology, self.timeout_s, args["config"] or Config(), self.device
             )
         else:
-            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s, num_chunks=num_chunks)
+            chosen = TorchDistTransport(self.group, self.topology, self.timeout_s, num_chunks=args["num_chunks"])
         self._transfers = Transfers(chosen, self.topology, self.device)
 
     def close(self) -> None:
-        """Waits for this Buffer's queued operations, then frees what its transport holds (the
-        kernels' communication buffers with ``transport="kernels"``; nothing with torch_dist).
-        Collective: every rank of the group, after its last operation. Later calls raise
-        RuntimeError."""
-        self._transfers.close()
+        """Waits for this Buffer's queued operations, then frees everything it made: its process
+        groups, its communication and progress-writer threads, its store keys, and with
+        ``transport="kernels"`` the kernels' communication buffers (shared memory on CPU).
+        Collective: every rank of the group, after its last operation; a broken Buffer (see
+        :meth:`dispatch`) frees what it made locally, without waiting for its peers.
+        Idempotent; later calls raise RuntimeError.
+
+        Raises:
+            CommError: a peer did not reach close() within ``timeout_s`` (freed anyway).
+        """
+        with self._transfers.entered("close", check=False):
+            self._transfers.close()
+        release_dropped()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -385,12 +560,8 @@ class Buffer:
             ValueError/TypeError: bad topk_idx (shape, dtype, range, duplicates, device) or E.
         """
         check_topk_idx(topk_idx, num_experts, device=self.device)
-        self._check_num_experts(num_experts)
+        check_num_experts(num_experts, self.world_size)
         return self._layout(topk_idx, num_experts)
-
-    def _check_num_experts(self, num_experts: int) -> None:
-        if num_experts % self.world_size != 0:
-            raise ValueError(f"num_experts must be divisible by the EP world size {self.world_size}, got {num_experts}")
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
         """The layout of validated inputs: Triton kernels on CUDA, the torch reference's ops on CPU."""
@@ -472,12 +643,11 @@ class Buffer:
                 ``num_worst_tokens``) raise where the operation completes: the event, the hook,
                 or the call itself when synchronous. ``T * W`` rows can never overflow. A
                 combine then takes ``y`` with ``num_worst_tokens`` rows (the padding rows are
-                ignored). Not with ``handle=``. With ``transport="kernels"`` on one node the
-                count stays on the device (``handle.recv_count``): nothing on the dispatch,
-                the experts or the combine waits for the host, and the step can be captured in
-                a CUDA graph, except what ``on_overflow="raise"`` reads; the topk_idx values
-                are then checked on the device too, raised by :meth:`check_errors`, once the
-                call signature was seen before (see :meth:`check_errors`).
+                ignored). Not with ``handle=``. With ``transport="kernels"`` the count stays on
+                the device (``handle.recv_count``): nothing on the dispatch, the experts or the
+                combine waits for the host, and the step can be captured in a CUDA graph, except
+                what ``on_overflow="raise"`` reads; the topk_idx values are then checked on the
+                device too (raised by :meth:`check_errors`).
             wgrad_store: a :class:`moe_dispatch.overlap.DelayedWgrad`; in this dispatch's
                 backward the gradient combine is launched first and ``wgrad_store.backward_dw()``
                 runs while it is in flight (delayed weight gradients of the experts).
@@ -497,79 +667,98 @@ class Buffer:
             with ``return_recv_hook``). Rows are ordered by source rank, then source token.
 
         Raises:
-            ValueError/TypeError: bad shapes, dtypes, devices, ranges; a foreign or unfinished
-                handle; async_finish with return_recv_hook; ranks that disagree on E, K, H,
-                dtypes or whether topk_weights are given (naming the rank).
-            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both
-                counts), with ``on_overflow="raise"``.
-            CommError: a peer failed or did not join within ``timeout_s``.
+            ValueError/TypeError: bad shapes, dtypes, devices, ranges (``num_experts`` an int in
+                ``[1, 2**20]``, bools refused as ints); a foreign handle, or (cached) the handle of
+                another dispatch than the peers'; async_finish with return_recv_hook; ranks that
+                disagree on E, K, H, dtypes or whether topk_weights are given (naming the
+                ranks). A bad argument on any rank costs its peers one small collective, not
+                ``timeout_s``: that rank takes part in the call's check with a non-zero status
+                and raises its own error, its peers a ValueError naming it and quoting its error
+                (``moe_dispatch.transport.agreement``); the Buffer stays usable.
+            RuntimeError: the handle's dispatch was issued with ``return_recv_hook`` and its hook
+                not called; another thread is inside this Buffer; the Buffer was closed.
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts),
+                with ``on_overflow="raise"``.
+            MismatchError (a ValueError): with the kernels, a peer's later call differed or was
+                refused (compared on the device; see :meth:`check_errors` for where it is raised).
+            CommError: a peer failed or did not join within ``timeout_s`` (naming the operation,
+                and the rank that most likely died); the Buffer is then broken: every later call
+                raises CommError at once, saying that a new Buffer is needed and why.
         """
-        self._check_open()
-        with self._refusing("dispatch" if handle is None else "cached dispatch"):
-            call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
+        with self._transfers.entered("dispatch"):
+            self._check_hook(handle)
+            try:
+                mode = self._check_call(async_finish, return_recv_hook, previous_event)
+                self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
+            except (TypeError, ValueError) as err:
+                if handle is not None:
+                    self._transfers.refuse(err, "dispatch", "cached dispatch", signature=_signature(_replay_fields, x))
+                else:
+                    worst = _truthy(num_worst_tokens)  # the peers' exchange, as far as it can be told
+                    what = "dispatch (num_worst_tokens)" if worst else "dispatch (metadata)"
+                    fields = _signature(_fresh_fields, x, topk_idx, topk_weights, num_experts)
+                    self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS), signature=fields)
+                raise
+            call = self._launch(mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
-            fields = self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
-        fp8 = isinstance(x, tuple)
-        if handle is not None:
-            if fp8:
-                recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
+            fp8 = isinstance(x, tuple)
+            if handle is not None:
+                if fp8:
+                    recv_x = tuple(self._transfers.forward(handle.slot, list(x), call, "cached dispatch (fp8)"))
+                else:
+                    recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
+                return (recv_x, None, None, None, handle, *self._completion(call))
+            num_tokens = (x[0] if fp8 else x).shape[0]
+            fields = _dispatch_fields(x, topk_idx, topk_weights, num_experts)
+            is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
+            if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
+                slot = PlanSlot(num_tokens, num_worst_tokens)
             else:
-                recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
-            return (recv_x, None, None, None, handle, *self._completion(call))
-        num_tokens = topk_idx.shape[0]
-        is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
-        dispatch_id = self._transfers.next_dispatch_id()
-        if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
-            slot = PlanSlot(num_tokens, num_worst_tokens, dispatch_id)
-        else:
-            plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx, dispatch_id)
-            slot = PlanSlot(num_tokens, plan.num_recv_tokens, dispatch_id, plan)
-        call.dispatch = routing = FreshDispatch(
-            slot=slot,
-            fields=fields,
-            is_token_in_rank=is_token_in_rank,
-            topk_idx=topk_idx,
-            num_experts=num_experts,
-            recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
-            num_recv_tokens_per_expert=torch.empty(
-                num_experts // self.world_size, dtype=torch.int64, device=self.device
-            ),
-            on_overflow=on_overflow,
-        )
-        if fp8:  # fp8 is a forward-only format: no autograd
-            *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
-            recv_x = tuple(recv_x)
-        else:
-            recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
-        handle = DispatchHandle(
-            buffer_id=self._uid,
-            num_experts=num_experts,
-            recv_topk_idx=routing.recv_topk_idx,
-            is_token_in_rank=is_token_in_rank,
-            slot=slot,
-            _hook=call.hook,
-        )
-        return (
-            recv_x,
-            routing.recv_topk_idx,
-            recv_weights,
-            routing.num_recv_tokens_per_expert,
-            handle,
-            *self._completion(call),
-        )
+                plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx=topk_idx)
+                slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
+            call.dispatch = routing = FreshDispatch(
+                slot=slot,
+                fields=fields,
+                is_token_in_rank=is_token_in_rank,
+                topk_idx=topk_idx,
+                num_experts=num_experts,
+                recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
+                num_recv_tokens_per_expert=torch.empty(
+                    num_experts // self.world_size, dtype=torch.int64, device=self.device
+                ),
+                on_overflow=on_overflow,
+            )
+            if fp8:  # fp8 is a forward-only format: no autograd
+                *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
+                recv_x = tuple(recv_x)
+            else:
+                recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+            handle = DispatchHandle(
+                buffer_id=self._uid,
+                num_experts=num_experts,
+                recv_topk_idx=routing.recv_topk_idx,
+                is_token_in_rank=is_token_in_rank,
+                slot=slot,
+                _hook=call.hook,
+            )
+            return (
+                recv_x,
+                routing.recv_topk_idx,
+                recv_weights,
+                routing.num_recv_tokens_per_expert,
+                handle,
+                *self._completion(call),
+            )
 
-    def _check_dispatch(
-        self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens: int, on_overflow: str
-    ) -> dict[str, Field] | None:
-        """The argument checks of :meth:`dispatch` (raising what it documents); returns the
-        fields every rank must agree on (None for a cached dispatch)."""
-        if isinstance(num_worst_tokens, bool) or not (isinstance(num_worst_tokens, int) and num_worst_tokens >= 0):
+    def _check_dispatch(self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow) -> None:
+        """This rank's dispatch arguments (nothing collective; in the sync-free mode the values
+        of topk_idx are checked on the device: :meth:`check_errors`)."""
+        if not is_int(num_worst_tokens) or num_worst_tokens < 0:
             raise ValueError(
                 f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
             )
         if on_overflow not in ("raise", "drop"):
             raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
-        fp8 = isinstance(x, tuple)
         if handle is not None:
             self._check_handle(handle)
             self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
@@ -578,34 +767,23 @@ class Buffer:
                     "a cached dispatch (handle=...) replays the handle's routing and row count: "
                     "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
                 )
-            return None
+            return
         self._check_x(x)
-        if isinstance(topk_weights, int) and num_experts is None:
+        if is_int(topk_weights) and num_experts is None:
             raise TypeError(
                 f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
                 "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
             )
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
-        num_tokens = x[0].shape[0] if fp8 else x.shape[0]
-        # Without a host sync the values of topk_idx are checked on the device (check_errors).
+        num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
         sync_free = bool(num_worst_tokens) and self._transfers.sync_free
         check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
-        if sync_free:
-            self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
-        self._check_num_experts(num_experts)
+        check_num_experts(num_experts, self.world_size)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
-        x0 = x[0] if fp8 else x
-        return {
-            "num_experts": num_experts,
-            "top-k": topk_idx.shape[1],
-            "hidden": x0.shape[1],
-            "x dtype": x0.dtype,
-            "fp8 x": fp8,
-            "topk_idx dtype": topk_idx.dtype,
-            "topk_weights given": topk_weights is not None,
-        }
+        if sync_free:
+            self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
 
     def combine(
         self,
@@ -639,19 +817,28 @@ class Buffer:
             (and ``hook`` with ``return_recv_hook``).
 
         Raises:
-            ValueError/TypeError: shapes, dtypes, devices; a foreign or unfinished handle.
-            CommError: a peer failed or did not join within ``timeout_s``.
+            ValueError/TypeError: shapes, dtypes, devices; a foreign handle, or the handle of
+                another dispatch than the peers' (naming the dispatches and the ranks); as in
+                :meth:`dispatch`, a bad argument on one rank makes every rank raise at once.
+            RuntimeError: the handle's dispatch hook not called; another thread inside; closed.
+            CommError: a peer failed or did not join within ``timeout_s``; the Buffer is broken.
         """
-        self._check_open()
-        with self._refusing("combine"):
-            call = self._call(async_finish, return_recv_hook, previous_event, allocate_on_comm_stream)
-            row_scale = self._check_combine(y, handle, topk_weights)
-        out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
-        return (out, *self._completion(call))
+        with self._transfers.entered("combine"):
+            self._check_hook(handle)
+            try:
+                mode = self._check_call(async_finish, return_recv_hook, previous_event)
+                row_scale = self._check_combine(y, handle, topk_weights)
+            except (TypeError, ValueError) as err:
+                self._transfers.refuse(
+                    err, "combine", "combine", signature=_signature(_combine_fields, y, topk_weights)
+                )
+                raise
+            call = self._launch(mode, previous_event, allocate_on_comm_stream)
+            out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
+            return (out, *self._completion(call))
 
     def _check_combine(self, y, handle, topk_weights) -> torch.Tensor | None:
-        """The argument checks of :meth:`combine` (raising what it documents); returns the row
-        scales ``[R]`` fp32 (or None)."""
+        """This rank's combine arguments (nothing collective); returns the ``[R]`` row scales."""
         self._check_handle(handle)
         if isinstance(y, tuple):
             raise TypeError(
@@ -659,39 +846,27 @@ class Buffer:
                 "format (dequantize the expert output, or keep it in bf16)"
             )
         check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
-        row_scale = None
-        if topk_weights is not None:
-            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
-                got = (
-                    str(topk_weights.dtype).removeprefix("torch.")
-                    if isinstance(topk_weights, torch.Tensor)
-                    else type(topk_weights).__name__
-                )
-                raise TypeError(f"topk_weights must be an fp32 tensor, got {got}")
-            rows, topk = handle.num_recv_tokens, handle.recv_topk_idx.shape[1]
-            if (
-                topk_weights.device != self.device
-                or topk_weights.dim() not in (1, 2)
-                or topk_weights.shape[0] != rows
-                or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk)
-            ):
-                raise ValueError(
-                    f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
-                    f"{list(topk_weights.shape)} on {topk_weights.device}"
-                )
-            row_scale = topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
-        return row_scale
-
-    @contextlib.contextmanager
-    def _refusing(self, operation: str):
-        """The argument checks of a collective ``operation``: an error raised inside is first
-        told to the peers (``Transfers.refuse``: with the kernels they finish at once and record
-        this rank's refusal), then raised here."""
-        try:
-            yield
-        except (ValueError, TypeError) as err:
-            self._transfers.refuse(operation, err)
-            raise
+        if topk_weights is None:
+            return None
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+            got = (
+                str(topk_weights.dtype).removeprefix("torch.")
+                if isinstance(topk_weights, torch.Tensor)
+                else type(topk_weights).__name__
+            )
+            raise TypeError(f"topk_weights must be an fp32 tensor, got {got}")
+        rows, topk = handle.num_recv_tokens, handle.recv_topk_idx.shape[1]
+        if (
+            topk_weights.device != self.device
+            or topk_weights.dim() not in (1, 2)
+            or topk_weights.shape[0] != rows
+            or (topk_weights.dim() == 2 and topk_weights.shape[1] != topk)
+        ):
+            raise ValueError(
+                f"topk_weights must be [{rows}] or [{rows}, {topk}] on {self.device}, got "
+                f"{list(topk_weights.shape)} on {topk_weights.device}"
+            )
+        return topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
 
     def check_errors(self) -> None:
         """Waits for this Buffer's queued operations (a host synchronisation), then raises the
@@ -709,19 +884,16 @@ class Buffer:
 
         Raises:
             CommError: a kernel wait timed out (its message names the rank and what it waited
-                for; the Buffer's buffers are then in an undefined state: make a new Buffer).
+                for; the Buffer is then broken: make a new Buffer).
             MismatchError (a ValueError, ``moe_dispatch.transport.header``): a peer's call
                 differed or was refused, naming the ranks, the field and both values (the
                 buffers stay usable).
             ValueError: bad topk_idx values reached a sync-free dispatch.
         """
-        self._check_open()
-        self._transfers.check_errors()
+        with self._transfers.entered("check_errors"):
+            self._transfers.check_errors()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        self._transfers.check_open()
-
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
@@ -730,36 +902,38 @@ class Buffer:
                 f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
                 "use it with the Buffer that dispatched"
             )
-        if handle._hook is not None and not handle._hook.called:
+
+    @staticmethod
+    def _check_hook(handle) -> None:
+        """Raises (locally, at once) while the dispatch that made ``handle`` is still issued: its
+        peers wait for this rank to complete it (``hook()``) before any later operation."""
+        if isinstance(handle, DispatchHandle) and handle._hook is not None and not handle._hook.called:
             raise RuntimeError(
                 "the dispatch that made this handle was issued with return_recv_hook=True and its "
                 "hook() has not been called: call hook() before using the handle or its outputs"
             )
 
     @staticmethod
-    def _call(
-        async_finish: bool,
-        return_recv_hook: bool,
-        previous_event: EventOverlap | None,
-        allocate_on_comm_stream: bool = False,
-    ) -> Call:
-        """The per-call launch settings, passed through the autograd Functions."""
+    def _check_call(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None) -> str:
+        """The launch mode of an operation's per-call settings."""
         if async_finish and return_recv_hook:
             raise ValueError(
                 "async_finish=True and return_recv_hook=True exclude each other: the hook variant "
                 "returns before the receive, the async variant completes it in the background"
             )
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(
+                f"previous_event must be an EventOverlap returned by this package, got {type(previous_event).__name__}"
+            )
+        return "hook" if return_recv_hook else "async" if async_finish else "sync"
+
+    @staticmethod
+    def _launch(mode: str, previous_event: EventOverlap | None, allocate_on_comm_stream: bool) -> Call:
+        """The per-call launch settings, passed through the autograd Functions, once
+        ``previous_event`` completed."""
         if previous_event is not None:
-            if not isinstance(previous_event, EventOverlap):
-                raise TypeError(
-                    f"previous_event must be an EventOverlap returned by this package, got "
-                    f"{type(previous_event).__name__}"
-                )
             previous_event.current_stream_wait()
-        return Call(
-            mode="hook" if return_recv_hook else "async" if async_finish else "sync",
-            allocate_on_comm_stream=allocate_on_comm_stream,
-        )
+        return Call(mode=mode, allocate_on_comm_stream=allocate_on_comm_stream)
 
     @staticmethod
     def _completion(call: Call) -> tuple:
@@ -768,12 +942,73 @@ class Buffer:
         return (event, call.hook) if call.mode == "hook" else (event,)
 
     def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
+        if isinstance(x, list):
+            raise TypeError(f"x is a list of {len(x)}: pass the fp8 pair as the tuple (x_fp8, scales)")
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
             check_fp8_pair(*x, num_tokens=num_tokens, device=self.device)
         else:
             check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)
+
+
+def _dispatch_fields(x, topk_idx: torch.Tensor, topk_weights, num_experts: int) -> dict[str, Field]:
+    """A fresh dispatch's fields (:data:`DISPATCH_FIELDS`), as every rank compares them."""
+    fp8 = isinstance(x, tuple)
+    x0 = x[0] if fp8 else x
+    return dict(
+        zip(
+            DISPATCH_FIELDS,
+            (num_experts, topk_idx.shape[1], x0.shape[1], x0.dtype, fp8, topk_idx.dtype, topk_weights is not None),
+        )
+    )
+
+
+def _row_fields(operation: str, tensors: list[torch.Tensor], num_scales: int) -> dict[str, Field]:
+    """The fields of an operation that exchanges no sizes (combine, cached dispatch), without
+    the handle's dispatch id."""
+    t = tensors[0]
+    return {
+        "operation": operation,
+        "hidden": math.prod(t.shape[1:]),
+        "dtype": t.dtype,
+        "tensors": len(tensors),
+        "row scales": num_scales,
+    }
+
+
+def _fresh_fields(x, topk_idx, topk_weights, num_experts) -> dict[str, Field]:
+    return {"operation": "dispatch (metadata)", **_dispatch_fields(x, topk_idx, topk_weights, num_experts)}
+
+
+def _replay_fields(x) -> dict[str, Field]:
+    return _row_fields("dispatch", list(x) if isinstance(x, tuple) else [x], 0)
+
+
+def _combine_fields(y, topk_weights) -> dict[str, Field]:
+    return _row_fields("combine", [y], int(topk_weights is not None))
+
+
+def _steps_calling(fn, *args):
+    """Steps that call ``fn(*args)`` when driven (on the communication thread/stream) and wait
+    for nothing."""
+    yield from ()
+    fn(*args)
+
+
+def _signature_key(fields: dict[str, Field]) -> tuple:
+    """A call signature: its checked fields but the handle's dispatch id (which the kernels'
+    header carries on every call)."""
+    return tuple((name, value) for name, value in fields.items() if name != "handle")
+
+
+def _signature(fields_of, *args) -> tuple | None:
+    """The signature a refused call would have had, as far as its arguments tell (None where
+    they do not)."""
+    try:
+        return _signature_key(fields_of(*args))
+    except Exception:  # noqa: BLE001 - bad arguments are why the call is refused
+        return None
 
 
 class Transfers:
@@ -787,6 +1022,10 @@ class Transfers:
     return the outputs, launched as their :class:`~moe_dispatch.transport.base.Call` says:
     ``"sync"`` returns complete, ``"async"`` sets ``call.event``, ``"hook"`` issues the first
     collective and sets ``call.hook``. Each is collective over the EP group.
+
+    States: open; broken after an operation failed halfway (a CommError, or any error but the
+    agreement's ValueError/TypeError and an overflow), when every later call raises CommError
+    at once; closed. One thread at a time may be inside the Buffer (:meth:`entered`).
 
     Argument checks across ranks: a transport whose operations exchange their sizes (torch_dist)
     compares the arguments of every operation. The kernels compare them on the device in every
@@ -808,13 +1047,19 @@ class Transfers:
     def __init__(self, transport: Transport, topology: Topology, device: torch.device):
         self.transport, self.topology, self.device = transport, topology, device
         self._seq = 0  # operations issued, the same count on every rank (they are collective)
-        self._dispatches = 0  # fresh dispatches issued: their identities
-        self._signatures: set[tuple] = set()  # call signatures checked across ranks on the host
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{topology.rank}")
         self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._closed = False
+        self._signatures: set[tuple] = set()  # call signatures checked across ranks on the host
         # Sync-free dispatches' topk_idx checked on the device: set when one had bad values.
         self._bad_topk_idx = torch.zeros((), dtype=torch.bool, device=device)
+        self._broken: str | None = None  # why, once an operation failed halfway
+        self._guard = threading.Lock()
+        self._owner: tuple[int, str, str] | None = None  # (thread id, thread name, entry point) inside
+        self._depth = 0
+        # Dropped without close(): warn, and free what needs no peer at the next safe point.
+        self._finalizer = weakref.finalize(self, _dropped, topology.rank, self._comm, transport)
+        self._finalizer.atexit = False
 
     @property
     def sync_free(self) -> bool:
@@ -822,42 +1067,6 @@ class Transfers:
         transport keeps the counts on the device and checks the ranks' arguments there."""
         t = self.transport
         return bool(getattr(t, "budget_on_device", False) and getattr(t, "device_checks", False))
-
-    def check_open(self) -> None:
-        """Raises RuntimeError once the Buffer was closed."""
-        if self._closed:
-            raise RuntimeError(f"EP rank {self.topology.rank}: this Buffer was closed; make a new one")
-
-    def close(self) -> None:
-        """Waits for the queued transfers, then closes the transport (collective; once)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._comm.shutdown(wait=True)
-        if self._comm_stream is not None:
-            self._comm_stream.synchronize()
-        self.transport.close()
-
-    def next_dispatch_id(self) -> int:
-        """The identity of the next fresh dispatch (1, 2, ...: the same on every rank)."""
-        self._dispatches += 1
-        return self._dispatches
-
-    def refuse(self, operation: str, err: Exception) -> None:
-        """This rank's arguments for ``operation`` ("dispatch", "cached dispatch", "combine")
-        were refused (``err``): where the transport can (the kernels), it takes part in the
-        operation with no rows and a non-zero status, so the peers finish at once and record
-        which rank refused; elsewhere the peers' own checks or timeouts name this rank."""
-        refuse = getattr(self.transport, "refuse", None)
-        if refuse is None or self._closed:
-            return
-        seq = self._next_seq()
-
-        def run():
-            self.transport.progress.mark("comm", seq, f"{operation} (refused: invalid arguments)")
-            refuse(operation, err)
-
-        stream_order_wait(self.submit(run))
 
     def check_topk_idx_on_device(self, topk_idx: torch.Tensor, num_experts: int) -> None:
         """Records, on the device, whether ``topk_idx [T, K]`` has entries outside
@@ -872,11 +1081,12 @@ class Transfers:
     def check_errors(self) -> None:
         """Waits for the queued operations (a host synchronisation), then raises what was
         recorded on the device (see ``Buffer.check_errors``)."""
+        self.check_open()
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
         else:
             self._comm.submit(lambda: None).result()  # the communication thread's queue is drained
-        self._raise_recorded()
+        self._guarded(self._raise_recorded)
 
     def _raise_recorded(self) -> None:
         """Raises what the device recorded; the caller has synchronised with the operations."""
@@ -891,13 +1101,143 @@ class Transfers:
                 "sync-free mode; its rows went only to the experts its valid ids name)"
             )
 
+    def check_open(self) -> None:
+        """Raises RuntimeError once the Buffer was closed, CommError once it is broken."""
+        if self._closed:
+            raise RuntimeError(f"EP rank {self.topology.rank}: this Buffer was closed; make a new one")
+        if self._broken is not None:
+            raise CommError(self._broken)
+
+    @contextlib.contextmanager
+    def entered(self, what: str, check: bool = True):
+        """Marks the calling thread as inside the Buffer for ``what`` (re-entrant): a Buffer's
+        operations are collective and ordered, so a second thread at the same time gets a
+        RuntimeError at once (its peers' collectives would interleave differently), and the
+        first thread's operation goes on. Checks that the Buffer is usable unless ``check``."""
+        me = threading.get_ident()
+        with self._guard:
+            if self._owner is not None and self._owner[0] != me:
+                _, name, inside = self._owner
+                raise RuntimeError(
+                    f"EP rank {self.topology.rank}: Buffer.{what} called on thread "
+                    f"{threading.current_thread().name!r} while thread {name!r} is inside Buffer.{inside}: "
+                    "one thread at a time may use a Buffer (its operations are collective and ordered); use "
+                    "one Buffer per thread, or a lock around the calls"
+                )
+            if self._owner is None:
+                self._owner = (me, threading.current_thread().name, what)
+            self._depth += 1
+        try:
+            if check:
+                self.check_open()
+            yield
+        finally:
+            with self._guard:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+
+    def close(self) -> None:
+        """Waits for the queued transfers, then closes the transport (collective; once). A
+        broken Buffer's transport is released locally, without waiting for its peers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._comm.shutdown(wait=True)
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()
+        if self._broken is not None:
+            self.transport.release()
+            return
+        try:
+            self.transport.close()
+        except CommError as err:
+            self._break(err)
+            raise
+
+    def _break(self, err: BaseException) -> None:
+        if self._broken is None:
+            self._broken = (
+                f"EP rank {self.topology.rank}: this Buffer is broken and refuses every later call: a new Buffer is "
+                "needed (close() this one on every rank: a broken Buffer frees what it made without waiting for "
+                f"its peers). It broke on: {type(err).__name__}: {err}"
+            )
+
+    def _guarded(self, fn, *args):
+        """``fn(*args)``, an operation's steps: refused at once on a broken Buffer; a failure
+        that may have left the ranks out of step breaks it (the agreement's ValueError and
+        TypeError come before any payload moved, an overflow after it completed: those do not)."""
+        if self._broken is not None:
+            raise CommError(self._broken)
+        try:
+            return fn(*args)
+        except (ValueError, TypeError, BudgetOverflowError):
+            raise
+        except Exception as err:
+            self._break(err)
+            raise
+
+    def refuse(
+        self,
+        err: BaseException,
+        operation: str,
+        what: str,
+        fields: dict[str, Field] | None = None,
+        signature: tuple | None = None,
+    ) -> None:
+        """Takes part, for a call this rank refuses with ``err``, in the check its peers run,
+        with a non-zero status and ``err``'s text posted in the store (the agreement:
+        :mod:`moe_dispatch.transport.agreement`); returns once every rank has seen the refusal,
+        and the caller raises ``err``. The peers raise ValueError naming this rank, and the
+        Buffer stays usable.
+
+        With the kernels (``device_checks``), where the call's ``signature`` (as far as the
+        refused arguments tell) was checked on the host before, the peers skip that check and
+        run the kernels: this rank then takes part in the operation itself with no rows and a
+        non-zero header status (``transport.refuse``), and the peers raise MismatchError naming
+        it where their operation completes.
+
+        Args:
+            operation: the check the peers run: ``"dispatch (metadata)"`` (a fresh dispatch's
+                exchange), ``"dispatch (num_worst_tokens)"`` (that exchange on the comm thread),
+                ``"dispatch"`` (a cached dispatch's argument check) or ``"combine"``.
+            what: the operation, for the progress marks and messages.
+            fields: a fresh dispatch's fields (the refusing rank's: all -1).
+
+        Raises:
+            CommError: the check itself failed or timed out.
+        """
+        status = agreement.status_of(err)
+        call = Call(seq=self._next_seq())
+        self.transport.progress.post_refusal(call.seq, f"{type(err).__name__}: {err}")
+        refuse_on_device = getattr(self.transport, "refuse", None)
+        if (
+            refuse_on_device is not None
+            and getattr(self.transport, "device_checks", False)
+            and (signature in self._signatures)
+        ):
+            kind = "cached dispatch" if what == "cached dispatch" else operation.split(" (")[0]
+            self._run(_steps_calling(refuse_on_device, kind, err), call, [], f"{what} (refused)")
+            return
+        empty = torch.zeros((0, self.topology.world_size), dtype=torch.bool, device=self.device)
+        try:
+            if operation == "dispatch (metadata)":
+                self.plan(call, empty, fields, status=status)
+            elif operation == "dispatch (num_worst_tokens)":
+                self._run(self._plan(empty, fields, None, None, call, status), call, [], what)
+            else:
+                self._run(self._check({"operation": operation}, what, status), call, [], what)
+        except ValueError:
+            pass  # the refusal itself, which every rank raises
+
     def plan(
         self,
         call: Call,
         is_token_in_rank: torch.Tensor,
         fields: dict[str, Field],
-        topk_idx: torch.Tensor,
-        dispatch_id: int,
+        topk_idx: torch.Tensor | None = None,
+        status: int = 0,
     ) -> Plan:
         """A fresh dispatch's plan: the counts exchanged and ``fields`` compared across ranks (a
         host synchronisation: receive sizes are host ints). Takes the operation's number into
@@ -907,44 +1247,52 @@ class Transfers:
         not queue behind payloads in flight; where the transport ``plans_on_comm_thread`` (the
         kernels: one queue for every launch), it runs in the queue and the caller waits.
 
+        ``topk_idx``: ``[T, K]``, what the kernels' notify routes by. ``status``: this rank's
+        refusal (see :meth:`refuse`), 0 otherwise.
+
         Raises:
-            ValueError: ranks disagree on a field (naming it and the rank).
+            ValueError: a rank refused, or ranks disagree on a field (naming it and the ranks).
             CommError: a peer failed or did not join in time.
         """
-        call.seq = self._next_seq()
-        self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
-        if not self.transport.plans_on_comm_thread:
-            return drive(self.transport.plan(is_token_in_rank, fields))
-        steps = self._marked(
-            self._plan(is_token_in_rank, fields, topk_idx, None, dispatch_id), call.seq, "dispatch (metadata)"
-        )
-        plan = stream_order_wait(self.submit(drive, steps))
-        self.join()
-        return plan
+        with self.entered("dispatch"):
+            call.seq = call.seq or self._next_seq()
+            self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
+            if not self.transport.plans_on_comm_thread:
+                return self._guarded(drive, self.transport.plan(is_token_in_rank, fields, status=status))
+            steps = self._marked(
+                self._plan(is_token_in_rank, fields, topk_idx, None, call, status), call.seq, "dispatch (metadata)"
+            )
+            plan = stream_order_wait(self.submit(drive, steps))
+            self.join()
+            return plan
 
     def _plan(
         self,
         is_token_in_rank: torch.Tensor,
         fields: dict[str, Field],
-        topk_idx: torch.Tensor,
+        topk_idx: torch.Tensor | None,
         num_rows: int | None,
-        dispatch_id: int,
+        call: Call,
+        status: int = 0,
     ):
-        """Steps of a fresh dispatch's plan on the communication thread/stream (the kernels: the
-        argument check, then notify; torch_dist: the counts with the fields)."""
+        """Steps of a fresh dispatch's plan on the communication thread/stream: the kernels
+        (``routes_on_device``) check the arguments first (:meth:`_check`), then run notify, with
+        the dispatch's identity (``call.seq``); torch_dist exchanges the counts with the fields."""
         t = self.transport
         if not getattr(t, "routes_on_device", False):
-            return (yield from t.plan(is_token_in_rank, fields, on_comm_thread=True))
-        # The operation first, so it is told apart from a combine's check.
-        yield from self._check({"operation": "dispatch (metadata)", **fields}, "dispatch", num_rows is None)
+            return (yield from t.plan(is_token_in_rank, fields, on_comm_thread=True, status=status))
+        if not status:  # a refusal is the transport's plan's own check
+            # The operation first, so it is told apart from a combine's check.
+            yield from self._check({"operation": "dispatch (metadata)", **fields}, "dispatch")
         return (
             yield from t.plan(
                 is_token_in_rank,
                 fields,
                 on_comm_thread=True,
+                status=status,
                 topk_idx=topk_idx,
                 num_rows=num_rows,
-                dispatch_id=dispatch_id,
+                dispatch_id=call.seq,
             )
         )
 
@@ -966,7 +1314,7 @@ class Transfers:
         routing = call.dispatch
         slot = routing.slot
         xs = x if isinstance(x, list) else [x]
-        tensors = [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])
+        tensors = [dense(t) for t in [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])]
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
         out[len(xs)] = recv_idx = routing.recv_topk_idx
         experts_per_rank = routing.num_experts // self.topology.world_size
@@ -976,7 +1324,7 @@ class Transfers:
         def steps():
             if budget:
                 slot.plan = yield from self._plan(
-                    routing.is_token_in_rank, routing.fields, routing.topk_idx, slot.num_rows, slot.dispatch_id
+                    routing.is_token_in_rank, routing.fields, routing.topk_idx, slot.num_rows, call
                 )
             rows = slot.plan.num_recv_tokens
             if rows is None:  # the count is on the device: the kernels filled every row, padding too
@@ -1018,6 +1366,7 @@ class Transfers:
 
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
+        slot.dispatch_id = call.seq
         return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
 
     def _overflow(self, rows: int, num_rows: int) -> None:
@@ -1029,10 +1378,11 @@ class Transfers:
     def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
         outputs (rows past the received ones zero); returns them."""
+        tensors = [dense(t) for t in tensors]
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
 
         def steps():
-            yield from self._agree("dispatch", tensors, 0, what)
+            yield from self._agree("dispatch", slot, tensors, 0, what)
             rows = slot.plan.num_recv_tokens
             if rows is None:  # the count is on the device
                 yield from self.transport.forward(tensors, slot.plan, out, what)
@@ -1055,11 +1405,13 @@ class Transfers:
         """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
         its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
         outputs; returns them. Rows a ``num_worst_tokens`` dispatch dropped contribute zero."""
+        tensors = [dense(t) for t in tensors]
+        scales = [None if sc is None else dense(sc) for sc in scales]
         out = self._alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
 
         def steps():
-            yield from self._agree("combine", tensors, sum(sc is not None for sc in scales), what)
+            yield from self._agree("combine", slot, tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
             if rows is not None:  # the host knows R: the received rows, dropped ones as zeros
                 rows_ = [_rows(t, rows) for t in tensors]
@@ -1076,11 +1428,11 @@ class Transfers:
         communication stream current, after the work already queued on the caller's stream."""
         self.check_open()
         if self.device.type != "cuda":
-            return self._comm.submit(fn, *args)
+            return self._comm.submit(self._guarded, fn, *args)
         future: Future = Future()
         self._comm_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._comm_stream):
-            future.set_result(fn(*args))
+            future.set_result(self._guarded(fn, *args))
         return future
 
     def join(self) -> None:
@@ -1100,25 +1452,28 @@ class Transfers:
     def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
         """Runs transport steps per ``call.mode`` (see the class docstring). ``uses``: tensors of
         the caller's stream that the transfer reads or writes (on CUDA the caching allocator is
-        told, so an early free cannot hand their memory to other work)."""
-        steps = self._marked(steps, call.seq or self._next_seq(), what)
-        if call.mode == "hook":
-            first = stream_order_wait(self.submit(start, steps))
-            call.hook = RecvHook(self, steps, first)
+        told, so an early free cannot hand their memory to other work). Takes the operation's
+        number into ``call.seq`` unless the call has one."""
+        with self.entered(what):
+            call.seq = call.seq or self._next_seq()
+            steps = self._marked(steps, call.seq, what)
+            if call.mode == "hook":
+                first = stream_order_wait(self.submit(start, steps))
+                call.hook = RecvHook(self, steps, first)
+                self._record(uses)
+                return
+            future = self.submit(drive, steps)
+            if call.mode == "sync":
+                self.join()
+                stream_order_wait(future)
+                return
             self._record(uses)
-            return
-        future = self.submit(drive, steps)
-        if call.mode == "sync":
-            self.join()
-            stream_order_wait(future)
-            return
-        self._record(uses)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(self._comm_stream)
-            call.event = EventOverlap(event)
-        else:
-            call.event = EventOverlap(future=future)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(self._comm_stream)
+                call.event = EventOverlap(event)
+            else:
+                call.event = EventOverlap(future=future)
 
     def _record(self, tensors: list[torch.Tensor]) -> None:
         if self.device.type == "cuda":
@@ -1136,35 +1491,27 @@ class Transfers:
             t.record_stream(torch.cuda.current_stream())
         return out
 
-    def _agree(self, operation: str, tensors: list[torch.Tensor], num_scales: int, what: str):
-        """Steps checking that every rank runs the same kind of operation on rows of the same
-        width and dtype: combine and cached dispatch exchange no sizes (see :meth:`_check`)."""
-        t = tensors[0]
-        fields = {
-            "operation": operation,
-            "hidden": math.prod(t.shape[1:]),
-            "dtype": t.dtype,
-            "tensors": len(tensors),
-            "row scales": num_scales,
-        }
-        return self._check(fields, what)
+    def _agree(self, operation: str, slot: PlanSlot, tensors: list[torch.Tensor], num_scales: int, what: str):
+        """Steps checking that every rank runs the same kind of operation, with the handle of
+        the same dispatch, on rows of the same width and dtype: combine and cached dispatch
+        exchange no sizes (see :meth:`_check` for where the check runs)."""
+        return self._check(
+            {**_row_fields(operation, tensors, num_scales), "handle": DispatchId(slot.dispatch_id)}, what
+        )
 
-    def _check(self, fields: dict[str, Field], what: str, synchronizing: bool = False):
-        """Steps comparing ``fields`` (an operation's signature) across ranks on the host: every
-        time, or, where the transport checks every launch on the device (``device_checks``), the
-        first time this signature appears on this Buffer. ``synchronizing``: the operation reads
-        the device anyway (the kernels then check on any backend)."""
-        t = self.transport
-        if getattr(t, "device_checks", False):
-            signature = tuple(fields.items())
+    def _check(self, fields: dict[str, Field], what: str, status: int = 0):
+        """Steps comparing ``fields`` (an operation's signature) and every rank's ``status``
+        across ranks on the host (``transport.agree``): every time, or, where the transport
+        compares every launch on the device (``device_checks``), the first time this signature
+        appears on this Buffer, and for a refusal."""
+        if getattr(self.transport, "device_checks", False) and not status:
+            signature = _signature_key(fields)
             if signature in self._signatures:
                 return
-            yield from t.agree(fields, f"{what} (first call of this signature)", synchronizing=True)
+            yield from self.transport.agree(fields, f"{what} (first call of this signature)", status)
             self._signatures.add(signature)
-        elif getattr(t, "routes_on_device", False):
-            yield from t.agree(fields, what, synchronizing=synchronizing)
-        else:
-            yield from t.agree(fields, what)
+            return
+        yield from self.transport.agree(fields, what, status)
 
 
 def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:

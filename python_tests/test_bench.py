@@ -237,3 +237,61 @@ def test_bench_layout_names_nodes_and_warns_when_a_node_spans_hosts():
     lines, _ = bench._layout([f"h{n}" for n in range(10)], 1)
     assert len(lines) == 7 and lines[4] == "... (4 more)" and lines[-1] == "node 9: h9 (ranks 9-9)"
     assert bench._gbs_per_rank(0, 1.0, 4) is None and bench._gbs_per_rank(4e9, 1000.0, 4) == pytest.approx(1.0)
+
+
+# -- soak ---------------------------------------------------------------------------------------
+@pytest.mark.world
+@pytest.mark.parametrize("transport", ["torch_dist", "kernels"])
+def test_soak_tiny_world_checks_and_samples(tmp_path, capsys, transport):
+    """benchmarks/soak.py on 2 ranks: every mode runs, every 2nd iteration is checked against the
+    oracle, the samples stay within the bounds, and it exits 0."""
+    from benchmarks import soak
+    from moe_dispatch import _ext
+    from moe_dispatch.testing.cases import MODES
+
+    if transport == "kernels" and not _ext.extension_status().built:
+        pytest.skip("transport='kernels' needs the built extension")
+    out = tmp_path / "soak.json"
+    argv = ["--iterations", "40", "--check-every", "2", "--interval", "10", "--warmup", "10", "--world-size", "2"]
+    assert (
+        soak.main(
+            [
+                *argv,
+                "--ranks-per-node",
+                "1",
+                "--transport",
+                transport,
+                "--max-tokens",
+                "32",
+                "--max-hidden",
+                "256",
+                "--rss-growth-mib",
+                "256",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "soak: " in printed and "20 checked against the oracle" in printed and "ok" in printed
+    figures = json.loads(out.read_text())
+    assert figures["ok"] and figures["iterations"] == 40 and figures["checks"] == 20 and figures["mismatch"] is None
+    assert set(figures["modes"]) == set(MODES)
+    assert [s["iteration"] for s in figures["samples"]] == [10, 20, 30, 40]
+    assert all(len(s["ranks"]) == 2 and s["ranks"][0]["threads"] > 0 for s in figures["samples"])
+
+
+def test_soak_growth_names_what_grew():
+    from benchmarks.soak import growth
+
+    base = {"threads": 10, "fds": 40, "shm_mappings": 2, "rss_kib": 100 * 1024}
+    assert growth(base, dict(base), slack=0, rss_growth_mib=8) == []
+    grown = dict(base, threads=11, fds=41, rss_kib=120 * 1024)
+    assert growth(grown, grown, 0, 8) == []
+    assert growth(base, grown, slack=0, rss_growth_mib=8) == [
+        "threads 10 -> 11",
+        "fds 40 -> 41",
+        "RSS +20.0 MiB (bound 8)",
+    ]
+    assert growth(base, grown, slack=1, rss_growth_mib=32) == []

@@ -28,6 +28,7 @@ def test_transports_provide_the_protocol(cls):
         "plan",
         "plans_on_comm_thread",
         "progress",
+        "release",
     ]
     assert isinstance(cls.plans_on_comm_thread, bool)
     for name in _members(Transport):

@@ -343,21 +343,17 @@ def _wider_rows_later(rank, world_size, buf):
     assert torch.equal(recv, reference.dispatch(wide, idxs, None, num_experts, world_size)[rank].recv_x)
 
 
-def _mismatch_named_without_gloo_check(rank, world_size, buf):
-    """On NCCL the first call of a signature compares the arguments with one all_gather of
-    device codes (a host sync, once); here forced onto that path on gloo. A num_experts no other
-    case uses makes this call every rank's first of its signature."""
-    dist_transport = buf.transport
-    dist_transport._gloo = False
-    try:
-        num_tokens = [5] * world_size
-        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
-        x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
-        other = 1 - rank
-        with pytest.raises(ValueError, match=f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"):
-            buf.dispatch(x, idxs[rank], ws[rank], num_experts)
-    finally:
-        dist_transport._gloo = True
+def _mismatch_named_by_the_plan(rank, world_size, buf):
+    """The first call of a signature compares the arguments with one all_gather on the Buffer's
+    host group (gloo; on an NCCL EP group a gloo group of the same ranks): a ValueError naming
+    the rank. A num_experts no other case uses makes this call every rank's first of its
+    signature (the kernels compare later calls on the device)."""
+    num_tokens = [5] * world_size
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
+    x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
+    other = 1 - rank
+    with pytest.raises(ValueError, match=f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"):
+        buf.dispatch(x, idxs[rank], ws[rank], num_experts)
 
 
 def _mixed_operations(rank, world_size, buf):
@@ -434,7 +430,7 @@ KERNEL_CASES = {
     "wider-rows-later": _wider_rows_later,
     "cuda-is-the-old-name": _cuda_is_the_old_name,
     "handle-row-counts": _handle_row_counts,
-    "mismatch-without-gloo-check": _mismatch_named_without_gloo_check,
+    "mismatch-named-by-the-plan": _mismatch_named_by_the_plan,
     "mixed-operations": _mixed_operations,
     "config-reaches-the-kernels": _config_reaches_the_kernels,
 }

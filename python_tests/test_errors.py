@@ -418,3 +418,45 @@ def test_progress_keys_follow_each_group_not_the_process():
     first_a, other, second_a = Progress([5, 7], 0), Progress([5, 9], 0), Progress([5, 7], 0)
     assert index(second_a) == index(first_a) + 1, "the other group's Progress must not count"
     assert first_a._prefix.rsplit("/", 2)[1] != other._prefix.rsplit("/", 2)[1]
+
+
+# -- the agreement's codes and messages (no world) -----------------------------------------------------
+def test_agreement_codes_and_messages():
+    """Status codes name the argument and the error type; check() names every refusing rank with
+    its posted text (or its code), else the first differing field with every rank that differs."""
+    from moe_dispatch.transport import agreement as ag
+
+    status = ag.status_of(TypeError("topk_weights must have dtype in (float32), got float16"))
+    assert ag.describe_status(status) == "a bad topk_weights (TypeError)"
+    assert ag.describe_status(ag.status_of(ValueError("dispatch needs topk_idx and num_experts"))).startswith(
+        "a bad topk_idx"
+    )
+    assert ag.describe_status(ag.status_of(ValueError("something else"))) == "bad arguments (ValueError)"
+    fields = {"operation": "combine", "handle": ag.DispatchId(3), "hidden": 16, "dtype": torch.bfloat16}
+    good = ag.row(fields, 0, ag.AGREE_WORDS)
+    assert len(good) == ag.AGREE_WORDS and good[:5] == [0, 1, 3, 16, 2]
+    refused = ag.row(ag.refusing_fields(list(fields)), status, ag.AGREE_WORDS)
+    with pytest.raises(
+        ValueError,
+        match=r"EP rank 0: combine refused by EP ranks 1 \(ValueError: y has shape .*\), "
+        r"2 \(a bad topk_weights \(TypeError\)\); every rank raises",
+    ):
+        ag.check(
+            [good, refused, refused],
+            fields,
+            rank=0,
+            what="combine",
+            refusals=lambda ranks: {1: "ValueError: y has shape [3, 4]"},
+        )
+    other = ag.row({**fields, "handle": ag.DispatchId(5)}, 0, ag.AGREE_WORDS)
+    with pytest.raises(
+        ValueError,
+        match=r"handle is dispatch #3 here but dispatch #5 on EP rank 1, dispatch #5 on EP "
+        r"rank 2; every rank must pass the same operation, handle, hidden, dtype",
+    ):
+        ag.check([good, other, other], fields, rank=0, what="combine", refusals=lambda ranks: {})
+    ag.check([good, good], fields, rank=1, what="combine", refusals=lambda ranks: {})
+    with pytest.raises(ValueError, match=r"'cached combine' cannot travel in an argument check"):
+        ag.row({"operation": "cached combine"})
+    with pytest.raises(ValueError, match=r"carries at most 12 fields, got 13"):
+        ag.row(dict.fromkeys(map(str, range(13)), 1), 0, ag.AGREE_WORDS)

@@ -91,8 +91,10 @@ def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, n
 
 
 def clear_buffers() -> None:
-    """Forgets the cached Buffers (e.g. before ``destroy_process_group``)."""
-    _BUFFERS.clear()
+    """Closes and forgets the cached Buffers, freeing their groups, threads and store keys
+    (collective: every rank, e.g. before ``destroy_model_parallel`` or ``destroy_process_group``)."""
+    while _BUFFERS:
+        _BUFFERS.popitem()[1].close()
 
 
 @dataclasses.dataclass(eq=False)

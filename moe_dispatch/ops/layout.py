@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..semantics.layout import check_layout_sizes, get_dispatch_layout_torch, get_send_offsets_reference
-from ..semantics.validation import INDEX_DTYPES, check_tensor, check_topk_idx
+from ..semantics.validation import INDEX_DTYPES, check_num_experts, check_tensor, check_topk_idx
 
 # ---------------------------------------------------------------------------------------------
 # Backend choice shared by layout / permute / quant
@@ -482,8 +482,7 @@ def topk_to_routing_map(
         check_topk_idx(topk_idx, num_experts)
     else:
         check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES)
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        check_num_experts(num_experts)
     if topk_weights is not None:
         if (
             not isinstance(topk_weights, torch.Tensor)

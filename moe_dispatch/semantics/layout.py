@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .validation import check_topk_idx
+from .validation import check_num_experts, check_topk_idx, is_int
 
 
 def get_dispatch_layout_reference(
@@ -70,12 +70,12 @@ def _is_token_in_rank(topk_idx: torch.Tensor, valid: torch.Tensor, num_experts: 
 
 
 def check_layout_sizes(num_experts: int, num_ranks: int, ranks_per_node: int) -> None:
-    """Raises ValueError unless E, W and L are positive ints with W | E and L | W (naming the one that is not)."""
-    for name, v in (("num_experts", num_experts), ("num_ranks", num_ranks), ("ranks_per_node", ranks_per_node)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+    """Raises ValueError unless W and L are positive ints with L | W, and E passes
+    :func:`~moe_dispatch.semantics.validation.check_num_experts` for W (naming the one that is not)."""
+    for name, v in (("num_ranks", num_ranks), ("ranks_per_node", ranks_per_node)):
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_experts % num_ranks != 0:
-        raise ValueError(f"num_experts must be divisible by the EP world size {num_ranks}, got {num_experts}")
+    check_num_experts(num_experts, num_ranks)
     if num_ranks % ranks_per_node != 0:
         raise ValueError(f"ranks_per_node must divide the EP world size {num_ranks}, got {ranks_per_node}")
 

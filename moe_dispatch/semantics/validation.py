@@ -7,9 +7,46 @@ import math
 
 import torch
 
+# The largest E: the [E] count tensors a layout makes per call stay at 8 MiB of int64 (2^24 experts
+# cost about 120 MiB per dispatch), and ids fit int32 topk_idx. The largest published MoE layers have
+# a few hundred experts.
+MAX_EXPERTS = 2**20
+
 
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def is_int(value) -> bool:
+    """``value`` is an int and not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_num_experts(num_experts, world_size: int | None = None) -> None:
+    """Validates E: an int (not a bool) in ``[1, MAX_EXPERTS]``, divisible by ``world_size``.
+
+    Raises:
+        ValueError: naming the rule and the value.
+    """
+    if not is_int(num_experts) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(
+            f"num_experts must be at most {MAX_EXPERTS} (2^20: each layout holds [num_experts] int64 counts), "
+            f"got {num_experts}"
+        )
+    if world_size is not None and num_experts % world_size != 0:
+        raise ValueError(f"num_experts must be divisible by the EP world size {world_size}, got {num_experts}")
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a row-major copy when its last stride is not 1: torch counts a ``[T, 1]``
+    tensor of strides ``(1, T)`` contiguous (the gradient ``backward()`` gives a T=1, H=1
+    output is one), but a byte view of its rows needs ``stride(-1) == 1``; 1-D row scales may
+    also come strided."""
+    if t.dim() and t.numel() and t.stride(-1) != 1:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def check_tensor(
@@ -42,11 +79,11 @@ def check_topk_idx(
     values: bool = True,
 ) -> None:
     """Validates ``topk_idx [T, K]`` int32/int64 with entries in ``[-1, num_experts)`` and no
-    expert repeated within a row. ``values=False`` checks only what the host knows without
-    reading the tensor (a host sync on a GPU): shape, dtype, device and E."""
+    expert repeated within a row, and E (:func:`check_num_experts`). ``values=False`` checks
+    only what the host knows without reading the tensor (a host sync on a GPU): shape, dtype,
+    device and E."""
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_num_experts(num_experts)
     if num_tokens is not None and topk_idx.shape[0] != num_tokens:
         raise ValueError(f"topk_idx has shape {_shape(topk_idx)} but x has {num_tokens} tokens")
     if topk_idx.numel() == 0 or not values:

@@ -1,2 +1,3 @@
-"""Helpers for tests and benchmarks: :mod:`.launch` (``spawn_world``, ``launch_ranks``) and
-:mod:`.routing` (seeded routing presets)."""
+"""Helpers for tests and benchmarks: :mod:`.launch` (``spawn_world``, ``launch_ranks``),
+:mod:`.routing` (seeded routing presets), :mod:`.cases` (dispatch/combine cases checked against
+the oracle) and :mod:`.resources` (what a process holds, for leak checks)."""

@@ -36,7 +36,9 @@ def _resolve(fn_ref: tuple[str, str]) -> Callable[..., Any]:
     return obj
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_ref, args, env, timeout_s) -> None:
+def init_rank(rank: int, world_size: int, port: int, backend: str, env: dict[str, str], timeout_s: float) -> None:
+    """A spawned rank's set-up: ``env`` applied, one torch thread, the process group on the
+    loopback ``port`` (NCCL: a GPU per rank)."""
     # The environment first, then fn's module: importing it may already ask CUDA for its devices
     # (Megatron's import does), and CUDA reads CUDA_VISIBLE_DEVICES only once.
     os.environ.update(env)
@@ -44,16 +46,22 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # W processes share the machine's cores
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_ref, args, env, timeout_s) -> None:
     try:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        init_rank(rank, world_size, port, backend, env, timeout_s)
+        import torch.distributed as dist
+
         try:
             results.put((rank, True, _resolve(fn_ref)(rank, world_size, *args)))
         finally:

@@ -152,8 +152,9 @@ class Transport(Protocol):
     Optional, where a transport has them (the kernels; read with ``getattr``, absent = False /
     None):
 
-    - ``routes_on_device``: :meth:`plan` also takes ``topk_idx=``, ``num_rows=`` (a static
-      receive size) and ``dispatch_id=``; the Buffer calls :meth:`agree` before it.
+    - ``routes_on_device``: :meth:`plan` takes ``topk_idx=``, ``num_rows=`` (a static receive
+      size) and ``dispatch_id=`` instead of ``status``; the Buffer runs the argument check
+      (:meth:`agree`, with this rank's status) before it.
     - ``budget_on_device``: with ``num_rows`` the plan keeps R on the device
       (``num_recv_tokens`` None, see :class:`Plan`).
     - ``device_checks``: every launch compares the ranks' calls on the device, so the Buffer
@@ -167,10 +168,12 @@ class Transport(Protocol):
     plans_on_comm_thread: bool
     progress: Progress
 
-    def agree(self, fields: dict[str, Field], what: str) -> Steps[None]:
-        """Steps comparing ``fields`` across ranks before an operation whose sizes are not
-        exchanged (combine, cached dispatch); ValueError names the first field and rank that
-        differ. May be empty where the backend cannot afford the check."""
+    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps[None]:
+        """Steps comparing ``fields`` (the operation first) and every rank's ``status`` across
+        ranks before an operation whose sizes are not exchanged (combine, cached dispatch), on
+        every backend; ValueError names each refusing rank, or the first field and the ranks
+        that differ (:mod:`moe_dispatch.transport.agreement`). A refusing rank passes its
+        non-zero status and -1 fields, takes part, and raises its own error afterwards."""
 
     def plan(
         self,
@@ -178,10 +181,13 @@ class Transport(Protocol):
         fields: dict[str, Field],
         what: str = "dispatch",
         on_comm_thread: bool = False,
+        status: int = 0,
     ) -> Steps[Plan]:
         """Steps exchanging a fresh dispatch's counts (``is_token_in_rank [T, W]`` bool) and
-        comparing ``fields`` across ranks; returns the :class:`Plan`. ``on_comm_thread``: the
-        steps run on the communication thread, not the caller's."""
+        comparing ``fields`` and every rank's ``status`` across ranks; returns the
+        :class:`Plan`. ``on_comm_thread``: the steps run on the communication thread, not the
+        caller's. A refusing rank (``status`` != 0) passes ``[0, W]`` and -1 fields; then
+        every rank raises ValueError after the exchange, as in :meth:`agree`."""
 
     def dispatch(
         self,
@@ -212,7 +218,12 @@ class Transport(Protocol):
         ``moe_dispatch.reference.combine``."""
 
     def close(self) -> None:
-        """Frees what the transport holds (collective: every rank, after its last operation)."""
+        """Frees what the transport holds: its process groups, threads, store keys and buffers
+        (collective: every rank, after its last operation)."""
+
+    def release(self) -> None:
+        """Frees what needs no peer (local, no collective): for a broken Buffer's close() and
+        a Buffer dropped without close(). Idempotent."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -226,19 +237,20 @@ class PlanSlot:
     Attributes:
         num_tokens: T, tokens the source sent.
         num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
-        dispatch_id: the dispatch's identity, the same on every rank (the Buffer counts its fresh
-            dispatches); the kernels check on the device that a combine or cached dispatch
-            replays the same dispatch on every rank.
         plan: the transport's plan (its first ``min(R, num_rows)`` rows are valid; R is
             ``plan.num_recv_tokens``, or ``plan.recv_count`` on the device when that is None).
+        dispatch_id: the dispatch's operation number on its Buffer, equal on every rank of a
+            consistent program (combine and cached dispatch compare it across ranks: on the host,
+            or, with the kernels, in their operation header on the device); set when the
+            dispatch is issued.
         overflow: ``[1]`` bool on the device, for a dispatch with ``num_worst_tokens``: more
             than ``num_rows`` rows arrived (set once the dispatch completed); None otherwise.
     """
 
     num_tokens: int
     num_rows: int
-    dispatch_id: int = 0
     plan: Plan | None = None
+    dispatch_id: int = -1
     overflow: torch.Tensor | None = None
 
 

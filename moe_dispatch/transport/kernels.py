@@ -197,6 +197,29 @@ class KernelTransport:
     def __init__(
         self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config, device: torch.device
     ):
+        self.check(topology, config)
+        self.config = config
+        self.topology, self.timeout_s, self.device = topology, timeout_s, device
+        # one node, or the hierarchical pipeline of Config.internode_pipeline
+        self.pipeline = "intranode" if topology.num_nodes == 1 else config.internode_pipeline
+        # The argument checks and progress records are the torch_dist transport's; its
+        # comm-thread group also carries the kernels' handle exchange.
+        self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
+        self.progress = self._dist.progress
+        self._group = self._dist.groups[ALL_COMM] or group
+        self._kernels = None  # IntranodeTransport (one node) or nvshmem.InternodeTransport, sized on first use
+        self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
+
+    @staticmethod
+    def check(topology: Topology, config: Config) -> None:
+        """Raises unless the kernels can serve ``topology`` with ``config`` here (Buffer checks
+        it before its ranks agree on their arguments, so no rank fails alone later).
+
+        Raises:
+            ValueError: more ranks per node than the kernels serve (an NVLink domain), or a
+                Config the hierarchical kernels cannot use (several nodes).
+            RuntimeError: the extension is not built.
+        """
         from .. import _ext
 
         status = _ext.extension_status()
@@ -210,18 +233,6 @@ class KernelTransport:
             )
         if topology.num_nodes > 1:
             check_rdma_config(config)
-        self.config = config
-        self.topology, self.timeout_s, self.device = topology, timeout_s, device
-        # one node, or the hierarchical pipeline of Config.internode_pipeline
-        self.pipeline = "intranode" if topology.num_nodes == 1 else config.internode_pipeline
-        # The argument checks and progress records are the torch_dist transport's; its
-        # comm-thread group also carries the kernels' handle exchange.
-        self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
-        self.progress = self._dist.progress
-        self._group = self._dist.groups[ALL_COMM] or group
-        self._gloo = "gloo" in str(dist.get_backend(group))
-        self._kernels = None  # IntranodeTransport (one node) or nvshmem.InternodeTransport, sized on first use
-        self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
 
     @property
     def budget_on_device(self) -> bool:
@@ -229,18 +240,15 @@ class KernelTransport:
         the fused hierarchical pipeline; the staged one reads them on the host)."""
         return self.pipeline != "staged"
 
-    def agree(self, fields: dict[str, Field], what: str, synchronizing: bool = False) -> Steps:
-        """Steps comparing ``fields`` across ranks on the host (one small all_gather): on gloo
-        always (host tensors, also with CUDA payloads); on NCCL only where the caller accepts
-        the host synchronisation it costs (``synchronizing``: a call signature the Buffer has
-        not seen before, or a dispatch that reads its counts anyway).
+    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps:
+        """Steps comparing ``fields`` and statuses across ranks on the host
+        (``TorchDistTransport.agree``: its host group, no device synchronisation): the Buffer's
+        check of a call signature it has not seen before, and of a refusal.
 
         Raises (from the steps):
-            ValueError: naming the first field and EP rank that differ from this rank.
+            ValueError: naming each refusing rank, or the first field and the ranks that differ.
         """
-        if self._gloo:
-            return self._dist.agree(fields, what)
-        return self._dist.agree(fields, what, device=self.device) if synchronizing else completed()
+        return self._dist.agree(fields, what, status)
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(
@@ -249,12 +257,15 @@ class KernelTransport:
         fields: dict[str, Field],
         what: str = "dispatch",
         on_comm_thread: bool = True,
+        status: int = 0,
         *,
-        topk_idx: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
         num_rows: int | None = None,
         dispatch_id: int = 0,
     ) -> Steps:
-        """Steps that size the buffers and run notify; returns the :class:`KernelPlan`.
+        """Steps that size the buffers and run notify; returns the :class:`KernelPlan`. The
+        Buffer compares the arguments across ranks first (the first call of a signature; the
+        kernels' header every later one).
 
         Args:
             is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
@@ -264,7 +275,11 @@ class KernelTransport:
             num_rows: a static receive size (budget mode): R stays on the device (no host sync)
                 where :attr:`budget_on_device`; None: R is read on the host.
             dispatch_id: the dispatch's identity, the same on every rank.
+            status: this rank's refusal (non-zero): it takes part in the argument check with it
+                (``agreement``), and every rank raises ValueError there, before any launch.
         """
+        if status:
+            yield from self.agree({"operation": "dispatch (metadata)", **fields}, what, status)
         yield from ()  # steps that wait for nothing: the launches are enqueued when driven
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
         num_tokens, num_topk = topk_idx.shape
@@ -621,9 +636,22 @@ class KernelTransport:
         self._kernels = None
 
     def close(self) -> None:
-        """Frees the kernels' buffers (collective: every rank, after its last operation)."""
-        if self._kernels is not None:
-            self._release()
+        """Frees the kernels' buffers, then the argument checks' groups (collective: every rank,
+        after its last operation)."""
+        try:
+            if self._kernels is not None:
+                self._release()
+        finally:
+            self._dist.close()
+
+    def release(self) -> None:
+        """Frees what needs no peer: shared memory on CPU (a peer's mapping of it stays valid);
+        on a GPU the buffers stay until the process exits, as a peer's kernel may still write
+        into them. Then ``TorchDistTransport.release``."""
+        if self._kernels is not None and self.device.type == "cpu":
+            self._kernels.close()
+        self._kernels = None
+        self._dist.release()
 
 
 def _recorded(mirror: torch.Tensor | None, record: torch.Tensor) -> list[int] | None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import math
 
@@ -54,6 +55,8 @@ import torch.distributed as dist
 
 from ..errors import CommError
 from ..topology import Topology
+from . import agreement
+from .agreement import AGREE_WORDS
 from .base import Field, Steps
 from .progress import Progress
 
@@ -189,63 +192,15 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
 
 INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
 
-# Arguments compared across ranks travel as int64: dtypes and words by their index here.
-_FIELD_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.int32,
-    torch.int64,
-    torch.float64,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-_FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
-AGREE_FIELDS = 8  # every argument check on the comm thread's group moves this many codes, so ranks that
-# run different operations there compare their first field (the operation) instead of aborting in gloo
-
-
-def _encode(value: Field) -> int:
-    if isinstance(value, torch.dtype):
-        return _FIELD_DTYPES.index(value)
-    if isinstance(value, str):
-        return _FIELD_WORDS.index(value)
-    return int(value)
-
-
-def _codes(fields: dict[str, Field]) -> list[int]:
-    """The fields' values as the ints they travel as."""
-    return [_encode(v) for v in fields.values()]
-
-
-def _field_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
-    """``[len(fields)]`` int64: the fields as they travel."""
-    return torch.tensor(_codes(fields), dtype=torch.int64, device=device)
-
-
-def _agree_codes(fields: dict[str, Field], device: torch.device | None = None) -> torch.Tensor:
-    """``[AGREE_FIELDS]`` int64: the fields' codes, then -1."""
-    if len(fields) > AGREE_FIELDS:
-        raise ValueError(f"an argument check compares at most {AGREE_FIELDS} fields, got {len(fields)}")
-    return torch.tensor(_codes(fields) + [-1] * (AGREE_FIELDS - len(fields)), dtype=torch.int64, device=device)
-
-
-def _decode(like: Field, code: int) -> Field:
-    """A peer's ``code`` as a value of ``like``'s kind (the local value of the same field)."""
-    table = _FIELD_DTYPES if isinstance(like, torch.dtype) else _FIELD_WORDS if isinstance(like, str) else None
-    if table is not None:
-        return table[code] if 0 <= code < len(table) else f"<code {code}>"
-    return bool(code) if isinstance(like, bool) else code
-
-
-def _show(value: Field) -> str:
-    return str(value).removeprefix("torch.")
-
-
 ALL_COMM = "all-ranks (comm thread)"  # the metadata of dispatches that run whole on the comm thread
+HOST = "all-ranks (host, gloo)"  # the argument checks of an NCCL EP group: host ints, no device synchronisation
+
+
+def default_num_chunks(topology: Topology) -> int:
+    """The pipeline depth for ``num_chunks=None``: :data:`NUM_CHUNKS` where both stages cross
+    processes, else 1 (with one node, or one rank per node, one stage is a local copy, so chunks
+    would only add per-collective overhead)."""
+    return NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
 
 
 class TorchDistTransport:
@@ -258,12 +213,12 @@ class TorchDistTransport:
         timeout_s: bound on every collective; a peer that never joins makes it raise
             :class:`CommError` naming the operation and the peers.
         num_chunks: pipeline depth (module docstring), the same on every rank; 1 runs the
-            stages one after the other. Default: :data:`NUM_CHUNKS` where both stages cross
-            processes, else 1 (with one node, or one rank per node, one stage is a local copy,
-            so chunks would only add per-collective overhead).
+            stages one after the other. Default: :func:`default_num_chunks`.
 
     Collective: construction creates the sub-groups and must be called by every rank of
-    ``group`` (each rank joins its own inter-node, intra-node and all-ranks group).
+    ``group`` (each rank joins its own inter-node, intra-node and all-ranks groups; on NCCL also
+    a gloo group of all ranks for the argument checks, :meth:`agree`). :meth:`close` destroys
+    them.
     """
 
     # A fresh dispatch's counts run on the caller's thread, on a group of their own.
@@ -271,7 +226,7 @@ class TorchDistTransport:
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_chunks: int | None = None):
         if num_chunks is None:
-            num_chunks = NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
+            num_chunks = default_num_chunks(topology)
         if not (isinstance(num_chunks, int) and num_chunks >= 1):
             raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
         self.topology = topology
@@ -280,7 +235,6 @@ class TorchDistTransport:
         group_ranks = dist.get_process_group_ranks(group)
         self.progress = Progress(group_ranks, topology.rank)
         backend = dist.get_backend(group)
-        self._gloo = str(backend) == "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         self.peers = {
             INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
@@ -288,13 +242,22 @@ class TorchDistTransport:
             ALL: list(range(topology.world_size)),
             ALL_COMM: list(range(topology.world_size)),
         }
+        # The argument checks move host ints: over the comm thread's group on gloo, else over a
+        # gloo group of their own (on NCCL a host read of the codes would synchronise the device).
+        gloo = str(backend) == "gloo"
+        self._agree_kind = ALL_COMM if gloo else HOST
+        if not gloo:
+            self.peers[HOST] = list(range(topology.world_size))
         # Only members create a sub-group (use_local_synchronization), so EP groups that are
         # themselves sub-groups of the world (Megatron) need no world-wide agreement. Our own
         # groups carry our timeout, whatever the caller's group has.
         self.groups = {
             kind: (
                 dist.new_group(
-                    [group_ranks[r] for r in ranks], timeout=timeout, backend=backend, use_local_synchronization=True
+                    [group_ranks[r] for r in ranks],
+                    timeout=timeout,
+                    backend="gloo" if kind == HOST else backend,
+                    use_local_synchronization=True,
                 )
                 if len(ranks) > 1
                 else None
@@ -303,7 +266,37 @@ class TorchDistTransport:
         }
 
     def close(self) -> None:
-        """Nothing to free: the payload lives in the tensors of each call."""
+        """Waits at a barrier until every rank's last collective is done, then :meth:`release`
+        (collective: every rank, after its last operation; the payload lives in the tensors of
+        each call, nothing else to free).
+
+        Raises:
+            CommError: a peer did not reach the barrier within ``timeout_s`` (released anyway).
+        """
+        try:
+            group = self.groups.get(self._agree_kind)
+            if group is not None:
+                describe = functools.partial(self._describe, self._agree_kind, "close (barrier)")
+                try:
+                    work = dist.barrier(group=group, async_op=True)
+                except RuntimeError as err:
+                    raise CommError(describe(err)) from err
+                Pending(work, describe).wait()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Frees what needs no peer (local, no collective; what a Buffer dropped without close()
+        gets): destroys this transport's process groups, ends the progress writer thread and
+        removes this rank's store keys. Idempotent."""
+        groups, self.groups = self.groups, {}
+        for group in groups.values():
+            if group is not None and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError):  # already gone with the world's teardown
+                    pass
+        self.progress.close()
 
     # -- collectives -------------------------------------------------------------------------
     def _describe(self, kind: str, what: str, err: Exception) -> str:
@@ -312,10 +305,12 @@ class TorchDistTransport:
         does not say which one it missed; :class:`Progress` knows)."""
         topo = self.topology
         others = [r for r in self.peers[kind] if r != topo.rank]
-        how = f"timed out after timeout_s={self.timeout_s:g}" if "timed out" in str(err).lower() else "failed"
+        timed_out = "timed out" in str(err).lower()
+        how = f"timed out after timeout_s={self.timeout_s:g}" if timed_out else "failed"
         return (
             f"EP rank {topo.rank} (node {topo.node}): {what} {how} waiting for EP ranks {others} "
-            f"(nodes {[r // topo.ranks_per_node for r in others]}){self.progress.describe_peers(others)}: {err}"
+            f"(nodes {[r // topo.ranks_per_node for r in others]})"
+            f"{self.progress.describe_peers(others, lost=not timed_out)}: {err}"
         )
 
     def _all_to_all(
@@ -347,44 +342,51 @@ class TorchDistTransport:
             raise CommError(describe(err)) from err
         return recv, Pending(work, describe)
 
-    def _check_fields(self, fields: dict[str, Field], theirs: torch.Tensor, what: str) -> None:
-        """``theirs [W, len(fields)]``: every rank's fields as :func:`_field_codes` sent them."""
-        mine = _codes(fields)
-        for rank, row in enumerate(theirs.tolist()):
-            for (name, value), code, other in zip(fields.items(), mine, row):
-                if other != code:
-                    raise ValueError(
-                        f"EP rank {self.topology.rank}: {what} arguments differ across ranks: {name} is "
-                        f"{_show(value)} here but {_show(_decode(value, other))} on EP rank {rank}; "
-                        f"every rank must pass the same {', '.join(fields)}"
-                    )
+    def _check(self, rows: list[list[int]], fields: dict[str, Field], what: str) -> None:
+        """Every rank's ``[status, field codes...]`` row checked (:func:`agreement.check`); a
+        refusing rank's text is read from the store for the operation this thread is in."""
+        seq = self.progress.current_seq()
+        agreement.check(
+            rows,
+            fields,
+            rank=self.topology.rank,
+            what=what,
+            refusals=lambda ranks: self.progress.read_refusals(ranks, seq),
+        )
 
-    def agree(self, fields: dict[str, Field], what: str, device: torch.device | None = None) -> Steps:
-        """Steps comparing ``fields`` across all EP ranks (one small all_gather on the comm
-        thread's group): run before the payload of an operation whose sizes are not exchanged
-        (combine, cached dispatch), since ranks that disagree on them would abort inside gloo.
-        On gloo only, unless ``device`` names where the codes travel on this group's backend:
-        on NCCL the check costs a host synchronisation, which only a caller that synchronises
-        anyway (the kernel transport's plan) takes.
+    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps:
+        """Steps checking ``fields`` and every rank's ``status`` across all EP ranks (one
+        all_gather of :data:`~moe_dispatch.transport.agreement.AGREE_WORDS` int64 on the host
+        group: the comm thread's group on gloo, a gloo group of the same ranks on NCCL, so no
+        device synchronisation); run before the payload of an operation whose sizes are not
+        exchanged (combine, cached dispatch, the kernels' plan), since ranks that disagree on
+        them would abort inside gloo, or hang or read garbage on NCCL. The wire format and the
+        messages: :mod:`moe_dispatch.transport.agreement`.
+
+        Args:
+            fields: at most ``AGREE_FIELDS`` fields, the operation first (same keys on every rank).
+            what: the operation, for messages.
+            status: 0, or this rank's refusal (:func:`agreement.status_of`; its fields are then
+                -1, and its text was posted with ``progress.post_refusal``).
 
         Raises (from the steps):
-            ValueError: naming the first field and EP rank that differ from this rank.
+            ValueError: a rank refused (naming each and quoting its error), or naming the first
+                field and the EP ranks that differ from this rank.
+            CommError: a peer failed or did not join within ``timeout_s``.
         """
-        group = self.groups[ALL_COMM]
-        if group is None or not (self._gloo or device is not None):
+        mine = torch.tensor(agreement.row(fields, status, AGREE_WORDS), dtype=torch.int64)
+        group = self.groups[self._agree_kind]
+        if group is None:
+            self._check([mine.tolist()], fields, what)
             return
-        mine = _agree_codes(fields, device)
         gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
-
-        def describe(err):
-            return self._describe(ALL_COMM, f"{what} argument check ({ALL_COMM} all_gather)", err)
-
+        describe = functools.partial(self._describe, self._agree_kind, f"{what} argument check (all_gather)")
         try:
             work = dist.all_gather(gathered, mine, group=group, async_op=True)
         except RuntimeError as err:
             raise CommError(describe(err)) from err
         yield Pending(work, describe)
-        self._check_fields(fields, torch.stack(gathered).cpu(), what)
+        self._check(torch.stack(gathered).tolist(), fields, what)
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(
@@ -393,6 +395,7 @@ class TorchDistTransport:
         fields: dict[str, Field],
         what: str = "dispatch",
         on_comm_thread: bool = False,
+        status: int = 0,
     ) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan`
         (stage-2 send indices still unset); one all_to_all on the all-ranks group.
@@ -401,15 +404,19 @@ class TorchDistTransport:
             is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
                 per-node counts are taken per chunk from it.
             fields: arguments that must agree on every rank (ints, bools, dtypes, the same keys
-                everywhere). They ride in front of the counts, so they are compared before any
+                everywhere). They ride in front of the counts, after this rank's status
+                (:mod:`~moe_dispatch.transport.agreement`), so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
                 hold (a size mismatch inside a collective aborts the process instead of raising).
             on_comm_thread: the steps run on the communication thread (with the payloads), not
                 on the caller's: they use a group of their own, so that the two threads never
                 interleave collectives of one group in different orders on different ranks.
+            status: 0, or this rank's refusal: then ``is_token_in_rank`` is ``[0, W]`` (zero
+                counts), the fields are -1, and every rank raises after the exchange.
 
         Raises (from the steps):
-            ValueError: naming the first field and EP rank that differ from this rank.
+            ValueError: a rank refused (naming each and quoting its error), or naming the first
+                field and the EP ranks that differ from this rank.
         """
         topo = self.topology
         world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
@@ -425,20 +432,24 @@ class TorchDistTransport:
             torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
             per_chunk = running[bounds[1:]] - running[bounds[:-1]]  # [C, W + N]
         to_rank, to_node = per_chunk[:, :world], per_chunk[:, world:]
-        # Row for destination d = (n_d, l_d): the fields, then per chunk my counts for d's
-        # node's ranks and d's node.
+        # Row for destination d = (n_d, l_d): my status and fields, then per chunk my counts for
+        # d's node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
         chunk_counts = torch.cat(
             [to_rank.view(num_chunks, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
         )  # [C, W, L + 1]
         meta = torch.cat(
-            [_field_codes(fields, device).expand(world, -1), chunk_counts.transpose(0, 1).reshape(world, -1)], 1
+            [
+                torch.tensor(agreement.row(fields, status), dtype=torch.int64, device=device).expand(world, -1),
+                chunk_counts.transpose(0, 1).reshape(world, -1),
+            ],
+            1,
         )
         got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
         yield pending
         got = got.view(world, -1)  # [source rank, row]
-        self._check_fields(fields, got[:, : len(fields)], what)
-        counts = got[:, len(fields) :].reshape(world, num_chunks, local_ranks + 1)
+        self._check(got[:, : 1 + len(fields)].tolist(), fields, what)
+        counts = got[:, 1 + len(fields) :].reshape(world, num_chunks, local_ranks + 1)
         peers = counts[topo.local_rank :: local_ranks]  # [N, C, L + 1]: my inter-node peers, one per node
         # Stage-2 arrivals [c, l, m]: tokens of source (m, l) in chunk c for me, in arrival order.
         arrivals = counts[:, :, topo.local_rank].reshape(num_nodes, local_ranks, num_chunks).permute(2, 1, 0)
