@@ -203,6 +203,27 @@ def default_num_chunks(topology: Topology) -> int:
     return NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1
 
 
+# torch < 2.14 names a group made with use_local_synchronization after its ranks and the number of
+# live groups, so a group made after a destroyed one on the same ranks gets the dead group's name and
+# reads its stale rendezvous keys (gloo connects to closed ports and times out). There close() hands
+# its idle groups to the next transport on the same ranks instead of destroying them, and a Buffer
+# dropped without close() keeps its groups (its peers may still be using theirs).
+_NAMES_REUSED = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14)
+_spare_groups: dict[tuple, list[dist.ProcessGroup]] = {}
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta, backend: str) -> dist.ProcessGroup:
+    """A process group of the global ``ranks``, made by its members only (collective over them):
+    on torch < 2.14 a spare one a closed transport left on the same ranks, if any. Every member
+    closed that transport at the same point of its program, so all find the same spares."""
+    spares = _spare_groups.get((tuple(ranks), backend, timeout), []) if _NAMES_REUSED else []
+    while spares:
+        group = spares.pop()
+        if group in dist.distributed_c10d._world.pg_map:  # not gone with a destroyed world
+            return group
+    return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+
+
 class TorchDistTransport:
     """Hierarchical dispatch/combine for one EP group over torch.distributed (a
     :class:`~moe_dispatch.transport.base.Transport`).
@@ -253,12 +274,7 @@ class TorchDistTransport:
         # groups carry our timeout, whatever the caller's group has.
         self.groups = {
             kind: (
-                dist.new_group(
-                    [group_ranks[r] for r in ranks],
-                    timeout=timeout,
-                    backend="gloo" if kind == HOST else backend,
-                    use_local_synchronization=True,
-                )
+                _new_group([group_ranks[r] for r in ranks], timeout, "gloo" if kind == HOST else str(backend))
                 if len(ranks) > 1
                 else None
             )
@@ -282,6 +298,13 @@ class TorchDistTransport:
                 except RuntimeError as err:
                     raise CommError(describe(err)) from err
                 Pending(work, describe).wait()
+            if _NAMES_REUSED:  # every rank passed the barrier: the groups are idle on every rank
+                timeout = datetime.timedelta(seconds=self.timeout_s)
+                for group in self.groups.values():
+                    if group is not None:
+                        key = (tuple(dist.get_process_group_ranks(group)), str(dist.get_backend(group)), timeout)
+                        _spare_groups.setdefault(key, []).append(group)
+                self.groups = {}
         finally:
             self.release()
 
@@ -291,7 +314,7 @@ class TorchDistTransport:
         removes this rank's store keys. Idempotent."""
         groups, self.groups = self.groups, {}
         for group in groups.values():
-            if group is not None and dist.is_initialized():
+            if group is not None and dist.is_initialized() and not _NAMES_REUSED:
                 try:
                     dist.destroy_process_group(group)
                 except (RuntimeError, ValueError):  # already gone with the world's teardown
