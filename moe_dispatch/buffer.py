@@ -47,6 +47,7 @@ from .transport.base import (
     start,
     stream_order_wait,
 )
+from .transport.header import MismatchError
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistTransport, default_num_chunks
 
@@ -692,12 +693,11 @@ class Buffer:
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
             except (TypeError, ValueError) as err:
                 if handle is not None:
-                    self._transfers.refuse(err, "dispatch", "cached dispatch", signature=_signature(_replay_fields, x))
+                    self._transfers.refuse(err, "dispatch", "cached dispatch")
                 else:
                     worst = _truthy(num_worst_tokens)  # the peers' exchange, as far as it can be told
                     what = "dispatch (num_worst_tokens)" if worst else "dispatch (metadata)"
-                    fields = _signature(_fresh_fields, x, topk_idx, topk_weights, num_experts)
-                    self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS), signature=fields)
+                    self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
                 raise
             call = self._launch(mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
@@ -829,9 +829,7 @@ class Buffer:
                 mode = self._check_call(async_finish, return_recv_hook, previous_event)
                 row_scale = self._check_combine(y, handle, topk_weights)
             except (TypeError, ValueError) as err:
-                self._transfers.refuse(
-                    err, "combine", "combine", signature=_signature(_combine_fields, y, topk_weights)
-                )
+                self._transfers.refuse(err, "combine", "combine")
                 raise
             call = self._launch(mode, previous_event, allocate_on_comm_stream)
             out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
@@ -977,18 +975,6 @@ def _row_fields(operation: str, tensors: list[torch.Tensor], num_scales: int) ->
     }
 
 
-def _fresh_fields(x, topk_idx, topk_weights, num_experts) -> dict[str, Field]:
-    return {"operation": "dispatch (metadata)", **_dispatch_fields(x, topk_idx, topk_weights, num_experts)}
-
-
-def _replay_fields(x) -> dict[str, Field]:
-    return _row_fields("dispatch", list(x) if isinstance(x, tuple) else [x], 0)
-
-
-def _combine_fields(y, topk_weights) -> dict[str, Field]:
-    return _row_fields("combine", [y], int(topk_weights is not None))
-
-
 def _steps_calling(fn, *args):
     """Steps that call ``fn(*args)`` when driven (on the communication thread/stream) and wait
     for nothing."""
@@ -1000,15 +986,6 @@ def _signature_key(fields: dict[str, Field]) -> tuple:
     """A call signature: its checked fields but the handle's dispatch id (which the kernels'
     header carries on every call)."""
     return tuple((name, value) for name, value in fields.items() if name != "handle")
-
-
-def _signature(fields_of, *args) -> tuple | None:
-    """The signature a refused call would have had, as far as its arguments tell (None where
-    they do not)."""
-    try:
-        return _signature_key(fields_of(*args))
-    except Exception:  # noqa: BLE001 - bad arguments are why the call is refused
-        return None
 
 
 class Transfers:
@@ -1031,9 +1008,12 @@ class Transfers:
     compares the arguments of every operation. The kernels compare them on the device in every
     launch (their operation header, ``transport.device_checks``); then the host compares them
     only the first time a call signature (the operation and its checked fields) appears on this
-    Buffer, and every rank takes part in that check. What that leaves: a rank whose call has a
-    signature new to it while its peers' (different) one is not waits in the host check while
-    they wait in the kernels; both end in a CommError naming the other within ``timeout_s``
+    Buffer, and every rank takes part in that check. A rank refusing its own arguments
+    (:meth:`refuse`) joins the host check while no call of that kind has passed one, the
+    kernels after that. What that leaves: a rank whose call has a signature new to it while its
+    peers' (different) one is not, or a refusal while the peers run the first call of a new
+    signature of a kind seen before, waits in the host check while the others wait in the
+    kernels (or the reverse); both end in a CommError naming the other within ``timeout_s``
     (no hang). Likewise a rank in a combine while its peers start a fresh dispatch, each of a
     signature seen before: the combine's and the notify's headers do not meet, so that pair
     times out, naming the peer, instead of recording a mismatch.
@@ -1184,7 +1164,6 @@ class Transfers:
         operation: str,
         what: str,
         fields: dict[str, Field] | None = None,
-        signature: tuple | None = None,
     ) -> None:
         """Takes part, for a call this rank refuses with ``err``, in the check its peers run,
         with a non-zero status and ``err``'s text posted in the store (the agreement:
@@ -1192,11 +1171,13 @@ class Transfers:
         and the caller raises ``err``. The peers raise ValueError naming this rank, and the
         Buffer stays usable.
 
-        With the kernels (``device_checks``), where the call's ``signature`` (as far as the
-        refused arguments tell) was checked on the host before, the peers skip that check and
-        run the kernels: this rank then takes part in the operation itself with no rows and a
-        non-zero header status (``transport.refuse``), and the peers raise MismatchError naming
-        it where their operation completes.
+        With the kernels (``device_checks``), once a call of this operation's kind has passed
+        the host check on this Buffer, the peers are taken to run a signature they have seen
+        (the steady state: the refused arguments themselves tell nothing of the peers' call),
+        so they skip that check and run the kernels: this rank then takes part in the operation
+        itself with no rows and a non-zero header status (``transport.refuse``), and the peers
+        raise MismatchError naming it and quoting its error where their operation completes.
+        Before that, everyone is in the host check of a first call.
 
         Args:
             operation: the check the peers run: ``"dispatch (metadata)"`` (a fresh dispatch's
@@ -1212,11 +1193,7 @@ class Transfers:
         call = Call(seq=self._next_seq())
         self.transport.progress.post_refusal(call.seq, f"{type(err).__name__}: {err}")
         refuse_on_device = getattr(self.transport, "refuse", None)
-        if (
-            refuse_on_device is not None
-            and getattr(self.transport, "device_checks", False)
-            and (signature in self._signatures)
-        ):
+        if refuse_on_device is not None and self._checked_kind(operation):
             kind = "cached dispatch" if what == "cached dispatch" else operation.split(" (")[0]
             self._run(_steps_calling(refuse_on_device, kind, err), call, [], f"{what} (refused)")
             return
@@ -1230,6 +1207,12 @@ class Transfers:
                 self._run(self._check({"operation": operation}, what, status), call, [], what)
         except ValueError:
             pass  # the refusal itself, which every rank raises
+
+    def _checked_kind(self, operation: str) -> bool:
+        """Whether a call of ``operation``'s kind (a refusal's check name) passed the host check
+        of a first signature on this Buffer (only with ``device_checks``)."""
+        kind = "dispatch (metadata)" if operation == "dispatch (num_worst_tokens)" else operation
+        return any(dict(signature)["operation"] == kind for signature in self._signatures)
 
     def plan(
         self,
@@ -1445,9 +1428,20 @@ class Transfers:
         return self._seq
 
     def _marked(self, steps, seq: int, what: str):
-        """``steps``, first recording on the thread that runs them that operation ``seq`` began."""
+        """``steps``, first recording on the thread that runs them that operation ``seq`` began.
+        A peer's refusal recorded by the kernels is raised quoting the error it posted."""
         self.transport.progress.mark("comm", seq, what)
-        return (yield from steps)
+        try:
+            return (yield from steps)
+        except MismatchError as err:
+            if err.field != "status":
+                raise
+            others = [r for r in range(self.topology.world_size) if r != self.topology.rank]
+            texts = self.transport.progress.read_refusals(others, seq)
+            if not texts:
+                raise
+            quoted = "; ".join(f"EP rank {r} refused: {text}" for r, text in sorted(texts.items()))
+            raise MismatchError(f"{err} ({quoted})", dict(vars(err))) from err
 
     def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
         """Runs transport steps per ``call.mode`` (see the class docstring). ``uses``: tensors of
@@ -1508,7 +1502,7 @@ class Transfers:
             signature = _signature_key(fields)
             if signature in self._signatures:
                 return
-            yield from self.transport.agree(fields, f"{what} (first call of this signature)", status)
+            yield from self.transport.agree(fields, what, status)
             self._signatures.add(signature)
             return
         yield from self.transport.agree(fields, what, status)
