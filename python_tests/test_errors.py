@@ -460,3 +460,30 @@ def test_agreement_codes_and_messages():
         ag.row({"operation": "cached combine"})
     with pytest.raises(ValueError, match=r"carries at most 12 fields, got 13"):
         ag.row(dict.fromkeys(map(str, range(13)), 1), 0, ag.AGREE_WORDS)
+
+
+def test_lost_peer_diagnosis_waits_for_late_notes():
+    """After a lost connection the diagnosis reads the peers' records until one peer is left
+    unaccounted for: a live peer whose failure note lands late (its threads slow on a loaded
+    machine) is not taken for the dead one, and the wait ends when that note lands."""
+    import threading
+
+    import torch.distributed as dist
+
+    from moe_dispatch.transport import progress as pg
+
+    store = dist.HashStore()
+    mine, peers = pg.Progress([10, 11, 12, 13], 0), [pg.Progress([10, 11, 12, 13], r) for r in (1, 2, 3)]
+    for p in (mine, *peers):  # one process plays every rank: one store, the same keys
+        p._store, p._prefix = store, mine._prefix
+    seq = 5
+    mine.mark("caller", seq, "combine")
+    peers[0]._post("failed", seq, "combine")  # EP rank 1 failed at once; EP rank 3 never answers
+    late = threading.Timer(0.5, peers[1]._post, ("failed", seq, "combine"))  # EP rank 2, late
+    late.start()
+    start = time.monotonic()
+    message = mine.describe_peers([1, 2, 3], lost=True)
+    elapsed = time.monotonic() - start
+    late.join()
+    assert "EP rank 3 (no operation of this Buffer yet) is the only peer" in message, message
+    assert 0.5 <= elapsed < pg.SETTLE_S, f"{elapsed:.2f} s"

@@ -651,8 +651,15 @@ def _kill_entry(rank, world_size, victim, out_dir):
             recv_x, *_, handle, _ = buf.dispatch(x, idx, w, e)
             buf.combine(recv_x, handle)
         except CommError as err:
-            with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            with open(os.path.join(out_dir, f"rank{rank}.part"), "w") as f:
                 f.write(f"{time.monotonic() - start:.3f}\n{err}")
+            os.replace(os.path.join(out_dir, f"rank{rank}.part"), os.path.join(out_dir, f"rank{rank}"))
+            # Stay until every survivor wrote its diagnosis: the store lives in global rank 0's
+            # process, and one survivor's exit would cut a slower one's reads short.
+            survivors = [os.path.join(out_dir, f"rank{r}") for r in range(world_size) if r != victim]
+            deadline = time.monotonic() + 30
+            while not all(map(os.path.exists, survivors)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             return None
     return None
 
@@ -671,7 +678,7 @@ def test_kill_names_the_dead_rank(victim, tmp_path):
             continue
         path = tmp_path / f"rank{rank}"
         for _ in range(100):  # the survivors may still be writing when the launcher gives up
-            if path.exists() and path.read_text().count("\n"):
+            if path.exists():
                 break
             time.sleep(0.1)
         seconds, message = path.read_text().split("\n", 1)
