@@ -9,8 +9,9 @@
 #   --out DIR     logs, JSON and the summary go here (created)
 #   --wheels DIR  wheels to install first without an index (default: .whl if it exists);
 #                 `make gpu-wheels` fills .whl with what the GPU image lacks (megatron-core)
-#   --dry-run     on a CPU machine: the build, the plans' own checks, every GPU test step's selection
-#                 (collected, skipped without a GPU), the CPU-quick tests and the benchmark scripts
+#   --dry-run     on a CPU machine: the build, the plans' own checks and the first call's plan, every GPU
+#                 test step's selection (collected, skipped without a GPU), the CPU-quick tests, and every
+#                 benchmark step's command on its CPU backend (--shapes tiny appended)
 #   --budget-s S  whole-script bound in seconds (default 420 for the first call, 540 with --steps,
 #                 1200 for a dry run)
 #   --steps LIST  instead of the first call, these steps or groups, comma-separated (wheels, build and
@@ -77,15 +78,17 @@ declare -A LIMIT=(
   [bench_kernels]=50
   [ncu_dispatch]=60 [ncu_combine]=60 [ncu_rings]=150 [ncu_fused_dispatch]=60 [ncu_node_dispatch]=60
   [tests_rest]=300
-  [tests]=300 [bench_intranode_cpu]=120 [bench_internode_cpu]=120
+  [tests]=300
 )
 ALWAYS="wheels,build,env"
 GPU_TESTS="gpu_intranode,gpu_internode,gpu_buffer_intranode,gpu_buffer_internode,gpu_megatron_graph"
 FIRST="$GPU_TESTS,bench_intranode_quick,bench_internode_quick"
 SECOND="tests_kernels,tests_torch_dist,bench_intranode,bench_internode,bench_internode_chunks,bench_kernels"
 PROFILE="ncu_dispatch,ncu_combine,ncu_rings,ncu_fused_dispatch,ncu_node_dispatch"
-# A dry run: the GPU tests' selections (collected; they skip without a GPU), then the CPU checks.
-DRY="$GPU_TESTS,tests,bench_intranode_cpu,bench_internode_cpu"
+BENCHES="bench_intranode_quick,bench_internode_quick,bench_intranode,bench_internode,bench_internode_chunks,bench_kernels"
+# A dry run: the GPU tests' selections (collected; they skip without a GPU), the CPU-quick tests, and
+# both calls' benchmark commands on the CPU backends.
+DRY="$GPU_TESTS,tests,$BENCHES"
 
 # plan_seconds STEPS: the sum of the limits of ALWAYS and STEPS (group names expanded).
 expand() { sed "s/\bsecond\b/$SECOND/; s/\bprofile\b/$PROFILE/" <<< "$1"; }
@@ -128,6 +131,22 @@ FAILED=0
 SEEN_STEPS=","  # every step this mode has, run or not: --steps names are checked against it at the end
 echo "== gpu_check plan: ${ALWAYS//,/ } ${SELECTED//,/ } (limits $(plan_seconds "$SELECTED") s of the ${BUDGET_S} s" \
      "budget, dry_run=$DRY_RUN)"
+# with_limits STEPS: "name limit s, ..." of ALWAYS and STEPS.
+with_limits() {
+  local name out=""
+  for name in ${ALWAYS//,/ } $(expand "$1" | tr ',' ' '); do out+="$name ${LIMIT[$name]} s, "; done
+  echo "${out%, }"
+}
+PLANS=""
+if [[ "$DRY_RUN" == 1 ]]; then
+  PLANS="the first call (no --steps, 420 s budget, limits $(plan_seconds "$FIRST") s): $(with_limits "$FIRST")
+the second call (--steps second, 540 s budget, limits $(plan_seconds second) s): $(with_limits second)"
+  sed 's/^/== /' <<< "$PLANS"
+  if [[ -z "$WHEELS" ]] || ! ls "$WHEELS"/megatron_core-*.whl > /dev/null 2>&1; then
+    echo "== note: no megatron_core wheel in ${WHEELS:-.whl}: the GPU image has no megatron-core, so gpu_megatron_graph" \
+         "would skip there; run 'make gpu-wheels' (here, with network) and carry .whl"
+  fi
+fi
 
 # step NAME COMMAND...: runs COMMAND with output to $OUT/NAME.log under its limit (LIMIT[NAME], or
 # what is left of the budget if less), records the result. Runs only the steps this call selected.
@@ -173,7 +192,7 @@ step env "$PY" -m moe_dispatch.env
 # Tests are selected by their markers (pyproject.toml): `gpu` needs a CUDA GPU. One process per
 # step: a kernel fault poisons its CUDA context, and the next step still runs in a fresh one. -v names
 # a test that hangs; --timeout bounds each test.
-PYTEST=("$PY" -m pytest -v -p no:cacheprovider -rs --timeout 60)
+PYTEST=("$PY" -m pytest -v -p no:cacheprovider -rs)
 # A machine without InfiniBand devices: NVSHMEM stays on NVLink / the local GPU instead of failing to
 # open a NIC (a cluster's own setting, when exported, wins).
 if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"; fi
@@ -182,8 +201,10 @@ KERNEL_FILES=(python_tests/test_intranode_cuda.py python_tests/test_internode_cu
               python_tests/test_layout.py python_tests/test_permute.py python_tests/test_quant.py)
 
 # -- the first call: what has never run on a GPU (on a CPU machine: collected, then skipped) ---------
-step gpu_intranode "${PYTEST[@]}" python_tests/test_intranode_cuda.py -m gpu --junitxml="$OUT/gpu_intranode.xml"
-step gpu_internode "${PYTEST[@]}" python_tests/test_internode_cuda.py -m gpu --junitxml="$OUT/gpu_internode.xml"
+step gpu_intranode "${PYTEST[@]}" --timeout 60 python_tests/test_intranode_cuda.py -m gpu \
+     --junitxml="$OUT/gpu_intranode.xml"
+step gpu_internode "${PYTEST[@]}" --timeout 60 python_tests/test_internode_cuda.py -m gpu \
+     --junitxml="$OUT/gpu_internode.xml"
 # Processes sharing the GPU through a gloo group with device="cuda" (NCCL refuses two ranks on one GPU).
 step gpu_buffer_intranode "${PYTEST[@]}" --timeout 120 python_tests/test_kernel_path.py python_tests/test_gpu_torch_dist.py \
      -m gpu -k "kernels_gpu_shared and 1x or kernel_transport" --junitxml="$OUT/gpu_buffer_intranode.xml"
@@ -192,39 +213,41 @@ step gpu_buffer_internode "${PYTEST[@]}" --timeout 120 python_tests/test_kernel_
 step gpu_megatron_graph "${PYTEST[@]}" --timeout 120 python_tests/test_megatron.py -m gpu \
      --junitxml="$OUT/gpu_megatron_graph.xml"
 if [[ "$DRY_RUN" == 1 ]]; then
-  # The kernels' CPU backends and the Triton kernels under the interpreter, and the benchmark scripts
-  # on their CPU backends (tiny shapes): checks the script's commands on a CPU machine.
+  # The kernels' CPU backends and the Triton kernels under the interpreter.
   step tests "$PY" -m pytest "${KERNEL_FILES[@]}" python_tests/test_env.py -q -x -p no:cacheprovider \
        --junitxml="$OUT/tests.xml"
-  step bench_intranode_cpu "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
-  step bench_internode_cpu "$PY" benchmarks/bench_internode.py --json "$OUT/bench_internode.json"
-else
-  # Quick benchmarks: DeepSeek-V3 (4096 tokens, H 7168, top-8 of 256), one SM budget, loopback.
-  step bench_intranode_quick "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 \
-       --l2-discard off on --warmup 2 --iters 10 --json "$OUT/bench_intranode_quick.json"
-  step bench_internode_quick "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 --num-sms 12 \
-       --warmup 2 --iters 5 --json "$OUT/bench_internode_quick.json"
+fi
+# The benchmarks' commands; a dry run runs each on its CPU backend at the tiny shape (the last
+# --shapes wins), which checks every argument the GPU calls pass.
+TINY=()
+[[ "$DRY_RUN" == 1 ]] && TINY=(--shapes tiny)
+# Quick benchmarks: DeepSeek-V3 (4096 tokens, H 7168, top-8 of 256), one SM budget, loopback.
+step bench_intranode_quick "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 \
+     --l2-discard off on --warmup 2 --iters 10 --json "$OUT/bench_intranode_quick.json" "${TINY[@]}"
+step bench_internode_quick "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 --num-sms 12 \
+     --warmup 2 --iters 5 --json "$OUT/bench_internode_quick.json" "${TINY[@]}"
 
-  # -- the second call (--steps second): the rest of the GPU tests and the benchmarks -------------------
-  # The routing-layout CUDA kernel and the Triton kernels (layout, permute, fp8 quantisation) natively.
-  step tests_kernels "${PYTEST[@]}" python_tests/test_extension.py python_tests/test_layout.py \
-       python_tests/test_permute.py python_tests/test_quant.py --junitxml="$OUT/tests_kernels.xml"
-  # torch_dist on NCCL with the communication stream; Megatron's GPU tests (EP >= 2 ones skip on one GPU).
-  step tests_torch_dist "${PYTEST[@]}" python_tests/test_gpu_torch_dist.py python_tests/test_megatron_overlap.py \
-       -m gpu -k "not kernel_transport" --junitxml="$OUT/tests_torch_dist.xml"
-  # Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, rings 32x8 and 4x2, each without and
-  # with l2_discard, vs a d2d copy in the same run.
-  step bench_intranode "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json"
-  # Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU, the fused
-  # and the staged pipeline side by side (a fused/staged table); cross-node bytes against the de-dup
-  # lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
-  step bench_internode "$PY" benchmarks/bench_internode.py --num-sms 6 12 --json "$OUT/bench_internode.json"
-  # Deeper rings and bigger chunks for the node stage (the staged pipeline's warps waited at its
-  # per-chunk group barriers; the fused one's RDMA warps put their own chunks).
-  step bench_internode_chunks "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 4x2 \
-       --num-sms 12 --slots 128 --chunk 32
-  step bench_kernels "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json"
+# -- the second call (--steps second): the rest of the GPU tests and the benchmarks -------------------
+# The routing-layout CUDA kernel and the Triton kernels (layout, permute, fp8 quantisation) natively.
+step tests_kernels "${PYTEST[@]}" --timeout 60 python_tests/test_extension.py python_tests/test_layout.py \
+     python_tests/test_permute.py python_tests/test_quant.py --junitxml="$OUT/tests_kernels.xml"
+# torch_dist on NCCL with the communication stream; Megatron's GPU tests (EP >= 2 ones skip on one GPU).
+step tests_torch_dist "${PYTEST[@]}" --timeout 60 python_tests/test_gpu_torch_dist.py python_tests/test_megatron_overlap.py \
+     -m gpu -k "not kernel_transport" --junitxml="$OUT/tests_torch_dist.xml"
+# Loopback: 8 simulated ranks on this GPU, num_sms 4/8/16/24, rings 32x8 and 4x2, each without and
+# with l2_discard, vs a d2d copy in the same run.
+step bench_intranode "$PY" benchmarks/bench_intranode.py --json "$OUT/bench_intranode.json" "${TINY[@]}"
+# Loopback of the hierarchical kernels: 2x4 and 4x2 simulated nodes x ranks on this GPU, the fused
+# and the staged pipeline side by side (a fused/staged table); cross-node bytes against the de-dup
+# lower bound, payload GB/s vs a d2d copy, per-rank cross-node GB/s.
+step bench_internode "$PY" benchmarks/bench_internode.py --num-sms 6 12 --json "$OUT/bench_internode.json" "${TINY[@]}"
+# Deeper rings and bigger chunks for the node stage (the staged pipeline's warps waited at its
+# per-chunk group barriers; the fused one's RDMA warps put their own chunks).
+step bench_internode_chunks "$PY" benchmarks/bench_internode.py --shapes deepseek-v3 --worlds 2x4 4x2 \
+     --num-sms 12 --slots 128 --chunk 32 "${TINY[@]}"
+step bench_kernels "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_kernels.json" "${TINY[@]}"
 
+if [[ "$DRY_RUN" == 0 ]]; then
   # -- profile (--steps profile): where the time goes, Nsight Compute ----------------------------------
   if command -v ncu > /dev/null; then
     # One dispatch and one combine launch (DeepSeek-V3, EP8, 16 SMs per rank): memory throughput
@@ -272,6 +295,7 @@ done
   echo "== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), dry_run=$DRY_RUN)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU visible"
   column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"  # no column(1) on some images
+  [[ -n "$PLANS" ]] && echo "$PLANS"
   for log in tests gpu_intranode gpu_internode gpu_buffer_intranode gpu_buffer_internode gpu_megatron_graph tests_kernels \
              tests_torch_dist tests_rest; do
     grep -E "passed|failed" "$OUT/$log.log" 2>/dev/null | tail -n 1 | sed "s/^/$log: /"
