@@ -407,6 +407,26 @@ def test_gloo_world_sees_its_environment_and_no_gpu_from_the_first_import():
         spawn_world(2, lambda rank, world_size: None)
 
 
+def _late_store_reader_entry(rank, world_size):
+    """Rank 0 returns at once; rank 1 reads the store a second later."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        return None
+    time.sleep(1.0)
+    store = dist.distributed_c10d._get_default_store()
+    store.set("late", "read")
+    return store.get("late").decode()
+
+
+def test_store_host_stays_until_every_rank_returned():
+    """spawn_world's rank 0 holds the TCP store: it stays until every rank's function returned, so
+    a slower rank (a failure's diagnosis reads its peers' records there) still reaches the store."""
+    from moe_dispatch.testing.launch import spawn_world
+
+    assert spawn_world(2, _late_store_reader_entry, timeout_s=60) == [None, "read"]
+
+
 def test_progress_keys_follow_each_group_not_the_process():
     """A rank in two EP groups numbers each group's Buffers on its own, so ranks that made
     Buffers for other groups first still agree on the keys of a shared group."""
