@@ -36,9 +36,22 @@ from .semantics.validation import (
     is_int,
 )
 from .topology import Topology
-from .transport import TRANSPORT_ALIASES, TRANSPORTS, agreement, choose_transport
+from .transport import TRANSPORT_ALIASES, TRANSPORTS, agreement, choose_transport, log_choice
 from .transport.agreement import DispatchId, agree_in_store, refusing_fields
-from .transport.base import Call, ExpertLayout, Field, FreshDispatch, Plan, PlanSlot, Transport, drive, finish, start
+from .transport.base import (
+    Call,
+    ExpertLayout,
+    Field,
+    FreshDispatch,
+    Plan,
+    PlanSlot,
+    Transport,
+    drive,
+    finish,
+    start,
+    stream_order_wait,
+)
+from .transport.header import MismatchError
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistTransport
 
@@ -91,6 +104,12 @@ class DispatchHandle:
         recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
         is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
         slot: the transport's index plan and row counts (see :class:`PlanSlot`).
+
+    Host ints and device tensors: ``num_tokens``, ``num_recv_tokens`` (the rows of the receive
+    tensors) and ``dispatch_id`` are host ints in every mode. The count of rows actually
+    received is ``recv_count`` (``[1]`` int32 on the device, readable without a host sync in
+    budget mode); ``plan.num_recv_tokens`` is the same count as a host int, except in the
+    kernels' budget mode, where it is None: there the host never learns it.
     """
 
     buffer_id: int
@@ -121,8 +140,29 @@ class DispatchHandle:
     @property
     def num_recv_tokens(self) -> int:
         """R, rows of this rank's receive-side tensors (``num_worst_tokens`` when the dispatch
-        was given it; then the received count is ``plan.num_recv_tokens``)."""
+        was given it; then the received count is :attr:`recv_count`)."""
         return self.slot.num_rows
+
+    @property
+    def recv_count(self) -> torch.Tensor:
+        """``[1]`` int32 on the Buffer's device: rows received (of which the first
+        ``num_recv_tokens`` at most are stored). Made from the host count where the host knows
+        it; in the kernels' budget mode the kernels' own count (no host sync). Valid once the
+        dispatch completed."""
+        plan = self.plan
+        count = getattr(plan, "recv_count", None)
+        if count is not None:
+            return count
+        return torch.full((1,), plan.num_recv_tokens, dtype=torch.int32, device=self.recv_topk_idx.device)
+
+    @property
+    def overflow(self) -> torch.Tensor:
+        """``[1]`` bool on the Buffer's device: True when a ``num_worst_tokens`` dispatch received
+        more rows than that (its ``on_overflow="drop"`` left them out); False otherwise. Valid
+        once the dispatch completed; reading it on the host synchronises."""
+        if self.slot.overflow is None:
+            return torch.zeros(1, dtype=torch.bool, device=self.recv_topk_idx.device)
+        return self.slot.overflow
 
     @property
     def plan(self) -> Plan:
@@ -170,7 +210,7 @@ class EventOverlap:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         if self.future is not None:
-            self.future.result()
+            stream_order_wait(self.future)
 
     def __enter__(self) -> "EventOverlap":
         return self
@@ -211,8 +251,30 @@ def default_ranks_per_node(group: dist.ProcessGroup) -> int:
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def _buffer_device(device: torch.device | str | None, backend: str) -> torch.device:
+    """The device of a Buffer on a group of ``backend`` (see ``Buffer(device=...)``)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {str(device)!r}")
+    if device.type == "cpu":
+        if "nccl" in backend:
+            raise ValueError(
+                "device='cpu' with an NCCL group: NCCL moves CUDA tensors only; use a gloo group for "
+                "CPU tensors, or device=None for the current CUDA device"
+            )
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} but torch sees no CUDA GPU")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _resolve_arguments(
-    group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks
+    group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks, device=None
 ) -> tuple[dict, dict | None]:
     """``Buffer()``'s arguments checked and resolved on this rank (nothing collective).
 
@@ -263,14 +325,22 @@ def _resolve_arguments(
                 f"num_chunks must be a positive int (the torch_dist pipeline depth: chunks per dispatch "
                 f"and combine) or None for the default, got {num_chunks!r}"
             )
-        field = "transport"
+        field = "device"
         backend = str(dist.get_backend(group))
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        device = _buffer_device(device, backend)
+        field = "transport"
         reason = "requested"
         if transport == "auto":
             transport, reason = choose_transport(device)
+            log_choice(transport, reason)
+        if device.type == "cuda" and "nccl" not in backend and transport != "kernels":
+            raise ValueError(
+                f"device={str(device)!r} with a {backend} group needs transport='kernels' (the kernels move "
+                f"the CUDA tensors, {backend} carries only their buffer handles and checks); transport="
+                f"{transport!r} ({reason}) would run its collectives on {backend}, which cannot move CUDA tensors"
+            )
         if transport == "kernels":
-            KernelTransport.check(topology)
+            KernelTransport.check(topology, config or Config())
             num_chunks = None
     except (TypeError, ValueError, RuntimeError) as err:
         args["error"] = err
@@ -284,6 +354,7 @@ def _resolve_arguments(
         num_chunks=num_chunks,
         given_ranks_per_node=given_ranks_per_node,
         posted={
+            "device": device.type,
             "transport": transport,
             "ranks_per_node": ranks_per_node,
             "num_chunks": num_chunks,
@@ -351,11 +422,12 @@ class Buffer:
             ``LOCAL_WORLD_SIZE`` or the GPU count; else W, one node). A CPU world may declare
             any divisor (e.g. 8 ranks as 2 nodes x 4) to exercise the hierarchy.
         transport: ``"auto"`` (see ``moe_dispatch.transport.choose_transport``: ``"torch_dist"``
-            for now), ``"torch_dist"`` or ``"kernels"``: the ``_C`` kernels
-            (``moe_dispatch.transport.kernels``), the intranode ones for an EP group on one node;
-            with a gloo group they run on CPU tensors through the kernels' CPU backend (the
-            same protocol code; how the tests check it). ``"cuda"`` is the old name of
-            ``"kernels"``.
+            for now; it logs its choice and why once), ``"torch_dist"`` or ``"kernels"``: the
+            ``_C`` kernels (``moe_dispatch.transport.kernels``), chosen by topology: the
+            intranode kernels for an EP group on one node, the hierarchical ones (NVSHMEM
+            between nodes, NVLink inside) for several; with CPU tensors they run through the
+            kernels' CPU backend (the same protocol code; how the tests check it). ``"cuda"`` is
+            the old name of ``"kernels"``.
         num_sms: SM budget of the CUDA kernels (an even int in [2, 128], two per channel; checked
             on every transport, used by ``"kernels"`` only), None = the default ``Config``.
         config: the CUDA kernels' whole launch shape and queue sizes, a
@@ -374,16 +446,24 @@ class Buffer:
             size (one flat exchange for small calls, one chunk per ``torch_dist.CHUNK_BYTES``). A
             positive int, the same on every rank, keeps two stages; checked on every transport,
             used by ``"torch_dist"`` only.
+        device: where the tensors live: None (NCCL groups: the current CUDA device; others:
+            CPU), ``"cpu"``, or a CUDA device (``"cuda"`` = the current one). A gloo group with a
+            CUDA device is how several processes share one GPU (NCCL refuses two ranks on one
+            device): only ``transport="kernels"`` serves it (gloo carries the buffer handles
+            and the argument checks, the kernels the payload).
 
     Raises (on every rank alike: the ranks agree their arguments through torch.distributed's
     store before any process group is made, so a refusal leaves the world as it was and a later
     ``Buffer()`` with good arguments works; the message names the refusing rank and the field):
         ValueError: ranks_per_node does not divide the group size, unknown transport, bad
-            num_sms/timeout_s/num_chunks, both num_sms and config, transport="kernels" for a
-            group spanning nodes; the ranks' resolved transport, ranks_per_node, num_chunks or
+            num_sms/timeout_s/num_chunks, both num_sms and config, more ranks per node than
+            transport="kernels" serves, a device that is neither CPU nor CUDA, an NCCL group
+            with CPU tensors, a gloo group with CUDA tensors and a transport other than
+            "kernels"; the ranks' resolved device, transport, ranks_per_node, num_chunks or
             (kernels) config differ.
         TypeError: group is not a ProcessGroup, config is not a Config (nor None or "auto").
-        RuntimeError: transport="kernels" without the built extension.
+        RuntimeError: transport="kernels" without the built extension; a CUDA device without a
+            GPU.
         CommError: a rank did not construct its Buffer within ``timeout_s``.
 
     Collective: every rank of ``group`` must construct its Buffer together, and :meth:`close`
@@ -401,6 +481,7 @@ class Buffer:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         config: Config | str | None = None,
         num_chunks: int | None = None,
+        device: torch.device | str | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError("moe_dispatch.Buffer needs torch.distributed: call dist.init_process_group first")
@@ -413,7 +494,9 @@ class Buffer:
                 "ranks of its group only"
             )
         release_dropped()
-        args, refused = _resolve_arguments(group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks)
+        args, refused = _resolve_arguments(
+            group, ranks_per_node, transport, num_sms, timeout_s, config, num_chunks, device
+        )
         # Agreed before any process group exists, so a refusal on any rank leaves the world as it was.
         posts = agree_in_store(
             dist.get_process_group_ranks(args["group"]),
@@ -526,6 +609,7 @@ class Buffer:
         return_recv_hook: bool = False,
         num_worst_tokens: int = 0,
         wgrad_store: "DelayedWgrad | None" = None,
+        on_overflow: str = "raise",
     ):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
@@ -573,10 +657,21 @@ class Buffer:
                 ``num_worst_tokens``) raise where the operation completes: the event, the hook,
                 or the call itself when synchronous. ``T * W`` rows can never overflow. A
                 combine then takes ``y`` with ``num_worst_tokens`` rows (the padding rows are
-                ignored). Not with ``handle=``.
+                ignored). Not with ``handle=``. With ``transport="kernels"`` the count stays on
+                the device (``handle.recv_count``): nothing on the dispatch, the experts or the
+                combine waits for the host, and the step can be captured in a CUDA graph, except
+                what ``on_overflow="raise"`` reads; the topk_idx values are then checked on the
+                device too (raised by :meth:`check_errors`).
             wgrad_store: a :class:`moe_dispatch.overlap.DelayedWgrad`; in this dispatch's
                 backward the gradient combine is launched first and ``wgrad_store.backward_dw()``
                 runs while it is in flight (delayed weight gradients of the experts).
+            on_overflow: with ``num_worst_tokens``, what happens when more rows arrive:
+                ``"raise"`` (default): ``BudgetOverflowError`` where the operation completes
+                (reading the overflow flag on the host: a host sync where the kernels keep it
+                on the device); ``"drop"``: the rows past ``num_worst_tokens`` (the last ones
+                in receive order) are left out, their combine contributions are zero, and
+                ``handle.overflow`` (``[1]`` bool on the device) says so, read by nobody but
+                the caller (HybridEP's drop-and-flag).
 
         Returns:
             ``recv_x [R, H]`` (x's dtype, or the fp8 tuple), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
@@ -596,7 +691,10 @@ class Buffer:
                 (``moe_dispatch.transport.agreement``); the Buffer stays usable.
             RuntimeError: the handle's dispatch was issued with ``return_recv_hook`` and its hook
                 not called; another thread is inside this Buffer; the Buffer was closed.
-            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts).
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts),
+                with ``on_overflow="raise"``.
+            MismatchError (a ValueError): with the kernels, a peer's later call differed or was
+                refused (compared on the device; see :meth:`check_errors` for where it is raised).
             CommError: a peer failed or did not join within ``timeout_s`` (naming the operation,
                 and the rank that most likely died); the Buffer is then broken: every later call
                 raises CommError at once, saying that a new Buffer is needed and why.
@@ -605,7 +703,7 @@ class Buffer:
             self._check_hook(handle)
             try:
                 mode = self._check_call(async_finish, return_recv_hook, previous_event)
-                self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens)
+                self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
             except (TypeError, ValueError) as err:
                 if handle is not None:
                     self._transfers.refuse(err, "dispatch", "cached dispatch")
@@ -623,7 +721,7 @@ class Buffer:
                 else:
                     recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
                 return (recv_x, None, None, None, handle, *self._completion(call))
-            routing = self._fresh(call, x, topk_idx, topk_weights, num_experts, num_worst_tokens)
+            routing = self._fresh(call, x, topk_idx, topk_weights, num_experts, num_worst_tokens, on_overflow)
             if fp8:  # fp8 is a forward-only format: no autograd
                 *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
                 recv_x = tuple(recv_x)
@@ -695,7 +793,7 @@ class Buffer:
                     raise TypeError(
                         "dispatch_to_experts takes x as one bf16/fp16/fp32 tensor; dispatch fp8 with dispatch()"
                     )
-                self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, 0)
+                self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, 0, "raise")
                 layout = (pad_multiple, num_permuted_tokens, expert_capacity)
                 check_permute_args(topk_idx, num_experts // self.world_size, *layout)
             except (TypeError, ValueError) as err:
@@ -704,32 +802,27 @@ class Buffer:
                 raise
             call = self._launch(mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
-            self._fresh(call, x, topk_idx, topk_weights, num_experts, 0, layout)
+            self._fresh(call, x, topk_idx, topk_weights, num_experts, 0, permute=layout)
             permuted_x, permuted_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
             sizes = call.dispatch.layout.tokens_per_expert
             return (permuted_x, permuted_weights, sizes, self._handle(call), *self._completion(call))
 
-    def _fresh(self, call: Call, x, topk_idx, topk_weights, num_experts, num_worst_tokens: int, permute=None):
+    def _fresh(
+        self,
+        call: Call,
+        x,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        num_worst_tokens: int,
+        on_overflow="raise",
+        permute=None,
+    ):
         """Plans a fresh dispatch whose arguments were checked (unless ``num_worst_tokens``: the
         transfer does) and sets ``call.dispatch``; returns it. ``permute``: a fused permute's
         ``(pad_multiple, num_permuted_tokens, expert_capacity)``, or None."""
-        fp8 = isinstance(x, tuple)
-        x0 = x[0] if fp8 else x
-        num_tokens = x0.shape[0]
-        fields = dict(
-            zip(
-                DISPATCH_FIELDS,
-                (
-                    num_experts,
-                    topk_idx.shape[1],
-                    x0.shape[1],
-                    x0.dtype,
-                    fp8,
-                    topk_idx.dtype,
-                    topk_weights is not None,
-                ),
-            )
-        )
+        num_tokens = (x[0] if isinstance(x, tuple) else x).shape[0]
+        fields = _dispatch_fields(x, topk_idx, topk_weights, num_experts)
         layout = None
         if permute is not None:
             sizes = torch.empty(num_experts // self.world_size, dtype=torch.int64, device=self.device)
@@ -738,7 +831,7 @@ class Buffer:
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
         else:
-            plan = self._transfers.plan(call, is_token_in_rank, fields)
+            plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx=topk_idx)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
         call.dispatch = FreshDispatch(
             slot=slot,
@@ -750,6 +843,7 @@ class Buffer:
             num_recv_tokens_per_expert=torch.empty(
                 num_experts // self.world_size, dtype=torch.int64, device=self.device
             ),
+            on_overflow=on_overflow,
             layout=layout,
         )
         return call.dispatch
@@ -765,12 +859,15 @@ class Buffer:
             _hook=call.hook,
         )
 
-    def _check_dispatch(self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens) -> None:
-        """This rank's dispatch arguments (nothing collective)."""
+    def _check_dispatch(self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow) -> None:
+        """This rank's dispatch arguments (nothing collective; in the sync-free mode the values
+        of topk_idx are checked on the device: :meth:`check_errors`)."""
         if not is_int(num_worst_tokens) or num_worst_tokens < 0:
             raise ValueError(
                 f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
             )
+        if on_overflow not in ("raise", "drop"):
+            raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
         if handle is not None:
             self._check_handle(handle)
             self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
@@ -789,10 +886,13 @@ class Buffer:
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
-        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device)
+        sync_free = bool(num_worst_tokens) and self._transfers.sync_free
+        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
         check_num_experts(num_experts, self.world_size)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
+        if sync_free:
+            self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
 
     def combine(
         self,
@@ -885,6 +985,31 @@ class Buffer:
             )
         return topk_weights if topk_weights.dim() == 1 else topk_weights.sum(1)
 
+    def check_errors(self) -> None:
+        """Waits for this Buffer's queued operations (a host synchronisation), then raises the
+        first error recorded without one since the last check.
+
+        What is recorded rather than raised at once, with ``transport="kernels"``: a kernel
+        wait that ran out; a peer whose call differed from this rank's (the kernels compare
+        the operation, the dispatch id the handle carries, row bytes, dtype, top-k, experts and
+        SMs on the device; no rows moved between the two) or that refused its own arguments;
+        and, in the sync-free budget mode (``num_worst_tokens``, see :meth:`dispatch`), topk_idx
+        values out of ``[-1, num_experts)`` or naming an expert twice in a row. On a GPU they
+        are raised here and at the next point that synchronises anyway (a dispatch without
+        ``num_worst_tokens``, after its payload launch); on CPU tensors right after the
+        operation. Collective: no; local to this rank.
+
+        Raises:
+            CommError: a kernel wait timed out (its message names the rank and what it waited
+                for; the Buffer is then broken: make a new Buffer).
+            MismatchError (a ValueError, ``moe_dispatch.transport.header``): a peer's call
+                differed or was refused, naming the ranks, the field and both values (the
+                buffers stay usable).
+            ValueError: bad topk_idx values reached a sync-free dispatch.
+        """
+        with self._transfers.entered("check_errors"):
+            self._transfers.check_errors()
+
     # -- helpers ---------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle):
@@ -944,6 +1069,44 @@ class Buffer:
             check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)
 
 
+def _dispatch_fields(x, topk_idx: torch.Tensor, topk_weights, num_experts: int) -> dict[str, Field]:
+    """A fresh dispatch's fields (:data:`DISPATCH_FIELDS`), as every rank compares them."""
+    fp8 = isinstance(x, tuple)
+    x0 = x[0] if fp8 else x
+    return dict(
+        zip(
+            DISPATCH_FIELDS,
+            (num_experts, topk_idx.shape[1], x0.shape[1], x0.dtype, fp8, topk_idx.dtype, topk_weights is not None),
+        )
+    )
+
+
+def _row_fields(operation: str, tensors: list[torch.Tensor], num_scales: int) -> dict[str, Field]:
+    """The fields of an operation that exchanges no sizes (combine, cached dispatch), without
+    the handle's dispatch id."""
+    t = tensors[0]
+    return {
+        "operation": operation,
+        "hidden": math.prod(t.shape[1:]),
+        "dtype": t.dtype,
+        "tensors": len(tensors),
+        "row scales": num_scales,
+    }
+
+
+def _steps_calling(fn, *args):
+    """Steps that call ``fn(*args)`` when driven (on the communication thread/stream) and wait
+    for nothing."""
+    yield from ()
+    fn(*args)
+
+
+def _signature_key(fields: dict[str, Field]) -> tuple:
+    """A call signature: its checked fields but the handle's dispatch id (which the kernels'
+    header carries on every call)."""
+    return tuple((name, value) for name, value in fields.items() if name != "handle")
+
+
 class Transfers:
     """The data movement of one Buffer: what the Buffer's entry points and the autograd
     Functions (:mod:`moe_dispatch.autograd`) call to move rows.
@@ -962,6 +1125,20 @@ class Transfers:
     agreement's ValueError/TypeError and an overflow), when every later call raises CommError
     at once; closed. One thread at a time may be inside the Buffer (:meth:`entered`).
 
+    Argument checks across ranks: a transport whose operations exchange their sizes (torch_dist)
+    compares the arguments of every operation. The kernels compare them on the device in every
+    launch (their operation header, ``transport.device_checks``); then the host compares them
+    only the first time a call signature (the operation and its checked fields) appears on this
+    Buffer, and every rank takes part in that check. A rank refusing its own arguments
+    (:meth:`refuse`) joins the host check while no call of that kind has passed one, the
+    kernels after that. What that leaves: a rank whose call has a signature new to it while its
+    peers' (different) one is not, or a refusal while the peers run the first call of a new
+    signature of a kind seen before, waits in the host check while the others wait in the
+    kernels (or the reverse); both end in a CommError naming the other within ``timeout_s``
+    (no hang). Likewise a rank in a combine while its peers start a fresh dispatch, each of a
+    signature seen before: the combine's and the notify's headers do not meet, so that pair
+    times out, naming the peer, instead of recording a mismatch.
+
     Args:
         transport: the Buffer's transport.
         topology: this rank's place in the EP group.
@@ -974,6 +1151,9 @@ class Transfers:
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe_dispatch-comm-{topology.rank}")
         self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._closed = False
+        self._signatures: set[tuple] = set()  # call signatures checked across ranks on the host
+        # Sync-free dispatches' topk_idx checked on the device: set when one had bad values.
+        self._bad_topk_idx = torch.zeros((), dtype=torch.bool, device=device)
         self._broken: str | None = None  # why, once an operation failed halfway
         self._guard = threading.Lock()
         self._owner: tuple[int, str, str] | None = None  # (thread id, thread name, entry point) inside
@@ -983,6 +1163,46 @@ class Transfers:
         # Dropped without close(): warn, and free what needs no peer at the next safe point.
         self._finalizer = weakref.finalize(self, _dropped, topology.rank, self._comm, transport)
         self._finalizer.atexit = False
+
+    @property
+    def sync_free(self) -> bool:
+        """Whether a ``num_worst_tokens`` dispatch runs without any host synchronisation: the
+        transport keeps the counts on the device and checks the ranks' arguments there."""
+        t = self.transport
+        return bool(getattr(t, "budget_on_device", False) and getattr(t, "device_checks", False))
+
+    def check_topk_idx_on_device(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        """Records, on the device, whether ``topk_idx [T, K]`` has entries outside
+        ``[-1, num_experts)`` or an expert twice in a row (what ``check_topk_idx`` checks on the
+        host); :meth:`check_errors` raises it. Static-size device ops only (CUDA-graph safe)."""
+        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+        if topk_idx.shape[1] > 1:
+            s = topk_idx.sort(dim=1).values
+            bad = bad | ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()
+        self._bad_topk_idx |= bad
+
+    def check_errors(self) -> None:
+        """Waits for the queued operations (a host synchronisation), then raises what was
+        recorded on the device (see ``Buffer.check_errors``)."""
+        self.check_open()
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()
+        else:
+            self._comm.submit(lambda: None).result()  # the communication thread's queue is drained
+        self._guarded(self._raise_recorded)
+
+    def _raise_recorded(self) -> None:
+        """Raises what the device recorded; the caller has synchronised with the operations."""
+        check = getattr(self.transport, "check_errors", None)
+        if check is not None:
+            check()
+        if bool(self._bad_topk_idx):
+            self._bad_topk_idx.zero_()
+            raise ValueError(
+                f"EP rank {self.topology.rank}: a num_worst_tokens dispatch since the last check had topk_idx "
+                "entries outside [-1, num_experts) or an expert twice in a row (checked on the device in the "
+                "sync-free mode; its rows went only to the experts its valid ids name)"
+            )
 
     def check_open(self) -> None:
         """Raises RuntimeError once the Buffer was closed, CommError once it is broken."""
@@ -1061,12 +1281,26 @@ class Transfers:
             self._break(err)
             raise
 
-    def refuse(self, err: BaseException, operation: str, what: str, fields: dict[str, Field] | None = None) -> None:
+    def refuse(
+        self,
+        err: BaseException,
+        operation: str,
+        what: str,
+        fields: dict[str, Field] | None = None,
+    ) -> None:
         """Takes part, for a call this rank refuses with ``err``, in the check its peers run,
         with a non-zero status and ``err``'s text posted in the store (the agreement:
         :mod:`moe_dispatch.transport.agreement`); returns once every rank has seen the refusal,
         and the caller raises ``err``. The peers raise ValueError naming this rank, and the
         Buffer stays usable.
+
+        With the kernels (``device_checks``), once a call of this operation's kind has passed
+        the host check on this Buffer, the peers are taken to run a signature they have seen
+        (the steady state: the refused arguments themselves tell nothing of the peers' call),
+        so they skip that check and run the kernels: this rank then takes part in the operation
+        itself with no rows and a non-zero header status (``transport.refuse``), and the peers
+        raise MismatchError naming it and quoting its error where their operation completes.
+        Before that, everyone is in the host check of a first call.
 
         Args:
             operation: the check the peers run: ``"dispatch (metadata)"`` (a fresh dispatch's
@@ -1081,18 +1315,36 @@ class Transfers:
         status = agreement.status_of(err)
         call = Call(seq=self._next_seq())
         self.transport.progress.post_refusal(call.seq, f"{type(err).__name__}: {err}")
+        refuse_on_device = getattr(self.transport, "refuse", None)
+        if refuse_on_device is not None and self._checked_kind(operation):
+            kind = "cached dispatch" if what == "cached dispatch" else operation.split(" (")[0]
+            self._run(_steps_calling(refuse_on_device, kind, err), call, [], f"{what} (refused)")
+            return
         empty = torch.zeros((0, self.topology.world_size), dtype=torch.bool, device=self.device)
         try:
             if operation == "dispatch (metadata)":
-                self.plan(call, empty, fields, status)
+                self.plan(call, empty, fields, status=status)
             elif operation == "dispatch (num_worst_tokens)":
-                self._run(self.transport.plan(empty, fields, what, on_comm_thread=True, status=status), call, [], what)
+                self._run(self._plan(empty, fields, None, None, call, status), call, [], what)
             else:
-                self._run(self.transport.agree({"operation": operation}, what, status), call, [], what)
+                self._run(self._check({"operation": operation}, what, status), call, [], what)
         except ValueError:
             pass  # the refusal itself, which every rank raises
 
-    def plan(self, call: Call, is_token_in_rank: torch.Tensor, fields: dict[str, Field], status: int = 0) -> Plan:
+    def _checked_kind(self, operation: str) -> bool:
+        """Whether a call of ``operation``'s kind (a refusal's check name) passed the host check
+        of a first signature on this Buffer (only with ``device_checks``)."""
+        kind = "dispatch (metadata)" if operation == "dispatch (num_worst_tokens)" else operation
+        return any(dict(signature)["operation"] == kind for signature in self._signatures)
+
+    def plan(
+        self,
+        call: Call,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        topk_idx: torch.Tensor | None = None,
+        status: int = 0,
+    ) -> Plan:
         """A fresh dispatch's plan: the counts exchanged and ``fields`` compared across ranks (a
         host synchronisation: receive sizes are host ints). Takes the operation's number into
         ``call.seq``, which its payload transfer reuses.
@@ -1101,7 +1353,8 @@ class Transfers:
         not queue behind payloads in flight; where the transport ``plans_on_comm_thread`` (the
         kernels: one queue for every launch), it runs in the queue and the caller waits.
 
-        ``status``: this rank's refusal (see :meth:`refuse`), 0 otherwise.
+        ``topk_idx``: ``[T, K]``, what the kernels' notify routes by. ``status``: this rank's
+        refusal (see :meth:`refuse`), 0 otherwise.
 
         Raises:
             ValueError: a rank refused, or ranks disagree on a field (naming it and the ranks).
@@ -1113,13 +1366,41 @@ class Transfers:
             if not self.transport.plans_on_comm_thread:
                 return self._guarded(drive, self.transport.plan(is_token_in_rank, fields, status=status))
             steps = self._marked(
-                self.transport.plan(is_token_in_rank, fields, on_comm_thread=True, status=status),
-                call.seq,
-                "dispatch (metadata)",
+                self._plan(is_token_in_rank, fields, topk_idx, None, call, status), call.seq, "dispatch (metadata)"
             )
-            plan = self.submit(drive, steps).result()
+            plan = stream_order_wait(self.submit(drive, steps))
             self.join()
             return plan
+
+    def _plan(
+        self,
+        is_token_in_rank: torch.Tensor,
+        fields: dict[str, Field],
+        topk_idx: torch.Tensor | None,
+        num_rows: int | None,
+        call: Call,
+        status: int = 0,
+    ):
+        """Steps of a fresh dispatch's plan on the communication thread/stream: the kernels
+        (``routes_on_device``) check the arguments first (:meth:`_check`), then run notify, with
+        the dispatch's identity (``call.seq``); torch_dist exchanges the counts with the fields."""
+        t = self.transport
+        if not getattr(t, "routes_on_device", False):
+            return (yield from t.plan(is_token_in_rank, fields, on_comm_thread=True, status=status))
+        if not status:  # a refusal is the transport's plan's own check
+            # The operation first, so it is told apart from a combine's check.
+            yield from self._check({"operation": "dispatch (metadata)", **fields}, "dispatch")
+        return (
+            yield from t.plan(
+                is_token_in_rank,
+                fields,
+                on_comm_thread=True,
+                status=status,
+                topk_idx=topk_idx,
+                num_rows=num_rows,
+                dispatch_id=call.seq,
+            )
+        )
 
     def dispatch(self, call: Call, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor | None]:
         """A fresh dispatch (``call.dispatch`` says where to): allocates the outputs and moves x
@@ -1134,7 +1415,7 @@ class Transfers:
             ``[num_rows, K]`` (or None).
 
         Raises (where the operation completes: here, the event or the hook):
-            BudgetOverflowError: more rows arrived than ``num_worst_tokens``.
+            BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (``on_overflow="raise"``).
         """
         routing = call.dispatch
         xs = x if isinstance(x, list) else [x]
@@ -1143,35 +1424,51 @@ class Transfers:
             return self._dispatch_permuted(call, tensors, len(xs))
         slot = routing.slot
         out = self._alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
-        out[len(xs)] = routing.recv_topk_idx
+        out[len(xs)] = recv_idx = routing.recv_topk_idx
+        budget = slot.plan is None  # num_worst_tokens: the plan comes with the transfer
 
         def steps():
-            if slot.plan is None:
-                slot.plan = yield from self.transport.plan(
-                    routing.is_token_in_rank, routing.fields, on_comm_thread=True
+            if budget:
+                slot.plan = yield from self._plan(
+                    routing.is_token_in_rank, routing.fields, routing.topk_idx, slot.num_rows, call
                 )
             rows = slot.plan.num_recv_tokens
-            # Past the static size the rows still arrive (peers send them regardless), into
-            # scratch, and the overflow is raised once the transfer is complete.
-            dst = [o[:rows] for o in out] if rows <= slot.num_rows else [o.new_empty((rows, *o.shape[1:])) for o in out]
-            yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
-            if rows > slot.num_rows:
-                raise BudgetOverflowError(
-                    f"EP rank {self.topology.rank}: dispatch received {rows} rows but "
-                    f"num_worst_tokens={slot.num_rows}; raise num_worst_tokens to at least "
-                    f"{rows} (T * W never overflows)"
-                )
-            recv_idx = out[len(xs)]
-            for o in out:  # the padding rows of a static size
-                if o is not recv_idx:
-                    o[rows:].zero_()
-            recv_idx[rows:] = -1
+            if rows is None:  # the count is on the device: the kernels filled every row, padding too
+                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, out)
+                slot.overflow = slot.plan.overflow != 0
+                _pad_rows(out, _padding(slot), recv_idx)
+                if routing.on_overflow == "raise" and bool(slot.overflow):  # a host read, as asked
+                    self._overflow(int(slot.plan.recv_count), slot.num_rows)
+            else:
+                # Past the static size the rows still arrive (peers send them regardless), into
+                # scratch; they are dropped, or the overflow raised once the transfer is complete.
+                stored, over = min(rows, slot.num_rows), rows > slot.num_rows
+                dst = [o.new_empty((rows, *o.shape[1:])) for o in out] if over else [o[:rows] for o in out]
+                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
+                self._raise_recorded()  # the host read the counts: a point that synchronises anyway
+                if budget:
+                    slot.overflow = torch.full((1,), over, dtype=torch.bool, device=self.device)
+                if over:
+                    if routing.on_overflow == "raise":
+                        self._overflow(rows, slot.num_rows)
+                    for o, d in zip(out, dst):  # "drop": the rows that fit
+                        o.copy_(d[: slot.num_rows])
+                for o in out:  # the padding rows of a static size
+                    if o is not recv_idx:
+                        o[stored:].zero_()
+                recv_idx[stored:] = -1
             self._localize(routing, out[-1] if topk_weights is not None else None)
 
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
         slot.dispatch_id = call.seq
         return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
+
+    def _overflow(self, rows: int, num_rows: int) -> None:
+        raise BudgetOverflowError(
+            f"EP rank {self.topology.rank}: dispatch received {rows} rows but num_worst_tokens={num_rows}; raise "
+            f"num_worst_tokens to at least {rows} (T * W never overflows), or pass on_overflow='drop'"
+        )
 
     def _localize(self, routing: FreshDispatch, recv_weights: torch.Tensor | None) -> None:
         """The received top-k ids (``routing.recv_topk_idx``, global) in local numbering, -1 for
@@ -1182,8 +1479,11 @@ class Transfers:
         local.masked_fill_(other, -1)
         # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
         # per-expert counts, so its size is the same on every rank whatever num_experts each
-        # one passed.
-        routing.num_recv_tokens_per_expert.copy_(torch.bincount(local.view(-1) + 1, minlength=experts_per_rank + 1)[1:])
+        # one passed. A static-size add (bincount would read the largest id on the host).
+        bins = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=local.device)
+        flat = local.view(-1).to(torch.int64) + 1
+        bins.index_add_(0, flat, torch.ones_like(flat))
+        routing.num_recv_tokens_per_expert.copy_(bins[1:])
         if recv_weights is not None:
             recv_weights.masked_fill_(other, 0.0)
 
@@ -1262,20 +1562,33 @@ class Transfers:
         def steps():
             check = self._agree("dispatch", slot, tensors, 0, what)
             rows = slot.plan.num_recv_tokens
+            if rows is None:  # the count is on the device (budget mode: no fused permute there)
+                yield from check
+                yield from self.transport.forward(tensors, slot.plan, out, what)
+                _pad_rows(out, _padding(slot))
+                return
+            stored, over = min(rows, slot.num_rows), rows > slot.num_rows
+            if permute is not None and fuses:
+                dst = out
+            elif permute is not None or over:  # scratch: permuted after, or the rows a drop left out
+                dst = [o.new_empty((rows, *o.shape[1:])) for o in out]
+            else:
+                dst = [o[:rows] for o in out]
             if fuses:
-                dst = out if permute is not None else [o[:rows] for o in out]
                 yield from self.transport.forward(tensors, slot.plan, dst, what, permuted=permute, check=check)
             else:
                 yield from check
-                dst = [o[:rows] if permute is None else o.new_empty((rows, *o.shape[1:])) for o in out]
                 yield from self.transport.forward(tensors, slot.plan, dst, what)
-                if permute is not None:
+            if permute is not None:
+                if not fuses:
                     src, _ = permuted_sources(permute)
                     for s, o in zip(dst, out):
                         gather_rows(_bytes(s), src, out=_bytes(o))
-            if permute is None:
-                for o in out:
-                    o[rows:].zero_()
+                return
+            for o, d in zip(out, dst):
+                if over:  # a dispatch that dropped rows: the same rows again
+                    o.copy_(d[:stored])
+                o[stored:].zero_()
 
         self._run(steps(), call, [*tensors, *out], what)
         return out
@@ -1291,9 +1604,10 @@ class Transfers:
     ) -> list[torch.Tensor]:
         """Combines row tensors ``[num_rows, ...]`` (only the received rows are read; each times
         its ``[num_rows]`` fp32 scale, if any) onto their source tokens into new ``[T, ...]``
-        outputs; returns them. On a fused permute's slot a tensor flagged in ``expert_major``
-        (default: every tensor there) is ``[P, ...]`` expert-major: each received row is the fp32
-        sum of its copies (unpermute), fused into the transfer where the transport can."""
+        outputs; returns them. Rows a ``num_worst_tokens`` dispatch dropped contribute zero. On a
+        fused permute's slot a tensor flagged in ``expert_major`` (default: every tensor there)
+        is ``[P, ...]`` expert-major: each received row is the fp32 sum of its copies
+        (unpermute), fused into the transfer where the transport can."""
         tensors = [dense(t) for t in tensors]
         scales = [None if sc is None else dense(sc) for sc in scales]
         out = self._alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
@@ -1305,8 +1619,13 @@ class Transfers:
         def steps():
             check = self._agree("combine", slot, tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
-            ins = [t if major else t[:rows] for t, major in zip(tensors, expert_major)]
-            row_scales = [None if sc is None else sc[:rows] for sc in scales]
+            if rows is None:  # the kernels read only the rows they stored (budget mode: no fused permute)
+                yield from check
+                yield from self.transport.combine(tensors, scales, slot.plan, out, what)
+                return
+            # the received rows, the ones a dropping dispatch left out as zeros
+            ins = [t if major else _rows(t, rows) for t, major in zip(tensors, expert_major)]
+            row_scales = [None if sc is None else _rows(sc, rows) for sc in scales]
             if fuses:
                 permuted = [slot.permute if major else None for major in expert_major]
                 yield from self.transport.combine(ins, row_scales, slot.plan, out, what, permuted=permuted, check=check)
@@ -1348,9 +1667,20 @@ class Transfers:
         return self._seq
 
     def _marked(self, steps, seq: int, what: str):
-        """``steps``, first recording on the thread that runs them that operation ``seq`` began."""
+        """``steps``, first recording on the thread that runs them that operation ``seq`` began.
+        A peer's refusal recorded by the kernels is raised quoting the error it posted."""
         self.transport.progress.mark("comm", seq, what)
-        return (yield from steps)
+        try:
+            return (yield from steps)
+        except MismatchError as err:
+            if err.field != "status":
+                raise
+            others = [r for r in range(self.topology.world_size) if r != self.topology.rank]
+            texts = self.transport.progress.read_refusals(others, seq)
+            if not texts:
+                raise
+            quoted = "; ".join(f"EP rank {r} refused: {text}" for r, text in sorted(texts.items()))
+            raise MismatchError(f"{err} ({quoted})", dict(vars(err))) from err
 
     def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
         """Runs transport steps per ``call.mode`` (see the class docstring). ``uses``: tensors of
@@ -1361,7 +1691,7 @@ class Transfers:
             call.seq = call.seq or self._next_seq()
             steps = self._marked(steps, call.seq, what)
             if call.mode == "hook":
-                first = self.submit(start, steps).result()
+                first = stream_order_wait(self.submit(start, steps))
                 call.hook = RecvHook(self, steps, first)
                 self._record(uses)
                 return
@@ -1374,7 +1704,7 @@ class Transfers:
             future = self.submit(drive, steps)
             if call.mode == "sync":
                 self.join()
-                future.result()
+                stream_order_wait(future)
                 return
             self._record(uses)
             if self.device.type == "cuda":
@@ -1403,19 +1733,48 @@ class Transfers:
     def _agree(self, operation: str, slot: PlanSlot, tensors: list[torch.Tensor], num_scales: int, what: str):
         """Steps checking that every rank runs the same kind of operation, with the handle of
         the same dispatch, on rows of the same width and dtype: combine and cached dispatch
-        exchange no sizes (see ``TorchDistTransport.agree`` for where the check runs)."""
-        t = tensors[0]
-        return self.transport.agree(
-            {
-                "operation": operation,
-                "handle": DispatchId(slot.dispatch_id),
-                "hidden": math.prod(t.shape[1:]),
-                "dtype": t.dtype,
-                "tensors": len(tensors),
-                "row scales": num_scales,
-            },
-            what,
+        exchange no sizes (see :meth:`_check` for where the check runs)."""
+        return self._check(
+            {**_row_fields(operation, tensors, num_scales), "handle": DispatchId(slot.dispatch_id)}, what
         )
+
+    def _check(self, fields: dict[str, Field], what: str, status: int = 0):
+        """Steps comparing ``fields`` (an operation's signature) and every rank's ``status``
+        across ranks on the host (``transport.agree``): every time, or, where the transport
+        compares every launch on the device (``device_checks``), the first time this signature
+        appears on this Buffer, and for a refusal."""
+        if getattr(self.transport, "device_checks", False) and not status:
+            signature = _signature_key(fields)
+            if signature in self._signatures:
+                return
+            yield from self.transport.agree(fields, what, status)
+            self._signatures.add(signature)
+            return
+        yield from self.transport.agree(fields, what, status)
+
+
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``t [num_rows, ...]``, zero rows appended where ``rows`` exceeds
+    them (the rows a dropping dispatch left out)."""
+    if rows <= t.shape[0]:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _padding(slot: PlanSlot) -> torch.Tensor:
+    """``[num_rows]`` bool on the device: rows past those received (the plan's device count)."""
+    count = slot.plan.recv_count
+    return torch.arange(slot.num_rows, device=count.device) >= count
+
+
+def _pad_rows(out: list[torch.Tensor], padding: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    """Zeroes the ``padding`` rows of each tensor of ``out`` (bit patterns: any dtype), -1 in
+    ``index``'s. Static-size device ops (CUDA-graph safe)."""
+    for o in out:
+        if o is index:
+            o.masked_fill_(padding.view(-1, 1), -1)
+        elif o.numel():
+            o.view(o.shape[0], -1).view(torch.uint8).masked_fill_(padding.view(-1, 1), 0)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -1440,5 +1799,5 @@ class RecvHook:
         if self.called:
             raise RuntimeError("this receive hook was already called; each hook completes its operation once")
         self.called = True
-        self._transfers.submit(finish, self._steps, self._first).result()
+        stream_order_wait(self._transfers.submit(finish, self._steps, self._first))
         self._transfers.join()

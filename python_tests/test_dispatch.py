@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from moe_dispatch import Buffer, _ext
+from moe_dispatch import Buffer
 from moe_dispatch.config import Config
 from moe_dispatch.ops.permute import permute, unpermute
 from moe_dispatch.semantics import reference
@@ -398,9 +398,6 @@ def test_world(world_size, ranks_per_node, case):
     assert_case(world_results(_world_entry, world_size, ranks_per_node), case)
 
 
-KERNEL_WORLDS = [1, 3, 4]
-
-
 def _wider_rows_later(rank, world_size, buf):
     """A combine (fp16) and a cached dispatch wider than the dispatch that made the plan: the
     kernels' buffers grow on every rank, and the old handle still works."""
@@ -421,10 +418,12 @@ def _wider_rows_later(rank, world_size, buf):
 
 
 def _mismatch_named_by_the_plan(rank, world_size, buf):
-    """The kernels' plan compares the arguments with one all_gather on the Buffer's host group
-    (gloo; on an NCCL EP group a gloo group of the same ranks): a ValueError naming the rank."""
+    """The first call of a signature compares the arguments with one all_gather on the Buffer's
+    host group (gloo; on an NCCL EP group a gloo group of the same ranks): a ValueError naming
+    the rank. A num_experts no other case uses makes this call every rank's first of its
+    signature (the kernels compare later calls on the device)."""
     num_tokens = [5] * world_size
-    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32)
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
     x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
     other = 1 - rank
     with pytest.raises(ValueError, match=f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"):
@@ -433,17 +432,19 @@ def _mismatch_named_by_the_plan(rank, world_size, buf):
 
 def _mixed_operations(rank, world_size, buf):
     """Rank 0 combines while rank 1 starts a fresh dispatch: both checks run on one group, so
-    both ranks raise a ValueError naming the other's operation (not a gloo abort)."""
+    both ranks raise a ValueError naming the other's operation (not a gloo abort). With the
+    kernels these are both ranks' first calls of their signatures (fp16 rows of 48, a dispatch
+    without weights), which the host checks."""
     num_tokens = [5] * world_size
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=33)
-    x = make_x(num_tokens, 16, torch.float32, seed=33)[rank]
+    x = make_x(num_tokens, 48, torch.float16, seed=33)[rank]
     recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
     theirs = "dispatch (metadata)" if rank == 0 else "combine"
     with pytest.raises(ValueError, match=rf"operation is .* here but {re.escape(theirs)} on EP rank {1 - rank}"):
         if rank == 0:
             buf.combine(recv_x, handle)
         else:
-            buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+            buf.dispatch(x, idxs[rank], None, num_experts)
     out, _ = buf.combine(recv_x, handle)  # still in step afterwards
     assert out.shape == x.shape
 
@@ -538,22 +539,5 @@ KERNEL_CASES = {
 }
 
 
-def _kernel_entry(rank, world_size):
-    return run_cases(rank, world_size, KERNEL_CASES, Buffer(transport="kernels", timeout_s=60))
-
-
-@pytest.mark.world
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_kernel_transport_only(case):
-    assert_case(world_results(_kernel_entry, 2), case)
-
-
-@pytest.mark.world
-@pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
-@pytest.mark.parametrize("case", CASE_NAMES)
-@pytest.mark.parametrize("world_size", KERNEL_WORLDS, ids=[f"w{w}" for w in KERNEL_WORLDS])
-def test_world_kernel_transport(world_size, case):
-    """The same cases through Buffer(transport="kernels") (one node): on CPU tensors the
-    kernels' CPU backend in every process, over shared memory."""
-    assert_case(world_results(_world_entry, world_size, world_size, "kernels"), case)
+# KERNEL_CASES run in the kernels' two-rank world of test_kernel_path.py, and every case above in
+# its worlds of every topology.

@@ -68,6 +68,21 @@ def test_module_prints_versions_commit_transport_and_variables():
     assert torch.__version__.split("+")[0] in row("torch")
     name, _ = choose_transport(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     assert name in row("auto transport")
+    assert "transport='kernels' is opt-in" in row("kernels")  # and why, in one line
+
+
+def test_auto_logs_its_choice_once(caplog):
+    """transport="auto" says once per process what it picked and why (logger moe_dispatch)."""
+    from moe_dispatch.transport import _LOGGED, KERNELS_OPT_IN, log_choice
+
+    name, reason = choose_transport(torch.device("cuda"))
+    assert name == "torch_dist" and KERNELS_OPT_IN in reason  # CUDA: opt-in until the GPU check is committed
+    _LOGGED.discard((name, reason))
+    with caplog.at_level("INFO", logger="moe_dispatch"):
+        log_choice(name, reason)
+        log_choice(name, reason)
+    records = [r for r in caplog.records if r.name == "moe_dispatch"]
+    assert len(records) == 1 and f"picked 'torch_dist': {reason}" in records[0].getMessage()
 
 
 def test_commit_comes_from_git_or_from_the_build(monkeypatch):

@@ -118,12 +118,13 @@ def _bad_input_cases(buf: Buffer) -> dict:
             r"default, got 0",
             lambda: Buffer(num_chunks=0),
         ),
-        "kernel-transport-across-nodes": lambda: _raises(
+        "device-type": lambda: _raises(
+            ValueError, r"device must be None, 'cpu' or a CUDA device, got 'meta'", lambda: Buffer(device="meta")
+        ),
+        "on-overflow": lambda: _raises(
             ValueError,
-            r"transport='kernels' runs the intranode kernels, "
-            r"for an EP group on one node, but this one spans 2 "
-            r"nodes",
-            lambda: Buffer(ranks_per_node=1, transport="kernels"),
+            r"on_overflow must be 'raise' or 'drop', got 'keep'",
+            lambda: buf.dispatch(x, idx, w, E, num_worst_tokens=8, on_overflow="keep"),
         ),
         "group-type": lambda: _raises(
             TypeError, r"group must be a torch.distributed ProcessGroup or None .* got str", lambda: Buffer("world")
@@ -416,6 +417,26 @@ def test_gloo_world_sees_its_environment_and_no_gpu_from_the_first_import():
         spawn_world(2, lambda rank, world_size: None)
 
 
+def _late_store_reader_entry(rank, world_size):
+    """Rank 0 returns at once; rank 1 reads the store a second later."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        return None
+    time.sleep(1.0)
+    store = dist.distributed_c10d._get_default_store()
+    store.set("late", "read")
+    return store.get("late").decode()
+
+
+def test_store_host_stays_until_every_rank_returned():
+    """spawn_world's rank 0 holds the TCP store: it stays until every rank's function returned, so
+    a slower rank (a failure's diagnosis reads its peers' records there) still reaches the store."""
+    from moe_dispatch.testing.launch import spawn_world
+
+    assert spawn_world(2, _late_store_reader_entry, timeout_s=60) == [None, "read"]
+
+
 def test_progress_keys_follow_each_group_not_the_process():
     """A rank in two EP groups numbers each group's Buffers on its own, so ranks that made
     Buffers for other groups first still agree on the keys of a shared group."""
@@ -469,3 +490,30 @@ def test_agreement_codes_and_messages():
         ag.row({"operation": "cached combine"})
     with pytest.raises(ValueError, match=r"carries at most 12 fields, got 13"):
         ag.row(dict.fromkeys(map(str, range(13)), 1), 0, ag.AGREE_WORDS)
+
+
+def test_lost_peer_diagnosis_waits_for_late_notes():
+    """After a lost connection the diagnosis reads the peers' records until one peer is left
+    unaccounted for: a live peer whose failure note lands late (its threads slow on a loaded
+    machine) is not taken for the dead one, and the wait ends when that note lands."""
+    import threading
+
+    import torch.distributed as dist
+
+    from moe_dispatch.transport import progress as pg
+
+    store = dist.HashStore()
+    mine, peers = pg.Progress([10, 11, 12, 13], 0), [pg.Progress([10, 11, 12, 13], r) for r in (1, 2, 3)]
+    for p in (mine, *peers):  # one process plays every rank: one store, the same keys
+        p._store, p._prefix = store, mine._prefix
+    seq = 5
+    mine.mark("caller", seq, "combine")
+    peers[0]._post("failed", seq, "combine")  # EP rank 1 failed at once; EP rank 3 never answers
+    late = threading.Timer(0.5, peers[1]._post, ("failed", seq, "combine"))  # EP rank 2, late
+    late.start()
+    start = time.monotonic()
+    message = mine.describe_peers([1, 2, 3], lost=True)
+    elapsed = time.monotonic() - start
+    late.join()
+    assert "EP rank 3 (no operation of this Buffer yet) is the only peer" in message, message
+    assert 0.5 <= elapsed < pg.SETTLE_S, f"{elapsed:.2f} s"

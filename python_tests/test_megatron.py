@@ -242,6 +242,90 @@ def _check_raise_on_overflow(ep: int, seed: int):
     return case
 
 
+def _manager_step(m, hidden, routing_map, probs):
+    """One MoE layer step through a CustomDispatchManager's contract (setup_metadata, dispatch,
+    permute, an expert scaling by the probs, unpermute, combine), forward and backward; returns
+    the output, the gradients of hidden and probs, and the expert input's rows."""
+    hidden, probs = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
+    m.setup_metadata(routing_map, probs)
+    tokens, token_probs = m.get_permuted_hidden_states_by_experts(m.dispatch(hidden))
+    out = m.combine(m.get_restored_hidden_states_by_experts(tokens * token_probs.unsqueeze(-1)))
+    (out * out).sum().backward()
+    return out.detach(), hidden.grad, probs.grad, tokens.shape[0]
+
+
+def _rank_capacity_factor(factor: float) -> dict:
+    """Megatron's moe_expert_rank_capacity_factor where this megatron-core has it (0.19), else
+    the backend's own knob of the same meaning (0.16)."""
+    from moe_dispatch.megatron import compat
+
+    if compat.missing_config_field("moe_expert_rank_capacity_factor") is None:
+        return {"moe_expert_rank_capacity_factor": factor}
+    return {"expert_rank_capacity_factor": factor}
+
+
+def _check_sync_free_static_shape(ep: int, seed: int):
+    """Megatron's moe_expert_rank_capacity_factor with transport="kernels": the static expert
+    input of moe_ncclep_static_shape (every row of the fixed-size buffer goes to the experts),
+    and a whole step through the manager runs without a host synchronisation, equal to the
+    sized (dropless) step."""
+
+    def case(rank, world_size):
+        import functools
+        from unittest import mock
+
+        import moe_dispatch.megatron.manager as mgr
+        from moe_dispatch.testing.sync import no_host_sync
+
+        x, routing_map, probs = _inputs(rank, seed)
+        hidden = x.reshape(-1, HIDDEN)
+        static = _dispatcher(_config(ep, "custom", transport="kernels", **_rank_capacity_factor(4.0)))
+        manager = static._comm_manager
+        budget = manager.budget(hidden.shape[0])
+        assert budget == -(-hidden.shape[0] * TOPK * 4 // 1)  # ceil(T * topk * 4), pad_multiple 1
+        want = _manager_step(_dispatcher(_config(ep, "custom", transport="kernels"))._comm_manager, hidden,
+                             routing_map, probs)
+        _manager_step(manager, hidden, routing_map, probs)  # the first call of each signature: checked
+        # The permute as on a GPU: its Triton kernels (interpreted here), not the CPU reference,
+        # which validates on the host.
+        triton = {name: functools.partial(getattr(mgr, name), backend="triton") for name in ("permute", "unpermute")}
+        with mock.patch.multiple(mgr, **triton), no_host_sync():
+            got = _manager_step(manager, hidden, routing_map, probs)
+        assert got[3] == budget and not bool(manager.over_budget)  # every row of the static buffer
+        for name, g, w in zip(("output", "grad hidden", "grad probs"), got[:3], want[:3]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)  # sums over other row counts
+
+    return case
+
+
+def _check_fp8_dispatch(ep: int, seed: int):
+    """fp8_dispatch: the tokens travel as fp8 pairs with 1x128 scales and reach the experts
+    dequantized; the contract restores the quantized input, gradients pass straight through."""
+
+    def case(rank, world_size):
+        from moe_dispatch.ops.quant import per_token_cast_back, per_token_cast_to_fp8
+
+        hidden_size = 128
+        d = _dispatcher(_config(ep, "custom", transport="kernels", fp8_dispatch=True, hidden_size=hidden_size))
+        assert d._comm_manager.fp8_dispatch
+        gen = torch.Generator().manual_seed(seed * 100 + rank)
+        x = torch.randn(5 + rank, 2, hidden_size, generator=gen).requires_grad_()
+        routing_map, probs = _routing(x.shape[0] * 2, seed * 100 + rank + 7)
+        probs.requires_grad_()
+        out, (tokens, _, _) = _contract(d, x, routing_map, probs)
+        quantized = per_token_cast_back(*per_token_cast_to_fp8(x.detach().reshape(-1, hidden_size)), torch.float32)
+        torch.testing.assert_close(out.reshape(-1, hidden_size), quantized, rtol=1e-5, atol=1e-6)
+        assert tokens.dtype == x.dtype
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        torch.testing.assert_close(x.grad, grad, rtol=1e-5, atol=1e-5)
+        dots = (quantized * grad.reshape(-1, hidden_size)).sum(1, keepdim=True)
+        expected = torch.where(routing_map, dots.expand(-1, NUM_EXPERTS), torch.zeros_like(probs))
+        torch.testing.assert_close(probs.grad, expected, rtol=1e-4, atol=1e-5)
+
+    return case
+
+
 def _check_layer_equivalence(ep: int, seed: int, etp: int = 1, **knobs):
     """alltoall vs custom: same weights, same input -> same output and gradients."""
 
@@ -370,6 +454,8 @@ EP4_CASES = {
     "contract_ep4_1node_kernels": _check_contract(4, 31, transport="kernels"),
     "layer_equivalence_ep4_1node_kernels": _check_layer_equivalence(4, 32, transport="kernels"),
     "ep_overlap_ep4_1node_kernels": _check_ep_overlap(33, transport="kernels"),
+    "sync_free_static_shape_ep4_kernels": _check_sync_free_static_shape(4, 34),
+    "fp8_dispatch_ep4_kernels": _check_fp8_dispatch(4, 35),
 }
 EP2_CASES = {
     "contract_ep2_1node": _check_contract(2, 11),
@@ -405,3 +491,49 @@ def world_entry(rank: int, world_size: int):
 @pytest.mark.parametrize("case", list(ALL_CASES))
 def test_megatron_world(case):
     assert_case(world_results(world_entry, WORLD_SIZE), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a whole MoE layer step through the manager, captured in a CUDA graph
+# ---------------------------------------------------------------------------------------------
+
+def _graph_entry(rank: int, world_size: int):
+    """EP 2 on one GPU (gloo carries the kernels' handles: NCCL refuses two ranks on one GPU):
+    Megatron's moe_expert_rank_capacity_factor and transport="kernels", one manager step
+    (setup_metadata, dispatch, permute, expert, unpermute, combine, backward) captured in a
+    CUDA graph; replays with new tokens equal eager steps."""
+    torch.cuda.set_device(0)
+    _init_parallel(2)
+    d = _dispatcher(_config(2, "custom", transport="kernels", **_rank_capacity_factor(4.0)))
+    manager = d._comm_manager
+    x, routing_map, probs = _inputs(rank, 41)
+    hidden, routing_map, probs = x.reshape(-1, HIDDEN).cuda(), routing_map.cuda(), probs.cuda()
+    eager = [_manager_step(manager, hidden * s, routing_map, probs) for s in (1.0, 2.0)]
+    static = hidden.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph wants
+        _manager_step(manager, static, routing_map, probs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _manager_step(manager, static, routing_map, probs)
+    for s, want in zip((1.0, 2.0), eager):
+        static.copy_(hidden * s)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got, ref in zip(("output", "grad hidden", "grad probs"), captured[:3], want[:3]):
+            assert torch.equal(got, ref), f"{name}: a graph replay differs from the eager step"
+    return "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.world
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_manager_step_in_a_cuda_graph():
+    import os
+
+    from moe_dispatch.testing.launch import spawn_world
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or "0"
+    assert spawn_world(2, _graph_entry, env={"CUDA_VISIBLE_DEVICES": visible}, timeout_s=300) == ["ok", "ok"]

@@ -18,8 +18,16 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
 import moe_dispatch.megatron as mdm  # noqa: E402
+from moe_dispatch.config import Config  # noqa: E402
 from moe_dispatch.megatron import compat  # noqa: E402
-from moe_dispatch.megatron.config import resolve_num_sms  # noqa: E402
+from moe_dispatch.megatron.config import (  # noqa: E402
+    has_static_budget,
+    rank_capacity_factor,
+    resolve_fp8_dispatch,
+    resolve_fuse_permute,
+    resolve_kernel_config,
+    resolve_num_sms,
+)
 
 # TransformerConfig fields that some supported megatron-core version lacks (configure() names the version)
 VERSION_DEPENDENT_FIELDS = sorted({name for points in compat._PATCH_POINTS.values()
@@ -68,6 +76,36 @@ def test_configure_passes_the_kernel_config_to_the_buffer(monkeypatch):
     manager.get_buffer(None, num_sms=24, config="auto")
     manager.get_buffer(None, num_sms=24, config=Config(num_sms=6))
     assert [(kw["config"], kw["num_sms"]) for kw in made] == [("auto", None), (Config(num_sms=6), None)]
+def test_kernel_config_reaches_the_buffer_and_megatrons_num_sms_must_agree():
+    """configure(kernel_config=Config(...)) hands the whole Config to the Buffer; an SM budget
+    set on the config by hand must be the Config's."""
+    config = Config(num_sms=8, num_slots=16, chunk_tokens=4, l2_discard=True)
+    cfg = mdm.configure(_config(), transport="kernels", kernel_config=config)
+    assert resolve_kernel_config(cfg) is config and mdm.get_options(cfg).transport == "kernels"
+    assert resolve_kernel_config(mdm.configure(_config(), num_sms=6)) == Config(num_sms=6)
+    assert resolve_kernel_config(mdm.configure(_config())) is None
+    cfg = _config()
+    setattr(cfg, compat.num_sms_attr(), 12)
+    with pytest.raises(ValueError, match=rf"{compat.num_sms_attr()}=12 and configure\(kernel_config=Config\(num_sms=8"):
+        mdm.configure(cfg, kernel_config=config)
+
+
+def test_megatrons_rank_capacity_factor_is_the_static_budget():
+    """Megatron's moe_expert_rank_capacity_factor (HybridEP's / NCCL EP's knob) sets the static
+    expert input as configure(expert_rank_capacity_factor=...) does: fused permute, P rows."""
+    cfg = mdm.configure(_config(), moe_expert_rank_capacity_factor=1.5)
+    assert rank_capacity_factor(cfg) == 1.5 and has_static_budget(cfg) and resolve_fuse_permute(cfg)
+    assert not has_static_budget(mdm.configure(_config()))
+
+
+def test_fp8_dispatch_follows_megatrons_fp8_where_rows_fit():
+    """fp8 training (config.fp8) makes the manager dispatch fp8 pairs when the hidden size is a
+    multiple of 128; fp8_dispatch= overrides."""
+    cfg = mdm.configure(_config(hidden_size=128), fp8="hybrid")  # set after __post_init__: Megatron wants TE there
+    assert resolve_fp8_dispatch(cfg)
+    assert not resolve_fp8_dispatch(mdm.configure(_config(hidden_size=128), fp8="hybrid", fp8_dispatch=False))
+    assert not resolve_fp8_dispatch(mdm.configure(_config(), fp8="hybrid"))  # 16 does not fit 1x128 blocks
+    assert resolve_fp8_dispatch(mdm.configure(_config(hidden_size=256), fp8_dispatch=True))
 
 
 def test_configure_sets_megatron_fields_then_checks():
@@ -146,7 +184,12 @@ def test_drop_and_pad_and_router_padding_resolve():
     (dict(moe_router_padding_for_quantization=True, fp8="hybrid", pad_multiple=8),
      r"needs expert blocks padded to a multiple of 16 \(the fp8/fp4 recipe's alignment\), but "
      r"configure\(pad_multiple=8\) is not one"),
-    (dict(moe_expert_rank_capacity_factor=1.5), r"HybridEP's/NCCL EP's knob.*expert_rank_capacity_factor=\.\.\."),
+    (dict(moe_expert_rank_capacity_factor=1.5, num_permuted_tokens=64),
+     r"moe_expert_rank_capacity_factor=1\.5 and configure\(num_permuted_tokens=64, .*both set the static budget"),
+    (dict(moe_expert_rank_capacity_factor=-2.0), r"moe_expert_rank_capacity_factor must be a positive number"),
+    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0,
+          moe_expert_rank_capacity_factor=1.5), r"already fixes the expert input .*moe_expert_rank_capacity_factor"),
+    (dict(fp8_dispatch=True), r"fp8_dispatch=True quantizes rows in 1x128 blocks, but hidden_size=16"),
 ])
 def test_configure_rejects_with_the_fix(fields, match):
     lacking = [name for name in fields if compat.missing_config_field(name) is not None]
@@ -257,6 +300,8 @@ def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
     (dict(kernel_config="fast"), r"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got 'fast'"),
     (dict(kernel_config="auto", num_sms=8), r"num_sms=8 and kernel_config='auto' both set the kernels' SM budget"),
+    (dict(num_sms=8, kernel_config=Config(num_sms=8)), r"num_sms=8 and kernel_config=Config\(num_sms=8, .*\) both set"),
+    (dict(fp8_dispatch="yes"), r"fp8_dispatch must be True, False or None"),
 ])
 def test_bad_knobs(knobs, match):
     with pytest.raises(ValueError, match=match):

@@ -32,8 +32,9 @@ nodes (``ranks_per_node`` 4 and 2 over the TP x EP group). Each phase runs:
 
 CPU adaptations: the world is gloo on CPU tensors (``moe_dispatch.megatron.cpu``); fp8 is set
 on the config after it is built (``TransformerConfig.__post_init__`` refuses fp8 without
-Transformer Engine; the dispatchers only read the recipe's alignment from it); inputs differ
-per rank (Megatron's container gives every rank the same input).
+Transformer Engine; the dispatchers only read the recipe's alignment from it, and "custom" is
+told to dispatch bf16 as the alltoall dispatcher does); inputs differ per rank (Megatron's
+container gives every rank the same input).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def _config(tp: int, ep: int, nodes: int, dispatcher: str, *, num_experts: int, 
         add_bias_linear=False, moe_ffn_hidden_size=ffn, ffn_hidden_size=ffn, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **fields)
     if dispatcher == "custom":
-        mdm.configure(cfg, ranks_per_node=WORLD_SIZE // nodes, **late)
+        # fp8 here only enables the router's padding: the tokens travel in bf16, as the alltoall
+        # dispatcher's (fp8 dispatch quantizes them: test_megatron.py checks it)
+        mdm.configure(cfg, ranks_per_node=WORLD_SIZE // nodes, fp8_dispatch=False, **late)
     else:
         for name, value in late.items():
             setattr(cfg, name, value)

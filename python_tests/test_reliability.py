@@ -21,9 +21,11 @@ import pytest
 import torch
 
 from moe_dispatch import Buffer, CommError, _ext
+from moe_dispatch.config import Config
 from moe_dispatch.ops.quant import per_token_cast_to_fp8
 from moe_dispatch.semantics import reference
 from moe_dispatch.testing.resources import process_resources
+from moe_dispatch.transport.header import MismatchError
 
 from .test_dispatch import check_roundtrip, expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
@@ -57,13 +59,18 @@ def _still_usable(rank, world_size, buf, seed=41):
     )
 
 
-def _expect_refusal(rank, buf, good, bad, what, error, match, bad_rank=BAD):
+def _expect_refusal(rank, buf, good, bad, what, error, match, bad_rank=BAD, on_device=False):
     """Rank ``bad_rank`` calls ``bad`` (its own ``error`` matching ``match``), the others ``good``
-    (a ValueError naming ``bad_rank`` and quoting its error); all within FAST_S; then the Buffer
-    works."""
+    (a ValueError naming ``bad_rank`` and quoting its error: from the host check, or
+    ``on_device`` the kernels' MismatchError); all within FAST_S; then the Buffer works."""
     elapsed, err = _timed(bad if rank == bad_rank else good)
     if rank == bad_rank:
         assert isinstance(err, error) and re.search(match, str(err)), repr(err)
+    elif on_device:
+        assert isinstance(err, MismatchError), repr(err)
+        expected = rf"rank {bad_rank} refused the operation.* \(EP rank {bad_rank} refused: {error.__name__}: .*{match}"
+        assert re.search(expected, str(err)), str(err)
+        assert "the buffers stay usable" in str(err), str(err)
     else:
         assert isinstance(err, ValueError), repr(err)
         expected = rf"EP rank {rank}: {re.escape(what)} refused by EP rank {bad_rank} \({error.__name__}: .*{match}"
@@ -176,10 +183,8 @@ def _handle_cases() -> dict:
     }
 
 
-def _one_rank_entry(rank, world_size, transport):
-    buf = Buffer(
-        ranks_per_node=L if transport == "torch_dist" else world_size, transport=transport, timeout_s=TIMEOUT_S
-    )
+def _one_rank_entry(rank, world_size):
+    buf = Buffer(ranks_per_node=L, transport="torch_dist", timeout_s=TIMEOUT_S)
     cases = {}
     for name, (what, error, match, bad, good) in _dispatch_cases().items():
 
@@ -239,17 +244,49 @@ ONE_RANK_CASES = [*_dispatch_cases(), *_handle_cases(), "bad-rank-0", "every-ran
 def test_one_bad_rank_costs_its_peers_nothing(case):
     """A bad argument on one rank: it raises its own error, its peers a ValueError naming it and
     quoting the error, all within FAST_S (timeout_s is 60); then the Buffer works."""
-    assert_case(world_results(_one_rank_entry, W, "torch_dist"), case)
+    assert_case(world_results(_one_rank_entry, W), case)
 
 
 KERNEL_CASES = ["x-dtype", "num-experts-huge", "num-worst-tokens-bool", "cached-dispatch-rows", "combine-rows"]
 
 
+def _kernel_refusal_entry(rank, world_size):
+    """transport="kernels" (one node): the Buffer's first dispatch refused (every rank in the host
+    check of a first call), then each case in the steady state (the good call run once by every
+    rank first: the peers skip the host check and the refusal runs in the kernels)."""
+    buf = Buffer(ranks_per_node=world_size, transport="kernels", timeout_s=TIMEOUT_S)
+    dispatch_cases, handle_cases = _dispatch_cases(), _handle_cases()
+
+    def cold(r, w):
+        x, idx, wts, e = _inputs(r, w)
+        what, error, match, bad, good = dispatch_cases["x-dtype"]
+        _expect_refusal(r, buf, lambda: good(buf, x, idx, wts, e), lambda: bad(buf, x, idx, wts, e), what, error, match)
+
+    def warm(r, w, name):
+        x, idx, wts, e = _inputs(r, w)
+        if name in dispatch_cases:
+            what, error, match, bad, good = dispatch_cases[name]
+            calls = (lambda: good(buf, x, idx, wts, e), lambda: bad(buf, x, idx, wts, e))
+        else:
+            what, error, match, bad, good = handle_cases[name]
+            recv_x, *_, handle, _ = buf.dispatch(x, idx, wts, e)
+            calls = (lambda: good(buf, x, recv_x, handle), lambda: bad(buf, x, recv_x, handle))
+        calls[0]()  # every rank: this signature is checked on the host once
+        _expect_refusal(r, buf, *calls, what, error, match, on_device=True)
+
+    cases = {"cold-x-dtype": cold, **{name: lambda r, w, n=name: warm(r, w, n) for name in KERNEL_CASES}}
+    results = run_cases(rank, world_size, cases)
+    buf.close()
+    return results
+
+
 @pytest.mark.skipif(not _ext.extension_status().built, reason="transport='kernels' needs the built extension")
-@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("case", ["cold-x-dtype", *KERNEL_CASES])
 def test_one_bad_rank_on_the_kernel_transport(case):
-    """The same through transport="kernels" (one node of 4 ranks; its plan's check on the host group)."""
-    assert_case(world_results(_one_rank_entry, W, "kernels"), case)
+    """The same through transport="kernels" (one node of 4 ranks): before any call of its kind
+    passed the host check the refusal meets the peers there, afterwards in the kernels (their
+    MismatchError names the rank and quotes its error)."""
+    assert_case(world_results(_kernel_refusal_entry, W), case)
 
 
 # -- handles carry their dispatch's identity ----------------------------------------------------
@@ -319,10 +356,15 @@ def _construction_entry(rank, world_size):
             ValueError,
             r"refused by EP rank 1: num_chunks: num_chunks must be a positive int .*got True",
         ),
-        "kernels-across-nodes": (
-            lambda: Buffer(ranks_per_node=L, transport="kernels" if rank == 1 else "torch_dist", timeout_s=TIMEOUT_S),
+        "kernels-config": (
+            lambda: Buffer(
+                ranks_per_node=L,
+                transport="kernels" if rank == 1 else "torch_dist",
+                config=Config(num_slots=12, chunk_tokens=8) if rank == 1 else None,
+                timeout_s=TIMEOUT_S,
+            ),
             ValueError,
-            r"refused by EP rank 1: transport: transport='kernels' runs the intranode kernels",
+            r"refused by EP rank 1: transport: the internode kernels need Config.chunk_tokens to divide",
         ),
         "ranks-per-node-differ": (
             lambda: Buffer(ranks_per_node=4 if rank == 1 else L, timeout_s=TIMEOUT_S),
@@ -372,7 +414,7 @@ CONSTRUCTION_CASES = [
     "ranks-per-node-bool",
     "group-type",
     "num-chunks-bool",
-    "kernels-across-nodes",
+    "kernels-config",
     "ranks-per-node-differ",
     "num-chunks-differ",
     "config-auto-differ",
@@ -619,8 +661,9 @@ def _kill_entry(rank, world_size, victim, out_dir):
             recv_x, *_, handle, _ = buf.dispatch(x, idx, w, e)
             buf.combine(recv_x, handle)
         except CommError as err:
-            with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            with open(os.path.join(out_dir, f"rank{rank}.part"), "w") as f:
                 f.write(f"{time.monotonic() - start:.3f}\n{err}")
+            os.replace(os.path.join(out_dir, f"rank{rank}.part"), os.path.join(out_dir, f"rank{rank}"))
             return None
     return None
 
@@ -639,7 +682,7 @@ def test_kill_names_the_dead_rank(victim, tmp_path):
             continue
         path = tmp_path / f"rank{rank}"
         for _ in range(100):  # the survivors may still be writing when the launcher gives up
-            if path.exists() and path.read_text().count("\n"):
+            if path.exists():
                 break
             time.sleep(0.1)
         seconds, message = path.read_text().split("\n", 1)

@@ -38,12 +38,13 @@ import os
 import warnings
 from typing import Any
 
-from ..config import num_sms_error
+from ..config import Config, num_sms_error
 from ..semantics.validation import check_timeout_s
 from . import compat
 
 BACKEND_NAME = "custom"
 OPTIONS_ATTR = "moe_dispatch_options"
+FP8_BLOCK = 128  # elements per fp32 scale of the fp8 dispatch format
 
 
 def _is_int(value) -> bool:
@@ -79,12 +80,19 @@ class CustomBackendOptions:
             debugging). Default: only accumulate the device flag ``over_budget``.
         timeout_s: bound on every collective of the backend's ``Buffer``.
         transport: the ``Buffer``'s transport: ``"auto"`` (torch.distributed), ``"torch_dist"``
-            or ``"kernels"`` (the intranode kernels, an EP group on one node; ``"cuda"`` is its
-            old name; see ``moe_dispatch.Buffer``).
-        kernel_config: the ``Buffer``'s kernel ``config`` (``transport="kernels"``): None (a
-            ``Config`` of the SM budget ``num_sms``), ``"auto"`` (``Config.auto``: the cost model's
-            SMs and ring depth from the first dispatch's shape) or a ``moe_dispatch.config.Config``.
-            When set it replaces the SM budget of the ``TransformerConfig``.
+            or ``"kernels"`` (our kernels, chosen by topology: intranode on one node, the
+            hierarchical ones across nodes; ``"cuda"`` is its old name; see
+            ``moe_dispatch.Buffer``).
+        kernel_config: the kernels' whole launch shape, a :class:`moe_dispatch.config.Config`
+            (SMs, ring depth ``num_slots``, ``chunk_tokens``, ``l2_discard``, the internode
+            pipeline), handed to the ``Buffer``; ``"auto"``: ``Config.auto`` (the cost model's SMs
+            and ring depth from the first dispatch's shape); None: ``Config(num_sms=...)`` from
+            the SM budget. ``configure(num_sms=...)`` is the shorthand for the SMs alone: not both.
+        fp8_dispatch: dispatch the tokens as fp8 ``(x_fp8, scales)`` with one fp32 scale per
+            1x128 block (``moe_dispatch.ops.quant``), dequantized to the model dtype on the
+            receiving rank for the experts (see
+            :class:`~moe_dispatch.megatron.manager.CustomDispatchManager`). None: when Megatron
+            trains in fp8 (``config.fp8`` set) and ``hidden_size`` is a multiple of 128.
 
     Raises:
         ValueError: a knob out of range (the message names it and the fix).
@@ -98,12 +106,15 @@ class CustomBackendOptions:
     raise_on_overflow: bool = False
     timeout_s: float = 300.0
     transport: str = "auto"
-    kernel_config: Any = None
+    kernel_config: Config | str | None = None
+    fp8_dispatch: bool | None = None
 
     def __post_init__(self) -> None:
         from ..config import Config
         from ..transport import TRANSPORTS
 
+        if self.fp8_dispatch is not None and not isinstance(self.fp8_dispatch, bool):
+            raise ValueError(f"fp8_dispatch must be True, False or None (follow config.fp8), got {self.fp8_dispatch!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
         if self.kernel_config is not None and self.kernel_config != "auto" and not isinstance(self.kernel_config,
@@ -136,7 +147,8 @@ class CustomBackendOptions:
 
     @property
     def has_budget(self) -> bool:
-        """Whether a static receive budget is configured."""
+        """Whether this object configures a static receive budget (Megatron's own
+        ``moe_expert_rank_capacity_factor`` is the other way: see :func:`rank_capacity_factor`)."""
         return self.num_permuted_tokens is not None or self.expert_rank_capacity_factor is not None
 
 
@@ -156,6 +168,39 @@ def resolve_num_sms(config) -> int | None:
     Megatron's ``moe_flex_dispatcher_num_sms``, or on megatron-core 0.16 (no such field) the
     attribute ``moe_dispatch_num_sms`` that :func:`configure` sets."""
     return getattr(config, compat.num_sms_attr(), None)
+
+
+def rank_capacity_factor(config) -> float | None:
+    """The static budget's capacity factor: ``configure(expert_rank_capacity_factor=...)``, or
+    Megatron's own ``moe_expert_rank_capacity_factor`` (HybridEP's and NCCL EP's knob, with the
+    meaning of ``moe_ncclep_static_shape``: the experts get the whole fixed-size receive
+    buffer); None when neither is set."""
+    factor = get_options(config).expert_rank_capacity_factor
+    return factor if factor is not None else getattr(config, "moe_expert_rank_capacity_factor", None)
+
+
+def has_static_budget(config) -> bool:
+    """Whether the expert input has a static row count P (a budget from either knob)."""
+    return get_options(config).num_permuted_tokens is not None or rank_capacity_factor(config) is not None
+
+
+def resolve_kernel_config(config) -> Config | str | None:
+    """The kernels' :class:`~moe_dispatch.config.Config` (or ``"auto"``) for ``config``'s Buffer:
+    ``configure(kernel_config=...)``, else one with the SM budget (:func:`resolve_num_sms`), else
+    None (the Buffer's default)."""
+    kernel_config = get_options(config).kernel_config
+    if kernel_config is not None:
+        return kernel_config
+    num_sms = resolve_num_sms(config)
+    return None if num_sms is None else Config(num_sms=num_sms)
+
+
+def resolve_fp8_dispatch(config) -> bool:
+    """Whether the manager dispatches fp8 ``(x_fp8, scales)`` (see ``CustomBackendOptions``)."""
+    explicit = get_options(config).fp8_dispatch
+    if explicit is not None:
+        return explicit
+    return bool(getattr(config, "fp8", None)) and getattr(config, "hidden_size", 0) % FP8_BLOCK == 0
 
 
 def resolve_pad_multiple(config) -> int:
@@ -230,8 +275,11 @@ def validate_config(config) -> None:
             shared-expert overlap together with EP overlap; delay_wgrad_compute without EP
             overlap; drop-and-pad without a capacity factor or with a static budget; router
             padding without fp8/fp4 or with a ``pad_multiple`` that is not a multiple of the
-            recipe's alignment; moe_expert_rank_capacity_factor (HybridEP's knob); an SM
-            budget (moe_flex_dispatcher_num_sms) that is not an even int in [2, 128].
+            recipe's alignment; Megatron's moe_expert_rank_capacity_factor together with the
+            backend's own static budget, or not a positive number; an SM budget
+            (moe_flex_dispatcher_num_sms) that is not an even int in [2, 128], or that differs
+            from ``kernel_config.num_sms``; ``fp8_dispatch=True`` with a hidden size that is not
+            a multiple of 128.
 
     Warns:
         UserWarning: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` while EP overlap is on (the hardware
@@ -303,11 +351,12 @@ def validate_config(config) -> None:
                 "moe_pad_expert_input_to_capacity=True pads every expert's input to its capacity, which "
                 "moe_expert_capacity_factor defines: set moe_expert_capacity_factor (e.g. 1.0), or set "
                 "moe_pad_expert_input_to_capacity=False")
-        if options.has_budget:
+        if has_static_budget(config):
             raise ValueError(
                 "moe_pad_expert_input_to_capacity=True already fixes the expert input (capacity rows per expert), so "
-                "configure(num_permuted_tokens=/expert_rank_capacity_factor=) has nothing to bound: drop the static "
-                "budget, or set moe_pad_expert_input_to_capacity=False")
+                "a static budget (configure(num_permuted_tokens=/expert_rank_capacity_factor=), or "
+                "moe_expert_rank_capacity_factor) has nothing to bound: drop the static budget, or set "
+                "moe_pad_expert_input_to_capacity=False")
     if getattr(config, "moe_router_padding_for_quantization", False):
         align = compat.quantization_align_size(config)
         if align <= 1:
@@ -320,17 +369,34 @@ def validate_config(config) -> None:
                 f"moe_router_padding_for_quantization=True needs expert blocks padded to a multiple of {align} (the "
                 f"fp8/fp4 recipe's alignment), but configure(pad_multiple={options.pad_multiple}) is not one: pass a "
                 f"multiple of {align}, or None for {align}")
-    if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
+    megatron_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if megatron_factor is not None:
+        if isinstance(megatron_factor, bool) or not isinstance(megatron_factor, (int, float)) \
+                or not (math.isfinite(megatron_factor) and megatron_factor > 0):
+            raise ValueError(f"moe_expert_rank_capacity_factor must be a positive number (room for that many times "
+                             f"the balanced load), got {megatron_factor!r}")
+        if options.has_budget:
+            raise ValueError(
+                f"moe_expert_rank_capacity_factor={megatron_factor} and configure(num_permuted_tokens="
+                f"{options.num_permuted_tokens}, expert_rank_capacity_factor={options.expert_rank_capacity_factor}) "
+                "both set the static budget: pass one")
+    if isinstance(options.kernel_config, Config) and num_sms not in (None, options.kernel_config.num_sms):
         raise ValueError(
-            "moe_expert_rank_capacity_factor is HybridEP's/NCCL EP's knob: set it to None and pass "
-            "configure(config, expert_rank_capacity_factor=...) for the 'custom' backend's static budget")
+            f"{compat.num_sms_attr()}={num_sms} and configure(kernel_config=Config(num_sms="
+            f"{options.kernel_config.num_sms}, ...)) both set the SM budget: keep one (the kernel_config's, or "
+            "num_sms alone)")
+    if options.fp8_dispatch and getattr(config, "hidden_size", 0) % FP8_BLOCK:
+        raise ValueError(
+            f"fp8_dispatch=True quantizes rows in 1x{FP8_BLOCK} blocks, but hidden_size={config.hidden_size} is not a "
+            f"multiple of {FP8_BLOCK}: pass fp8_dispatch=False (or None: fp8 only where it fits)")
 
 
 def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None = None,
               pad_multiple: int | None = None, num_permuted_tokens: int | None = None,
               expert_rank_capacity_factor: float | None = None, fuse_permute: bool | None = None,
               raise_on_overflow: bool = False, timeout_s: float = 300.0, transport: str = "auto",
-              kernel_config: Any = None, **config_fields: Any):
+              kernel_config: Config | str | None = None, fp8_dispatch: bool | None = None,
+              **config_fields: Any):
     """Selects the "custom" backend on a Megatron-Core ``TransformerConfig`` and validates it.
 
     Sets ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend="custom"`` and
@@ -342,9 +408,11 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
     Args:
         config: a ``megatron.core.transformer.TransformerConfig`` (changed in place).
         ranks_per_node, pad_multiple, num_permuted_tokens, expert_rank_capacity_factor,
-            fuse_permute, raise_on_overflow, timeout_s, transport, kernel_config: see
-            :class:`CustomBackendOptions`.
-        num_sms: SM budget of the CUDA kernels (an even int in [2, 128]); stored in Megatron's
+            fuse_permute, raise_on_overflow, timeout_s, transport, kernel_config, fp8_dispatch:
+            see :class:`CustomBackendOptions`. Megatron's own ``moe_expert_rank_capacity_factor``
+            (passed as a keyword, or set on the config) sets the static budget too.
+        num_sms: SM budget of the CUDA kernels (an even int in [2, 128]), the shorthand of
+            ``kernel_config=Config(num_sms=...)`` (pass one); stored in Megatron's
             ``moe_flex_dispatcher_num_sms`` (megatron-core 0.16, which lacks that field: in the
             attribute ``moe_dispatch_num_sms``); None keeps the config's value. See
             :func:`resolve_num_sms`.
@@ -384,12 +452,13 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
         raise ValueError(f"num_sms (SMs of the dispatch/combine kernels) {error}, or None to keep the config's value")
     if num_sms is not None and kernel_config is not None:
         raise ValueError(f"num_sms={num_sms} and kernel_config={kernel_config!r} both set the kernels' SM budget: "
-                         "pass one")
+                         "pass kernel_config alone (num_sms is its shorthand)")
     options = CustomBackendOptions(ranks_per_node=ranks_per_node, pad_multiple=pad_multiple,
                                    num_permuted_tokens=num_permuted_tokens,
                                    expert_rank_capacity_factor=expert_rank_capacity_factor,
                                    fuse_permute=fuse_permute, raise_on_overflow=raise_on_overflow,
-                                   timeout_s=timeout_s, transport=transport, kernel_config=kernel_config)
+                                   timeout_s=timeout_s, transport=transport, kernel_config=kernel_config,
+                                   fp8_dispatch=fp8_dispatch)
     config.moe_token_dispatcher_type = "flex"
     config.moe_flex_dispatcher_backend = BACKEND_NAME
     config.moe_shared_expert_overlap = False

@@ -33,6 +33,7 @@ state is in the autograd contexts.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -41,14 +42,19 @@ from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
 from ..config import Config
+from ..errors import BudgetOverflowError
 from ..ops.layout import routing_map_to_topk
 from ..ops.permute import PermuteHandle, check_permute_overflow, permute, unpermute
+from ..ops.quant import per_token_cast_back, per_token_cast_to_fp8
+from ..transport import TRANSPORT_ALIASES
 from .config import (
     get_options,
     is_drop_and_pad,
+    rank_capacity_factor,
     resolve_expert_capacity,
+    resolve_fp8_dispatch,
     resolve_fuse_permute,
-    resolve_num_sms,
+    resolve_kernel_config,
     resolve_pad_multiple,
     validate_config,
 )
@@ -69,9 +75,10 @@ def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> 
 
 
 def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-               timeout_s: float = 300.0, transport: str = "auto", config: Config | str | None = None) -> Buffer:
+               timeout_s: float = 300.0, transport: str = "auto", config: Config | str | None = None,
+               device: torch.device | None = None) -> Buffer:
     """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, kernel
-    Config or SM budget, timeout, transport; see ``Buffer`` for each). ``config`` (a
+    Config or SM budget, timeout, transport, device; see ``Buffer`` for each). ``config`` (a
     ``moe_dispatch.config.Config`` or "auto") replaces ``num_sms`` when given.
 
     Collective on first use for a group (every rank of ``group`` must reach it together, which
@@ -79,11 +86,12 @@ def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, n
     """
     rpn = ep_ranks_per_node(group, ranks_per_node)
     num_sms = None if config is not None else num_sms
-    key = (group, rpn, num_sms, config, float(timeout_s), transport)
+    transport = TRANSPORT_ALIASES.get(transport, transport)  # "cuda" and "kernels": one Buffer
+    key = (group, rpn, num_sms, config, float(timeout_s), transport, device)
     buf = _BUFFERS.get(key)
     if buf is None:
         buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, config=config, timeout_s=timeout_s,
-                     transport=transport)
+                     transport=transport, device=device)
         _BUFFERS[key] = buf
     return buf
 
@@ -162,7 +170,12 @@ class CustomDispatchManager(_DispatchManager):
         self.pad_multiple = resolve_pad_multiple(config)
         self.drop_and_pad = is_drop_and_pad(config)
         self.fused = resolve_fuse_permute(config)
-        self.num_sms = resolve_num_sms(config)
+        self.kernel_config = resolve_kernel_config(config)
+        self.fp8_dispatch = resolve_fp8_dispatch(config)
+        if getattr(config, "fp8", None) and not self.fp8_dispatch:
+            _log_once(f"config.fp8={config.fp8!r} but the 'custom' backend dispatches in the model dtype "
+                      f"(fp8_dispatch={get_options(config).fp8_dispatch}, hidden_size={config.hidden_size}: fp8 rows "
+                      "need a multiple of 128)")
         self.router_dtype = getattr(config, "moe_router_dtype", None)
         backend = str(dist.get_backend(group))
         self._device = (torch.device("cuda", torch.cuda.current_device())
@@ -178,20 +191,34 @@ class CustomDispatchManager(_DispatchManager):
     # -- helpers ---------------------------------------------------------------------------
     @property
     def buffer(self) -> Buffer:
-        """The EP group's Buffer (created on first use; collective then)."""
+        """The EP group's Buffer (created by the first dispatch, on its tensors' device)."""
+        if self._buffer is None:
+            raise RuntimeError("the manager's Buffer is made by its first dispatch (on the tokens' device) or by "
+                               "buffer_for(device)")
+        return self._buffer
+
+    def buffer_for(self, device: torch.device) -> Buffer:
+        """The Buffer for tokens on ``device`` (made on first use; collective then): the group's
+        backend decides by default (NCCL: CUDA), a gloo group with CUDA tokens is processes
+        sharing a GPU (``transport="kernels"``)."""
         if self._buffer is None:
             self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
-                                      num_sms=self.num_sms, timeout_s=self.options.timeout_s,
-                                      transport=self.options.transport, config=self.options.kernel_config)
+                                      config=self.kernel_config, timeout_s=self.options.timeout_s,
+                                      transport=self.options.transport, device=device)
+        if self.over_budget.device != device:  # the flag follows the tokens (no transfer per dispatch)
+            self.over_budget = self.over_budget.to(device)
         return self._buffer
 
     def budget(self, num_tokens: int) -> int | None:
-        """Static rows P of the permuted expert input for T dispatched tokens, or None (dropless)."""
-        opts = self.options
-        if opts.num_permuted_tokens is not None:
-            rows = opts.num_permuted_tokens
-        elif opts.expert_rank_capacity_factor is not None:
-            rows = math.ceil(num_tokens * self.router_topk * opts.expert_rank_capacity_factor)
+        """Static rows P of the permuted expert input for T dispatched tokens, or None (dropless):
+        ``num_permuted_tokens``, or ``ceil(T * topk * factor)`` for the rank capacity factor
+        (``configure``'s or Megatron's ``moe_expert_rank_capacity_factor``), rounded up to
+        ``pad_multiple``."""
+        factor = rank_capacity_factor(self.config)
+        if self.options.num_permuted_tokens is not None:
+            rows = self.options.num_permuted_tokens
+        elif factor is not None:
+            rows = math.ceil(num_tokens * self.router_topk * factor)
         else:
             return None
         return -(-rows // self.pad_multiple) * self.pad_multiple
@@ -200,6 +227,14 @@ class CustomDispatchManager(_DispatchManager):
         """The permute's layout for T dispatched tokens: padding, the static budget, drop-and-pad blocks."""
         return dict(pad_multiple=self.pad_multiple, num_permuted_tokens=self.budget(num_tokens),
                     expert_capacity=resolve_expert_capacity(self.config, num_tokens, dist.get_world_size(self.group)))
+
+    def receive_budget(self, num_tokens: int) -> int | None:
+        """Static rows of the dispatch's receive (``Buffer.dispatch(num_worst_tokens=...)``) when the
+        expert input has a static budget P, else None (the dispatch sizes its receive on the
+        host; drop-and-pad too, whose blocks drop per expert in the permute, not whole rows). A
+        received row holds at least one (token, local expert) pair, each of which takes a row of
+        the expert input, so more received rows than P overflow that input anyway."""
+        return self.budget(num_tokens)
 
     def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
         """The DeepEP layout's permute of the received rows (unfused)."""
@@ -223,13 +258,19 @@ class CustomDispatchManager(_DispatchManager):
             state.tokens_per_expert = tokens_per_expert
         if budget is not None or handle.expert_capacity is not None:
             self.over_budget |= handle.overflow.to(self.over_budget.device)
-            if self.options.raise_on_overflow:
+            if self.options.raise_on_overflow:  # host reads: the permute's flag, then the dispatch's
                 check_permute_overflow(handle)
+                if state.handle.overflow is not None and bool(state.handle.overflow):
+                    raise BudgetOverflowError(
+                        f"dispatch received {int(state.handle.recv_count)} rows, more than the static expert input "
+                        f"holds (num_permuted_tokens={budget}); the rows past it were dropped before the permute: "
+                        "raise the budget")
 
-    def _async(self, async_finish: bool) -> bool:
+    @staticmethod
+    def _async(async_finish: bool, device: torch.device) -> bool:
         """Launch asynchronously only on CUDA: there the caller's stream waits for the event; on
         CPU the host would wait for the communication thread at once, an extra hand-off."""
-        return async_finish and self._device.type == "cuda"
+        return async_finish and device.type == "cuda"
 
     def _state(self, what: str) -> InflightDispatch:
         if self._inflight is None:
@@ -265,36 +306,63 @@ class CustomDispatchManager(_DispatchManager):
                  allocate_on_comm_stream: bool = False) -> torch.Tensor:
         """Dispatches ``hidden_states [T, H]`` (bf16/fp16/fp32) to the ranks of their experts.
 
-        Collective over the TP x EP group; synchronises the host once (receive sizes).
-        ``async_finish`` launches the Buffer asynchronously and makes the current stream wait
-        for it before returning (what Megatron's DeepEP wrapper does; on CPU, where that wait is
-        the host's, the call runs synchronously instead); ``allocate_on_comm_stream`` allocates
-        the outputs from the Buffer's communication stream (CUDA).
+        Collective over the TP x EP group. Without a static budget (dropless, drop-and-pad) it
+        synchronises the host once (receive sizes). With one (P rows, from ``configure`` or
+        Megatron's ``moe_expert_rank_capacity_factor``) the Buffer
+        dispatches into a static receive of P rows (``num_worst_tokens``; rows past it are
+        dropped and flagged in ``over_budget``), so with ``transport="kernels"`` nothing waits
+        for the host and the step can be captured in a CUDA graph: the experts get the whole
+        fixed-size buffer, as Megatron's ``moe_ncclep_static_shape``. ``async_finish`` launches
+        the Buffer asynchronously and makes the current stream wait for it before returning
+        (what Megatron's DeepEP wrapper does); ``allocate_on_comm_stream`` allocates the outputs
+        from the Buffer's communication stream (CUDA). With ``fp8_dispatch`` the rows travel as
+        fp8 with 1x128 scales and arrive dequantized to ``hidden_states``' dtype.
 
         Returns:
             fused: ``[P, H]`` expert-major rows (zero padding rows), ``dispatched_probs [P]``;
             unfused: ``[R, H]`` received rows, ``dispatched_probs [R, K]``.
+
+        Raises:
+            BudgetOverflowError: with ``raise_on_overflow``, more rows arrived than the static
+                receive holds (a host read).
         """
         if self.token_indices is None or self.token_probs is None:
             raise RuntimeError("dispatch called before setup_metadata: Megatron's dispatch_preprocess sets the routing")
         probs = self.token_probs if self.token_probs.dtype == torch.float32 else self.token_probs.float()
         num_tokens = hidden_states.shape[0]
-        launch = dict(async_finish=self._async(async_finish), allocate_on_comm_stream=allocate_on_comm_stream,
-                      wgrad_store=self.wgrad_store)
-        if self.fused:  # the rows land expert-major straight from the receive buffer
-            out, self.dispatched_probs, _, handle, event = self.buffer.dispatch_to_experts(
+        buffer = self.buffer_for(hidden_states.device)
+        async_finish = self._async(async_finish, hidden_states.device)
+        if self.fused and not self.fp8_dispatch and getattr(buffer.transport, "fuses_layout", False):
+            # the rows land expert-major straight from the receive buffer (torch_dist)
+            out, self.dispatched_probs, _, handle, event = buffer.dispatch_to_experts(
                 hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts,
-                **self._layout(num_tokens), **launch)
+                **self._layout(num_tokens), async_finish=async_finish,
+                allocate_on_comm_stream=allocate_on_comm_stream, wgrad_store=self.wgrad_store)
             event.current_stream_wait()
             state = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=handle.recv_topk_idx,
                                      fused=True)
             self._blocks(state, handle.permute)
             self._inflight = state
             return out
-        recv_x, recv_idx, recv_probs, _, handle, event = self.buffer.dispatch(
-            hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts, **launch)
-        event.current_stream_wait()
-        self._inflight = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=recv_idx, fused=False)
+        # The kernels (a static receive in budget mode: no host sync) and fp8 rows: permuted after.
+        budget = self.receive_budget(num_tokens)
+        launch = {"async_finish": async_finish, "allocate_on_comm_stream": allocate_on_comm_stream,
+                  "num_worst_tokens": budget or 0, "on_overflow": "drop"}
+        args = (hidden_states.contiguous(), probs.contiguous(), buffer, self.token_indices, self.num_experts,
+                self.wgrad_store, launch)
+        routed: dict = {}
+        if self.fp8_dispatch:
+            recv_x, recv_probs = _Fp8DispatchFn.apply(*args, routed)
+        else:
+            recv_x, recv_probs = _dispatch(*args, routed)
+        handle, recv_idx = routed["handle"], routed["recv_topk_idx"]
+        if budget is not None:  # raised with the permute's own check (raise_on_overflow)
+            self.over_budget |= handle.overflow
+        state = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=recv_idx, fused=self.fused)
+        self._inflight = state
+        if self.fused:
+            out, self.dispatched_probs = self._permute(state, recv_x, recv_probs)
+            return out
         self.dispatched_probs = recv_probs
         return recv_x
 
@@ -342,10 +410,75 @@ class CustomDispatchManager(_DispatchManager):
         """
         state = self._state("combine")
         self._inflight = None
-        # fused: the Buffer sums each token's expert-major copies as it returns them
+        if state.fused and state.handle.permute is None:  # permuted here after the dispatch
+            hidden_states = unpermute(hidden_states, state.permute_handle)
+        # else fused by the Buffer: it sums each token's expert-major copies as it returns them
         out, event = self.buffer.combine(hidden_states.contiguous(), state.handle,
-                                         async_finish=self._async(async_finish),
+                                         async_finish=self._async(async_finish, hidden_states.device),
                                          allocate_on_comm_stream=allocate_on_comm_stream)
         event.current_stream_wait()
         self.dispatched_probs = None
         return out
+
+
+def _dispatch(hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict,
+              routed: dict):
+    """``buffer.dispatch`` of ``hidden`` as is (differentiable); ``routed`` receives the handle
+    and the received top-k ids. Returns ``(recv_x, recv_probs)``."""
+    recv_x, recv_idx, recv_probs, _, handle, event = buffer.dispatch(
+        hidden, topk_idx, probs, num_experts, wgrad_store=wgrad_store, **launch)
+    event.current_stream_wait()
+    routed.update(handle=handle, recv_topk_idx=recv_idx)
+    return recv_x, recv_probs
+
+
+class _Fp8DispatchFn(torch.autograd.Function):
+    """Dispatch of ``hidden [T, H]`` as fp8 ``(x_fp8, scales)`` (1x128 blocks,
+    ``moe_dispatch.ops.quant.per_token_cast_to_fp8``), dequantized on arrival to hidden's
+    dtype; ``probs [T, K]`` fp32 travel with it.
+
+    Why dequantize: megatron-core 0.19.2's experts take the activations as a tensor of the model
+    dtype (its DeepEP and HybridEP wrappers dispatch bf16: ``fused_a2a`` refuses fp8 dispatch),
+    and with fp8 training Transformer Engine quantizes them itself inside ``GroupedLinear``, by
+    the config's recipe (a pre-quantized input would also need the column-wise copy TE's weight
+    gradient reads). So the fp8 rows save wire bytes (H + H/32 instead of 2H per row for bf16)
+    and the experts get what they get from any dispatcher, with or without Transformer Engine
+    installed.
+
+    Backward: the combine of the gradients in their own dtype, the quantization passed straight
+    through (as DeepEP's fp8 dispatch in training); the delayed weight gradients run while it
+    is in flight, as in ``moe_dispatch.autograd.DispatchFn``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict,
+                routed: dict):
+        (x_fp8, scales), recv_idx, recv_probs, _, handle, event = buffer.dispatch(
+            per_token_cast_to_fp8(hidden), topk_idx, probs, num_experts, **launch)
+        event.current_stream_wait()
+        routed.update(handle=handle, recv_topk_idx=recv_idx)
+        ctx.buffer, ctx.handle, ctx.recv_idx, ctx.wgrad_store = buffer, handle, recv_idx, wgrad_store
+        return per_token_cast_back(x_fp8, scales, hidden.dtype), recv_probs
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_probs):
+        store = ctx.wgrad_store
+        grad_hidden, event = ctx.buffer.combine(grad_x.contiguous(), ctx.handle, async_finish=store is not None)
+        grad_p = None
+        if grad_probs is not None:  # only the rank owning expert topk_idx[t, k] holds its gradient
+            mine = ctx.recv_idx >= 0
+            grad_p = ctx.buffer.combine(torch.where(mine, grad_probs, torch.zeros_like(grad_probs)).contiguous(),
+                                        ctx.handle)[0]
+        if store is not None:
+            store.backward_dw()
+        event.current_stream_wait()
+        return grad_hidden, grad_p, None, None, None, None, None, None
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.getLogger("moe_dispatch.megatron").info(message)

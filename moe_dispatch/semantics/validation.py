@@ -71,15 +71,22 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_topk_idx(
-    topk_idx, num_experts: int, *, num_tokens: int | None = None, device: torch.device | None = None
+    topk_idx,
+    num_experts: int,
+    *,
+    num_tokens: int | None = None,
+    device: torch.device | None = None,
+    values: bool = True,
 ) -> None:
     """Validates ``topk_idx [T, K]`` int32/int64 with entries in ``[-1, num_experts)`` and no
-    expert repeated within a row, and E (:func:`check_num_experts`)."""
+    expert repeated within a row, and E (:func:`check_num_experts`). ``values=False`` checks
+    only what the host knows without reading the tensor (a host sync on a GPU): shape, dtype,
+    device and E."""
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_num_experts(num_experts)
     if num_tokens is not None and topk_idx.shape[0] != num_tokens:
         raise ValueError(f"topk_idx has shape {_shape(topk_idx)} but x has {num_tokens} tokens")
-    if topk_idx.numel() == 0:
+    if topk_idx.numel() == 0 or not values:
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
     if lo < -1 or hi >= num_experts:

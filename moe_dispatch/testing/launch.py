@@ -57,6 +57,26 @@ def init_rank(rank: int, world_size: int, port: int, backend: str, env: dict[str
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
+_DONE_KEY = "moe_dispatch/spawn_world/done"
+
+
+def _linger_as_store_host(rank: int, world_size: int, timeout_s: float) -> None:
+    """Counts this rank's ``fn`` as returned; rank 0, whose process holds the world's TCP store,
+    then stays until every rank's has (at most ``timeout_s``): a rank still reading the store
+    (a failure's diagnosis names its peers from it) is not cut off by rank 0's exit."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        done = store.add(_DONE_KEY, 1)
+        deadline = time.monotonic() + timeout_s
+        while rank == 0 and done < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = store.add(_DONE_KEY, 0)
+    except (RuntimeError, ValueError):  # the store is gone (its host died): nothing to keep alive
+        pass
+
+
 def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_ref, args, env, timeout_s) -> None:
     try:
         init_rank(rank, world_size, port, backend, env, timeout_s)
@@ -65,6 +85,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, results, fn_
         try:
             results.put((rank, True, _resolve(fn_ref)(rank, world_size, *args)))
         finally:
+            _linger_as_store_host(rank, world_size, timeout_s)
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         results.put((rank, False, f"[rank {rank}] " + traceback.format_exc()))

@@ -376,7 +376,7 @@ class _Megatron:
         experts = list(range(pg.ep.rank() * local, (pg.ep.rank() + 1) * local))
         dispatcher = cls(local, experts, config=cfg, pg_collection=pg)
         if kind == "ours":
-            dispatcher._comm_manager.buffer  # noqa: B018 - created collectively now, not inside a timed call
+            dispatcher._comm_manager.buffer_for(torch.device("cpu"))  # made collectively now, not in a timed call
         return dispatcher
 
 

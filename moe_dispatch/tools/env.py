@@ -178,12 +178,13 @@ def _nvlink_topology() -> str | None:
 def _transport() -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        from ..transport import choose_transport
+        from ..transport import KERNELS_OPT_IN, choose_transport
 
         name, reason = choose_transport(device)
     except Exception as e:  # report, never crash: this tool is what users run when things are broken
         name, reason = "unknown", f"moe_dispatch.transport.choose_transport failed: {type(e).__name__}: {e}"
-    return {"device": str(device), "name": name, "reason": reason}
+        KERNELS_OPT_IN = "unknown"
+    return {"device": str(device), "name": name, "reason": reason, "kernels": KERNELS_OPT_IN}
 
 
 def collect() -> dict:
@@ -195,7 +196,7 @@ def collect() -> dict:
     ``"error: <CUDA error name>"`` or None when not built, nvcc_version that built it or None
     when not recorded, nvcc_on_path {path, version}), ``nvshmem`` (package_dir,
     package_version, host_lib, linked_version, build_version), ``gpus`` (count, devices,
-    torch_cuda), ``nvlink_topology`` (None without nvidia-smi), ``transport`` (device, name,
+    torch_cuda), ``nvlink_topology`` (None without nvidia-smi), ``transport`` (device, name, kernels,
     reason), ``env`` (variable -> value, only those set). Runs git and nvcc (bounded by
     10 s each); never raises for a missing tool.
     """
@@ -276,7 +277,14 @@ def _sections(info: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ),
         ("Extension", extension + nvshmem),
         ("GPUs", gpu_rows),
-        ("Transport", [("auto transport", f"{tr['name']} (for {tr['device']})"), ("why", tr["reason"])]),
+        (
+            "Transport",
+            [
+                ("auto transport", f"{tr['name']} (for {tr['device']})"),
+                ("why", tr["reason"]),
+                ("kernels", tr["kernels"]),
+            ],
+        ),
         ("Environment", list(info["env"].items()) or [("(none set)", "")]),
     ]
 

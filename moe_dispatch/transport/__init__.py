@@ -2,20 +2,30 @@
 
 - ``torch_dist`` (:mod:`.torch_dist`): the hierarchy on torch.distributed sub-group collectives
   (NCCL on GPU, gloo on CPU), any number of nodes.
-- ``kernels`` (:mod:`.kernels`): the ``moe_dispatch._C`` kernels behind ``Buffer``: the intranode
-  kernels (:mod:`.intranode`, buffers shared by CUDA IPC) for an EP group on one node; with a
-  gloo group the same protocol runs on CPU tensors through the kernels' CPU backend (shared
-  memory, threads). :mod:`.internode` and :mod:`.nvshmem` launch the hierarchical kernels
-  (stage 1 over NVSHMEM, stage 2 over NVLink). ``"cuda"`` is the old name of ``"kernels"``.
+- ``kernels`` (:mod:`.kernels`): the ``moe_dispatch._C`` kernels behind ``Buffer``, chosen by
+  topology: the intranode kernels (:mod:`.intranode`, buffers shared by CUDA IPC) for an EP group
+  on one node, the hierarchical ones (:mod:`.internode`, :mod:`.nvshmem`: stage 1 over NVSHMEM,
+  stage 2 over NVLink) for several; with CPU tensors the same protocol runs through the kernels'
+  CPU backend (shared memory, threads). ``"cuda"`` is the old name of ``"kernels"``.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 # Every name Buffer(transport=...) accepts; TRANSPORT_ALIASES maps the old ones to theirs.
 TRANSPORTS = ("auto", "torch_dist", "kernels", "cuda")
 TRANSPORT_ALIASES = {"cuda": "kernels"}
+
+
+# Why transport="auto" does not pick the kernels on CUDA yet (README, python -m moe_dispatch.env).
+KERNELS_OPT_IN = (
+    "transport='kernels' is opt-in: auto picks it on CUDA once its multi-process GPU check "
+    "(benchmarks/gpu_check.sh) has passed on a GPU and the result is committed under benchmarks/results/"
+)
+_LOGGED: set[tuple[str, str]] = set()
 
 
 def choose_transport(device: torch.device) -> tuple[str, str]:
@@ -25,9 +35,13 @@ def choose_transport(device: torch.device) -> tuple[str, str]:
         ``(name, reason)``, e.g. ``("torch_dist", "CPU tensors: gloo collectives ...")``.
     """
     if device.type == "cuda":
-        return (
-            "torch_dist",
-            "CUDA tensors: NCCL sub-group all_to_all; the intranode kernels "
-            "(transport='kernels', one node) are opt-in until their multi-GPU path has run on GPUs",
-        )
+        return "torch_dist", f"CUDA tensors: NCCL sub-group all_to_all; {KERNELS_OPT_IN}"
     return ("torch_dist", f"{device.type} tensors: the hierarchy runs on torch.distributed sub-group all_to_all (gloo)")
+
+
+def log_choice(name: str, reason: str) -> None:
+    """Logs ``transport="auto"``'s choice and reason once per process (logger ``moe_dispatch``,
+    level INFO), so a run says what moves its tokens without repeating it per Buffer."""
+    if (name, reason) not in _LOGGED:
+        _LOGGED.add((name, reason))
+        logging.getLogger("moe_dispatch").info("transport='auto' picked %r: %s", name, reason)

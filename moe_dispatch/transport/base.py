@@ -18,6 +18,7 @@ stream.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
@@ -81,6 +82,27 @@ def finish(steps: Steps[T], started) -> T:
     return drive(steps)
 
 
+_ORDERING = threading.local()  # .active: this thread is in stream_order_wait
+
+
+def stream_order_wait(future):
+    """``future.result()`` of a communication-thread future where, on a GPU, a stream would wait
+    for another instead of the host: on CPU the Buffer's communication thread stands in for its
+    CUDA stream, so this is the stand-in of ``wait_stream`` / ``wait_event``, not a host
+    synchronisation (``moe_dispatch.testing.sync`` lets these waits pass). Returns the result."""
+    previous = getattr(_ORDERING, "active", False)
+    _ORDERING.active = True
+    try:
+        return future.result()
+    finally:
+        _ORDERING.active = previous
+
+
+def in_stream_order_wait() -> bool:
+    """Whether this thread is inside :func:`stream_order_wait`."""
+    return getattr(_ORDERING, "active", False)
+
+
 def completed(value: T = None) -> Steps[T]:
     """Steps that finish at once with ``value``, waiting for nothing: what an operation returns
     when its work was done (or enqueued on the current CUDA stream) as it was called."""
@@ -94,13 +116,16 @@ class Plan(Protocol):
     :class:`~moe_dispatch.transport.kernels.KernelPlan`).
 
     Attributes:
-        num_recv_tokens: R, the rows this rank received.
+        num_recv_tokens: R, the rows this rank received, as a host int; None where only the
+            device knows it (the kernels' budget mode): then ``recv_count`` (``[1]`` int32) and
+            ``overflow`` (``[1]`` int32: more rows than the plan's static size arrived) are
+            device tensors.
         internode_rows: rows this rank sent to other nodes (and receives back in combine).
         intranode_rows: rows this rank sent to the other ranks of its node.
     """
 
     @property
-    def num_recv_tokens(self) -> int: ...
+    def num_recv_tokens(self) -> int | None: ...
 
     @property
     def internode_rows(self) -> int: ...
@@ -125,16 +150,29 @@ class Transport(Protocol):
         progress: the :class:`~moe_dispatch.transport.progress.Progress` records that name,
             in a timeout's message, the operation each peer had reached.
 
-    Optional capability ``fuses_layout = True`` (the torch_dist transport): :meth:`dispatch` takes
-    ``permute=(k, layout)`` (its first ``k`` tensors land expert-major as the
-    :class:`~moe_dispatch.semantics.permute.PermuteHandle` ``layout()`` lays the received rows out;
-    ``layout`` is called once the other tensors landed), :meth:`forward` takes ``permuted`` (a
-    handle: every tensor lands so), :meth:`combine` takes ``permuted`` (per tensor None, or a handle:
-    the tensor is ``[P, ...]`` in its layout and each received row is the fp32 sum of its copies,
-    ascending), and :meth:`forward` and
-    :meth:`combine` take ``check``, the argument check's steps, which they start before packing
-    their first payload and complete before it moves. Without it the Buffer permutes around
-    the transport and runs the check first.
+    Optional capabilities, where a transport has them (read with ``getattr``, absent = False /
+    None):
+
+    - ``fuses_layout`` (torch_dist): :meth:`dispatch` takes ``permute=(k, layout)`` (its first
+      ``k`` tensors land expert-major as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
+      ``layout()`` lays the received rows out; ``layout`` is called once the other tensors
+      landed), :meth:`forward` takes ``permuted`` (a handle: every tensor lands so), :meth:`combine`
+      takes ``permuted`` (per tensor None, or a handle: the tensor is ``[P, ...]`` in its layout
+      and each received row is the fp32 sum of its copies, ascending), and :meth:`forward` and
+      :meth:`combine` take ``check``, the argument check's steps, which they start before packing
+      their first payload and complete before it moves. Without it the Buffer permutes around
+      the transport and runs the check first.
+    - ``routes_on_device``: :meth:`plan` takes ``topk_idx=``, ``num_rows=`` (a static receive
+      size) and ``dispatch_id=`` instead of ``status``; the Buffer runs the argument check
+      (:meth:`agree`, with this rank's status) before it.
+    - ``budget_on_device``: with ``num_rows`` the plan keeps R on the device
+      (``num_recv_tokens`` None, see :class:`Plan`).
+    - ``device_checks``: every launch compares the ranks' calls on the device, so the Buffer
+      compares a call signature on the host only the first time it appears.
+    - ``refuse(operation, err)``: takes part in an operation with no rows for a rank whose own
+      arguments were refused, so its peers finish at once.
+    - ``check_errors()``: raises what the device recorded (timeouts, mismatched calls),
+      reading host memory only.
     """
 
     plans_on_comm_thread: bool
@@ -209,12 +247,16 @@ class PlanSlot:
     Attributes:
         num_tokens: T, tokens the source sent.
         num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
-        plan: the transport's plan (its ``num_recv_tokens`` R <= num_rows rows are valid).
+        plan: the transport's plan (its first ``min(R, num_rows)`` rows are valid; R is
+            ``plan.num_recv_tokens``, or ``plan.recv_count`` on the device when that is None).
         permute: a fused permute's handle (set once the top-k ids arrived): then the receive-side
             row tensors of every operation on this slot are expert-major, ``[P, ...]``.
         dispatch_id: the dispatch's operation number on its Buffer, equal on every rank of a
-            consistent program (combine and cached dispatch compare it across ranks); set when
-            the dispatch is issued.
+            consistent program (combine and cached dispatch compare it across ranks: on the host,
+            or, with the kernels, in their operation header on the device); set when the
+            dispatch is issued.
+        overflow: ``[1]`` bool on the device, for a dispatch with ``num_worst_tokens``: more
+            than ``num_rows`` rows arrived (set once the dispatch completed); None otherwise.
     """
 
     num_tokens: int
@@ -222,6 +264,7 @@ class PlanSlot:
     plan: Plan | None = None
     permute: PermuteHandle | None = None
     dispatch_id: int = -1
+    overflow: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -260,6 +303,9 @@ class FreshDispatch:
             elsewhere.
         num_recv_tokens_per_expert: ``[E/W]`` int64 output.
         layout: a fused permute's layout, or None (rows in receive order).
+        on_overflow: with ``num_worst_tokens``, what more rows than ``num_rows`` do: ``"raise"``
+            (BudgetOverflowError where the dispatch completes) or ``"drop"`` (the rows past
+            ``num_rows`` are left out, ``slot.overflow`` says so).
     """
 
     slot: PlanSlot
@@ -270,6 +316,7 @@ class FreshDispatch:
     recv_topk_idx: torch.Tensor
     num_recv_tokens_per_expert: torch.Tensor
     layout: ExpertLayout | None = None
+    on_overflow: Literal["raise", "drop"] = "raise"
 
 
 @dataclasses.dataclass(eq=False)

@@ -173,7 +173,9 @@ class Records:
     def read(self, synchronize: bool = True) -> list[list[int]]:
         """The set records (flag != 0); from the device (a host sync) or, without
         ``synchronize``, from the mirror when there is one."""
-        rows = (self.host if (self.host is not None and not synchronize) else self.records).tolist()
+        source = self.host if (self.host is not None and not synchronize) else self.records
+        # Host memory (the mirror, or the CPU backend's records) through numpy: a read, no device sync.
+        rows = source.numpy().tolist() if source.device.type == "cpu" else source.tolist()
         return [r for r in rows if r[0]]
 
     def clear(self) -> None:

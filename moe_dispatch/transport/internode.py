@@ -525,7 +525,7 @@ def _fused_dispatch(
 ) -> list[InternodeDispatch]:
     """Dispatch for ranks ``inputs[i].rank`` (consecutive): the fused notify (fresh only), then
     one fused dispatch launch."""
-    e, N, L, W, device = t.rdma, t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.device
+    e, W, device = t.rdma, t.world_size, t.rdma.device
     _, num_topk, x_bytes, scale_bytes = _dispatch_shape(
         inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
     )
@@ -533,75 +533,16 @@ def _fused_dispatch(
     skip = _skipper(skip_rank, skip_phase)
     outs = None
     if handles is None:
-        if num_topk == 0:
-            raise ValueError("a fresh internode dispatch needs topk_idx (the forwarders read the holders from it)")
-        C = fused_channels(num_sms, e.config)
-        budget = _check_budget(num_worst_tokens)
-        ids = e.dispatch_ids(dispatch_ids, len(inputs))
-        zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
-        in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
-        tables = [
-            {
-                "recv_prefix": zeros(W * C + 1),
-                "forward_prefix": zeros(C * N + 1),
-                "counts": zeros(2),
-                "overflow": zeros(1),
-                "peer_ok": zeros(N + L),
-            }
-            for _ in inputs
-        ]
-        outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs] if budget >= 0 else None
-        capacity = L * budget if budget >= 0 else -1
-        e.fused_notify(
-            e.common(C, inputs[0].rank, skip("notify")),
-            [
-                {
-                    "is_token_in_rank": _ptr(inp.is_token_in_rank),
-                    "is_token_in_node": _ptr(itn),
-                    **{k: v.data_ptr() for k, v in tb.items()},
-                    "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
-                    "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
-                    "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
-                    "num_tokens": inp.x.shape[0],
-                    "budget": budget,
-                    "forward_capacity": capacity,
-                    **e.check_fields(
-                        inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
-                    ),
-                }
-                for i, (inp, itn, tb) in enumerate(zip(inputs, in_node, tables))
-            ],
-            num_topk,
+        handles, outs = _fused_notify(
+            t,
+            inputs,
+            num_experts,
+            num_sms=num_sms,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=skip("notify"),
+            dispatch_ids=dispatch_ids,
+            statuses=statuses,
         )
-        if budget < 0:  # the one host read: R and R1 of every launched rank, and the timeout record
-            host = torch.cat([*(tb["counts"] for tb in tables), e.error]).tolist()
-            counts = [host[2 * i : 2 * i + 2] for i in range(len(inputs))]
-            if host[2 * len(inputs)] or host[2 * len(inputs) + 1]:
-                raise InternodeTimeoutError(*describe_timeout(host[2 * len(inputs) :], e.timeout_s, L, fused=True))
-        else:
-            counts = [(None, None)] * len(inputs)
-        handles = [
-            InternodeHandle(
-                num_tokens=inp.x.shape[0],
-                num_channels=C,
-                is_token_in_rank=inp.is_token_in_rank,
-                is_token_in_node=itn,
-                recv_prefix=tb["recv_prefix"],
-                forward_prefix=tb["forward_prefix"],
-                forward_mask=torch.zeros(capacity if budget >= 0 else forwarded, dtype=torch.int32, device=device),
-                counts=tb["counts"],
-                overflow=tb["overflow"],
-                peer_ok=tb["peer_ok"],
-                num_recv_tokens=received,
-                num_rows=budget if budget >= 0 else received,
-                forward_capacity=capacity if budget >= 0 else forwarded,
-                dispatch_id=ids[i],
-                num_experts=num_experts,
-                topk_dtype=inp.topk_dtype or torch.int64,
-                notified=True,
-            )
-            for i, (inp, itn, tb, (received, forwarded)) in enumerate(zip(inputs, in_node, tables, counts))
-        ]
     else:
         for inp, h in zip(inputs, handles):
             if not isinstance(h, InternodeHandle) or (h.num_tokens != inp.x.shape[0] and inp.rank not in statuses):
@@ -611,6 +552,117 @@ def _fused_dispatch(
                 )
     if outs is None:
         outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
+    _fused_launch(t, inputs, handles, outs, num_experts, skip("dispatch"), statuses, x_bytes, scale_bytes, num_topk)
+    return _rank_results(InternodeDispatch, inputs, handles, outs)
+
+
+def _fused_notify(
+    t: _Transport,
+    inputs: list[_Input],
+    num_experts: int,
+    *,
+    num_sms: int,
+    num_worst_tokens: int | None,
+    skip_rank: int | None,
+    dispatch_ids: list[int | None] | None,
+    statuses: dict[int, int],
+    outs: list[dict] | None = None,
+) -> tuple[list[InternodeHandle], list[dict] | None]:
+    """The fused notify launch: per rank a handle. Without a budget the host reads R and R1 (one
+    read for all launched ranks); with one, nothing is read and the outputs notify fills (their
+    padding rows) are made here unless passed (``outs``, as in the intranode ``_notify``)."""
+    e, N, L, W, device = t.rdma, t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.device
+    num_topk, experts_per_rank = inputs[0].topk_idx.shape[1], num_experts // W
+    if num_topk == 0:
+        raise ValueError("a fresh internode dispatch needs topk_idx (the forwarders read the holders from it)")
+    C = fused_channels(num_sms, e.config)
+    budget = _check_budget(num_worst_tokens)
+    ids = e.dispatch_ids(dispatch_ids, len(inputs))
+    zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+    in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
+    tables = [
+        {
+            "recv_prefix": zeros(W * C + 1),
+            "forward_prefix": zeros(C * N + 1),
+            "counts": zeros(2),
+            "overflow": zeros(1),
+            "peer_ok": zeros(N + L),
+        }
+        for _ in inputs
+    ]
+    if budget < 0:
+        outs = None
+    elif outs is None:
+        outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs]
+    capacity = L * budget if budget >= 0 else -1
+    e.fused_notify(
+        e.common(C, inputs[0].rank, skip_rank),
+        [
+            {
+                "is_token_in_rank": _ptr(inp.is_token_in_rank),
+                "is_token_in_node": _ptr(itn),
+                **{k: v.data_ptr() for k, v in tb.items()},
+                "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
+                "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
+                "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
+                "num_tokens": inp.x.shape[0],
+                "budget": budget,
+                "forward_capacity": capacity,
+                **e.check_fields(
+                    inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
+                ),
+            }
+            for i, (inp, itn, tb) in enumerate(zip(inputs, in_node, tables))
+        ],
+        num_topk,
+    )
+    if budget < 0:  # the one host read: R and R1 of every launched rank, and the timeout record
+        host = torch.cat([*(tb["counts"] for tb in tables), e.error]).tolist()
+        counts = [host[2 * i : 2 * i + 2] for i in range(len(inputs))]
+        if host[2 * len(inputs)] or host[2 * len(inputs) + 1]:
+            raise InternodeTimeoutError(*describe_timeout(host[2 * len(inputs) :], e.timeout_s, L, fused=True))
+    else:
+        counts = [(None, None)] * len(inputs)
+    handles = [
+        InternodeHandle(
+            num_tokens=inp.x.shape[0],
+            num_channels=C,
+            is_token_in_rank=inp.is_token_in_rank,
+            is_token_in_node=itn,
+            recv_prefix=tb["recv_prefix"],
+            forward_prefix=tb["forward_prefix"],
+            forward_mask=torch.zeros(capacity if budget >= 0 else forwarded, dtype=torch.int32, device=device),
+            counts=tb["counts"],
+            overflow=tb["overflow"],
+            peer_ok=tb["peer_ok"],
+            num_recv_tokens=received,
+            num_rows=budget if budget >= 0 else received,
+            forward_capacity=capacity if budget >= 0 else forwarded,
+            dispatch_id=ids[i],
+            num_experts=num_experts,
+            topk_dtype=inp.topk_dtype or torch.int64,
+            notified=True,
+        )
+        for i, (inp, itn, tb, (received, forwarded)) in enumerate(zip(inputs, in_node, tables, counts))
+    ]
+    return handles, outs
+
+
+def _fused_launch(
+    t: _Transport,
+    inputs: list[_Input],
+    handles: list[InternodeHandle],
+    outs: list[dict],
+    num_experts: int,
+    skip_rank: int | None,
+    statuses: dict[int, int],
+    x_bytes: int,
+    scale_bytes: int,
+    num_topk: int,
+) -> None:
+    """The fused dispatch launch into ``outs`` (per rank the dict of ``_alloc_outputs``, whose
+    tensors may be views of the caller's: rows ``[handle.num_rows, ...]``)."""
+    e = t.rdma
     ranks = []
     for inp, h, o in zip(inputs, handles, outs):
         fresh, fields = _dispatch_fields(e, inp, h, o, num_experts, statuses)
@@ -626,14 +678,13 @@ def _fused_dispatch(
             }
         )
     e.fused_dispatch(
-        e.common(handles[0].num_channels, inputs[0].rank, skip("dispatch")),
+        e.common(handles[0].num_channels, inputs[0].rank, skip_rank),
         ranks,
         x_bytes,
         scale_bytes,
         num_topk,
-        experts_per_rank,
+        num_experts // t.world_size,
     )
-    return _rank_results(InternodeDispatch, inputs, handles, outs)
 
 
 def _fused_combine(

@@ -706,11 +706,13 @@ def _notify(
     skip_rank: int | None,
     dispatch_ids: list[int | None] | None = None,
     statuses: dict[int, int] | None = None,
+    outs: list[dict] | None = None,
 ) -> tuple[list[IntranodeHandle], list[dict] | None]:
     """The notify launch: per rank a handle (receive prefix, counts, the verdicts on its peers).
     Without a budget the host reads the receive counts (one sync for all launched ranks) and no
     outputs are allocated; with one, the outputs are allocated first (notify fills their padding
-    rows)."""
+    rows), unless the caller passes them (``outs``: per rank the dict of :func:`_alloc_outputs`;
+    notify writes only its top-k ids, weights and source indices)."""
     world_size, device = engine.world_size, engine.device
     num_topk = inputs[0].topk_idx.shape[1]
     num_channels = _check_num_sms(num_sms, engine.config)
@@ -722,7 +724,10 @@ def _notify(
     counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
     overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
     peer_ok = [torch.zeros(world_size, dtype=torch.int32, device=device) for _ in inputs]
-    outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs] if budget >= 0 else None
+    if budget < 0:
+        outs = None
+    elif outs is None:
+        outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs]
     ranks = [
         {
             "is_token_in_rank": _ptr(inp.is_token_in_rank),

@@ -1,34 +1,48 @@
-"""``Buffer(transport="kernels")``: the Buffer's transport interface served by the intranode kernels.
+"""``Buffer(transport="kernels")``: the Buffer's transport interface served by our ``_C`` kernels,
+chosen by topology.
 
 The interface is :class:`~moe_dispatch.transport.base.Transport`, the torch_dist transport's
 too, so everything the Buffer builds on it (autograd, ``async_finish``, receive hooks,
-``num_worst_tokens``, cached dispatch, fp8, delayed weight gradients) works unchanged. The
-launches need no host wait: ``dispatch``, ``forward`` and ``combine`` launch when called and
-return :func:`~moe_dispatch.transport.base.completed` steps. Underneath is one
-:class:`~moe_dispatch.transport.intranode.IntranodeTransport`: CUDA IPC buffers and the kernels on
-GPUs; on CPU tensors, shared memory and the kernels' CPU backend (the same protocol code on
-threads), which is how the tests run this path without a GPU.
+``num_worst_tokens``, cached dispatch, fp8, delayed weight gradients) works unchanged. Every
+operation launches when called and returns :func:`~moe_dispatch.transport.base.completed`
+steps; every launch goes through the Buffer's one ordered queue (``plans_on_comm_thread``:
+the launches share one set of rings, so a fresh dispatch's notify must not run beside another
+operation's kernels).
 
-- One node: every rank of the EP group on one node (a group spanning nodes takes
-  ``transport="torch_dist"``).
-- Every launch goes through the Buffer's one ordered queue (``plans_on_comm_thread``): the
-  launches share one set of rings, so a fresh dispatch's notify must not run beside another
-  operation's kernels.
-- ``plan`` compares the arguments across ranks (on gloo, as the torch_dist transport does),
-  sizes the buffers for the rows (fp32 rows of the dispatch's hidden size, so gradients and
-  fp32 combines fit; a later, wider dispatch re-sizes them on every rank), runs notify and
-  reads the receive count. ``dispatch`` then runs the dispatch kernel into the Buffer's
-  outputs (top-k ids handed back in global numbering, which the Buffer converts as it does
-  for torch_dist); ``forward`` replays a plan for any row tensors; ``combine`` sums rows in
-  fp32 in ascending rank order, as ``moe_dispatch.reference.combine`` does for one node.
-- Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
-  zero-padded; fp16 combines on CPU run as fp32 rows (the same fp32 sum, rounded once).
-- The buffers grow, on every rank, when an operation needs wider rows than they hold (the
-  Buffer's argument checks keep the ranks in step on gloo; on NCCL every rank must pass the
-  same shapes, as for any collective). ``Buffer.close()`` frees them.
-- Host synchronisation: a fresh dispatch reads its receive count (also with
-  ``num_worst_tokens``, unlike the kernels' own budget mode); combine and cached dispatch do
-  not. On a GPU, a kernel that timed out is reported by the next call on this Buffer.
+- **One node** (``ranks_per_node == W``): the intranode kernels
+  (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`): CUDA IPC buffers on GPUs.
+- **Several nodes**: the hierarchical kernels
+  (:class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): stage 1 over NVSHMEM to the
+  rank of the same local index on each node, stage 2 over NVLink; by default the fused
+  pipeline (``Config.internode_pipeline="fused"``: both stages in one kernel, counts on the
+  device), or the staged one.
+- **CPU tensors** (a gloo group): the same protocol code on threads over shared memory (the
+  kernels' CPU backend), one process per rank: how the tests run this path without a GPU.
+- **CUDA tensors with a gloo group** (``Buffer(device="cuda")``): gloo only carries the
+  buffer handles and the first-call argument checks, so several processes can share one GPU.
+
+What synchronises the host (per rank, on a GPU):
+
+- a fresh dispatch without ``num_worst_tokens`` reads its receive count R once (R sizes the
+  outputs). With ``num_worst_tokens`` (one node, or the fused pipeline) nothing waits for the
+  host: notify keeps R and the overflow flag on the device, the outputs have the static size,
+  and the whole step can be captured in a CUDA graph. The staged pipeline reads its stage-1
+  and stage-2 counts on the host (twice per fresh dispatch, budget or not).
+- combine and cached dispatch never wait for the host.
+- the arguments: every launch exchanges an operation header with its peers (identity: the
+  dispatch id the handle carries; row bytes, dtype, top-k, experts, channels; a status), and a
+  pair whose headers differ moves no rows (``transport/header.py``). The Buffer compares the
+  arguments on the host only the first time a call signature appears
+  (:class:`~moe_dispatch.buffer.Transfers`). A rank whose own arguments are bad takes part
+  with a non-zero status (:meth:`KernelTransport.refuse`), so its peers finish at once.
+- kernel timeouts and header mismatches are recorded on the device (and in pinned host
+  mirrors on a GPU) and raised at the next point that reads them: a sized dispatch's count
+  read, ``Buffer.check_errors()``, a buffer resize; on the CPU backend after each launch.
+
+Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
+zero-padded; fp16 combines on CPU run as fp32 rows (the same fp32 sum, rounded once). The
+buffers grow, on every rank, when an operation needs wider rows than they hold (a collective
+set-up: every rank sees the same, checked sizes). ``Buffer.close()`` frees them.
 """
 
 from __future__ import annotations
@@ -39,119 +53,204 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..config import MAX_RANKS, Config
+from ..config import MAX_RANKS, MAX_TOPK, Config
+from ..errors import CommError
 from ..topology import Topology
 from .base import Field, Steps, completed
+from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH
+from .internode import (
+    InternodeHandle,
+    InternodeTimeoutError,
+    StagedInternodeHandle,
+    _fused_launch,
+    _fused_notify,
+    check_rdma_config,
+)
+from .internode import _combine as _internode_combine
+from .internode import _dispatch as _internode_dispatch
+from .internode import describe_timeout as _describe_internode_timeout
 from .intranode import (
     COMBINE_DTYPES,
     IntranodeHandle,
+    IntranodeTimeoutError,
     IntranodeTransport,
     _combine,
+    _dispatch_shape,
     _Input,
     _launch_dispatch,
     _notify,
 )
+from .intranode import describe_timeout as _describe_intranode_timeout
 from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
+_OPS = {"dispatch": OP_DISPATCH, "cached dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class KernelPlan:
     """A dispatch's routing as the kernels keep it (a :class:`~moe_dispatch.transport.base.Plan`).
 
     Attributes:
-        handle: the kernels' :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (receive
-            prefix per source and channel).
+        handle: the kernels' handle: an
+            :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (one node), an
+            :class:`~moe_dispatch.transport.internode.InternodeHandle` (several, fused) or a
+            :class:`~moe_dispatch.transport.internode.StagedInternodeHandle`.
         experts_per_rank: E / W.
-        rank: this rank's index in the EP group.
+        topology: this rank's place.
+        num_rows: rows of the receive-side tensors (R, or the static ``num_worst_tokens``).
+        scratch: budget mode: the notify's receive-side tables that the dispatch launch fills
+            (local top-k ids ``[num_rows, K]`` int64, source indices, per-expert counts); None
+            otherwise.
     """
 
-    handle: IntranodeHandle
+    handle: IntranodeHandle | InternodeHandle | StagedInternodeHandle
     experts_per_rank: int
-    rank: int
+    topology: Topology
+    num_rows: int
+    scratch: dict | None = None
 
     @property
-    def num_recv_tokens(self) -> int:
-        """R, the rows this rank received."""
+    def dispatch_id(self) -> int:
+        """The dispatch's identity (the same on every rank): what later launches on this plan
+        carry in their header."""
+        return self.handle.dispatch_id
+
+    @property
+    def num_recv_tokens(self) -> int | None:
+        """R as a host int, or None where only the device knows it (budget mode: read
+        :attr:`recv_count`)."""
+        if isinstance(self.handle, StagedInternodeHandle):
+            return self.handle.num_rows
         return self.handle.num_recv_tokens
 
     @property
+    def recv_count(self) -> torch.Tensor | None:
+        """``[1]`` int32 on the device: R (rows received, at most ``num_rows`` stored), for a
+        budget-mode plan; None where R is a host int."""
+        if self.num_recv_tokens is not None:
+            return None
+        if isinstance(self.handle, IntranodeHandle):
+            return self.handle.num_recv_tokens_dev
+        return self.handle.counts[:1]
+
+    @property
+    def overflow(self) -> torch.Tensor | None:
+        """``[1]`` int32 on the device: 1 when more than ``num_rows`` rows arrived (or, several
+        nodes, more than the forwarding capacity: the rest were dropped), for a budget-mode
+        plan; None where R is a host int."""
+        return self.handle.overflow if self.num_recv_tokens is None else None
+
+    @property
     def internode_rows(self) -> int:
-        """Rows sent to other nodes: none (one node)."""
-        return 0
+        """Rows this rank sent to other nodes in stage 1 (reads the layout: a host sync)."""
+        topo = self.topology
+        if topo.num_nodes == 1:
+            return 0
+        in_node = self.handle.is_token_in_node
+        return int(in_node.sum()) - int(in_node[:, topo.node].sum())
 
     @property
     def intranode_rows(self) -> int:
-        """Rows this rank sent to the other ranks of its node (reads the layout: a host sync)."""
-        sent = self.handle.is_token_in_rank
-        return int(sent.sum()) - int(sent[:, self.rank].sum())
+        """Rows this rank forwarded to the other ranks of its node in stage 2 (reads the
+        routing: a host sync)."""
+        topo, h = self.topology, self.handle
+        if isinstance(h, IntranodeHandle):
+            sent, me = h.is_token_in_rank, topo.rank
+        elif isinstance(h, StagedInternodeHandle):  # the rows it received in stage 1, by local destination
+            sent, me = h.forward_in_rank, topo.local_rank
+        else:  # fused: per forwarded row, bit l = local rank l holds it
+            bits = torch.arange(topo.ranks_per_node, dtype=torch.int32, device=h.forward_mask.device)
+            sent, me = (h.forward_mask.view(-1, 1) >> bits) & 1, topo.local_rank
+        return int(sent.sum()) - int(sent[:, me].sum())
 
 
 class KernelTransport:
-    """The intranode kernels behind a Buffer (see the module docstring), a
+    """The ``_C`` kernels behind a Buffer (see the module docstring), a
     :class:`~moe_dispatch.transport.base.Transport`.
 
     Args:
-        group: the EP process group (NCCL with CUDA tensors, gloo with CPU tensors).
-        topology: this rank's place; must be one node.
+        group: the EP process group: NCCL with CUDA tensors, or gloo (with CPU tensors, or
+            CUDA tensors of processes sharing a GPU).
+        topology: this rank's place; one node takes the intranode kernels, several the
+            hierarchical ones.
         timeout_s: bound of every wait (kernels and the argument checks).
-        config: the kernels' launch shape and queue sizes (the Buffer checked it), or "auto":
-            ``Config.auto`` at the first plan, from the agreed fields (``_auto_config``).
-        device: the Buffer's device.
+        config: the kernels' launch shape and queue sizes (the Buffer checked it; several
+            nodes need ``num_slots % chunk_tokens == 0``), or "auto": ``Config.auto`` at the
+            first plan, from the agreed fields (``_auto_config``).
+        device: the Buffer's device (CUDA, or CPU for the CPU backend).
 
     Raises:
-        ValueError: more than one node, or more ranks than the kernels serve.
+        ValueError: more ranks per node than the kernels serve (an NVLink domain), or a
+            Config the hierarchical kernels cannot use.
         RuntimeError: the extension is not built.
 
     Collective: every rank of ``group`` constructs it together.
     """
 
     plans_on_comm_thread = True
+    # plan() takes the routing (topk_idx) and a static row budget: the kernels' notify sizes
+    # the receive on the device.
+    routes_on_device = True
+    # Every launch compares the ranks' calls on the device (the operation header).
+    device_checks = True
 
     def __init__(
         self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config | str, device: torch.device
     ):
-        self.check(topology)
+        # "auto" is resolved at the first plan; it keeps the default pipeline
+        shape = Config() if config == "auto" else config
+        self.check(topology, shape)
         self.config = config
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
+        # one node, or the hierarchical pipeline of Config.internode_pipeline
+        self.pipeline = "intranode" if topology.num_nodes == 1 else shape.internode_pipeline
         # The argument checks and progress records are the torch_dist transport's; its
         # comm-thread group also carries the kernels' handle exchange.
         self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
         self.progress = self._dist.progress
         self._group = self._dist.groups[ALL_COMM] or group
-        self._kernels: IntranodeTransport | None = None
+        self._kernels = None  # IntranodeTransport (one node) or nvshmem.InternodeTransport, sized on first use
         self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
 
     @staticmethod
-    def check(topology: Topology) -> None:
-        """Raises unless the kernels can serve ``topology`` here (Buffer checks it before its
-        ranks agree on their arguments, so no rank fails alone later).
+    def check(topology: Topology, config: Config) -> None:
+        """Raises unless the kernels can serve ``topology`` with ``config`` here (Buffer checks
+        it before its ranks agree on their arguments, so no rank fails alone later).
 
         Raises:
-            ValueError: more than one node, or more ranks than the kernels serve.
+            ValueError: more ranks per node than the kernels serve (an NVLink domain), or a
+                Config the hierarchical kernels cannot use (several nodes).
             RuntimeError: the extension is not built.
         """
-        if topology.num_nodes != 1:
-            raise ValueError(
-                f"transport='kernels' runs the intranode kernels, for an EP group on one node, but this "
-                f"one spans {topology.num_nodes} nodes ({topology.ranks_per_node} ranks per node); use "
-                "transport='torch_dist' across nodes (the internode kernels are not wired into Buffer "
-                "yet)"
-            )
         from .. import _ext
 
         status = _ext.extension_status()
         if not status.built:
             raise RuntimeError(f"transport='kernels' needs the built extension moe_dispatch._C: {status.error}")
-        if topology.world_size > MAX_RANKS:
+        if topology.ranks_per_node > MAX_RANKS:
             raise ValueError(
-                f"transport='kernels' serves EP groups of at most {MAX_RANKS} ranks on one node (an "
-                f"NVLink domain), this one has {topology.world_size}; use transport='torch_dist'"
+                f"transport='kernels' serves at most {MAX_RANKS} ranks per node (an NVLink domain), this EP group "
+                f"has {topology.ranks_per_node} ({topology.num_nodes} node(s)); pass ranks_per_node= (a divisor of "
+                f"{topology.world_size} up to {MAX_RANKS}) or use transport='torch_dist'"
             )
+        if topology.num_nodes > 1:
+            check_rdma_config(config)
+
+    @property
+    def budget_on_device(self) -> bool:
+        """Whether a ``num_worst_tokens`` dispatch keeps its counts on the device (one node, or
+        the fused hierarchical pipeline; the staged one reads them on the host)."""
+        return self.pipeline != "staged"
 
     def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps:
-        """Steps comparing ``fields`` and statuses across ranks (``TorchDistTransport.agree``)."""
+        """Steps comparing ``fields`` and statuses across ranks on the host
+        (``TorchDistTransport.agree``: its host group, no device synchronisation): the Buffer's
+        check of a call signature it has not seen before, and of a refusal.
+
+        Raises (from the steps):
+            ValueError: naming each refusing rank, or the first field and the ranks that differ.
+        """
         return self._dist.agree(fields, what, status)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -162,32 +261,100 @@ class KernelTransport:
         what: str = "dispatch",
         on_comm_thread: bool = True,
         status: int = 0,
+        *,
+        topk_idx: torch.Tensor | None = None,
+        num_rows: int | None = None,
+        dispatch_id: int = 0,
     ) -> Steps:
-        """Steps that check the arguments and statuses across ranks, size the buffers and run
-        notify; returns the :class:`KernelPlan` (a host sync: R is read back). A refusal
-        (``status`` != 0) raises ValueError on every rank after the check."""
-        # The operation first, so it is told apart from a combine's check.
-        fields = {"operation": "dispatch (metadata)", **fields}
-        yield from self._dist.agree(fields, what, status)
-        self._check_errors()
+        """Steps that size the buffers and run notify; returns the :class:`KernelPlan`. The
+        Buffer compares the arguments across ranks first (the first call of a signature; the
+        kernels' header every later one).
+
+        Args:
+            is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
+            fields: the dispatch's checked arguments (``hidden``, ``x dtype``, ``top-k``,
+                ``num_experts``, ``topk_weights given``): what notify's header carries.
+            topk_idx: ``[T, K]`` int32/int64 global expert ids.
+            num_rows: a static receive size (budget mode): R stays on the device (no host sync)
+                where :attr:`budget_on_device`; None: R is read on the host.
+            dispatch_id: the dispatch's identity, the same on every rank.
+            status: this rank's refusal (non-zero): it takes part in the argument check with it
+                (``agreement``), and every rank raises ValueError there, before any launch.
+        """
+        if status:
+            yield from self.agree({"operation": "dispatch (metadata)", **fields}, what, status)
+        yield from ()  # steps that wait for nothing: the launches are enqueued when driven
         if self.config == "auto":
             self.config = _auto_config(fields, self.topology)
         kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
-        num_tokens = is_token_in_rank.shape[0]
-        inp = _Input(
-            self.topology.rank,
-            torch.empty(num_tokens, 0, device=self.device),
-            None,
-            torch.empty(num_tokens, fields["top-k"], dtype=torch.int64, device=self.device),
-            None,
-            is_token_in_rank.contiguous(),
-            torch.int64,
+        num_tokens, num_topk = topk_idx.shape
+        num_experts = fields["num_experts"]
+        experts_per_rank = num_experts // self.topology.world_size
+        if self.pipeline == "staged":
+            # The staged pipeline learns the routing by running it: a dispatch of 16-byte rows
+            # (two host reads), whose handle the payload transfers replay.
+            result = _internode_dispatch(
+                kernels.transport,
+                [self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank)],
+                num_experts,
+                num_sms=self.config.num_sms,
+                handles=None,
+                num_worst_tokens=None,
+                skip_rank=None,
+                skip_phase=None,
+                dispatch_ids=[dispatch_id],
+                statuses=None,
+                check=False,
+            )[0]
+            self._after_launch(mismatches=True)  # this plan's dispatch is an operation of its own
+            return KernelPlan(result.handle, experts_per_rank, self.topology, result.handle.num_rows)
+        # What notify's header says of the payload (the dispatch launch reuses its verdicts):
+        # zero-stride stand-ins with the payload's shape and dtype.
+        stand_in = lambda cols, dtype: torch.empty(1, cols, dtype=dtype, device=self.device).expand(  # noqa: E731
+            num_tokens, cols
         )
-        experts_per_rank = fields["num_experts"] // self.topology.world_size
-        (handle,), _ = _notify(
-            kernels.engine, [inp], experts_per_rank, num_sms=self.config.num_sms, num_worst_tokens=None, skip_rank=None
-        )
-        return KernelPlan(handle, experts_per_rank, self.topology.rank)
+        weights = stand_in(num_topk, torch.float32) if fields["topk_weights given"] else None
+        inp = self._input(stand_in(fields["hidden"], fields["x dtype"]), None, topk_idx, weights, is_token_in_rank)
+        budget, scratch = num_rows, None
+        if budget is not None:  # the padding rows notify fills, and the dispatch launch's tables
+            scratch = {
+                "x": torch.empty(budget, 0, device=self.device),
+                "scales": None,
+                "topk_idx": torch.empty(budget, num_topk, dtype=torch.int64, device=self.device),
+                "topk_weights": None,
+                "src_idx": torch.empty(budget, dtype=torch.int32, device=self.device),
+                "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=self.device),
+            }
+        if self.pipeline == "intranode":
+            (handle,), _ = _notify(
+                kernels.engine,
+                [inp],
+                experts_per_rank,
+                num_sms=self.config.num_sms,
+                num_worst_tokens=budget,
+                skip_rank=None,
+                dispatch_ids=[dispatch_id],
+                outs=[scratch] if scratch else None,
+            )
+        else:
+            (handle,), _ = _fused_notify(
+                kernels.transport,
+                [inp],
+                num_experts,
+                num_sms=self.config.num_sms,
+                num_worst_tokens=budget,
+                skip_rank=None,
+                dispatch_ids=[dispatch_id],
+                statuses={},
+                outs=[scratch] if scratch else None,
+            )
+        # A timeout now (on a GPU the count read synchronised); a mismatch once the dispatch launch
+        # that reuses notify's verdicts has run too, so every rank raises after the same launches.
+        if budget is None:
+            self._check_errors(mismatches=False)
+        else:
+            self._after_launch(mismatches=False)
+        return KernelPlan(handle, experts_per_rank, self.topology, handle.num_rows, scratch)
 
     def dispatch(
         self,
@@ -198,55 +365,46 @@ class KernelTransport:
         what: str = "dispatch",
     ) -> Steps:
         """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``out``
-        (the same list, ``[R, ...]``); top-k ids arrive in global numbering (-1 where the expert
-        is another rank's), weights 0 there."""
+        (the same list, ``[plan.num_rows, ...]``); top-k ids arrive in global numbering (-1 where
+        the expert is another rank's, and in rows past the received ones), weights 0 there."""
         k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
         x, scales = tensors[0], (tensors[1] if k == 2 else None)
         topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
-        inp = _Input(
-            self.topology.rank,
-            _rows16(x),
-            scales.contiguous() if scales is not None else None,
-            topk_idx.to(torch.int64).contiguous(),
-            weights.contiguous() if weights is not None else None,
-            is_token_in_rank.contiguous(),
-            topk_idx.dtype,
-        )
-        recv_x = _landing(out[0], inp.x.shape[1])
-        launched = self._outputs(
+        local = self._move(
             plan,
-            recv_x,
+            x,
+            scales,
+            topk_idx,
+            weights.contiguous() if weights is not None else None,
+            out[0],
             out[1] if scales is not None else None,
             out[-1] if weights is not None else None,
-            topk_idx.shape[1],
         )
-        self._launch(inp, plan, launched)
-        _land(out[0], recv_x)
         first = self.topology.rank * plan.experts_per_rank
-        local = launched["topk_idx"]
         out[k].copy_(torch.where(local >= 0, local + first, torch.full_like(local, -1)))
+        if plan.num_recv_tokens is not None:
+            # A sized dispatch synchronised at its count read: every rank's launches up to its
+            # notify have completed and recorded what they saw, so every rank raises the same here.
+            self._check_errors()
         return completed()
 
     def forward(self, tensors: list[torch.Tensor], plan: KernelPlan, out: list[torch.Tensor], what: str) -> Steps:
-        """Steps replaying ``plan`` for row tensors ``[T, ...]`` into ``out`` ``[R, ...]`` (an fp8
-        pair travels as one row)."""
+        """Steps replaying ``plan`` for row tensors ``[T, ...]`` into ``out`` ``[num_rows, ...]``
+        (an fp8 pair travels as one row)."""
         fp8 = len(tensors) == 2 and tensors[0].dtype == torch.float8_e4m3fn
         groups = [(tensors, out)] if fp8 else [([t], [o]) for t, o in zip(tensors, out)]
         for (x, *scales), (dst, *dst_scales) in groups:
-            x2d = _rows16(_flat(x))
-            inp = _Input(
-                self.topology.rank,
-                x2d,
-                scales[0].contiguous() if scales else None,
-                torch.empty(x.shape[0], 0, dtype=torch.int64, device=self.device),
+            no_topk = torch.empty(x.shape[0], 0, dtype=torch.int64, device=self.device)
+            self._move(
+                plan,
+                _flat(x),
+                scales[0] if scales else None,
+                no_topk,
                 None,
-                plan.handle.is_token_in_rank,
+                _flat(dst),
+                dst_scales[0] if scales else None,
                 None,
             )
-            dst2d = _flat(dst)
-            recv_x = _landing(dst2d, x2d.shape[1])
-            self._launch(inp, plan, self._outputs(plan, recv_x, dst_scales[0] if scales else None, None, 0))
-            _land(dst2d, recv_x)
         return completed()
 
     def combine(
@@ -257,95 +415,237 @@ class KernelTransport:
         out: list[torch.Tensor],
         what: str,
     ) -> Steps:
-        """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any)
-        onto their source tokens in ``out`` ``[T, ...]``."""
+        """Steps summing each tensor's rows ``[num_rows, ...]`` (times its fp32 scale, if any)
+        onto their source tokens in ``out`` ``[T, ...]``; rows past the received ones are not
+        read."""
         for y, scale, dst in zip(tensors, scales, out):
             if y.dtype not in COMBINE_DTYPES:
                 raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
             if y.dtype == torch.float16 and self.device.type == "cpu":
                 y = y.float()  # the CPU backend sums fp16 as fp32 rows: the same fp32 sum, rounded once below
             y2d = _rows16(_flat(y))
-            self._check_errors()  # before a resize could drop the record with the old buffers
             kernels = self._sized(_row_elements(y2d), 0)
-            summed = _combine(
-                kernels.engine,
-                self.topology.rank,
-                [y2d],
-                [plan.handle],
-                [scale.contiguous() if scale is not None else None],
-                None,
-            )[0]
-            kernels.check_errors()
+            scale = scale.contiguous() if scale is not None else None
+            if self.pipeline == "intranode":
+                summed = _combine(kernels.engine, self.topology.rank, [y2d], [plan.handle], [scale], None)[0]
+            else:
+                summed = _internode_combine(
+                    kernels.transport, self.topology.rank, [y2d], [plan.handle], [scale], None, None, None, check=False
+                )[0]
+            self._after_launch()
             dst2d = _flat(dst)
             dst2d.copy_(summed[:, : dst2d.shape[1]])
         return completed()
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _sized(self, row_elements: int, num_topk: int) -> IntranodeTransport:
-        """The kernels' buffers, (re)made when a dispatch needs wider rows or more top-k
-        (collective: every rank's plan sees the same, checked fields)."""
-        held_rows, held_topk = self._capacity
-        if self._kernels is None or row_elements > held_rows or num_topk > held_topk:
-            capacity = (max(row_elements, held_rows), max(num_topk, held_topk))
-            # Made before the old one is freed: if a peer fails here, the old buffers stay valid.
-            # Its collective setup also means every rank's earlier launches have finished.
-            kernels = IntranodeTransport(
-                self._group,
-                self.topology.rank,
-                *capacity,
-                config=self.config,
-                element_bytes=4,
-                timeout_s=self.timeout_s,
-                device=self.device,
-            )
-            old, self._kernels, self._capacity = self._kernels, kernels, capacity
-            if old is not None:
-                old.close()
-        return self._kernels
+    # -- errors ------------------------------------------------------------------------------
+    def refuse(self, operation: str, err: Exception) -> None:
+        """Takes part in ``operation`` ("dispatch", "cached dispatch" or "combine") with no rows
+        and a non-zero header status, for a rank whose own arguments were refused (``err``): its
+        peers finish at once and record which rank refused. Before the first launch (nothing
+        sized yet: the peers are in the host check of a first call) there is nothing to join.
 
-    def _outputs(
+        Raises:
+            ``err``, caused by a CommError: a peer did not take part either.
+        """
+        kernels = self._kernels
+        if kernels is None:
+            return
+        ops = [_OPS[operation]]
+        if self.pipeline == "staged" and operation == "dispatch":
+            ops.append(OP_CACHED_DISPATCH)  # the staged plan's metadata dispatch, then the payload's replay
+        try:
+            for op in ops:
+                if self.pipeline == "intranode":
+                    kernels._refuse(op)
+                else:
+                    kernels._refuse(op, err)
+        except CommError as refusal:
+            raise err from refusal
+        # Its own verdicts name itself: not news to a rank that raises its own error now. Cleared
+        # once the refusal has run (on a GPU, an error path, the host waits for it).
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for records in self._records():
+            records.clear()
+
+    def check_errors(self) -> None:
+        """Raises what the kernels recorded: an
+        :class:`~moe_dispatch.transport.intranode.IntranodeTimeoutError` or
+        :class:`~moe_dispatch.transport.internode.InternodeTimeoutError` (a wait that ran out,
+        naming the rank and what it waited for), or a
+        :class:`~moe_dispatch.transport.header.MismatchError` (a peer's call differed, naming
+        the ranks, the field and both values). Reads host memory only (the pinned mirrors on a
+        GPU, the records themselves on the CPU backend): call it after the launches completed
+        to see theirs."""
+        self._check_errors()
+
+    def _records(self) -> list:
+        kernels = self._kernels
+        if kernels is None:
+            return []
+        if self.pipeline == "intranode":
+            return [kernels.engine.records]
+        return [kernels.transport.rdma.records, *(e.records for e in kernels.transport.nodes.values())]
+
+    def _check_errors(self, mismatches: bool = True) -> None:
+        """Raises a recorded timeout, then (``mismatches``) a recorded header mismatch."""
+        kernels, L = self._kernels, self.topology.ranks_per_node
+        if kernels is None:
+            return
+        if self.pipeline == "intranode":
+            record = _recorded(kernels._error_host, kernels.engine.error)
+            if record:
+                raise IntranodeTimeoutError(*_describe_intranode_timeout(record, kernels.engine.timeout_s))
+            if mismatches:
+                kernels.engine.records.raise_if_set(synchronize=False)
+            return
+        rdma, node = kernels.transport.rdma, kernels.intranode
+        record = _recorded(kernels._error_host, rdma.error)
+        if record:
+            raise InternodeTimeoutError(
+                *_describe_internode_timeout(record, rdma.timeout_s, L, fused=self.pipeline == "fused")
+            )
+        record = _recorded(node._error_host, node.engine.error)
+        if record:
+            raise InternodeTimeoutError(
+                *_describe_internode_timeout(record, node.engine.timeout_s, L, node=self.topology.node)
+            )
+        if mismatches:
+            kernels.transport.check_mismatches(synchronize=False)
+
+    def _after_launch(self, mismatches: bool = True) -> None:
+        """On the CPU backend a launch has completed when it returns: raise what it recorded now
+        (every rank of the operation does, after the same launch). On a GPU a later point that
+        reads the records does."""
+        if self.device.type == "cpu":
+            self._check_errors(mismatches)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _input(self, x, scales, topk_idx, weights, is_token_in_rank) -> _Input:
+        return _Input(
+            self.topology.rank,
+            x,
+            scales,
+            topk_idx.to(torch.int64).contiguous(),
+            weights,
+            is_token_in_rank.contiguous(),
+            torch.int64,
+        )
+
+    def _move(
         self,
         plan: KernelPlan,
-        recv_x: torch.Tensor,
-        recv_scales: torch.Tensor | None,
-        recv_weights: torch.Tensor | None,
-        num_topk: int,
-    ) -> dict:
-        """A dispatch launch's outputs: the rows the caller keeps, and scratch for what the
-        Buffer derives itself (local top-k ids, source indices, per-expert counts)."""
-        rows, device = plan.num_recv_tokens, self.device
-        return {
-            "x": recv_x,
-            "scales": recv_scales,
-            "topk_weights": recv_weights,
-            "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=device),
-            "src_idx": torch.empty(rows, dtype=torch.int32, device=device),
-            "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=device),
-        }
-
-    def _launch(self, inp: _Input, plan: KernelPlan, out: dict) -> None:
+        x: torch.Tensor,
+        scales: torch.Tensor | None,
+        topk_idx: torch.Tensor,
+        weights: torch.Tensor | None,
+        dst: torch.Tensor,
+        dst_scales: torch.Tensor | None,
+        dst_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One dispatch launch on ``plan`` (the fresh dispatch's own, or a replay): rows of
+        ``x [T, W]`` (with fp8 ``scales``, ``topk_idx [T, K]``, ``weights``) into
+        ``dst [num_rows, W]`` (and the others); returns the received local top-k ids
+        ``[num_rows, K]`` int64 (-1 in rows not received)."""
+        x2d = _rows16(x)
         # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
-        # checked by the Buffer's agree on gloo). fp8 scales are fp32: one 4-byte element each.
-        row_elements = _row_elements(inp.x) + (inp.scales.shape[1] if inp.scales is not None else 0)
-        self._check_errors()  # before a resize could drop the record with the old buffers
-        kernels = self._sized(_padded_width(row_elements, 4), inp.topk_idx.shape[1])
-        _launch_dispatch(kernels.engine, [inp], [plan.handle], [out], plan.experts_per_rank, skip_rank=None)
-        kernels.check_errors()
+        # checked by the Buffer). fp8 scales are fp32: one 4-byte element each.
+        row_elements = _row_elements(x2d) + (scales.shape[1] if scales is not None else 0)
+        kernels = self._sized(_padded_width(row_elements, 4), topk_idx.shape[1])
+        inp = self._input(
+            x2d, scales.contiguous() if scales is not None else None, topk_idx, weights, plan.handle.is_token_in_rank
+        )
+        recv_x = _landing(dst, x2d.shape[1])
+        if self.pipeline == "staged":
+            got = _internode_dispatch(
+                kernels.transport,
+                [inp],
+                plan.experts_per_rank * self.topology.world_size,
+                num_sms=self.config.num_sms,
+                handles=[plan.handle],
+                num_worst_tokens=None,
+                skip_rank=None,
+                skip_phase=None,
+                dispatch_ids=None,
+                statuses=None,
+                check=False,
+            )[0]
+            self._after_launch()
+            recv_x.copy_(got.recv_x[0] if isinstance(got.recv_x, tuple) else got.recv_x)
+            if dst_scales is not None:
+                dst_scales.copy_(got.recv_x[1])
+            if dst_weights is not None:
+                dst_weights.copy_(got.recv_topk_weights)
+            _land(dst, recv_x)
+            return got.recv_topk_idx
+        rows, num_topk = plan.num_rows, topk_idx.shape[1]
+        if plan.scratch is not None and num_topk == plan.scratch["topk_idx"].shape[1]:
+            local, src_idx = plan.scratch["topk_idx"], plan.scratch["src_idx"]  # padding rows set by notify
+        else:
+            local = torch.empty(rows, num_topk, dtype=torch.int64, device=self.device)
+            src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
+        outputs = {
+            "x": recv_x,
+            "scales": dst_scales,
+            "topk_weights": dst_weights,
+            "topk_idx": local,
+            "src_idx": src_idx,
+            "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=self.device),
+        }
+        if self.pipeline == "intranode":
+            _launch_dispatch(kernels.engine, [inp], [plan.handle], [outputs], plan.experts_per_rank, skip_rank=None)
+        else:
+            t = kernels.transport
+            _, _, x_bytes, scale_bytes = _dispatch_shape(
+                [inp], t.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
+            )
+            num_experts = plan.experts_per_rank * self.topology.world_size
+            _fused_launch(t, [inp], [plan.handle], [outputs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
+        self._after_launch()
+        _land(dst, recv_x)
+        return local
 
-    def _check_errors(self) -> None:
-        """Raises a timeout the kernels recorded (on a GPU: one of an earlier, asynchronous launch)."""
-        if self._kernels is not None:
-            self._kernels.check_errors()
+    def _sized(self, row_elements: int, num_topk: int):
+        """The kernels' buffers, (re)made when an operation needs wider rows or more top-k
+        (collective: every rank's plan sees the same, checked fields)."""
+        held_rows, held_topk = self._capacity
+        if self._kernels is not None and row_elements <= held_rows and num_topk <= held_topk:
+            return self._kernels
+        self._check_errors()  # before a resize could drop the record with the old buffers
+        # Grown in powers of two from 4 KiB rows and top-8: a resize is a collective set-up.
+        capacity = (max(_next_pow2(row_elements), 1024, held_rows), min(max(num_topk, held_topk, 8), MAX_TOPK))
+        topo = self.topology
+        options = {"config": self.config, "element_bytes": 4, "timeout_s": self.timeout_s, "device": self.device}
+        if topo.num_nodes > 1:
+            from .nvshmem import InternodeTransport
+
+            # One NVSHMEM world per process: the old buffers go first (every rank is here, after
+            # its last launch on them: the set-up below is collective).
+            if self._kernels is not None:
+                self._release()
+            kernels = InternodeTransport(self._group, topo.rank, topo.ranks_per_node, *capacity, **options)
+        else:
+            # Made before the old one is freed: if a peer fails here, the old buffers stay valid.
+            # Its collective setup also means every rank's earlier launches have finished.
+            kernels = IntranodeTransport(self._group, topo.rank, *capacity, **options)
+            if self._kernels is not None:
+                self._kernels.close()
+        self._kernels, self._capacity = kernels, capacity
+        return kernels
+
+    def _release(self) -> None:
+        """Frees the buffers (collective; the barrier first keeps a peer's last kernel from
+        writing into freed memory)."""
+        dist.barrier(group=self._group)
+        self._kernels.close()
+        self._kernels = None
 
     def close(self) -> None:
         """Frees the kernels' buffers, then the argument checks' groups (collective: every rank,
-        after its last operation; the barrier first keeps a peer's last kernel from writing into
-        freed memory)."""
+        after its last operation)."""
         try:
             if self._kernels is not None:
-                dist.barrier(group=self._group)
-                self._kernels.close()
-                self._kernels = None
+                self._release()
         finally:
             self._dist.close()
 
@@ -357,6 +657,18 @@ class KernelTransport:
             self._kernels.close()
         self._kernels = None
         self._dist.release()
+
+
+def _recorded(mirror: torch.Tensor | None, record: torch.Tensor) -> list[int] | None:
+    """A kernel error record as ints, or None when clear, read without a device synchronisation:
+    from its pinned host mirror on a GPU (whose flag is written last), from the record itself on
+    the CPU backend (host memory)."""
+    values = (mirror if mirror is not None else record).numpy().tolist()
+    return values if values[0] or (mirror is None and values[1]) else None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ operations themselves), and every other call (a refusal's text, a failure note, 
 a failure) runs on a helper thread that is waited for at most :data:`READ_TIMEOUT_S`.
 
 Diagnosis. A rank whose collective fails notes it (``failed``), then (after a lost connection;
-a timeout waited long enough already) waits :data:`SETTLE_S` so that its live peers' latest
-marks and notes reach the store, and reads every peer's. A peer that noted a failure in this
+a timeout waited long enough already) reads the peers' records until at most one peer is
+unaccounted for, for at most :data:`SETTLE_S`, so that its live peers' latest marks and notes
+reach the store (their writer threads may run late on a loaded machine). A peer that noted a failure in this
 operation, or marked a later one, is alive; after a lost connection the peers that did neither
 are the suspects (a dead rank can do neither), and a peer whose latest mark is below the
 operation has not reached it. When the store itself fails because its host died (global rank
@@ -38,7 +39,10 @@ import torch.distributed as dist
 
 READ_TIMEOUT_S = 2.0
 FLUSH_INTERVAL_S = 0.05
-SETTLE_S = 0.25  # > FLUSH_INTERVAL_S plus a store round trip: live peers' marks land meanwhile
+# How long a diagnosis after a lost connection waits for the live peers' notes and marks: many times
+# FLUSH_INTERVAL_S plus a store round trip, so that it holds with a loaded machine's late threads;
+# it ends as soon as at most one peer is unaccounted for (the usual case: one rank died).
+SETTLE_S = 2.0
 REFUSAL_SLOTS = 8  # a rank's refusal texts rotate over this many keys (read by seq, so a quick next refusal keeps it)
 # Progress objects made in this process per group: the n-th on a group is the n-th on every rank
 # of it (Buffers are created collectively), whatever Buffers of other groups came before.
@@ -219,12 +223,16 @@ class Progress:
         self._post("failed", seq, what)
         if self._store_error is not None:
             return self._store_gone(self._store_error)
-        if lost:  # after a timeout the peers' records had timeout_s to land
-            time.sleep(SETTLE_S)
-        ok, states = bounded(self._read_states)
-        if not ok:
-            return self._store_gone(states)
-        return _describe(states, peers, seq, what, lost)
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            ok, states = bounded(self._read_states)
+            if not ok:
+                return self._store_gone(states)
+            # After a timeout the peers' records had timeout_s to land; after a lost connection
+            # the live peers' notes may still be on their way.
+            if not lost or len(_suspects(states, seq)) <= 1 or time.monotonic() >= deadline:
+                return _describe(states, peers, seq, what, lost)
+            time.sleep(FLUSH_INTERVAL_S)
 
     def _read_states(self) -> dict[int, tuple]:
         """Every other rank's ``(latest mark, failure note)``, each ``(seq, label)`` or None."""
@@ -259,11 +267,10 @@ def _describe(states: dict[int, tuple], peers: list[int], seq: int, what: str, l
         mark = states[rank][0]
         return "no operation of this Buffer yet" if mark is None else f"last at #{mark[0]} {mark[1]}"
 
-    failed = [r for r, (_, note) in states.items() if note is not None and note[0] >= seq]
-    ahead = [r for r, (mark, _) in states.items() if mark is not None and mark[0] > seq]
+    failed = _failed(states, seq)
     parts = []
     if lost:
-        suspects = [r for r in states if r not in failed and r not in ahead]
+        suspects = _suspects(states, seq)
         if len(suspects) == 1:
             parts.append(
                 f"the connection to a peer was lost, and EP rank {suspects[0]} ({where(suspects[0])}) is the only "
@@ -292,6 +299,18 @@ def _describe(states: dict[int, tuple], peers: list[int], seq: int, what: str, l
     if not parts:
         parts.append(f"every peer reached this operation (#{seq} {what}), so one failed or was cut off inside it")
     return "; " + "; ".join(parts)
+
+
+def _failed(states: dict[int, tuple], seq: int) -> list[int]:
+    """The peers that noted a failure in operation ``seq`` (or later)."""
+    return [r for r, (_, note) in states.items() if note is not None and note[0] >= seq]
+
+
+def _suspects(states: dict[int, tuple], seq: int) -> list[int]:
+    """The peers that neither noted a failure in operation ``seq`` nor marked a later one: after
+    a lost connection, the ones that may have died."""
+    failed = _failed(states, seq)
+    return [r for r, (mark, _) in states.items() if r not in failed and (mark is None or mark[0] <= seq)]
 
 
 def _kind(what: str) -> str:
