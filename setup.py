@@ -68,14 +68,16 @@ def nvcc_version(nvcc: str) -> str:
         SystemExit: nvcc does not run or prints no version.
     """
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True,
-                             timeout=TOOL_TIMEOUT_S).stdout
+        out = subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True, check=True, timeout=TOOL_TIMEOUT_S
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise SystemExit(f"error: {nvcc} --version failed: {e}") from e
     match = re.search(r"\bV(\d+\.\d+(?:\.\d+)?)\b", out)
     if match is None:
-        raise SystemExit(f"error: {nvcc} --version printed no version (expected 'V<major>.<minor>.<patch>'), "
-                         f"got {out!r}")
+        raise SystemExit(
+            f"error: {nvcc} --version printed no version (expected 'V<major>.<minor>.<patch>'), got {out!r}"
+        )
     return match.group(1)
 
 
@@ -107,15 +109,19 @@ def cuda_archs(environ: Mapping[str, str], supported: Collection[str] | None = N
             return DEFAULT_CUDA_ARCHS[0]
         archs = [a for a in DEFAULT_CUDA_ARCHS if a in supported]
         if not archs:
-            raise SystemExit(f"error: nvcc supports none of sm_{', sm_'.join(DEFAULT_CUDA_ARCHS)} "
-                             f"(it lists compute_{', compute_'.join(sorted(supported))}); use CUDA >= 12.0 "
-                             f"or set MOE_DISPATCH_CUDA_ARCHS")
+            raise SystemExit(
+                f"error: nvcc supports none of sm_{', sm_'.join(DEFAULT_CUDA_ARCHS)} "
+                f"(it lists compute_{', compute_'.join(sorted(supported))}); use CUDA >= 12.0 "
+                f"or set MOE_DISPATCH_CUDA_ARCHS"
+            )
         return ";".join(archs)
     archs = [a for a in re.split(r"[,; ]+", raw) if a]
     bad = [a for a in archs if not _ARCH.fullmatch(a)]
     if bad:
-        raise SystemExit(f"error: MOE_DISPATCH_CUDA_ARCHS must list CUDA architectures like '90' or '90;100a', "
-                         f"got {raw!r} (bad: {', '.join(bad)})")
+        raise SystemExit(
+            f"error: MOE_DISPATCH_CUDA_ARCHS must list CUDA architectures like '90' or '90;100a', "
+            f"got {raw!r} (bad: {', '.join(bad)})"
+        )
     return ";".join(archs)
 
 
@@ -154,8 +160,9 @@ def plan_cuda_build(environ: Mapping[str, str], default_cuda_home: str = DEFAULT
     if nvcc is None:
         reason = f"nvcc not found on PATH, in $CUDA_HOME/bin or in {default_cuda_home}/bin"
         if required:
-            raise SystemExit(f"error: MOE_DISPATCH_REQUIRE_CUDA=1 but {reason}; install the CUDA toolkit or set "
-                             "CUDA_HOME")
+            raise SystemExit(
+                f"error: MOE_DISPATCH_REQUIRE_CUDA=1 but {reason}; install the CUDA toolkit or set CUDA_HOME"
+            )
         return CudaPlan(None, reason)
     return CudaPlan(nvcc, None, nvcc_version(nvcc), cuda_archs(environ, nvcc_gpu_archs(nvcc)))
 
@@ -196,6 +203,7 @@ def git_commit(root: Path) -> tuple[str | None, bool]:
     """``(commit, dirty)`` of the git checkout whose top level is ``root``: the ``HEAD`` commit
     and whether tracked files differ from it. ``(None, False)`` when ``root`` is not such a
     checkout (an unpacked sdist) or git is missing."""
+
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
 
@@ -238,8 +246,12 @@ def _tool(module: str, attr: str, name: str) -> str | None:
 
 def announce_skip(plan: CudaPlan) -> None:
     """The build's one line on stderr saying that ``moe_dispatch._C`` is skipped and why."""
-    print(f"moe_dispatch: CUDA extension moe_dispatch._C skipped ({plan.skip_reason}); "
-          "building the pure-Python package (py3-none-any)", file=sys.stderr, flush=True)
+    print(
+        f"moe_dispatch: CUDA extension moe_dispatch._C skipped ({plan.skip_reason}); "
+        "building the pure-Python package (py3-none-any)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class BuildPy(build_py):
@@ -287,7 +299,11 @@ class CMakeBuild(build_ext):
         build_dir = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{key}"
         built = build_dir / "lib" / target.name
         configure = [
-            cmake, "-S", str(ROOT), "-B", str(build_dir),
+            cmake,
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_dir),
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
@@ -311,8 +327,12 @@ class CMakeBuild(build_ext):
                 raise SystemExit(f"error: CMake finished but {built} is missing; check CMakeLists.txt's output name")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, target)
-        print(f"moe_dispatch: built {ext.name} with nvcc {self.plan.nvcc_version} for CUDA archs {archs} "
-              f"in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"moe_dispatch: built {ext.name} with nvcc {self.plan.nvcc_version} for CUDA archs {archs} "
+            f"in {time.monotonic() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -82,17 +82,33 @@ def _build(args, overlap: bool):
 
     import moe_dispatch.megatron as mdm
 
-    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                            num_moe_experts=args.experts, moe_router_topk=args.topk, use_cpu_initialization=True,
-                            add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True,
-                            ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
-                            expert_model_parallel_size=dist.get_world_size(), hidden_dropout=0.0,
-                            attention_dropout=0.0)
-    mdm.configure(cfg, ranks_per_node=args.ranks_per_node, overlap_moe_expert_parallel_comm=overlap,
-                  delay_wgrad_compute=overlap)
+    cfg = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_moe_experts=args.experts,
+        moe_router_topk=args.topk,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        ffn_hidden_size=args.ffn,
+        moe_ffn_hidden_size=args.ffn,
+        expert_model_parallel_size=dist.get_world_size(),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    mdm.configure(
+        cfg, ranks_per_node=args.ranks_per_node, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap
+    )
     torch.manual_seed(args.seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.experts),
-                     vocab_size=args.vocab, max_sequence_length=args.seq_len, position_embedding_type="rope")
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.experts),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq_len,
+        position_embedding_type="rope",
+    )
     if torch.cuda.is_available():
         model = model.cuda()
     if overlap:
@@ -121,8 +137,10 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
     timer = _CommTimer()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    batches = [torch.randint(0, args.vocab, (args.micro_batch_size, args.seq_len), generator=gen).to(device)
-               for _ in range(args.micro_batches)]
+    batches = [
+        torch.randint(0, args.vocab, (args.micro_batch_size, args.seq_len), generator=gen).to(device)
+        for _ in range(args.micro_batches)
+    ]
 
     times = {m: [] for m in MODES}
     comm_ms = []
@@ -147,8 +165,12 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
                     comm_ms.append(float(elapsed[1]) * 1e3)
     med = {m: statistics.median(v) for m, v in times.items()}
     comm = statistics.median(comm_ms)
-    result = {"step_ms": med, "comm_ms": comm, "hidden_fraction": (med["off"] - med["on"]) / comm,
-              "spread_ms": {m: [min(v), max(v)] for m, v in times.items()}}
+    result = {
+        "step_ms": med,
+        "comm_ms": comm,
+        "hidden_fraction": (med["off"] - med["on"]) / comm,
+        "spread_ms": {m: [min(v), max(v)] for m, v in times.items()},
+    }
     return result if rank == 0 else None
 
 
@@ -166,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--run-wgrad", choices=("backward_dw", "dispatch_backward"), default=None,
-                        help="who runs the delayed expert wgrads (default: dispatch_backward on CPU, "
-                             "backward_dw on GPU)")
+    parser.add_argument(
+        "--run-wgrad",
+        choices=("backward_dw", "dispatch_backward"),
+        default=None,
+        help="who runs the delayed expert wgrads (default: dispatch_backward on CPU, backward_dw on GPU)",
+    )
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -184,13 +209,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     m = result["step_ms"]
     print(f"Megatron combined-1F1B EP overlap, {args.micro_batches} micro-batches, run_wgrad={args.run_wgrad}")
-    print(f"  step off {m['off']:.1f} ms | on {m['on']:.1f} ms | comm {result['comm_ms']:.1f} ms "
-          f"(in an off step of {m['comm']:.1f} ms)")
+    print(
+        f"  step off {m['off']:.1f} ms | on {m['on']:.1f} ms | comm {result['comm_ms']:.1f} ms "
+        f"(in an off step of {m['comm']:.1f} ms)"
+    )
     print(f"  hidden = (off - on) / comm = {result['hidden_fraction']:.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, pathlib.Path) else v)
-                                                for k, v in vars(args).items()},
-                                     "torch": torch.__version__, "result": result}, indent=2))
+    args.json.write_text(
+        json.dumps(
+            {
+                "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                "torch": torch.__version__,
+                "result": result,
+            },
+            indent=2,
+        )
+    )
     print(f"figures written to {args.json}")
     return 0
 

@@ -80,6 +80,7 @@ class RunConfig:
 # data: byte-level tokens of the standard library's .py files
 # ---------------------------------------------------------------------------------------------
 
+
 def load_corpus(data_dir: str, max_bytes: int) -> torch.Tensor:
     """Bytes of the ``.py`` files under ``data_dir`` (sorted paths, whole files until
     ``max_bytes``) as a uint8 tensor; the same on every rank and run."""
@@ -104,12 +105,13 @@ def sample_batch(corpus: torch.Tensor, cfg: RunConfig, step: int, rank: int) -> 
     """``[B, S + 1]`` int64 windows of the corpus, drawn from (seed, step, rank) only."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
     starts = torch.randint(0, corpus.numel() - cfg.seq_len - 1, (cfg.micro_batch_size,), generator=gen)
-    return torch.stack([corpus[s:s + cfg.seq_len + 1] for s in starts.tolist()]).long()
+    return torch.stack([corpus[s : s + cfg.seq_len + 1] for s in starts.tolist()]).long()
 
 
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
+
 
 def build_model(cfg: RunConfig, dispatcher: str, device: torch.device):
     """Megatron-Core ``GPTModel`` (local spec, every layer MoE, fp32, RMSNorm, RoPE, no dropout)
@@ -122,19 +124,37 @@ def build_model(cfg: RunConfig, dispatcher: str, device: torch.device):
     import moe_dispatch.megatron as mdm
 
     config = TransformerConfig(
-        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
-        ffn_hidden_size=cfg.ffn_hidden, moe_ffn_hidden_size=cfg.ffn_hidden, num_moe_experts=cfg.experts,
-        moe_router_topk=cfg.topk, moe_aux_loss_coeff=cfg.aux_loss_coeff, moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=cfg.ep, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, use_cpu_initialization=True, init_method_std=0.02,
-        normalization="RMSNorm")
+        num_layers=cfg.layers,
+        hidden_size=cfg.hidden,
+        num_attention_heads=cfg.heads,
+        ffn_hidden_size=cfg.ffn_hidden,
+        moe_ffn_hidden_size=cfg.ffn_hidden,
+        num_moe_experts=cfg.experts,
+        moe_router_topk=cfg.topk,
+        moe_aux_loss_coeff=cfg.aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=cfg.ep,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+        normalization="RMSNorm",
+    )
     if dispatcher == "custom":
-        mdm.configure(config, ranks_per_node=cfg.ranks_per_node if cfg.simulated_nodes else None,
-                      pad_multiple=cfg.pad_multiple)
+        mdm.configure(
+            config, ranks_per_node=cfg.ranks_per_node if cfg.simulated_nodes else None, pad_multiple=cfg.pad_multiple
+        )
     torch.manual_seed(cfg.seed)  # dense weights: the same on every rank and in both runs
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=cfg.experts),
-                     vocab_size=256, max_sequence_length=cfg.seq_len, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).to(device)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=cfg.experts),
+        vocab_size=256,
+        max_sequence_length=cfg.seq_len,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    ).to(device)
     # experts: distinct per global expert (CPU initialisation would give every EP rank the same)
     ep_rank, local = ps.get_expert_model_parallel_rank(), cfg.experts // cfg.ep
     with torch.no_grad():
@@ -142,8 +162,9 @@ def build_model(cfg: RunConfig, dispatcher: str, device: torch.device):
             if getattr(param, "allreduce", True) or ".local_experts." not in name:
                 continue
             local_idx = int(name.split(".local_experts.")[1].split(".")[0])
-            gen = torch.Generator().manual_seed(cfg.seed * 7919 + (ep_rank * local + local_idx) * 31
-                                                + (1 if "fc2" in name else 0))
+            gen = torch.Generator().manual_seed(
+                cfg.seed * 7919 + (ep_rank * local + local_idx) * 31 + (1 if "fc2" in name else 0)
+            )
             param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
     return model
 
@@ -168,12 +189,11 @@ def reduce_gradients(model, cfg: RunConfig) -> float:
         flat /= dp_size
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     device = (dense or experts)[0].device
     dense_sq = sum(float(g.float().pow(2).sum()) for g in dense)
-    expert_sq = torch.tensor([sum(float(g.float().pow(2).sum()) for g in experts)], dtype=torch.float64,
-                             device=device)
+    expert_sq = torch.tensor([sum(float(g.float().pow(2).sum()) for g in experts)], dtype=torch.float64, device=device)
     dist.all_reduce(expert_sq, group=ps.get_expert_model_parallel_group())
     norm = math.sqrt(dense_sq + float(expert_sq))
     if cfg.clip_grad > 0 and norm > cfg.clip_grad:
@@ -209,8 +229,14 @@ def train(cfg: RunConfig, dispatcher: str, corpus: torch.Tensor, device: torch.d
     if console is not None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress = Progress(TextColumn(f"[bold]{label:>8}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), console=console)
+        progress = Progress(
+            TextColumn(f"[bold]{label:>8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
         progress.start()
         task = progress.add_task(label, total=cfg.steps, loss=float("nan"))
     dist.barrier()
@@ -233,8 +259,10 @@ def train(cfg: RunConfig, dispatcher: str, corpus: torch.Tensor, device: torch.d
             if progress is not None:
                 progress.update(task, advance=1, loss=losses[-1])
                 if (step + 1) % cfg.log_every == 0 or step == 0:
-                    progress.console.print(f"{label:>8} step {step + 1:4d}  loss {losses[-1]:.4f}  "
-                                           f"grad-norm {grad_norm:.3f}  lr {lr_at(step, cfg):.2e}")
+                    progress.console.print(
+                        f"{label:>8} step {step + 1:4d}  loss {losses[-1]:.4f}  "
+                        f"grad-norm {grad_norm:.3f}  lr {lr_at(step, cfg):.2e}"
+                    )
     finally:
         if progress is not None:
             progress.stop()
@@ -245,6 +273,7 @@ def train(cfg: RunConfig, dispatcher: str, corpus: torch.Tensor, device: torch.d
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
+
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each step (fewer at the start)."""
@@ -262,16 +291,21 @@ def summarize(cfg: RunConfig, results: dict, tolerance: float, min_drop: float, 
     smooth_diffs = [abs(x - y) for x, y in zip(trailing_mean(a, smooth), trailing_mean(c, smooth))]
     window = max(1, min(10, len(a) // 2))
     summary = {
-        "config": dataclasses.asdict(cfg), **meta,
+        "config": dataclasses.asdict(cfg),
+        **meta,
         "final_loss": {k: sum(v["losses"][-window:]) / window for k, v in results.items()},
         "initial_loss": {k: sum(v["losses"][:window]) / window for k, v in results.items()},
         "last_step_loss": {k: v["losses"][-1] for k, v in results.items()},
         "wall_s": {k: v["wall_s"] for k, v in results.items()},
         "s_per_step": {k: v["wall_s"] / len(v["losses"]) for k, v in results.items()},
-        "max_abs_loss_diff": max(diffs), "max_abs_loss_diff_step": diffs.index(max(diffs)) + 1,
-        "mean_abs_loss_diff": sum(diffs) / len(diffs), "bitwise_equal_curves": a == c,
-        "max_abs_smoothed_diff": max(smooth_diffs), "smooth_window": smooth,
-        "tolerance": tolerance, "min_drop": min_drop,
+        "max_abs_loss_diff": max(diffs),
+        "max_abs_loss_diff_step": diffs.index(max(diffs)) + 1,
+        "mean_abs_loss_diff": sum(diffs) / len(diffs),
+        "bitwise_equal_curves": a == c,
+        "max_abs_smoothed_diff": max(smooth_diffs),
+        "smooth_window": smooth,
+        "tolerance": tolerance,
+        "min_drop": min_drop,
     }
     summary["curves_agree"] = summary["max_abs_smoothed_diff"] <= tolerance
     summary["loss_falls"] = all(summary["final_loss"][k] < min_drop * summary["initial_loss"][k] for k in results)
@@ -296,19 +330,26 @@ def write_outputs(out: pathlib.Path, results: dict, summary: dict) -> None:
     steps = list(range(1, len(a) + 1))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     top.plot(steps, a, label=f"alltoall (final {summary['final_loss']['alltoall']:.3f})", lw=1.6)
-    top.plot(steps, c, label=f"custom / moe_dispatch (final {summary['final_loss']['custom']:.3f})", lw=1.0,
-             ls="--")
+    top.plot(steps, c, label=f"custom / moe_dispatch (final {summary['final_loss']['custom']:.3f})", lw=1.0, ls="--")
     top.set_ylabel("train loss (nats/byte)")
     cfgd = summary["config"]
-    top.set_title(f"Megatron-Core GPT, {cfgd['layers']} MoE layers x {cfgd['experts']} experts top-{cfgd['topk']}, "
-                  f"H={cfgd['hidden']}, EP {cfgd['ep']} ({summary['ranks'] // cfgd['ranks_per_node']} nodes x "
-                  f"{cfgd['ranks_per_node']})", fontsize=9)
+    top.set_title(
+        f"Megatron-Core GPT, {cfgd['layers']} MoE layers x {cfgd['experts']} experts top-{cfgd['topk']}, "
+        f"H={cfgd['hidden']}, EP {cfgd['ep']} ({summary['ranks'] // cfgd['ranks_per_node']} nodes x "
+        f"{cfgd['ranks_per_node']})",
+        fontsize=9,
+    )
     top.legend()
     top.grid(alpha=0.3)
     window = summary["smooth_window"]
     bottom.plot(steps, [abs(x - y) for x, y in zip(a, c)], color="tab:red", lw=0.8, label="per step")
-    bottom.plot(steps, [abs(x - y) for x, y in zip(trailing_mean(a, window), trailing_mean(c, window))],
-                color="black", lw=1.4, label=f"{window}-step means")
+    bottom.plot(
+        steps,
+        [abs(x - y) for x, y in zip(trailing_mean(a, window), trailing_mean(c, window))],
+        color="black",
+        lw=1.4,
+        label=f"{window}-step means",
+    )
     bottom.axhline(summary["tolerance"], color="gray", ls=":", lw=1.0, label="tolerance")
     bottom.set_ylabel("|difference|")
     bottom.legend(fontsize=7, loc="upper left")
@@ -322,6 +363,7 @@ def write_outputs(out: pathlib.Path, results: dict, summary: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # entry points
 # ---------------------------------------------------------------------------------------------
+
 
 def run_rank(rank: int, world_size: int, cfg: RunConfig, args_dict: dict) -> dict | None:
     """Both runs on one rank (the body of a spawned CPU rank or a torchrun process)."""
@@ -346,9 +388,11 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig, args_dict: dict) -> dic
         from rich.console import Console
 
         console = Console(force_terminal=args_dict["force_terminal"], width=110)
-        console.print(f"corpus: {corpus.numel() / 1e6:.1f} MB of Python sources under {cfg.data_dir}; "
-                      f"{world_size} ranks, EP {cfg.ep}, {world_size // cfg.ranks_per_node} node(s) x "
-                      f"{cfg.ranks_per_node}, device {device.type}")
+        console.print(
+            f"corpus: {corpus.numel() / 1e6:.1f} MB of Python sources under {cfg.data_dir}; "
+            f"{world_size} ranks, EP {cfg.ep}, {world_size // cfg.ranks_per_node} node(s) x "
+            f"{cfg.ranks_per_node}, device {device.type}"
+        )
     results = {}
     for dispatcher in DISPATCHERS:
         losses, wall = train(cfg, dispatcher, corpus, device, console, dispatcher)
@@ -373,21 +417,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--aux-loss-coeff", type=float, default=1e-2)
     p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--pad-multiple", type=int, default=1,
-                   help="custom backend: pad expert blocks (>1 fuses the permute into dispatch)")
+    p.add_argument(
+        "--pad-multiple",
+        type=int,
+        default=1,
+        help="custom backend: pad expert blocks (>1 fuses the permute into dispatch)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-every", type=int, default=25, help="print the loss every N steps")
     p.add_argument("--ranks", type=int, default=4, help="CPU world size (ignored under torchrun)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="simulated node size on CPU")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all ranks)")
     p.add_argument("--corpus-mb", type=float, default=4.0)
-    p.add_argument("--data-dir", default=sysconfig.get_paths()["stdlib"],
-                   help="folder of Python sources (default: this interpreter's standard library)")
-    p.add_argument("--tolerance", type=float, default=0.05,
-                   help="largest allowed difference of the two curves' trailing means (nats)")
+    p.add_argument(
+        "--data-dir",
+        default=sysconfig.get_paths()["stdlib"],
+        help="folder of Python sources (default: this interpreter's standard library)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="largest allowed difference of the two curves' trailing means (nats)",
+    )
     p.add_argument("--smooth", type=int, default=20, help="window of the trailing means compared")
-    p.add_argument("--min-drop", type=float, default=0.75,
-                   help="final loss (mean of the last 10 steps) must be below this fraction of the initial one")
+    p.add_argument(
+        "--min-drop",
+        type=float,
+        default=0.75,
+        help="final loss (mean of the last 10 steps) must be below this fraction of the initial one",
+    )
     p.add_argument("--out", default="bench_results/train/")
     p.add_argument("--timeout-s", type=float, default=3600.0)
     args = p.parse_args(argv)
@@ -403,15 +462,35 @@ def main(argv=None) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun else args.ranks_per_node
     ep = args.ep or world
     if world % ep or args.experts % ep or world % local:
-        print(f"error: need --ep ({ep}) dividing the world ({world}) and --experts ({args.experts}), and the node "
-              f"size ({local}) dividing the world", file=sys.stderr)
+        print(
+            f"error: need --ep ({ep}) dividing the world ({world}) and --experts ({args.experts}), and the node "
+            f"size ({local}) dividing the world",
+            file=sys.stderr,
+        )
         return 2
-    cfg = RunConfig(steps=args.steps, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                    hidden=args.hidden, layers=args.layers, heads=args.heads, experts=args.experts, topk=args.topk,
-                    ffn_hidden=args.ffn_hidden, lr=args.lr, warmup=args.warmup, aux_loss_coeff=args.aux_loss_coeff,
-                    clip_grad=args.clip_grad, seed=args.seed, log_every=args.log_every, ep=ep,
-                    ranks_per_node=min(local, ep), simulated_nodes=not under_torchrun,
-                    corpus_bytes=int(args.corpus_mb * 1e6), data_dir=args.data_dir, pad_multiple=args.pad_multiple)
+    cfg = RunConfig(
+        steps=args.steps,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        experts=args.experts,
+        topk=args.topk,
+        ffn_hidden=args.ffn_hidden,
+        lr=args.lr,
+        warmup=args.warmup,
+        aux_loss_coeff=args.aux_loss_coeff,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        log_every=args.log_every,
+        ep=ep,
+        ranks_per_node=min(local, ep),
+        simulated_nodes=not under_torchrun,
+        corpus_bytes=int(args.corpus_mb * 1e6),
+        data_dir=args.data_dir,
+        pad_multiple=args.pad_multiple,
+    )
     rank_args = {"force_terminal": None}
     start = time.perf_counter()
     if not under_torchrun:
@@ -420,8 +499,13 @@ def main(argv=None) -> int:
     if results is None:  # a rank other than 0 under torchrun
         return 0
     total = time.perf_counter() - start
-    meta = {"ranks": world, "total_wall_s": total, "torch": torch.__version__, "device":
-            "cuda" if torch.cuda.is_available() else "cpu", "date": datetime.date.today().isoformat()}
+    meta = {
+        "ranks": world,
+        "total_wall_s": total,
+        "torch": torch.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "date": datetime.date.today().isoformat(),
+    }
     try:
         import megatron.core.package_info as info
 
@@ -432,14 +516,20 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     write_outputs(out, results, summary)
     verdict = "PASS" if summary["curves_agree"] and summary["loss_falls"] else "FAIL"
-    print(f"\nfinal loss (mean of last 10 steps): alltoall {summary['final_loss']['alltoall']:.4f}, "
-          f"custom {summary['final_loss']['custom']:.4f} (initial {summary['initial_loss']['alltoall']:.4f})")
-    print(f"max |loss difference| over {cfg.steps} steps: {summary['max_abs_loss_diff']:.3e} at step "
-          f"{summary['max_abs_loss_diff_step']}; of the {summary['smooth_window']}-step means: "
-          f"{summary['max_abs_smoothed_diff']:.3e} (tolerance {args.tolerance}); bitwise-equal curves: "
-          f"{summary['bitwise_equal_curves']}")
-    print(f"wall: alltoall {summary['wall_s']['alltoall']:.1f} s, custom {summary['wall_s']['custom']:.1f} s, "
-          f"total {total:.1f} s; outputs in {out}/ (loss_curves.png, losses.csv, summary.json)")
+    print(
+        f"\nfinal loss (mean of last 10 steps): alltoall {summary['final_loss']['alltoall']:.4f}, "
+        f"custom {summary['final_loss']['custom']:.4f} (initial {summary['initial_loss']['alltoall']:.4f})"
+    )
+    print(
+        f"max |loss difference| over {cfg.steps} steps: {summary['max_abs_loss_diff']:.3e} at step "
+        f"{summary['max_abs_loss_diff_step']}; of the {summary['smooth_window']}-step means: "
+        f"{summary['max_abs_smoothed_diff']:.3e} (tolerance {args.tolerance}); bitwise-equal curves: "
+        f"{summary['bitwise_equal_curves']}"
+    )
+    print(
+        f"wall: alltoall {summary['wall_s']['alltoall']:.1f} s, custom {summary['wall_s']['custom']:.1f} s, "
+        f"total {total:.1f} s; outputs in {out}/ (loss_curves.png, losses.csv, summary.json)"
+    )
     print(f"{verdict}: curves agree {summary['curves_agree']}, loss falls {summary['loss_falls']}")
     return 0 if verdict == "PASS" else 1
 

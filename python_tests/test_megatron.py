@@ -41,6 +41,7 @@ TOPK = 2
 # helpers run inside the ranks
 # ---------------------------------------------------------------------------------------------
 
+
 def _init_parallel(ep: int, etp: int = 1) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -59,11 +60,22 @@ def _config(ep: int, dispatcher: str, etp: int = 1, **knobs):
 
     import moe_dispatch.megatron as mdm
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,
-                            moe_router_topk=TOPK, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
-                            moe_aux_loss_coeff=1e-2, add_bias_linear=False, params_dtype=torch.float32,
-                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                            moe_ffn_hidden_size=24, ffn_hidden_size=24)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        moe_ffn_hidden_size=24,
+        ffn_hidden_size=24,
+    )
     if dispatcher == "custom":
         mdm.configure(cfg, **knobs)
     return cfg
@@ -157,7 +169,8 @@ def _check_same_expert_input(ep: int, seed: int, pad_multiple: int = 1, **knobs)
 
     def case(rank, world_size):
         _, _, (tokens, tpe, pprobs) = _check_roundtrip(
-            _config(ep, "custom", pad_multiple=pad_multiple, **knobs), rank, seed, drop_last=False)
+            _config(ep, "custom", pad_multiple=pad_multiple, **knobs), rank, seed, drop_last=False
+        )
         ref_tokens, ref_tpe, ref_probs = _alltoall_expert_input(ep, rank, seed)
         ref_tpe = torch.as_tensor(ref_tpe).to(torch.int64)
         padded = (ref_tpe + pad_multiple - 1) // pad_multiple * pad_multiple
@@ -165,9 +178,9 @@ def _check_same_expert_input(ep: int, seed: int, pad_multiple: int = 1, **knobs)
         assert tokens.shape[0] == int(padded.sum())
         start = ref_start = 0
         for n, p in zip(ref_tpe.tolist(), padded.tolist()):
-            assert torch.equal(tokens[start:start + n], ref_tokens[ref_start:ref_start + n]), "expert rows differ"
-            assert torch.equal(pprobs[start:start + n], ref_probs[ref_start:ref_start + n].float()), "probs differ"
-            assert not tokens[start + n:start + p].any() and not pprobs[start + n:start + p].any(), "padding not 0"
+            assert torch.equal(tokens[start : start + n], ref_tokens[ref_start : ref_start + n]), "expert rows differ"
+            assert torch.equal(pprobs[start : start + n], ref_probs[ref_start : ref_start + n].float()), "probs differ"
+            assert not tokens[start + n : start + p].any() and not pprobs[start + n : start + p].any(), "padding not 0"
             start, ref_start = start + p, ref_start + n
 
     return case
@@ -185,8 +198,9 @@ def _check_budget(ep: int, seed: int):
         assert tokens.shape[0] == ample and int(tpe.sum()) == ample  # the tail joins the last expert
         assert isinstance(d, MoEFlexTokenDispatcher) and not bool(d.check_over_budget().any())
 
-        d, out, (tokens, _, _) = _check_roundtrip(_config(ep, "custom", num_permuted_tokens=2), rank, seed,
-                                                  exact_restore=False)
+        d, out, (tokens, _, _) = _check_roundtrip(
+            _config(ep, "custom", num_permuted_tokens=2), rank, seed, exact_restore=False
+        )
         assert tokens.shape[0] == 2
         assert bool(d.check_over_budget().any()), "a budget of 2 rows must overflow on every rank"
         d.reset_over_budget()
@@ -215,8 +229,9 @@ def _check_drop_and_pad(ep: int, seed: int):
         num_tokens = (5 + rank) * 2
         for factor, overflows in ((4.0, False), (0.1, True)):
             knobs = dict(moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=True, ranks_per_node=2)
-            d, _, (tokens, tpe, _) = _check_roundtrip(_config(ep, "custom", **knobs), rank, seed,
-                                                      exact_restore=not overflows)
+            d, _, (tokens, tpe, _) = _check_roundtrip(
+                _config(ep, "custom", **knobs), rank, seed, exact_restore=not overflows
+            )
             block = get_capacity(num_tokens * TOPK, NUM_EXPERTS, factor) * ep
             assert tpe.tolist() == [block] * (NUM_EXPERTS // ep) and tokens.shape[0] == block * NUM_EXPERTS // ep
             assert bool(d.check_over_budget().any()) == overflows
@@ -283,8 +298,9 @@ def _check_sync_free_static_shape(ep: int, seed: int):
         manager = static._comm_manager
         budget = manager.budget(hidden.shape[0])
         assert budget == -(-hidden.shape[0] * TOPK * 4 // 1)  # ceil(T * topk * 4), pad_multiple 1
-        want = _manager_step(_dispatcher(_config(ep, "custom", transport="kernels"))._comm_manager, hidden,
-                             routing_map, probs)
+        want = _manager_step(
+            _dispatcher(_config(ep, "custom", transport="kernels"))._comm_manager, hidden, routing_map, probs
+        )
         _manager_step(manager, hidden, routing_map, probs)  # the first call of each signature: checked
         # The permute as on a GPU: its Triton kernels (interpreted here), not the CPU reference,
         # which validates on the host.
@@ -397,17 +413,34 @@ def _train_step(overlap: bool, seed: int, **knobs):
     import moe_dispatch.megatron as mdm
     from moe_dispatch.megatron.schedule import run_gpt_step
 
-    cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,
-                            moe_router_topk=TOPK, use_cpu_initialization=True, moe_aux_loss_coeff=1e-2,
-                            add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True, ffn_hidden_size=24,
-                            moe_ffn_hidden_size=24, expert_model_parallel_size=4, hidden_dropout=0.0,
-                            attention_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        ffn_hidden_size=24,
+        moe_ffn_hidden_size=24,
+        expert_model_parallel_size=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     mdm.configure(cfg, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap, **knobs)
     # process-wide aux-loss scale: earlier cases' layer backward made it 0-d, the schedule sets [1]
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     torch.manual_seed(seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
-                     vocab_size=32, max_sequence_length=8, position_embedding_type="rope")
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
+        vocab_size=32,
+        max_sequence_length=8,
+        position_embedding_type="rope",
+    )
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     batches = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(3)]
@@ -463,8 +496,9 @@ EP2_CASES = {
     "expert_input_ep2_2nodes_padded": _check_same_expert_input(2, 13, pad_multiple=2, ranks_per_node=1),
     "budget_ep2_2nodes": _check_budget(2, 14),
     "layer_equivalence_ep2_1node": _check_layer_equivalence(2, 15),
-    "layer_equivalence_ep2_2nodes_budget": _check_layer_equivalence(2, 16, ranks_per_node=1,
-                                                                   expert_rank_capacity_factor=8.0),
+    "layer_equivalence_ep2_2nodes_budget": _check_layer_equivalence(
+        2, 16, ranks_per_node=1, expert_rank_capacity_factor=8.0
+    ),
     "ranks_per_node_ep2": _check_ranks_per_node(2),
 }
 ETP2_CASES = {  # expert tensor parallelism 2 x EP 2: the TP x EP group of 4, experts and top-k folded
@@ -496,6 +530,7 @@ def test_megatron_world(case):
 # ---------------------------------------------------------------------------------------------
 # GPU: a whole MoE layer step through the manager, captured in a CUDA graph
 # ---------------------------------------------------------------------------------------------
+
 
 def _graph_entry(rank: int, world_size: int):
     """EP 2 on one GPU (gloo carries the kernels' handles: NCCL refuses two ranks on one GPU):

@@ -29,8 +29,11 @@ pytest.importorskip("megatron.core")
 try:
     BRIDGE_VERSION = importlib.metadata.version("megatron-bridge")
 except importlib.metadata.PackageNotFoundError:
-    pytest.skip("megatron-bridge is not installed (make venv installs 0.6.2 from requirements/bridge.txt; it needs "
-                "Python >= 3.12, so the Python 3.11 compatibility environment has none)", allow_module_level=True)
+    pytest.skip(
+        "megatron-bridge is not installed (make venv installs 0.6.2 from requirements/bridge.txt; it needs "
+        "Python >= 3.12, so the Python 3.11 compatibility environment has none)",
+        allow_module_level=True,
+    )
 
 from .worlds import assert_case, run_cases, world_results  # noqa: E402
 
@@ -56,10 +59,20 @@ def import_bridge_flex_module():
 def _config(dispatcher: str = "alltoall", **fields):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
-                moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=WORLD_SIZE,
-                use_cpu_initialization=True, add_bias_linear=False, moe_ffn_hidden_size=32, ffn_hidden_size=32,
-                moe_aux_loss_coeff=1e-2)
+    base = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=WORLD_SIZE,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_ffn_hidden_size=32,
+        ffn_hidden_size=32,
+        moe_aux_loss_coeff=1e-2,
+    )
     return TransformerConfig(**{**base, **fields})
 
 
@@ -96,8 +109,11 @@ def _bridge_config_builds_our_layer(rank, world_size):
     cfg = _config(moe_shared_expert_overlap=False)
     cfg.moe_shared_expert_overlap = True  # Bridge's helper turns it off for every flex backend
     flex.apply_flex_dispatcher_backend(cfg, "custom")
-    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend, cfg.moe_shared_expert_overlap) == \
-        ("flex", "custom", False)
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend, cfg.moe_shared_expert_overlap) == (
+        "flex",
+        "custom",
+        False,
+    )
     flex.validate_flex_dispatcher_backend(cfg)  # ours for "custom": no GPU architecture to read on CPU
 
     spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)

@@ -30,16 +30,26 @@ from moe_dispatch.megatron.config import (  # noqa: E402
 )
 
 # TransformerConfig fields that some supported megatron-core version lacks (configure() names the version)
-VERSION_DEPENDENT_FIELDS = sorted({name for points in compat._PATCH_POINTS.values()
-                                   for name, _ in points.missing_config_fields})
+VERSION_DEPENDENT_FIELDS = sorted(
+    {name for points in compat._PATCH_POINTS.values() for name, _ in points.missing_config_fields}
+)
 
 
 def _config(**fields):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
-                expert_model_parallel_size=2, bf16=True, params_dtype=torch.bfloat16, ffn_hidden_size=32,
-                moe_ffn_hidden_size=32)
+    base = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        expert_model_parallel_size=2,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        ffn_hidden_size=32,
+        moe_ffn_hidden_size=32,
+    )
     base.update(fields)
     return TransformerConfig(**base)
 
@@ -47,6 +57,7 @@ def _config(**fields):
 # ---------------------------------------------------------------------------------------------
 # configure() and validate_config()
 # ---------------------------------------------------------------------------------------------
+
 
 def test_configure_selects_the_backend():
     cfg = _config(moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=False)
@@ -57,8 +68,9 @@ def test_configure_selects_the_backend():
     # the SM budget: Megatron's moe_flex_dispatcher_num_sms (0.19), the backend's own attribute where there is none
     assert cfg.moe_shared_expert_overlap is False and getattr(cfg, compat.num_sms_attr()) == 24
     assert resolve_num_sms(cfg) == 24 and resolve_num_sms(_config()) is None
-    assert mdm.get_options(cfg) == mdm.CustomBackendOptions(ranks_per_node=2, pad_multiple=16,
-                                                            expert_rank_capacity_factor=1.5)
+    assert mdm.get_options(cfg) == mdm.CustomBackendOptions(
+        ranks_per_node=2, pad_multiple=16, expert_rank_capacity_factor=1.5
+    )
     assert mdm.is_custom_backend(cfg)
 
 
@@ -76,6 +88,8 @@ def test_configure_passes_the_kernel_config_to_the_buffer(monkeypatch):
     manager.get_buffer(None, num_sms=24, config="auto")
     manager.get_buffer(None, num_sms=24, config=Config(num_sms=6))
     assert [(kw["config"], kw["num_sms"]) for kw in made] == [("auto", None), (Config(num_sms=6), None)]
+
+
 def test_kernel_config_reaches_the_buffer_and_megatrons_num_sms_must_agree():
     """configure(kernel_config=Config(...)) hands the whole Config to the Buffer; an SM budget
     set on the config by hand must be the Config's."""
@@ -132,8 +146,9 @@ def test_expert_tp_without_ep_configures():
     """The flex dispatcher communicates over expert TP x EP: EP 1 with expert TP 4 is a group of 4."""
     from moe_dispatch.megatron.config import dispatch_group_size
 
-    cfg = mdm.configure(_config(expert_model_parallel_size=1, expert_tensor_parallel_size=4, add_bias_linear=False),
-                        ranks_per_node=2)
+    cfg = mdm.configure(
+        _config(expert_model_parallel_size=1, expert_tensor_parallel_size=4, add_bias_linear=False), ranks_per_node=2
+    )
     assert dispatch_group_size(cfg) == 4 and mdm.is_custom_backend(cfg)
     assert dispatch_group_size(_config(tensor_model_parallel_size=2, add_bias_linear=False)) == 4  # ETP = TP
 
@@ -154,48 +169,83 @@ def test_drop_and_pad_and_router_padding_resolve():
     assert resolve_pad_multiple(cfg) == 16 and resolve_fuse_permute(cfg)
     cfg = mdm.configure(_config(), moe_router_padding_for_quantization=True, fp8="hybrid", pad_multiple=32)
     assert resolve_pad_multiple(cfg) == 32
-    cfg = mdm.configure(_config(), moe_expert_capacity_factor=0.6, moe_pad_expert_input_to_capacity=True,
-                        pad_multiple=16)  # fixed blocks round up to the padding multiple
+    cfg = mdm.configure(
+        _config(), moe_expert_capacity_factor=0.6, moe_pad_expert_input_to_capacity=True, pad_multiple=16
+    )  # fixed blocks round up to the padding multiple
     assert resolve_expert_capacity(cfg, 16, 4) == -(-capacity * 4 // 16) * 16
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(moe_token_dispatcher_type="alltoall"),
-     r"configure\(\) selects moe_token_dispatcher_type='flex'.*got moe_token_dispatcher_type='alltoall'.*Drop "
-     r"those keywords"),
-    (dict(expert_model_parallel_size=1),
-     r"expert_tensor_parallel_size x expert_model_parallel_size = 1 x 1 = 1: there is nothing to dispatch\. Set "
-     r"expert_model_parallel_size > 1 or expert_tensor_parallel_size > 1"),
-    (dict(num_moe_experts=1), r"num_moe_experts=1: set num_moe_experts >= 2"),
-    (dict(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2),
-     r"pipeline_model_parallel_size=2 needs the interleaved schedule: set virtual_pipeline_model_parallel_size"),
-    (dict(overlap_moe_expert_parallel_comm=True, moe_shared_expert_overlap=True),
-     r"moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other.*set "
-     r"moe_shared_expert_overlap=False"),
-    (dict(delay_wgrad_compute=True), r"set overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False"),
-    (dict(moe_pad_expert_input_to_capacity=True),
-     r"moe_pad_expert_input_to_capacity=True pads every expert's input to its capacity, which "
-     r"moe_expert_capacity_factor defines: set moe_expert_capacity_factor"),
-    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0, expert_rank_capacity_factor=1.5),
-     r"already fixes the expert input \(capacity rows per expert\).*drop the static budget"),
-    (dict(moe_router_padding_for_quantization=True),
-     r"the config has neither fp8 nor fp4 \(Megatron requires one\): set fp8/fp4, or set "
-     r"moe_router_padding_for_quantization=False"),
-    (dict(moe_router_padding_for_quantization=True, fp8="hybrid", pad_multiple=8),
-     r"needs expert blocks padded to a multiple of 16 \(the fp8/fp4 recipe's alignment\), but "
-     r"configure\(pad_multiple=8\) is not one"),
-    (dict(moe_expert_rank_capacity_factor=1.5, num_permuted_tokens=64),
-     r"moe_expert_rank_capacity_factor=1\.5 and configure\(num_permuted_tokens=64, .*both set the static budget"),
-    (dict(moe_expert_rank_capacity_factor=-2.0), r"moe_expert_rank_capacity_factor must be a positive number"),
-    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0,
-          moe_expert_rank_capacity_factor=1.5), r"already fixes the expert input .*moe_expert_rank_capacity_factor"),
-    (dict(fp8_dispatch=True), r"fp8_dispatch=True quantizes rows in 1x128 blocks, but hidden_size=16"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (
+            dict(moe_token_dispatcher_type="alltoall"),
+            r"configure\(\) selects moe_token_dispatcher_type='flex'.*got moe_token_dispatcher_type='alltoall'.*Drop "
+            r"those keywords",
+        ),
+        (
+            dict(expert_model_parallel_size=1),
+            r"expert_tensor_parallel_size x expert_model_parallel_size = 1 x 1 = 1: there is nothing to dispatch\. Set "
+            r"expert_model_parallel_size > 1 or expert_tensor_parallel_size > 1",
+        ),
+        (dict(num_moe_experts=1), r"num_moe_experts=1: set num_moe_experts >= 2"),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2),
+            r"pipeline_model_parallel_size=2 needs the interleaved schedule: set virtual_pipeline_model_parallel_size",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, moe_shared_expert_overlap=True),
+            r"moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other.*set "
+            r"moe_shared_expert_overlap=False",
+        ),
+        (
+            dict(delay_wgrad_compute=True),
+            r"set overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False",
+        ),
+        (
+            dict(moe_pad_expert_input_to_capacity=True),
+            r"moe_pad_expert_input_to_capacity=True pads every expert's input to its capacity, which "
+            r"moe_expert_capacity_factor defines: set moe_expert_capacity_factor",
+        ),
+        (
+            dict(
+                moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0, expert_rank_capacity_factor=1.5
+            ),
+            r"already fixes the expert input \(capacity rows per expert\).*drop the static budget",
+        ),
+        (
+            dict(moe_router_padding_for_quantization=True),
+            r"the config has neither fp8 nor fp4 \(Megatron requires one\): set fp8/fp4, or set "
+            r"moe_router_padding_for_quantization=False",
+        ),
+        (
+            dict(moe_router_padding_for_quantization=True, fp8="hybrid", pad_multiple=8),
+            r"needs expert blocks padded to a multiple of 16 \(the fp8/fp4 recipe's alignment\), but "
+            r"configure\(pad_multiple=8\) is not one",
+        ),
+        (
+            dict(moe_expert_rank_capacity_factor=1.5, num_permuted_tokens=64),
+            r"moe_expert_rank_capacity_factor=1\.5 and configure\(num_permuted_tokens=64, .*both set the static budget",
+        ),
+        (dict(moe_expert_rank_capacity_factor=-2.0), r"moe_expert_rank_capacity_factor must be a positive number"),
+        (
+            dict(
+                moe_pad_expert_input_to_capacity=True,
+                moe_expert_capacity_factor=1.0,
+                moe_expert_rank_capacity_factor=1.5,
+            ),
+            r"already fixes the expert input .*moe_expert_rank_capacity_factor",
+        ),
+        (dict(fp8_dispatch=True), r"fp8_dispatch=True quantizes rows in 1x128 blocks, but hidden_size=16"),
+    ],
+)
 def test_configure_rejects_with_the_fix(fields, match):
     lacking = [name for name in fields if compat.missing_config_field(name) is not None]
     if lacking:
-        pytest.skip(f"megatron-core {compat.version_string()} has no TransformerConfig field {lacking[0]} "
-                    "(test_configure_names_the_version_of_a_missing_field covers it there)")
+        pytest.skip(
+            f"megatron-core {compat.version_string()} has no TransformerConfig field {lacking[0]} "
+            "(test_configure_names_the_version_of_a_missing_field covers it there)"
+        )
     with pytest.raises(ValueError, match=match):
         mdm.configure(_config(), **fields)
 
@@ -207,9 +257,12 @@ def test_configure_names_the_version_of_a_missing_field(field):
         pytest.skip(f"megatron-core {compat.version_string()} has the TransformerConfig field {field}")
     fix = compat.missing_config_field(field)
     assert fix, f"{field} is missing in megatron-core {compat.version_string()} but its entry names no fix"
-    with pytest.raises(ValueError, match=rf"configure\(\) got {field}, but megatron-core "
-                                         rf"{re.escape(compat.version_string())} has no TransformerConfig field "
-                                         rf"{field} \(newer supported versions do\): {re.escape(fix)}, or upgrade"):
+    with pytest.raises(
+        ValueError,
+        match=rf"configure\(\) got {field}, but megatron-core "
+        rf"{re.escape(compat.version_string())} has no TransformerConfig field "
+        rf"{field} \(newer supported versions do\): {re.escape(fix)}, or upgrade",
+    ):
         mdm.configure(cfg, **{field: 1})
     assert cfg.moe_token_dispatcher_type != "flex", "a rejected configure() must leave the config alone"
 
@@ -224,12 +277,15 @@ def test_version_entries_differ_where_megatron_does():
     assert old.callables_importers == () and new.callables_importers
     assert (old.num_sms_field, new.num_sms_field) == (None, "moe_flex_dispatcher_num_sms")
     assert (compat.num_sms_attr((0, 16, 1)), compat.num_sms_attr((0, 19, 2))) == (
-        "moe_dispatch_num_sms", "moe_flex_dispatcher_num_sms")
+        "moe_dispatch_num_sms",
+        "moe_flex_dispatcher_num_sms",
+    )
     assert not old.dispatcher_has_over_budget and new.dispatcher_has_over_budget
     assert old.align_size_needs_quantization and not new.align_size_needs_quantization
     assert not old.row_parallel_has_backward_dw and new.row_parallel_has_backward_dw
     assert compat.missing_config_field("moe_expert_rank_capacity_factor", (0, 16, 1)).endswith(
-        "configure(config, expert_rank_capacity_factor=...)")
+        "configure(config, expert_rank_capacity_factor=...)"
+    )
     assert compat.missing_config_field("moe_expert_rank_capacity_factor", (0, 19, 2)) is None
     for points in (old, new):  # a version that lacks a field has no field name pointing at it
         assert points.num_sms_field not in dict(points.missing_config_fields)
@@ -261,8 +317,11 @@ def test_validate_config_catches_a_hand_set_backend():
 def test_validate_config_checks_a_hand_set_sm_budget():
     cfg = mdm.configure(_config())
     setattr(cfg, compat.num_sms_attr(), 21)  # set on the config by hand, or for another flex backend
-    with pytest.raises(ValueError, match=rf"{compat.num_sms_attr()} \(the SM budget .*\) must be an even int in "
-                                         r"\[2, 128\].*got 21"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{compat.num_sms_attr()} \(the SM budget .*\) must be an even int in "
+        r"\[2, 128\].*got 21",
+    ):
         mdm.validate_config(cfg)
 
 
@@ -284,25 +343,37 @@ def test_max_connections_one_warns_with_ep_overlap(monkeypatch):
     assert not max_connections_warnings(overlap_moe_expert_parallel_comm=True)
 
 
-@pytest.mark.parametrize("knobs, match", [
-    (dict(pad_multiple=0), r"pad_multiple must be a positive int"),
-    (dict(ranks_per_node=0), r"ranks_per_node must be a positive int"),
-    (dict(num_permuted_tokens=0), r"num_permuted_tokens must be a positive int"),
-    (dict(expert_rank_capacity_factor=-1.0), r"expert_rank_capacity_factor must be a positive number"),
-    (dict(num_permuted_tokens=64, expert_rank_capacity_factor=1.0), r"both set a static budget: pass only one"),
-    (dict(fuse_permute="yes"), r"fuse_permute must be True, False or None"),
-    (dict(timeout_s=0), r"timeout_s must be a positive, finite number"),
-    (dict(timeout_s=float("inf")), r"timeout_s must be a positive, finite number"),
-    (dict(num_sms=0), r"num_sms \(SMs of the dispatch/combine kernels\) must be an even int in \[2, 128\]"),
-    (dict(num_sms=3), r"must be an even int in \[2, 128\] .*got 3, or None to keep the config's value"),
-    (dict(transport="nvlink"), r"transport must be one of \('auto', 'torch_dist', 'kernels', 'cuda'\) "
-                               r"\(the Buffer's\), got 'nvlink'"),
-    (dict(moe_not_a_field=1), r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs"),
-    (dict(kernel_config="fast"), r"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got 'fast'"),
-    (dict(kernel_config="auto", num_sms=8), r"num_sms=8 and kernel_config='auto' both set the kernels' SM budget"),
-    (dict(num_sms=8, kernel_config=Config(num_sms=8)), r"num_sms=8 and kernel_config=Config\(num_sms=8, .*\) both set"),
-    (dict(fp8_dispatch="yes"), r"fp8_dispatch must be True, False or None"),
-])
+@pytest.mark.parametrize(
+    "knobs, match",
+    [
+        (dict(pad_multiple=0), r"pad_multiple must be a positive int"),
+        (dict(ranks_per_node=0), r"ranks_per_node must be a positive int"),
+        (dict(num_permuted_tokens=0), r"num_permuted_tokens must be a positive int"),
+        (dict(expert_rank_capacity_factor=-1.0), r"expert_rank_capacity_factor must be a positive number"),
+        (dict(num_permuted_tokens=64, expert_rank_capacity_factor=1.0), r"both set a static budget: pass only one"),
+        (dict(fuse_permute="yes"), r"fuse_permute must be True, False or None"),
+        (dict(timeout_s=0), r"timeout_s must be a positive, finite number"),
+        (dict(timeout_s=float("inf")), r"timeout_s must be a positive, finite number"),
+        (dict(num_sms=0), r"num_sms \(SMs of the dispatch/combine kernels\) must be an even int in \[2, 128\]"),
+        (dict(num_sms=3), r"must be an even int in \[2, 128\] .*got 3, or None to keep the config's value"),
+        (
+            dict(transport="nvlink"),
+            r"transport must be one of \('auto', 'torch_dist', 'kernels', 'cuda'\) "
+            r"\(the Buffer's\), got 'nvlink'",
+        ),
+        (
+            dict(moe_not_a_field=1),
+            r"\['moe_not_a_field'\], which are neither TransformerConfig fields nor backend knobs",
+        ),
+        (dict(kernel_config="fast"), r"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got 'fast'"),
+        (dict(kernel_config="auto", num_sms=8), r"num_sms=8 and kernel_config='auto' both set the kernels' SM budget"),
+        (
+            dict(num_sms=8, kernel_config=Config(num_sms=8)),
+            r"num_sms=8 and kernel_config=Config\(num_sms=8, .*\) both set",
+        ),
+        (dict(fp8_dispatch="yes"), r"fp8_dispatch must be True, False or None"),
+    ],
+)
 def test_bad_knobs(knobs, match):
     with pytest.raises(ValueError, match=match):
         mdm.configure(_config(), **knobs)
@@ -318,6 +389,7 @@ def test_foreign_options_object():
 # ---------------------------------------------------------------------------------------------
 # install() and its patch points
 # ---------------------------------------------------------------------------------------------
+
 
 def _patched_functions():
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
@@ -378,9 +450,11 @@ def test_over_budget_api_reads_the_managers_flag():
 
 def test_unsupported_version_names_it():
     for version in ((0, 15, 0), (0, 17, 0), (1, 0, 0)):
-        with pytest.raises(compat.UnsupportedMegatronVersionError,
-                           match=rf"supports megatron-core 0\.16\.x, 0\.19\.x \(tested: 0\.16\.1, 0\.19\.2\), found "
-                                 rf"{re.escape(compat.version_string(version))}\. .*moe_dispatch/megatron/compat\.py"):
+        with pytest.raises(
+            compat.UnsupportedMegatronVersionError,
+            match=rf"supports megatron-core 0\.16\.x, 0\.19\.x \(tested: 0\.16\.1, 0\.19\.2\), found "
+            rf"{re.escape(compat.version_string(version))}\. .*moe_dispatch/megatron/compat\.py",
+        ):
             compat.patch_points(version)
     assert compat.patch_points((0, 19, 0)) is compat.patch_points((0, 19, 2))
 
@@ -423,6 +497,7 @@ def test_setup_metadata_compiles_without_graph_breaks():
 # Megatron-Bridge (stand-in modules with its helpers' signatures; test_megatron_bridge.py runs the real one)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def fake_bridge(monkeypatch):
     calls = []
@@ -459,8 +534,11 @@ def test_bridge_helper_accepts_custom(fake_bridge):
     cfg = _config(moe_shared_expert_overlap=False)
     cfg.moe_shared_expert_overlap = True
     flex.apply_flex_dispatcher_backend(cfg, "custom")
-    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend, cfg.moe_shared_expert_overlap) == \
-        ("flex", "custom", False)
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend, cfg.moe_shared_expert_overlap) == (
+        "flex",
+        "custom",
+        False,
+    )
     assert mdm.get_options(cfg) == mdm.CustomBackendOptions()
     flex.validate_flex_dispatcher_backend(cfg)  # ours: passes
     cfg.expert_model_parallel_size = 1
@@ -497,7 +575,8 @@ def test_bridge_module_is_patched_when_imported(tmp_path, monkeypatch):
         "def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None):\n"
         "    model_config.seen_by_bridge = moe_flex_dispatcher_backend\n\n"
         "def validate_flex_dispatcher_backend(model_config):\n"
-        "    model_config.validated_by_bridge = True\n")
+        "    model_config.validated_by_bridge = True\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("megatron.bridge", "megatron.bridge.training", compat._BRIDGE_MODULE):
         monkeypatch.delitem(sys.modules, name, raising=False)  # and removed again at teardown
@@ -522,16 +601,19 @@ def test_bridge_module_is_patched_when_imported(tmp_path, monkeypatch):
 # import guard and the CPU shims' refusal on GPU machines
 # ---------------------------------------------------------------------------------------------
 
+
 def test_core_imports_without_megatron_and_the_backend_says_how_to_install():
-    code = ("import sys\n"
-            "sys.modules['megatron'] = None\n"
-            "sys.modules['megatron.core'] = None\n"
-            "import moe_dispatch\n"
-            "print('core ok')\n"
-            "try:\n"
-            "    import moe_dispatch.megatron\n"
-            "except ImportError as e:\n"
-            "    print('ImportError:', e)\n")
+    code = (
+        "import sys\n"
+        "sys.modules['megatron'] = None\n"
+        "sys.modules['megatron.core'] = None\n"
+        "import moe_dispatch\n"
+        "print('core ok')\n"
+        "try:\n"
+        "    import moe_dispatch.megatron\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "core ok" in out.stdout

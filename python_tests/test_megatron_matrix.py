@@ -57,18 +57,25 @@ MODES = {
     "dropless": (8, 2, (32, 8), {}),
     "capacity": (8, 2, (16,), dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")),
     "capacity_position": (8, 2, (16,), dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position")),
-    "drop_and_pad": (8, 2, (16,), dict(moe_expert_capacity_factor=0.6, moe_token_drop_policy="probs",
-                                       moe_pad_expert_input_to_capacity=True)),
+    "drop_and_pad": (
+        8,
+        2,
+        (16,),
+        dict(moe_expert_capacity_factor=0.6, moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=True),
+    ),
     "router_padding": (32, 4, (32,), dict(moe_router_padding_for_quantization=True, fp8="hybrid")),
 }
-UNPADDED = {"drop_and_pad": dict(moe_pad_expert_input_to_capacity=False),  # the run a padded one must equal
-            "router_padding": dict(moe_router_padding_for_quantization=False, fp8=None)}
+UNPADDED = {
+    "drop_and_pad": dict(moe_pad_expert_input_to_capacity=False),  # the run a padded one must equal
+    "router_padding": dict(moe_router_padding_for_quantization=False, fp8=None),
+}
 QUANTIZATION_ALIGN = 16  # get_align_size_for_quantization for fp8 "hybrid" with the default "delayed" recipe
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers run inside the ranks
 # ---------------------------------------------------------------------------------------------
+
 
 def _init_parallel(tp: int, ep: int) -> None:
     from megatron.core import parallel_state as ps
@@ -79,13 +86,25 @@ def _init_parallel(tp: int, ep: int) -> None:
     mdm.clear_buffers()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=tp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp
+    )
     model_parallel_cuda_manual_seed(123)
 
 
-def _config(tp: int, ep: int, nodes: int, dispatcher: str, *, num_experts: int, topk: int, hidden: int,
-            dtype: torch.dtype, ffn: int = 32, **fields):
+def _config(
+    tp: int,
+    ep: int,
+    nodes: int,
+    dispatcher: str,
+    *,
+    num_experts: int,
+    topk: int,
+    hidden: int,
+    dtype: torch.dtype,
+    ffn: int = 32,
+    **fields,
+):
     """A TransformerConfig as Megatron's test container builds it; ``fields`` that
     ``__post_init__`` would refuse on CPU (fp8 without TE) are set afterwards, as
     ``configure()`` sets its keywords."""
@@ -95,12 +114,28 @@ def _config(tp: int, ep: int, nodes: int, dispatcher: str, *, num_experts: int, 
 
     late = {name: fields.pop(name) for name in ("fp8", "moe_router_padding_for_quantization") if name in fields}
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=num_experts, moe_router_topk=topk,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1, moe_router_dtype="fp32",
-        moe_token_dispatcher_type="alltoall", tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=True,
-        add_bias_linear=False, moe_ffn_hidden_size=ffn, ffn_hidden_size=ffn, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **fields)
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.1,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_ffn_hidden_size=ffn,
+        ffn_hidden_size=ffn,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        **fields,
+    )
     if dispatcher == "custom":
         # fp8 here only enables the router's padding: the tokens travel in bf16, as the alltoall
         # dispatcher's (fp8 dispatch quantizes them: test_megatron.py checks it)
@@ -171,8 +206,9 @@ def _dispatcher_case(tp: int, ep: int, nodes: int, mode: str, shape_name: str, s
 
         def config(dispatcher, **overrides):
             knobs = {**fields, **overrides}
-            return _config(tp, ep, nodes, dispatcher, num_experts=num_experts, topk=topk, hidden=hidden,
-                           dtype=dtype, **knobs)
+            return _config(
+                tp, ep, nodes, dispatcher, num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, **knobs
+            )
 
         torch.manual_seed(seed)
         reference = _layer(config("alltoall"))
@@ -186,8 +222,9 @@ def _dispatcher_case(tp: int, ep: int, nodes: int, mode: str, shape_name: str, s
             x = _inputs(token_shape, hidden, dtype, seed)
             if mode == "dropless":
                 # Megatron replaces the probs by 1/topk: the round trip restores the input
-                out, (tpe, rows) = _through_dispatcher(_layer(config(dispatcher), reference), x,
-                                                       lambda p: torch.ones_like(p) / topk)
+                out, (tpe, rows) = _through_dispatcher(
+                    _layer(config(dispatcher), reference), x, lambda p: torch.ones_like(p) / topk
+                )
                 torch.testing.assert_close(out, x.detach() * tp, **tol)
                 out.backward(x.detach())
                 torch.testing.assert_close(x.grad, x.detach() * tp, **tol)
@@ -210,8 +247,9 @@ def _dispatcher_case(tp: int, ep: int, nodes: int, mode: str, shape_name: str, s
                 unpadded_grad, x.grad = x.grad, None
                 out, (tpe, rows) = _through_dispatcher(_layer(config(dispatcher), reference), x)
                 if mode == "drop_and_pad":
-                    assert tpe.tolist() == [capacity * ep * tp] * tpe.numel(), \
+                    assert tpe.tolist() == [capacity * ep * tp] * tpe.numel(), (
                         f"tokens per expert {tpe.tolist()} != capacity {capacity} x {ep * tp} ranks"
+                    )
                 else:
                     assert int(tpe.sum()) == rows, f"tokens per expert {tpe.tolist()} do not sum to the {rows} rows"
                     if tpe.numel() > 1:  # Megatron: one expert may lack the tokens to pad
@@ -232,8 +270,11 @@ LAYER_CASES = {  # name: (dtype, hidden, config fields)
     "layer_bf16_h1024": (torch.bfloat16, 1024, {}),
     "layer_recompute_bf16": (torch.bfloat16, 64, dict(recompute_granularity="selective", recompute_modules=["moe"])),
     "layer_fp16": (torch.float16, 64, {}),
-    "layer_drop_and_pad_fp32": (torch.float32, 16, dict(moe_expert_capacity_factor=0.6,
-                                                         moe_pad_expert_input_to_capacity=True)),
+    "layer_drop_and_pad_fp32": (
+        torch.float32,
+        16,
+        dict(moe_expert_capacity_factor=0.6, moe_pad_expert_input_to_capacity=True),
+    ),
 }
 
 
@@ -245,8 +286,10 @@ def _layer_case(tp: int, ep: int, nodes: int, name: str, seed: int):
 
         MoEAuxLossAutoScaler.main_loss_backward_scale = None  # process-wide: a fresh default scale
         torch.manual_seed(seed)
-        configs = [_config(tp, ep, nodes, d, num_experts=8, topk=2, hidden=hidden, dtype=dtype, ffn=64, **fields)
-                   for d in ("alltoall", "custom")]
+        configs = [
+            _config(tp, ep, nodes, d, num_experts=8, topk=2, hidden=hidden, dtype=dtype, ffn=64, **fields)
+            for d in ("alltoall", "custom")
+        ]
         reference = _layer(configs[0])
         layers = [reference, _layer(configs[1], reference)]
         if fields.get("recompute_modules"):
@@ -282,9 +325,12 @@ def _cases() -> tuple[dict, dict]:
     """``(cases to run, {case: why it is skipped})``; a case needing a config field this
     megatron-core lacks is skipped (0.16.1 and 0.19.2 have them all)."""
     cases, skipped, seed = {}, {}, 0
-    needs = {**{mode: [*MODES[mode][3], *UNPADDED.get(mode, {})] for mode in MODES},
-             **{name: list(LAYER_CASES[name][2]) for name in LAYER_CASES}}
+    needs = {
+        **{mode: [*MODES[mode][3], *UNPADDED.get(mode, {})] for mode in MODES},
+        **{name: list(LAYER_CASES[name][2]) for name in LAYER_CASES},
+    }
     for tp, ep in PARALLEL:
+
         def init(rank, world_size, tp=tp, ep=ep):
             _init_parallel(tp, ep)
 

@@ -44,6 +44,7 @@ NUM_LAYERS = 2
 # helpers run inside the ranks
 # ---------------------------------------------------------------------------------------------
 
+
 def _layer_pair(ep: int, seed: int, run_wgrad: str | None, **knobs):
     """``(reference MoELayer, MoELayer with delayed expert wgrads)``, same weights, "custom"."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -86,8 +87,9 @@ def _assert_bitwise(ref_grads, grads, names):
 
 def _check_layer(ep: int, seed: int, run_wgrad: str = "backward_dw", **knobs):
     def case(rank, world_size):
-        ref, layer, store = _layer_pair(ep, seed, run_wgrad, overlap_moe_expert_parallel_comm=True,
-                                        delay_wgrad_compute=True, **knobs)
+        ref, layer, store = _layer_pair(
+            ep, seed, run_wgrad, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **knobs
+        )
         names = ["input"] + [n for n, _ in ref.named_parameters()]
         gen = torch.Generator().manual_seed(seed * 10 + rank)
         x0 = torch.randn(6 + rank, 2, HIDDEN, generator=gen)
@@ -108,12 +110,15 @@ def _check_layer(ep: int, seed: int, run_wgrad: str = "backward_dw", **knobs):
                     assert len(store) == 0
                 else:  # handed over: the dispatch backward runs them
                     assert all(w.grad is None for w in _expert_weights(layer)) and len(store) > 0
-            torch.autograd.backward([t for t in sent if t.requires_grad],
-                                    [r.grad for r, t in zip(recv, sent) if t.requires_grad])  # dispatch backward
+            torch.autograd.backward(
+                [t for t in sent if t.requires_grad], [r.grad for r, t in zip(recv, sent) if t.requires_grad]
+            )  # dispatch backward
             results.append(_grads(module, x))
         _assert_bitwise(*results, names)
-        expected = {"backward_dw": {"run_by_backward_dw": 1},
-                    "dispatch_backward": {"handed_over": 1, "run_in_dispatch_backward": 1}}[run_wgrad]
+        expected = {
+            "backward_dw": {"run_by_backward_dw": 1},
+            "dispatch_backward": {"handed_over": 1, "run_in_dispatch_backward": 1},
+        }[run_wgrad]
         assert {k: v for k, v in store.counts.items() if k != "deferred"} == expected, store.counts
 
         # 2. a whole-layer backward (no backward_dw call): the dispatch backward runs the wgrads
@@ -126,8 +131,10 @@ def _check_layer(ep: int, seed: int, run_wgrad: str = "backward_dw", **knobs):
             out.backward(grad)
             results.append(_grads(module, x))
         _assert_bitwise(*results, names)
-        assert len(store) == 0 and store.counts["run_in_dispatch_backward"] == expected.get(
-            "run_in_dispatch_backward", 0) + 1
+        assert (
+            len(store) == 0
+            and store.counts["run_in_dispatch_backward"] == expected.get("run_in_dispatch_backward", 0) + 1
+        )
 
     return case
 
@@ -190,8 +197,9 @@ def _check_main_grad(rank, world_size):
         out.sum().backward()
         assert not fired
         module.backward_dw()
-        torch.autograd.backward([t for t in sent if t.requires_grad],
-                                [r.grad for r, t in zip(recv, sent) if t.requires_grad])
+        torch.autograd.backward(
+            [t for t in sent if t.requires_grad], [r.grad for r, t in zip(recv, sent) if t.requires_grad]
+        )
     for w_ref, w in zip(_expert_weights(ref), _expert_weights(layer)):
         assert w.grad is None and w.grad_added_to_main_grad and torch.equal(w.main_grad, w_ref.grad)
     assert sorted(map(id, fired)) == sorted(map(id, _expert_weights(layer))), "each weight's DDP hook runs once"
@@ -211,17 +219,33 @@ def _train_step(overlap: bool, seed: int, run_wgrad: str | None, **knobs):
     import moe_dispatch.megatron as mdm
     from moe_dispatch.megatron.schedule import run_gpt_step
 
-    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=2,
-                            num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, use_cpu_initialization=True,
-                            moe_aux_loss_coeff=1e-2, add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True,
-                            ffn_hidden_size=24, moe_ffn_hidden_size=24,
-                            expert_model_parallel_size=torch.distributed.get_world_size(), hidden_dropout=0.0,
-                            attention_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        ffn_hidden_size=24,
+        moe_ffn_hidden_size=24,
+        expert_model_parallel_size=torch.distributed.get_world_size(),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     mdm.configure(cfg, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap, **knobs)
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # process-wide; the schedule sets it
     torch.manual_seed(seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
-                     vocab_size=32, max_sequence_length=8, position_embedding_type="rope")
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
+        vocab_size=32,
+        max_sequence_length=8,
+        position_embedding_type="rope",
+    )
     stores = mdm.enable_delayed_wgrad(model, run_wgrad=run_wgrad) if run_wgrad else {}
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
@@ -238,9 +262,10 @@ def _check_schedule(seed: int, **knobs):
         losses, grads, _ = _train_step(False, seed, None, **knobs)
         expected_runs = NUM_LAYERS * NUM_MICROBATCHES
         for overlap, run_wgrad, events in (
-                (False, "backward_dw", {"run_in_dispatch_backward": expected_runs}),
-                (True, "backward_dw", {"run_by_backward_dw": expected_runs}),
-                (True, "dispatch_backward", {"handed_over": expected_runs, "run_in_dispatch_backward": expected_runs})):
+            (False, "backward_dw", {"run_in_dispatch_backward": expected_runs}),
+            (True, "backward_dw", {"run_by_backward_dw": expected_runs}),
+            (True, "dispatch_backward", {"handed_over": expected_runs, "run_in_dispatch_backward": expected_runs}),
+        ):
             what = f"overlap={overlap} run_wgrad={run_wgrad}"
             got_losses, got_grads, stores = _train_step(overlap, seed, run_wgrad, **knobs)
             assert len(stores) == NUM_LAYERS
@@ -250,7 +275,8 @@ def _check_schedule(seed: int, **knobs):
             for store in stores.values():
                 assert len(store) == 0, f"{what}: {store.layer_name} left {len(store)} wgrads"
                 assert {k: v for k, v in store.counts.items() if k != "deferred"} == {
-                    k: v // NUM_LAYERS for k, v in events.items()}, (what, store.layer_name, store.counts)
+                    k: v // NUM_LAYERS for k, v in events.items()
+                }, (what, store.layer_name, store.counts)
                 if run_wgrad == "dispatch_backward":
                     # every backward_dw call of the schedule was followed by the dispatch backward running
                     # the wgrads (launch combine -> wgrads -> wait), before anything else touched the store
@@ -268,18 +294,24 @@ def _phase(ep: int, cases: dict) -> dict:
 
 
 CPU_CASES = {
-    **_phase(4, {
-        "layer_ep4_1node": _check_layer(4, 41),
-        "layer_ep4_2nodes_fused": _check_layer(4, 42, ranks_per_node=2, pad_multiple=4),
-        "layer_ep4_2nodes_handover": _check_layer(4, 43, "dispatch_backward", ranks_per_node=2),
-        "errors_ep4": _check_errors,
-        "main_grad_ep4": _check_main_grad,
-        "schedule_ep4_2nodes": _check_schedule(44, ranks_per_node=2),
-    }),
-    **_phase(2, {
-        "layer_ep2_1node": _check_layer(2, 45),
-        "layer_ep2_2nodes_handover": _check_layer(2, 46, "dispatch_backward", ranks_per_node=1),
-    }),
+    **_phase(
+        4,
+        {
+            "layer_ep4_1node": _check_layer(4, 41),
+            "layer_ep4_2nodes_fused": _check_layer(4, 42, ranks_per_node=2, pad_multiple=4),
+            "layer_ep4_2nodes_handover": _check_layer(4, 43, "dispatch_backward", ranks_per_node=2),
+            "errors_ep4": _check_errors,
+            "main_grad_ep4": _check_main_grad,
+            "schedule_ep4_2nodes": _check_schedule(44, ranks_per_node=2),
+        },
+    ),
+    **_phase(
+        2,
+        {
+            "layer_ep2_1node": _check_layer(2, 45),
+            "layer_ep2_2nodes_handover": _check_layer(2, 46, "dispatch_backward", ranks_per_node=1),
+        },
+    ),
 }
 
 
@@ -318,17 +350,35 @@ def _gpu_losses(dispatcher: str, seed: int) -> list[float]:
     from moe_dispatch.megatron.schedule import run_gpt_step
 
     ep = torch.distributed.get_world_size()
-    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_moe_experts=NUM_EXPERTS,
-                            moe_router_topk=TOPK, use_cpu_initialization=True, moe_aux_loss_coeff=1e-2,
-                            add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True, ffn_hidden_size=128,
-                            moe_ffn_hidden_size=128, expert_model_parallel_size=ep, hidden_dropout=0.0,
-                            attention_dropout=0.0, moe_token_dispatcher_type="alltoall")
+    cfg = TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        use_cpu_initialization=True,
+        moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        ffn_hidden_size=128,
+        moe_ffn_hidden_size=128,
+        expert_model_parallel_size=ep,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        moe_token_dispatcher_type="alltoall",
+    )
     if dispatcher == "custom":
         mdm.configure(cfg, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     torch.manual_seed(seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
-                     vocab_size=128, max_sequence_length=64, position_embedding_type="rope").cuda()
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
+        vocab_size=128,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+    ).cuda()
     if dispatcher == "custom":
         mdm.enable_delayed_wgrad(model)
     rank = torch.distributed.get_rank()
@@ -366,5 +416,10 @@ def test_gpu_ep_overlap_delay_wgrad_matches_alltoall():
     for rank, (alltoall, custom) in enumerate(world_results(_gpu_entry, world_size, backend="nccl")):
         # bf16: the two dispatchers sum a token's expert outputs in different orders (a few ulps
         # per layer), which three SGD steps amplify a little; a routing or wgrad error is far larger
-        torch.testing.assert_close(torch.tensor(custom), torch.tensor(alltoall), rtol=2e-2, atol=2e-2,
-                                   msg=lambda m, r=rank: f"rank {r}: custom {custom} vs alltoall {alltoall}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(custom),
+            torch.tensor(alltoall),
+            rtol=2e-2,
+            atol=2e-2,
+            msg=lambda m, r=rank: f"rank {r}: custom {custom} vs alltoall {alltoall}: {m}",
+        )

@@ -17,9 +17,36 @@ pytestmark = pytest.mark.megatron
 def test_training_script_runs_and_curves_agree(tmp_path):
     from benchmarks import train_megatron_moe as train
 
-    rc = train.main(["--steps", "4", "--seq-len", "16", "--micro-batch-size", "2", "--hidden", "32", "--layers", "1",
-                     "--heads", "2", "--ffn-hidden", "32", "--corpus-mb", "0.2", "--log-every", "2",
-                     "--warmup", "2", "--tolerance", "0", "--min-drop", "1.0", "--out", str(tmp_path)])
+    rc = train.main(
+        [
+            "--steps",
+            "4",
+            "--seq-len",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--ffn-hidden",
+            "32",
+            "--corpus-mb",
+            "0.2",
+            "--log-every",
+            "2",
+            "--warmup",
+            "2",
+            "--tolerance",
+            "0",
+            "--min-drop",
+            "1.0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0, summary
     assert summary["bitwise_equal_curves"] and summary["max_abs_loss_diff"] == 0.0  # CPU, no padding

@@ -29,8 +29,14 @@ from moe_dispatch.semantics.permute import (
 
 from .conftest import KERNEL_DEVICE as DEVICE
 
-HANDLE_TENSORS = ("row_id_map", "tokens_per_expert", "num_tokens_per_expert", "expert_offsets",
-                  "num_rows_needed", "overflow")
+HANDLE_TENSORS = (
+    "row_id_map",
+    "tokens_per_expert",
+    "num_tokens_per_expert",
+    "expert_offsets",
+    "num_rows_needed",
+    "overflow",
+)
 
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
@@ -104,8 +110,12 @@ def test_reference_from_first_principles(gen, pad):
             assert int(res.handle.row_id_map[r, k]) == row_of.get((r, k), -1)
 
 
-CASES = [(r, p, d) for r in (7, 2880, 7168) for p in (1, 16, 64, 128, 256)
-         for d in (torch.bfloat16, torch.float16, torch.float32)]
+CASES = [
+    (r, p, d)
+    for r in (7, 2880, 7168)
+    for p in (1, 16, 64, 128, 256)
+    for d in (torch.bfloat16, torch.float16, torch.float32)
+]
 
 
 @pytest.mark.parametrize("hidden,pad,dtype", CASES, ids=[f"H{h}-pad{p}-{str(d)[6:]}" for h, p, d in CASES])
@@ -138,8 +148,7 @@ def test_fp32_unpermute_exact_under_interpreter(gen):
     y = torch.randn(h.num_rows, 96, generator=gen)
     w = torch.rand(h.num_rows, generator=gen)
     for weights in (None, w):
-        assert torch.equal(unpermute_rows_triton(y, h, weights),
-                           unpermute_rows_reference(y, h, weights))
+        assert torch.equal(unpermute_rows_triton(y, h, weights), unpermute_rows_reference(y, h, weights))
 
 
 @pytest.mark.parametrize("budget", [None, 0, 64])
@@ -147,8 +156,9 @@ def test_empty_input(budget):
     idx = torch.zeros(0, 4, dtype=torch.int64)
     x = torch.zeros(0, 32, dtype=torch.bfloat16)
     for backend in ("triton", "torch"):
-        res = permute(x, idx, torch.zeros(0, 4), num_local_experts=3, pad_multiple=16,
-                      num_permuted_tokens=budget, backend=backend)
+        res = permute(
+            x, idx, torch.zeros(0, 4), num_local_experts=3, pad_multiple=16, num_permuted_tokens=budget, backend=backend
+        )
         assert res.permuted_x.shape == (budget or 0, 32) and not res.permuted_x.float().any()
         assert res.permuted_probs.shape == (budget or 0,) and not res.permuted_probs.any()
         assert res.tokens_per_expert.tolist() == [0, 0, 0] and not bool(res.handle.overflow)
@@ -167,8 +177,9 @@ def test_blocks_not_dividing_tokens(gen):
     ref_out, ref_pp = permute_rows_reference(x, want, probs)
     assert_bits_equal(out, ref_out)
     assert_bits_equal(pp, ref_pp)
-    assert_sum_close(unpermute_rows_triton(out, got, pp, block_r=64, block_h=32),
-                     unpermute_rows_reference(out, want, pp))
+    assert_sum_close(
+        unpermute_rows_triton(out, got, pp, block_r=64, block_h=32), unpermute_rows_reference(out, want, pp)
+    )
 
 
 def test_all_minus_one_rows(gen):
@@ -226,8 +237,9 @@ def test_budget_overflow_flag(gen, pad):
     needed = full.handle.num_rows
     for budget in (0, 1, needed - 1, needed, needed + 37):
         for backend in ("triton", "torch"):
-            res = permute(x, idx, probs, num_local_experts=5, pad_multiple=pad, num_permuted_tokens=budget,
-                          backend=backend)
+            res = permute(
+                x, idx, probs, num_local_experts=5, pad_multiple=pad, num_permuted_tokens=budget, backend=backend
+            )
             h = res.handle
             assert res.permuted_x.shape == (budget, 24)
             assert bool(h.overflow) == (needed > budget)  # set exactly when the budget is exceeded
@@ -257,8 +269,18 @@ def test_fixed_expert_blocks(gen, pad):
     counts = torch.bincount(idx[idx >= 0], minlength=num_experts)
     for capacity in (0, pad, int(counts.max()) // pad * pad, -(-int(counts.max()) // pad) * pad + pad):
         rows, row_probs, tpe, row_of = naive_permute(x, idx, probs, num_experts, pad, capacity)
-        results = [permute(x, idx, probs, num_local_experts=num_experts, pad_multiple=pad, expert_capacity=capacity,
-                           backend=backend) for backend in ("torch", "triton")]
+        results = [
+            permute(
+                x,
+                idx,
+                probs,
+                num_local_experts=num_experts,
+                pad_multiple=pad,
+                expert_capacity=capacity,
+                backend=backend,
+            )
+            for backend in ("torch", "triton")
+        ]
         assert_handles_equal(results[1].handle, results[0].handle)
         for res in results:
             assert res.permuted_x.shape == (num_experts * capacity, hidden)
@@ -267,19 +289,30 @@ def test_fixed_expert_blocks(gen, pad):
                 assert_bits_equal(res.permuted_x, torch.stack(rows))
             assert res.permuted_probs.tolist() == pytest.approx(row_probs, abs=0)
             assert bool(res.handle.overflow) == bool((counts > capacity).any())
-            assert int(res.handle.num_rows_needed) == int(torch.maximum(
-                torch.full_like(counts, capacity), (counts + pad - 1) // pad * pad).sum())
+            assert int(res.handle.num_rows_needed) == int(
+                torch.maximum(torch.full_like(counts, capacity), (counts + pad - 1) // pad * pad).sum()
+            )
             got = {(r, k): int(res.handle.row_id_map[r, k]) for r in range(num_tokens) for k in range(num_topk)}
             assert got == {(r, k): row_of.get((r, k), -1) for r in range(num_tokens) for k in range(num_topk)}
         if bool(results[0].handle.overflow):
-            with pytest.raises(PermuteOverflowError, match=rf"got {int(counts.max())} copies for one expert .* "
-                                                           rf"expert_capacity={capacity}"):
+            with pytest.raises(
+                PermuteOverflowError,
+                match=rf"got {int(counts.max())} copies for one expert .* "
+                rf"expert_capacity={capacity}",
+            ):
                 check_permute_overflow(results[0].handle)
         else:
             assert not check_permute_overflow(results[0].handle)
     for backend in ("torch", "triton"):  # no tokens: still C zero rows per expert
-        res = permute(x[:0], idx[:0], probs[:0], num_local_experts=num_experts, pad_multiple=pad,
-                      expert_capacity=2 * pad, backend=backend)
+        res = permute(
+            x[:0],
+            idx[:0],
+            probs[:0],
+            num_local_experts=num_experts,
+            pad_multiple=pad,
+            expert_capacity=2 * pad,
+            backend=backend,
+        )
         assert res.permuted_x.shape == (num_experts * 2 * pad, hidden) and not res.permuted_x.any()
         assert res.tokens_per_expert.tolist() == [2 * pad] * num_experts
         assert res.handle.expert_offsets.tolist() == [2 * pad * e for e in range(num_experts)]
@@ -361,7 +394,7 @@ def test_fp8_pair_moves_together(gen):
 
 # -- GPU code generation without a GPU -------------------------------------------------------
 
-_AOT_SCRIPT = r'''
+_AOT_SCRIPT = r"""
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -407,7 +440,7 @@ cases = [
 for kernel, types, constexprs, num_warps in cases:
     build(kernel, types, constexprs, num_warps)
 print("compiled", len(cases))
-'''
+"""
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU runs the kernels for real")
@@ -423,7 +456,13 @@ def test_kernels_compile_for_sm90():
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"triton's NVIDIA backend is unavailable: {exc!r}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "compiled 8" in proc.stdout

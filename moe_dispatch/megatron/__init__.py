@@ -41,8 +41,10 @@ try:
     HAVE_MEGATRON = True
 except ImportError as _err:  # pragma: no cover - exercised only without megatron-core
     HAVE_MEGATRON = False
-    raise ImportError("moe_dispatch.megatron needs megatron-core (the 'custom' flex dispatcher backend plugs into "
-                      "it): pip install 'moe-dispatch[megatron]'") from _err
+    raise ImportError(
+        "moe_dispatch.megatron needs megatron-core (the 'custom' flex dispatcher backend plugs into "
+        "it): pip install 'moe-dispatch[megatron]'"
+    ) from _err
 
 from .compat import UnsupportedMegatronVersionError, install, installed, megatron_core_version, patch_bridge  # noqa: E402
 from .config import (  # noqa: E402
@@ -60,9 +62,25 @@ from .manager import CustomDispatchManager, InflightDispatch, clear_buffers, ep_
 install()
 
 __all__ = [
-    "BACKEND_NAME", "HAVE_MEGATRON", "OPTIONS_ATTR", "CustomBackendOptions", "CustomDispatchManager",
-    "ExpertWgradStore", "InflightDispatch", "UnsupportedMegatronVersionError", "clear_buffers", "configure",
-    "disable_delayed_wgrad", "enable_delayed_wgrad", "ep_ranks_per_node",
-    "get_buffer", "get_options", "install", "installed", "is_custom_backend", "megatron_core_version",
-    "patch_bridge", "validate_config",
+    "BACKEND_NAME",
+    "HAVE_MEGATRON",
+    "OPTIONS_ATTR",
+    "CustomBackendOptions",
+    "CustomDispatchManager",
+    "ExpertWgradStore",
+    "InflightDispatch",
+    "UnsupportedMegatronVersionError",
+    "clear_buffers",
+    "configure",
+    "disable_delayed_wgrad",
+    "enable_delayed_wgrad",
+    "ep_ranks_per_node",
+    "get_buffer",
+    "get_options",
+    "install",
+    "installed",
+    "is_custom_backend",
+    "megatron_core_version",
+    "patch_bridge",
+    "validate_config",
 ]

@@ -104,8 +104,13 @@ class PatchPoints:
     callables_module: str
     callables_importers: tuple[str, ...]
     free_input_params: tuple[str, ...] = ("name", "is_moe", "config", "num_local_experts")
-    dispatcher_init_params: tuple[str, ...] = ("self", "num_local_experts", "local_expert_indices", "config",
-                                               "pg_collection")
+    dispatcher_init_params: tuple[str, ...] = (
+        "self",
+        "num_local_experts",
+        "local_expert_indices",
+        "config",
+        "pg_collection",
+    )
     dispatcher_has_over_budget: bool = True
     num_sms_field: str | None = "moe_flex_dispatcher_num_sms"
     missing_config_fields: tuple[tuple[str, str], ...] = ()
@@ -135,9 +140,11 @@ _PATCH_POINTS: dict[tuple[int, int], PatchPoints] = {
         num_sms_field=None,
         # 0.16: no HybridEP static budget (0.19 added moe_expert_rank_capacity_factor) and no unified SM budget
         missing_config_fields=(
-            ("moe_expert_rank_capacity_factor",
-             "the 'custom' backend's own static budget works on every version: "
-             "configure(config, expert_rank_capacity_factor=...)"),
+            (
+                "moe_expert_rank_capacity_factor",
+                "the 'custom' backend's own static budget works on every version: "
+                "configure(config, expert_rank_capacity_factor=...)",
+            ),
             ("moe_flex_dispatcher_num_sms", "pass configure(config, num_sms=...)"),
         ),
         # 0.16: get_align_size_for_quantization returns 16 without fp8/fp4 as well (its router padding size;
@@ -180,7 +187,8 @@ def patch_points(version: tuple[int, int, int] | None = None) -> PatchPoints:
         raise UnsupportedMegatronVersionError(
             f"moe_dispatch.megatron supports megatron-core {supported} (tested: {TESTED_VERSIONS}), found "
             f"{'.'.join(map(str, version))}. Install a supported version (pip install 'moe-dispatch[megatron]' "
-            "pins one), or add this version's patch points to _PATCH_POINTS in moe_dispatch/megatron/compat.py")
+            "pins one), or add this version's patch points to _PATCH_POINTS in moe_dispatch/megatron/compat.py"
+        )
     return points
 
 
@@ -208,8 +216,9 @@ def quantization_align_size(config) -> int:
     ``PatchPoints.align_size_needs_quantization``)."""
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
-    if patch_points().align_size_needs_quantization and not (getattr(config, "fp8", None)
-                                                              or getattr(config, "fp4", None)):
+    if patch_points().align_size_needs_quantization and not (
+        getattr(config, "fp8", None) or getattr(config, "fp4", None)
+    ):
         return 0
     return int(get_align_size_for_quantization(config))
 
@@ -229,7 +238,8 @@ def _wrap(owner, name: str, make_wrapper) -> None:
 def _missing(version, what: str) -> UnsupportedMegatronVersionError:
     return UnsupportedMegatronVersionError(
         f"megatron-core {'.'.join(map(str, version))} has no {what}, which moe_dispatch.megatron patches for the "
-        "'custom' backend; update the version's entry in moe_dispatch/megatron/compat.py")
+        "'custom' backend; update the version's entry in moe_dispatch/megatron/compat.py"
+    )
 
 
 def _patch_dispatcher(points: PatchPoints, version) -> None:
@@ -248,15 +258,19 @@ def _patch_dispatcher(points: PatchPoints, version) -> None:
     def make(original):
         def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
             if getattr(config, "moe_flex_dispatcher_backend", None) != BACKEND_NAME:
-                return original(self, num_local_experts, local_expert_indices, config=config,
-                                pg_collection=pg_collection)
+                return original(
+                    self, num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection
+                )
             base.__init__(self, config=config, pg_collection=pg_collection)
             self.num_local_experts = num_local_experts
             self.local_expert_indices = local_expert_indices
             self._comm_manager = CustomDispatchManager(
-                group=self.tp_ep_group, num_local_experts=num_local_experts,
+                group=self.tp_ep_group,
+                num_local_experts=num_local_experts,
                 router_topk=self.tp_size * config.moe_router_topk,
-                num_experts=self.tp_size * config.num_moe_experts, config=config)
+                num_experts=self.tp_size * config.num_moe_experts,
+                config=config,
+            )
             self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.token_indices"]
             return None
 
@@ -402,8 +416,10 @@ def patch_bridge() -> bool:
             if moe_flex_dispatcher_backend != BACKEND_NAME:
                 return original(model_config, moe_flex_dispatcher_backend, *args, **kwargs)
             if not getattr(model_config, "num_moe_experts", None):
-                logger.warning("the 'custom' flex dispatcher backend applies only to MoE models: num_moe_experts is "
-                               "not set; leaving the dispatcher unchanged")
+                logger.warning(
+                    "the 'custom' flex dispatcher backend applies only to MoE models: num_moe_experts is "
+                    "not set; leaving the dispatcher unchanged"
+                )
                 return None
             model_config.moe_token_dispatcher_type = "flex"
             model_config.moe_flex_dispatcher_backend = BACKEND_NAME
@@ -422,8 +438,10 @@ def patch_bridge() -> bool:
 
         return validate_flex_dispatcher_backend
 
-    for name, make in (("apply_flex_dispatcher_backend", make_apply),
-                       ("validate_flex_dispatcher_backend", make_validate)):
+    for name, make in (
+        ("apply_flex_dispatcher_backend", make_apply),
+        ("validate_flex_dispatcher_backend", make_validate),
+    ):
         if callable(getattr(module, name, None)):
             original = getattr(module, name)
             _wrap(module, name, make)
@@ -435,9 +453,13 @@ def _patch_bridge_or_warn() -> None:
     try:
         patch_bridge()
     except Exception as err:  # noqa: BLE001 - Bridge is optional: never block its import or the backend
-        logger.warning("Megatron-Bridge's %s could not be patched for the 'custom' backend (%s: %s); use "
-                       "moe_dispatch.megatron.configure(config) instead of apply_flex_dispatcher_backend",
-                       _BRIDGE_MODULE, type(err).__name__, err)
+        logger.warning(
+            "Megatron-Bridge's %s could not be patched for the 'custom' backend (%s: %s); use "
+            "moe_dispatch.megatron.configure(config) instead of apply_flex_dispatcher_backend",
+            _BRIDGE_MODULE,
+            type(err).__name__,
+            err,
+        )
 
 
 class _PatchAfterExec(importlib.abc.Loader):

@@ -117,28 +117,44 @@ class CustomBackendOptions:
             raise ValueError(f"fp8_dispatch must be True, False or None (follow config.fp8), got {self.fp8_dispatch!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
-        if self.kernel_config is not None and self.kernel_config != "auto" and not isinstance(self.kernel_config,
-                                                                                              Config):
-            raise ValueError(f"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got "
-                             f"{self.kernel_config!r}")
+        if (
+            self.kernel_config is not None
+            and self.kernel_config != "auto"
+            and not isinstance(self.kernel_config, Config)
+        ):
+            raise ValueError(
+                f"kernel_config must be None, 'auto' or a moe_dispatch.config.Config, got {self.kernel_config!r}"
+            )
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be a positive int (dispatch-group ranks per node) or None to "
-                             f"derive it from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}")
+            raise ValueError(
+                f"ranks_per_node must be a positive int (dispatch-group ranks per node) or None to "
+                f"derive it from LOCAL_WORLD_SIZE, got {self.ranks_per_node!r}"
+            )
         if self.pad_multiple is not None and (not _is_int(self.pad_multiple) or self.pad_multiple < 1):
-            raise ValueError(f"pad_multiple must be a positive int (1 = no padding; 16, 32, 128, 256 for fp8/fp4 "
-                             f"grouped GEMMs) or None, got {self.pad_multiple!r}")
-        if self.num_permuted_tokens is not None and (not _is_int(self.num_permuted_tokens)
-                                                     or self.num_permuted_tokens < 1):
-            raise ValueError(f"num_permuted_tokens must be a positive int (rows of the permuted expert input) "
-                             f"or None for a dropless exact size, got {self.num_permuted_tokens!r}")
+            raise ValueError(
+                f"pad_multiple must be a positive int (1 = no padding; 16, 32, 128, 256 for fp8/fp4 "
+                f"grouped GEMMs) or None, got {self.pad_multiple!r}"
+            )
+        if self.num_permuted_tokens is not None and (
+            not _is_int(self.num_permuted_tokens) or self.num_permuted_tokens < 1
+        ):
+            raise ValueError(
+                f"num_permuted_tokens must be a positive int (rows of the permuted expert input) "
+                f"or None for a dropless exact size, got {self.num_permuted_tokens!r}"
+            )
         factor = self.expert_rank_capacity_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0
-                                   or not math.isfinite(factor)):
-            raise ValueError(f"expert_rank_capacity_factor must be a positive number (e.g. 1.5 = room for 1.5x the "
-                             f"balanced load) or None, got {factor!r}")
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0 or not math.isfinite(factor)
+        ):
+            raise ValueError(
+                f"expert_rank_capacity_factor must be a positive number (e.g. 1.5 = room for 1.5x the "
+                f"balanced load) or None, got {factor!r}"
+            )
         if factor is not None and self.num_permuted_tokens is not None:
-            raise ValueError("num_permuted_tokens and expert_rank_capacity_factor both set a static budget: "
-                             f"pass only one (got {self.num_permuted_tokens} and {factor})")
+            raise ValueError(
+                "num_permuted_tokens and expert_rank_capacity_factor both set a static budget: "
+                f"pass only one (got {self.num_permuted_tokens} and {factor})"
+            )
         if self.fuse_permute is not None and not isinstance(self.fuse_permute, bool):
             raise ValueError(f"fuse_permute must be True, False or None (auto), got {self.fuse_permute!r}")
         if not isinstance(self.raise_on_overflow, bool):
@@ -158,8 +174,10 @@ def get_options(config) -> CustomBackendOptions:
     if options is None:
         return CustomBackendOptions()
     if not isinstance(options, CustomBackendOptions):
-        raise TypeError(f"config.{OPTIONS_ATTR} must be a moe_dispatch.megatron.CustomBackendOptions, "
-                        f"got {type(options).__name__}; set it through moe_dispatch.megatron.configure(config, ...)")
+        raise TypeError(
+            f"config.{OPTIONS_ATTR} must be a moe_dispatch.megatron.CustomBackendOptions, "
+            f"got {type(options).__name__}; set it through moe_dispatch.megatron.configure(config, ...)"
+        )
     return options
 
 
@@ -245,8 +263,11 @@ def resolve_expert_capacity(config, num_tokens: int, group_size: int) -> int | N
         return None
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
-    capacity = get_capacity(num_tokens=num_tokens * config.moe_router_topk, num_experts=config.num_moe_experts,
-                            capacity_factor=config.moe_expert_capacity_factor)
+    capacity = get_capacity(
+        num_tokens=num_tokens * config.moe_router_topk,
+        num_experts=config.num_moe_experts,
+        capacity_factor=config.moe_expert_capacity_factor,
+    )
     pad = resolve_pad_multiple(config)
     return -(-capacity * group_size // pad) * pad
 
@@ -259,8 +280,10 @@ def resolve_fuse_permute(config) -> bool:
 
 def is_custom_backend(config) -> bool:
     """True when ``config`` selects this backend (flex dispatcher, backend "custom")."""
-    return (getattr(config, "moe_token_dispatcher_type", None) == "flex"
-            and getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME)
+    return (
+        getattr(config, "moe_token_dispatcher_type", None) == "flex"
+        and getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME
+    )
 
 
 def validate_config(config) -> None:
@@ -293,7 +316,8 @@ def validate_config(config) -> None:
         raise ValueError(
             f"moe_flex_dispatcher_backend='custom' takes effect only with moe_token_dispatcher_type='flex', got "
             f"moe_token_dispatcher_type={dispatcher!r}: Megatron-Core would silently build the {dispatcher!r} "
-            "dispatcher. Set moe_token_dispatcher_type='flex' (moe_dispatch.megatron.configure(config) does)")
+            "dispatcher. Set moe_token_dispatcher_type='flex' (moe_dispatch.megatron.configure(config) does)"
+        )
     ep = getattr(config, "expert_model_parallel_size", 1) or 1
     group_size = dispatch_group_size(config)
     if group_size <= 1:
@@ -301,27 +325,33 @@ def validate_config(config) -> None:
             "the 'custom' flex backend moves tokens between the ranks of the expert TP x EP group (what Megatron's "
             f"flex dispatcher communicates over), but expert_tensor_parallel_size x expert_model_parallel_size = "
             f"{group_size // ep} x {ep} = 1: there is nothing to dispatch. Set expert_model_parallel_size > 1 or "
-            "expert_tensor_parallel_size > 1, or use moe_token_dispatcher_type='alltoall' for a single rank")
+            "expert_tensor_parallel_size > 1, or use moe_token_dispatcher_type='alltoall' for a single rank"
+        )
     experts = getattr(config, "num_moe_experts", None)
     if experts is None or experts <= 1:
         raise ValueError(
             f"the 'custom' flex backend needs a mixture of experts, but num_moe_experts={experts}: set "
-            "num_moe_experts >= 2 (and divisible by expert_model_parallel_size)")
+            "num_moe_experts >= 2 (and divisible by expert_model_parallel_size)"
+        )
     if experts % ep != 0:
         raise ValueError(
             f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}: each EP rank owns "
-            f"num_moe_experts / EP experts; choose num_moe_experts as a multiple of {ep}")
+            f"num_moe_experts / EP experts; choose num_moe_experts as a multiple of {ep}"
+        )
     num_sms = resolve_num_sms(config)
     if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
-        raise ValueError(f"{compat.num_sms_attr()} (the SM budget the 'custom' backend's Buffer gets) {error}; set it "
-                         "so, or to None for the default (configure(config, num_sms=...) does)")
+        raise ValueError(
+            f"{compat.num_sms_attr()} (the SM budget the 'custom' backend's Buffer gets) {error}; set it "
+            "so, or to None for the default (configure(config, num_sms=...) does)"
+        )
     options = get_options(config)
     rpn = options.ranks_per_node
     if rpn is not None and group_size % rpn != 0:
         raise ValueError(
             f"configure(ranks_per_node={rpn}) must divide the expert TP x EP group size {group_size} (the group is "
             f"split into nodes of ranks_per_node ranks): pass a divisor of {group_size}, or None to take it from "
-            "LOCAL_WORLD_SIZE")
+            "LOCAL_WORLD_SIZE"
+        )
     overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
     if overlap:
         pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
@@ -329,74 +359,101 @@ def validate_config(config) -> None:
             raise ValueError(
                 f"overlap_moe_expert_parallel_comm=True with pipeline_model_parallel_size={pp} needs the interleaved "
                 "schedule: set virtual_pipeline_model_parallel_size (>= 2), or set "
-                "overlap_moe_expert_parallel_comm=False")
+                "overlap_moe_expert_parallel_comm=False"
+            )
         if getattr(config, "moe_shared_expert_overlap", False):
             raise ValueError(
                 "moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other (both "
                 "claim the communication stream): set moe_shared_expert_overlap=False (the EP overlap hides the "
-                "shared experts behind dispatch anyway)")
+                "shared experts behind dispatch anyway)"
+            )
         if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             warnings.warn(
                 "CUDA_DEVICE_MAX_CONNECTIONS=1 while overlap_moe_expert_parallel_comm=True: one hardware queue "
                 "serialises the dispatch/combine stream behind the compute stream, so nothing overlaps. Unset it "
                 "(or set it > 1) for EP overlap; keep it only if tensor-parallel comm overlap needs it",
-                UserWarning, stacklevel=2)
+                UserWarning,
+                stacklevel=2,
+            )
     if getattr(config, "delay_wgrad_compute", False) and not overlap:
         raise ValueError(
             "delay_wgrad_compute=True defers the experts' weight gradients into the EP-overlap schedule: set "
-            "overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False")
+            "overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False"
+        )
     if is_drop_and_pad(config):
         if getattr(config, "moe_expert_capacity_factor", None) is None:
             raise ValueError(
                 "moe_pad_expert_input_to_capacity=True pads every expert's input to its capacity, which "
                 "moe_expert_capacity_factor defines: set moe_expert_capacity_factor (e.g. 1.0), or set "
-                "moe_pad_expert_input_to_capacity=False")
+                "moe_pad_expert_input_to_capacity=False"
+            )
         if has_static_budget(config):
             raise ValueError(
                 "moe_pad_expert_input_to_capacity=True already fixes the expert input (capacity rows per expert), so "
                 "a static budget (configure(num_permuted_tokens=/expert_rank_capacity_factor=), or "
                 "moe_expert_rank_capacity_factor) has nothing to bound: drop the static budget, or set "
-                "moe_pad_expert_input_to_capacity=False")
+                "moe_pad_expert_input_to_capacity=False"
+            )
     if getattr(config, "moe_router_padding_for_quantization", False):
         align = compat.quantization_align_size(config)
         if align <= 1:
             raise ValueError(
                 "moe_router_padding_for_quantization=True pads each expert's rows to the fp8/fp4 recipe's alignment, "
                 "but the config has neither fp8 nor fp4 (Megatron requires one): set fp8/fp4, or set "
-                "moe_router_padding_for_quantization=False")
+                "moe_router_padding_for_quantization=False"
+            )
         if options.pad_multiple is not None and options.pad_multiple % align:
             raise ValueError(
                 f"moe_router_padding_for_quantization=True needs expert blocks padded to a multiple of {align} (the "
                 f"fp8/fp4 recipe's alignment), but configure(pad_multiple={options.pad_multiple}) is not one: pass a "
-                f"multiple of {align}, or None for {align}")
+                f"multiple of {align}, or None for {align}"
+            )
     megatron_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
     if megatron_factor is not None:
-        if isinstance(megatron_factor, bool) or not isinstance(megatron_factor, (int, float)) \
-                or not (math.isfinite(megatron_factor) and megatron_factor > 0):
-            raise ValueError(f"moe_expert_rank_capacity_factor must be a positive number (room for that many times "
-                             f"the balanced load), got {megatron_factor!r}")
+        if (
+            isinstance(megatron_factor, bool)
+            or not isinstance(megatron_factor, (int, float))
+            or not (math.isfinite(megatron_factor) and megatron_factor > 0)
+        ):
+            raise ValueError(
+                f"moe_expert_rank_capacity_factor must be a positive number (room for that many times "
+                f"the balanced load), got {megatron_factor!r}"
+            )
         if options.has_budget:
             raise ValueError(
                 f"moe_expert_rank_capacity_factor={megatron_factor} and configure(num_permuted_tokens="
                 f"{options.num_permuted_tokens}, expert_rank_capacity_factor={options.expert_rank_capacity_factor}) "
-                "both set the static budget: pass one")
+                "both set the static budget: pass one"
+            )
     if isinstance(options.kernel_config, Config) and num_sms not in (None, options.kernel_config.num_sms):
         raise ValueError(
             f"{compat.num_sms_attr()}={num_sms} and configure(kernel_config=Config(num_sms="
             f"{options.kernel_config.num_sms}, ...)) both set the SM budget: keep one (the kernel_config's, or "
-            "num_sms alone)")
+            "num_sms alone)"
+        )
     if options.fp8_dispatch and getattr(config, "hidden_size", 0) % FP8_BLOCK:
         raise ValueError(
             f"fp8_dispatch=True quantizes rows in 1x{FP8_BLOCK} blocks, but hidden_size={config.hidden_size} is not a "
-            f"multiple of {FP8_BLOCK}: pass fp8_dispatch=False (or None: fp8 only where it fits)")
+            f"multiple of {FP8_BLOCK}: pass fp8_dispatch=False (or None: fp8 only where it fits)"
+        )
 
 
-def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-              pad_multiple: int | None = None, num_permuted_tokens: int | None = None,
-              expert_rank_capacity_factor: float | None = None, fuse_permute: bool | None = None,
-              raise_on_overflow: bool = False, timeout_s: float = 300.0, transport: str = "auto",
-              kernel_config: Config | str | None = None, fp8_dispatch: bool | None = None,
-              **config_fields: Any):
+def configure(
+    config,
+    *,
+    ranks_per_node: int | None = None,
+    num_sms: int | None = None,
+    pad_multiple: int | None = None,
+    num_permuted_tokens: int | None = None,
+    expert_rank_capacity_factor: float | None = None,
+    fuse_permute: bool | None = None,
+    raise_on_overflow: bool = False,
+    timeout_s: float = 300.0,
+    transport: str = "auto",
+    kernel_config: Config | str | None = None,
+    fp8_dispatch: bool | None = None,
+    **config_fields: Any,
+):
     """Selects the "custom" backend on a Megatron-Core ``TransformerConfig`` and validates it.
 
     Sets ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend="custom"`` and
@@ -429,36 +486,51 @@ def configure(config, *, ranks_per_node: int | None = None, num_sms: int | None 
             :func:`validate_config`.
     """
     if not hasattr(config, "moe_token_dispatcher_type"):
-        raise TypeError(f"configure() takes a megatron.core.transformer.TransformerConfig, got "
-                        f"{type(config).__name__}")
-    if config_fields.get("moe_flex_dispatcher_backend", BACKEND_NAME) != BACKEND_NAME \
-            or config_fields.get("moe_token_dispatcher_type", "flex") != "flex":
-        raise ValueError("configure() selects moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend="
-                         "'custom'; it got moe_token_dispatcher_type="
-                         f"{config_fields.get('moe_token_dispatcher_type')!r}, moe_flex_dispatcher_backend="
-                         f"{config_fields.get('moe_flex_dispatcher_backend')!r}. Drop "
-                         "those keywords (for another backend, set the config fields without configure())")
+        raise TypeError(f"configure() takes a megatron.core.transformer.TransformerConfig, got {type(config).__name__}")
+    if (
+        config_fields.get("moe_flex_dispatcher_backend", BACKEND_NAME) != BACKEND_NAME
+        or config_fields.get("moe_token_dispatcher_type", "flex") != "flex"
+    ):
+        raise ValueError(
+            "configure() selects moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend="
+            "'custom'; it got moe_token_dispatcher_type="
+            f"{config_fields.get('moe_token_dispatcher_type')!r}, moe_flex_dispatcher_backend="
+            f"{config_fields.get('moe_flex_dispatcher_backend')!r}. Drop "
+            "those keywords (for another backend, set the config fields without configure())"
+        )
     unknown = sorted(name for name in config_fields if not hasattr(config, name))
     for name in unknown:
         fix = compat.missing_config_field(name)
         if fix is not None:
-            raise ValueError(f"configure() got {name}, but megatron-core {compat.version_string()} has no "
-                             f"TransformerConfig field {name} (newer supported versions do): {fix}, or upgrade "
-                             "megatron-core")
+            raise ValueError(
+                f"configure() got {name}, but megatron-core {compat.version_string()} has no "
+                f"TransformerConfig field {name} (newer supported versions do): {fix}, or upgrade "
+                "megatron-core"
+            )
     if unknown:
-        raise ValueError(f"configure() got {unknown}, which are neither TransformerConfig fields nor backend knobs "
-                         f"(backend knobs: {[f.name for f in dataclasses.fields(CustomBackendOptions)] + ['num_sms']})")
+        raise ValueError(
+            f"configure() got {unknown}, which are neither TransformerConfig fields nor backend knobs "
+            f"(backend knobs: {[f.name for f in dataclasses.fields(CustomBackendOptions)] + ['num_sms']})"
+        )
     if num_sms is not None and (error := num_sms_error(num_sms)) is not None:
         raise ValueError(f"num_sms (SMs of the dispatch/combine kernels) {error}, or None to keep the config's value")
     if num_sms is not None and kernel_config is not None:
-        raise ValueError(f"num_sms={num_sms} and kernel_config={kernel_config!r} both set the kernels' SM budget: "
-                         "pass kernel_config alone (num_sms is its shorthand)")
-    options = CustomBackendOptions(ranks_per_node=ranks_per_node, pad_multiple=pad_multiple,
-                                   num_permuted_tokens=num_permuted_tokens,
-                                   expert_rank_capacity_factor=expert_rank_capacity_factor,
-                                   fuse_permute=fuse_permute, raise_on_overflow=raise_on_overflow,
-                                   timeout_s=timeout_s, transport=transport, kernel_config=kernel_config,
-                                   fp8_dispatch=fp8_dispatch)
+        raise ValueError(
+            f"num_sms={num_sms} and kernel_config={kernel_config!r} both set the kernels' SM budget: "
+            "pass kernel_config alone (num_sms is its shorthand)"
+        )
+    options = CustomBackendOptions(
+        ranks_per_node=ranks_per_node,
+        pad_multiple=pad_multiple,
+        num_permuted_tokens=num_permuted_tokens,
+        expert_rank_capacity_factor=expert_rank_capacity_factor,
+        fuse_permute=fuse_permute,
+        raise_on_overflow=raise_on_overflow,
+        timeout_s=timeout_s,
+        transport=transport,
+        kernel_config=kernel_config,
+        fp8_dispatch=fp8_dispatch,
+    )
     config.moe_token_dispatcher_type = "flex"
     config.moe_flex_dispatcher_backend = BACKEND_NAME
     config.moe_shared_expert_overlap = False

@@ -49,10 +49,18 @@ _ENABLED = False
 _MODE: "_CudaToCpu | None" = None
 
 # moe_utils names megatron's alltoall/flex paths test for None when Transformer Engine is absent.
-_TE_SYMBOLS = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-               "fused_permute_and_pad_with_probs", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-               "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
-               "te_general_gemm")
+_TE_SYMBOLS = (
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_and_pad_with_probs",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+    "te_general_gemm",
+)
 
 
 class _CpuStream:
@@ -237,8 +245,7 @@ def _shim_all_to_all_splits() -> None:
         return
 
     def forward(ctx, group, input, output_split_sizes, input_split_sizes, *args, **kwargs):
-        return original(ctx, group, input, _as_list(output_split_sizes), _as_list(input_split_sizes),
-                        *args, **kwargs)
+        return original(ctx, group, input, _as_list(output_split_sizes), _as_list(input_split_sizes), *args, **kwargs)
 
     forward._moe_dispatch_cpu = True
     mappings._AllToAll.forward = staticmethod(forward)
@@ -259,8 +266,9 @@ def _shim_uneven_all_gather() -> None:
         sizes = _as_list(output_split_sizes)
         output = input_.new_empty(sum(sizes), *input_.shape[1:])
         send = input_.contiguous().repeat(group.size(), *([1] * (input_.dim() - 1)))
-        dist.all_to_all_single(output, send, output_split_sizes=sizes,
-                               input_split_sizes=[input_.shape[0]] * group.size(), group=group)
+        dist.all_to_all_single(
+            output, send, output_split_sizes=sizes, input_split_sizes=[input_.shape[0]] * group.size(), group=group
+        )
         return output
 
     gather_along_first_dim._moe_dispatch_cpu = True
@@ -281,9 +289,11 @@ def enable(*, redirect_cuda_tensors: bool = True) -> None:
     global _ENABLED, _MODE
     with _LOCK:
         if torch.cuda.is_available():
-            raise RuntimeError("moe_dispatch.megatron.cpu is for processes without a GPU (it replaces torch.cuda "
-                               "streams and events by no-ops); a CUDA device is visible here: run on the GPU "
-                               "instead, or hide it with CUDA_VISIBLE_DEVICES=''")
+            raise RuntimeError(
+                "moe_dispatch.megatron.cpu is for processes without a GPU (it replaces torch.cuda "
+                "streams and events by no-ops); a CUDA device is visible here: run on the GPU "
+                "instead, or hide it with CUDA_VISIBLE_DEVICES=''"
+            )
         if not _ENABLED:
             _shim_cuda_runtime()
             _shim_nvtx()

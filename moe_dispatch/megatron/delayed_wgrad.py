@@ -163,27 +163,57 @@ def _run_wgrad(module, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tens
         hook()
 
 
-def _delayed_forward_impl(module, store: ExpertWgradStore, original, input, weight, bias=None, *args,
-                          gradient_accumulation_fusion: bool = False, allreduce_dgrad: bool = False,
-                          sequence_parallel: bool = False, grad_output_buffer=None, gtp_remat_size: int = 1,
-                          **kwargs):
+def _delayed_forward_impl(
+    module,
+    store: ExpertWgradStore,
+    original,
+    input,
+    weight,
+    bias=None,
+    *args,
+    gradient_accumulation_fusion: bool = False,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    grad_output_buffer=None,
+    gtp_remat_size: int = 1,
+    **kwargs,
+):
     """Replaces ``ColumnParallelLinear/RowParallelLinear._forward_impl`` of an expert linear."""
     if not weight.requires_grad:  # frozen: nothing to defer
-        return original(input, weight, bias, *args, gradient_accumulation_fusion=gradient_accumulation_fusion,
-                        allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-                        grad_output_buffer=grad_output_buffer, gtp_remat_size=gtp_remat_size, **kwargs)
-    unsupported = {name: value for name, value in (("allreduce_dgrad", allreduce_dgrad),
-                                                   ("sequence_parallel", sequence_parallel),
-                                                   ("grad_output_buffer", grad_output_buffer is not None),
-                                                   ("gtp_remat_size", gtp_remat_size != 1)) if value}
+        return original(
+            input,
+            weight,
+            bias,
+            *args,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel,
+            grad_output_buffer=grad_output_buffer,
+            gtp_remat_size=gtp_remat_size,
+            **kwargs,
+        )
+    unsupported = {
+        name: value
+        for name, value in (
+            ("allreduce_dgrad", allreduce_dgrad),
+            ("sequence_parallel", sequence_parallel),
+            ("grad_output_buffer", grad_output_buffer is not None),
+            ("gtp_remat_size", gtp_remat_size != 1),
+        )
+        if value
+    }
     if unsupported or args:
-        raise RuntimeError(f"moe_dispatch delayed wgrad: the expert linear of {store.layer_name or 'a MoE layer'} "
-                           f"was called with {sorted(unsupported) or list(args)} (communication or deferral inside "
-                           "the linear), which the delayed-wgrad linear does not implement; expert linears of "
-                           "Megatron's local spec need none of it. Call disable_delayed_wgrad(model) for this model")
+        raise RuntimeError(
+            f"moe_dispatch delayed wgrad: the expert linear of {store.layer_name or 'a MoE layer'} "
+            f"was called with {sorted(unsupported) or list(args)} (communication or deferral inside "
+            "the linear), which the delayed-wgrad linear does not implement; expert linears of "
+            "Megatron's local spec need none of it. Call disable_delayed_wgrad(model) for this model"
+        )
     if input.dim() != 2:
-        raise RuntimeError(f"moe_dispatch delayed wgrad: expert linear input must be [tokens, features], got "
-                           f"{list(input.shape)} in {store.layer_name or 'a MoE layer'}")
+        raise RuntimeError(
+            f"moe_dispatch delayed wgrad: expert linear input must be [tokens, features], got "
+            f"{list(input.shape)} in {store.layer_name or 'a MoE layer'}"
+        )
     output = _DeferredWgradLinear.apply(input, weight, module, store, bool(gradient_accumulation_fusion))
     return output + bias if bias is not None else output
 
@@ -199,8 +229,10 @@ def _moe_layers(model) -> list[tuple[str, torch.nn.Module]]:
 
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model) if isinstance(model, Iterable) else None
     if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
-        raise TypeError(f"enable_delayed_wgrad needs a torch.nn.Module (a Megatron model, a MoELayer) or a list of "
-                        f"them (model chunks), got {type(model).__name__}")
+        raise TypeError(
+            f"enable_delayed_wgrad needs a torch.nn.Module (a Megatron model, a MoELayer) or a list of "
+            f"them (model chunks), got {type(model).__name__}"
+        )
     layers = []
     for index, chunk in enumerate(chunks):
         for name, module in chunk.named_modules():
@@ -219,7 +251,8 @@ def _expert_linears(name: str, layer) -> list[torch.nn.Module]:
         raise TypeError(
             f"enable_delayed_wgrad: {name}.experts is {type(experts).__name__}, not Megatron's SequentialMLP; only "
             "the local (non-Transformer-Engine) experts are supported. With Transformer Engine's grouped experts "
-            "(TEGroupedMLP) set delay_wgrad_compute=True and let TE's GroupedLinear defer instead")
+            "(TEGroupedMLP) set delay_wgrad_compute=True and let TE's GroupedLinear defer instead"
+        )
     linears = []
     for index, expert in enumerate(experts.local_experts):
         for attr in _LINEARS:
@@ -228,7 +261,8 @@ def _expert_linears(name: str, layer) -> list[torch.nn.Module]:
                 raise TypeError(
                     f"enable_delayed_wgrad: {name}.experts.local_experts.{index}.{attr} is {type(linear).__name__}, "
                     "expected Megatron's ColumnParallelLinear/RowParallelLinear (the local spec); Transformer "
-                    "Engine linears defer through TE's own delay_wgrad_compute")
+                    "Engine linears defer through TE's own delay_wgrad_compute"
+                )
             linears.append(linear)
     return linears
 
@@ -275,8 +309,10 @@ def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, 
         raise ValueError(f"run_wgrad must be one of {RUN_WGRAD_MODES}, got {run_wgrad!r}")
     layers = _moe_layers(model)
     if not layers:
-        raise ValueError("enable_delayed_wgrad found no Megatron MoELayer in the model: build it with num_moe_experts "
-                         "set (e.g. get_gpt_layer_local_spec(num_experts=...))")
+        raise ValueError(
+            "enable_delayed_wgrad found no Megatron MoELayer in the model: build it with num_moe_experts "
+            "set (e.g. get_gpt_layer_local_spec(num_experts=...))"
+        )
     plans = []
     for name, layer in layers:  # check every layer before patching any
         linears = _expert_linears(name, layer)
@@ -284,21 +320,26 @@ def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, 
         config = layer.config
         existing = getattr(layer, STORE_ATTR, None)
         if existing is not None and existing.run_wgrad != run_wgrad:
-            raise ValueError(f"{name} already defers its expert wgrads with run_wgrad={existing.run_wgrad!r}: call "
-                             "disable_delayed_wgrad(model) first to change the mode")
+            raise ValueError(
+                f"{name} already defers its expert wgrads with run_wgrad={existing.run_wgrad!r}: call "
+                "disable_delayed_wgrad(model) first to change the mode"
+            )
         if run_wgrad == "dispatch_backward" and manager is None:
             raise ValueError(
                 f"run_wgrad='dispatch_backward' needs the 'custom' flex dispatcher backend (its dispatch backward runs "
                 f"the wgrads), but {name} uses moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: call "
-                "moe_dispatch.megatron.configure(config) before building the model, or use run_wgrad='backward_dw'")
-        schedule_calls_dw = bool(getattr(config, "delay_wgrad_compute", False)
-                                 and getattr(config, "overlap_moe_expert_parallel_comm", False))
+                "moe_dispatch.megatron.configure(config) before building the model, or use run_wgrad='backward_dw'"
+            )
+        schedule_calls_dw = bool(
+            getattr(config, "delay_wgrad_compute", False) and getattr(config, "overlap_moe_expert_parallel_comm", False)
+        )
         if run_wgrad == "backward_dw" and manager is None and not schedule_calls_dw:
             raise ValueError(
                 f"{name}'s expert wgrads would never run: its dispatcher is not the 'custom' backend (whose dispatch "
                 "backward runs what is left) and Megatron calls MoELayer.backward_dw() only with "
                 "delay_wgrad_compute=True and overlap_moe_expert_parallel_comm=True. Set both, or configure the "
-                "'custom' backend")
+                "'custom' backend"
+            )
         plans.append((name, layer, linears, manager, existing))
 
     stores = {}
@@ -321,7 +362,8 @@ def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, 
                     f"never run (run_wgrad={store.run_wgrad!r}); they would be lost. Megatron runs them through "
                     "MoELayer.backward_dw() (combined-1F1B schedule with delay_wgrad_compute=True); the 'custom' "
                     "dispatch backward runs them when the dispatch input requires grad. Call "
-                    "layer.backward_dw() after a hand-written backward")
+                    "layer.backward_dw() after a hand-written backward"
+                )
 
         setattr(layer.experts, _PRE_HOOK_ATTR, layer.experts.register_forward_pre_hook(check_nothing_left))
         if manager is not None:
@@ -346,8 +388,10 @@ def disable_delayed_wgrad(model) -> int:
         if store is None:
             continue
         if len(store):
-            raise RuntimeError(f"{name} holds {len(store)} deferred expert weight gradients: run layer.backward_dw() "
-                               "before disable_delayed_wgrad")
+            raise RuntimeError(
+                f"{name} holds {len(store)} deferred expert weight gradients: run layer.backward_dw() "
+                "before disable_delayed_wgrad"
+            )
         for linear in _expert_linears(name, layer):
             for attr in ("_forward_impl", "register_wgrad_accumulation_and_reduce_hooks", _HOOKS_ATTR):
                 linear.__dict__.pop(attr, None)

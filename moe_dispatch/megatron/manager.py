@@ -68,15 +68,24 @@ def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> 
     world_size = dist.get_world_size(group)
     if explicit is not None:
         if world_size % explicit != 0:
-            raise ValueError(f"ranks_per_node={explicit} does not divide the EP group size {world_size}: pass "
-                             f"configure(config, ranks_per_node=...) with a divisor of {world_size}")
+            raise ValueError(
+                f"ranks_per_node={explicit} does not divide the EP group size {world_size}: pass "
+                f"configure(config, ranks_per_node=...) with a divisor of {world_size}"
+            )
         return explicit
     return default_ranks_per_node(group)
 
 
-def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, num_sms: int | None = None,
-               timeout_s: float = 300.0, transport: str = "auto", config: Config | str | None = None,
-               device: torch.device | None = None) -> Buffer:
+def get_buffer(
+    group: dist.ProcessGroup,
+    *,
+    ranks_per_node: int | None = None,
+    num_sms: int | None = None,
+    timeout_s: float = 300.0,
+    transport: str = "auto",
+    config: Config | str | None = None,
+    device: torch.device | None = None,
+) -> Buffer:
     """The ``moe_dispatch.Buffer`` of an EP group, created once per (group, hierarchy, kernel
     Config or SM budget, timeout, transport, device; see ``Buffer`` for each). ``config`` (a
     ``moe_dispatch.config.Config`` or "auto") replaces ``num_sms`` when given.
@@ -90,8 +99,15 @@ def get_buffer(group: dist.ProcessGroup, *, ranks_per_node: int | None = None, n
     key = (group, rpn, num_sms, config, float(timeout_s), transport, device)
     buf = _BUFFERS.get(key)
     if buf is None:
-        buf = Buffer(group, ranks_per_node=rpn, num_sms=num_sms, config=config, timeout_s=timeout_s,
-                     transport=transport, device=device)
+        buf = Buffer(
+            group,
+            ranks_per_node=rpn,
+            num_sms=num_sms,
+            config=config,
+            timeout_s=timeout_s,
+            transport=transport,
+            device=device,
+        )
         _BUFFERS[key] = buf
     return buf
 
@@ -153,8 +169,9 @@ class CustomDispatchManager(_DispatchManager):
         ValueError: an invalid config (see ``validate_config``), or E' not divisible by the group.
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_local_experts: int, router_topk: int, num_experts: int,
-                 config) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, num_local_experts: int, router_topk: int, num_experts: int, config
+    ) -> None:
         validate_config(config)
         self.group = group
         self.num_local_experts = num_local_experts
@@ -164,22 +181,29 @@ class CustomDispatchManager(_DispatchManager):
         self.options = get_options(config)
         group_size = dist.get_world_size(group)
         if num_experts != num_local_experts * group_size:
-            raise ValueError(f"the 'custom' backend needs num_experts ({num_experts}, folded over TP) = "
-                             f"num_local_experts ({num_local_experts}) x the TP x EP group size ({group_size}); "
-                             "make num_moe_experts divisible by expert_model_parallel_size")
+            raise ValueError(
+                f"the 'custom' backend needs num_experts ({num_experts}, folded over TP) = "
+                f"num_local_experts ({num_local_experts}) x the TP x EP group size ({group_size}); "
+                "make num_moe_experts divisible by expert_model_parallel_size"
+            )
         self.pad_multiple = resolve_pad_multiple(config)
         self.drop_and_pad = is_drop_and_pad(config)
         self.fused = resolve_fuse_permute(config)
         self.kernel_config = resolve_kernel_config(config)
         self.fp8_dispatch = resolve_fp8_dispatch(config)
         if getattr(config, "fp8", None) and not self.fp8_dispatch:
-            _log_once(f"config.fp8={config.fp8!r} but the 'custom' backend dispatches in the model dtype "
-                      f"(fp8_dispatch={get_options(config).fp8_dispatch}, hidden_size={config.hidden_size}: fp8 rows "
-                      "need a multiple of 128)")
+            _log_once(
+                f"config.fp8={config.fp8!r} but the 'custom' backend dispatches in the model dtype "
+                f"(fp8_dispatch={get_options(config).fp8_dispatch}, hidden_size={config.hidden_size}: fp8 rows "
+                "need a multiple of 128)"
+            )
         self.router_dtype = getattr(config, "moe_router_dtype", None)
         backend = str(dist.get_backend(group))
-        self._device = (torch.device("cuda", torch.cuda.current_device())
-                        if "nccl" in backend and torch.cuda.is_available() else torch.device("cpu"))
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in backend and torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self.over_budget = torch.zeros(1, dtype=torch.bool, device=self._device)
         self.token_indices: torch.Tensor | None = None
         self.token_probs: torch.Tensor | None = None
@@ -193,8 +217,9 @@ class CustomDispatchManager(_DispatchManager):
     def buffer(self) -> Buffer:
         """The EP group's Buffer (created by the first dispatch, on its tensors' device)."""
         if self._buffer is None:
-            raise RuntimeError("the manager's Buffer is made by its first dispatch (on the tokens' device) or by "
-                               "buffer_for(device)")
+            raise RuntimeError(
+                "the manager's Buffer is made by its first dispatch (on the tokens' device) or by buffer_for(device)"
+            )
         return self._buffer
 
     def buffer_for(self, device: torch.device) -> Buffer:
@@ -202,9 +227,14 @@ class CustomDispatchManager(_DispatchManager):
         backend decides by default (NCCL: CUDA), a gloo group with CUDA tokens is processes
         sharing a GPU (``transport="kernels"``)."""
         if self._buffer is None:
-            self._buffer = get_buffer(self.group, ranks_per_node=self.options.ranks_per_node,
-                                      config=self.kernel_config, timeout_s=self.options.timeout_s,
-                                      transport=self.options.transport, device=device)
+            self._buffer = get_buffer(
+                self.group,
+                ranks_per_node=self.options.ranks_per_node,
+                config=self.kernel_config,
+                timeout_s=self.options.timeout_s,
+                transport=self.options.transport,
+                device=device,
+            )
         if self.over_budget.device != device:  # the flag follows the tokens (no transfer per dispatch)
             self.over_budget = self.over_budget.to(device)
         return self._buffer
@@ -225,8 +255,11 @@ class CustomDispatchManager(_DispatchManager):
 
     def _layout(self, num_tokens: int) -> dict:
         """The permute's layout for T dispatched tokens: padding, the static budget, drop-and-pad blocks."""
-        return dict(pad_multiple=self.pad_multiple, num_permuted_tokens=self.budget(num_tokens),
-                    expert_capacity=resolve_expert_capacity(self.config, num_tokens, dist.get_world_size(self.group)))
+        return dict(
+            pad_multiple=self.pad_multiple,
+            num_permuted_tokens=self.budget(num_tokens),
+            expert_capacity=resolve_expert_capacity(self.config, num_tokens, dist.get_world_size(self.group)),
+        )
 
     def receive_budget(self, num_tokens: int) -> int | None:
         """Static rows of the dispatch's receive (``Buffer.dispatch(num_worst_tokens=...)``) when the
@@ -239,8 +272,14 @@ class CustomDispatchManager(_DispatchManager):
     def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
         """The DeepEP layout's permute of the received rows (unfused)."""
         # recv_topk_idx comes from Buffer.dispatch (checked there, local ids): no second host check
-        res = permute(hidden, state.recv_topk_idx, probs, num_local_experts=self.num_local_experts,
-                      validate=False, **self._layout(state.num_tokens))
+        res = permute(
+            hidden,
+            state.recv_topk_idx,
+            probs,
+            num_local_experts=self.num_local_experts,
+            validate=False,
+            **self._layout(state.num_tokens),
+        )
         self._blocks(state, res.handle)
         return res.permuted_x, res.permuted_probs
 
@@ -264,7 +303,8 @@ class CustomDispatchManager(_DispatchManager):
                     raise BudgetOverflowError(
                         f"dispatch received {int(state.handle.recv_count)} rows, more than the static expert input "
                         f"holds (num_permuted_tokens={budget}); the rows past it were dropped before the permute: "
-                        "raise the budget")
+                        "raise the budget"
+                    )
 
     @staticmethod
     def _async(async_finish: bool, device: torch.device) -> bool:
@@ -274,8 +314,10 @@ class CustomDispatchManager(_DispatchManager):
 
     def _state(self, what: str) -> InflightDispatch:
         if self._inflight is None:
-            raise RuntimeError(f"{what} called without a dispatch in flight: Megatron's flex dispatcher calls "
-                               "token_dispatch before dispatch_postprocess/combine_preprocess/token_combine, once each")
+            raise RuntimeError(
+                f"{what} called without a dispatch in flight: Megatron's flex dispatcher calls "
+                "token_dispatch before dispatch_postprocess/combine_preprocess/token_combine, once each"
+            )
         return self._inflight
 
     # -- Megatron's contract ---------------------------------------------------------------
@@ -299,11 +341,11 @@ class CustomDispatchManager(_DispatchManager):
         probs = probs.reshape(num_tokens, self.num_experts)
         if self.drop_and_pad:
             routing_map = routing_map & (probs != 0)
-        self.token_indices, self.token_probs = routing_map_to_topk(routing_map, probs, self.router_topk,
-                                                                   validate=False)
+        self.token_indices, self.token_probs = routing_map_to_topk(routing_map, probs, self.router_topk, validate=False)
 
-    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
+    def dispatch(
+        self, hidden_states: torch.Tensor, async_finish: bool = False, allocate_on_comm_stream: bool = False
+    ) -> torch.Tensor:
         """Dispatches ``hidden_states [T, H]`` (bf16/fp16/fp32) to the ranks of their experts.
 
         Collective over the TP x EP group. Without a static budget (dropless, drop-and-pad) it
@@ -335,21 +377,39 @@ class CustomDispatchManager(_DispatchManager):
         if self.fused and not self.fp8_dispatch and getattr(buffer.transport, "fuses_layout", False):
             # the rows land expert-major straight from the receive buffer (torch_dist)
             out, self.dispatched_probs, _, handle, event = buffer.dispatch_to_experts(
-                hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts,
-                **self._layout(num_tokens), async_finish=async_finish,
-                allocate_on_comm_stream=allocate_on_comm_stream, wgrad_store=self.wgrad_store)
+                hidden_states.contiguous(),
+                self.token_indices,
+                probs.contiguous(),
+                self.num_experts,
+                **self._layout(num_tokens),
+                async_finish=async_finish,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+                wgrad_store=self.wgrad_store,
+            )
             event.current_stream_wait()
-            state = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=handle.recv_topk_idx,
-                                     fused=True)
+            state = InflightDispatch(
+                handle=handle, num_tokens=num_tokens, recv_topk_idx=handle.recv_topk_idx, fused=True
+            )
             self._blocks(state, handle.permute)
             self._inflight = state
             return out
         # The kernels (a static receive in budget mode: no host sync) and fp8 rows: permuted after.
         budget = self.receive_budget(num_tokens)
-        launch = {"async_finish": async_finish, "allocate_on_comm_stream": allocate_on_comm_stream,
-                  "num_worst_tokens": budget or 0, "on_overflow": "drop"}
-        args = (hidden_states.contiguous(), probs.contiguous(), buffer, self.token_indices, self.num_experts,
-                self.wgrad_store, launch)
+        launch = {
+            "async_finish": async_finish,
+            "allocate_on_comm_stream": allocate_on_comm_stream,
+            "num_worst_tokens": budget or 0,
+            "on_overflow": "drop",
+        }
+        args = (
+            hidden_states.contiguous(),
+            probs.contiguous(),
+            buffer,
+            self.token_indices,
+            self.num_experts,
+            self.wgrad_store,
+            launch,
+        )
         routed: dict = {}
         if self.fp8_dispatch:
             recv_x, recv_probs = _Fp8DispatchFn.apply(*args, routed)
@@ -389,8 +449,10 @@ class CustomDispatchManager(_DispatchManager):
         the grouped-GEMM split sizes, on the Buffer's device."""
         state = self._state("get_number_of_tokens_per_expert")
         if state.tokens_per_expert is None:
-            raise RuntimeError("get_number_of_tokens_per_expert called before the permute: Megatron's "
-                               "dispatch_postprocess calls get_permuted_hidden_states_by_experts first")
+            raise RuntimeError(
+                "get_number_of_tokens_per_expert called before the permute: Megatron's "
+                "dispatch_postprocess calls get_permuted_hidden_states_by_experts first"
+            )
         return state.tokens_per_expert
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -401,8 +463,9 @@ class CustomDispatchManager(_DispatchManager):
             return hidden_states
         return unpermute(hidden_states, state.permute_handle)
 
-    def combine(self, hidden_states: torch.Tensor, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+    def combine(
+        self, hidden_states: torch.Tensor, async_finish: bool = False, allocate_on_comm_stream: bool = False
+    ) -> torch.Tensor:
         """Sums expert outputs back onto their source tokens: ``[P, H]`` (fused) or ``[R, H]``
         -> ``[T, H]`` in the input dtype (fp32 accumulation, deterministic order).
 
@@ -413,20 +476,23 @@ class CustomDispatchManager(_DispatchManager):
         if state.fused and state.handle.permute is None:  # permuted here after the dispatch
             hidden_states = unpermute(hidden_states, state.permute_handle)
         # else fused by the Buffer: it sums each token's expert-major copies as it returns them
-        out, event = self.buffer.combine(hidden_states.contiguous(), state.handle,
-                                         async_finish=self._async(async_finish, hidden_states.device),
-                                         allocate_on_comm_stream=allocate_on_comm_stream)
+        out, event = self.buffer.combine(
+            hidden_states.contiguous(),
+            state.handle,
+            async_finish=self._async(async_finish, hidden_states.device),
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
         event.current_stream_wait()
         self.dispatched_probs = None
         return out
 
 
-def _dispatch(hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict,
-              routed: dict):
+def _dispatch(hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict, routed: dict):
     """``buffer.dispatch`` of ``hidden`` as is (differentiable); ``routed`` receives the handle
     and the received top-k ids. Returns ``(recv_x, recv_probs)``."""
     recv_x, recv_idx, recv_probs, _, handle, event = buffer.dispatch(
-        hidden, topk_idx, probs, num_experts, wgrad_store=wgrad_store, **launch)
+        hidden, topk_idx, probs, num_experts, wgrad_store=wgrad_store, **launch
+    )
     event.current_stream_wait()
     routed.update(handle=handle, recv_topk_idx=recv_idx)
     return recv_x, recv_probs
@@ -451,10 +517,12 @@ class _Fp8DispatchFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict,
-                routed: dict):
+    def forward(
+        ctx, hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict, routed: dict
+    ):
         (x_fp8, scales), recv_idx, recv_probs, _, handle, event = buffer.dispatch(
-            per_token_cast_to_fp8(hidden), topk_idx, probs, num_experts, **launch)
+            per_token_cast_to_fp8(hidden), topk_idx, probs, num_experts, **launch
+        )
         event.current_stream_wait()
         routed.update(handle=handle, recv_topk_idx=recv_idx)
         ctx.buffer, ctx.handle, ctx.recv_idx, ctx.wgrad_store = buffer, handle, recv_idx, wgrad_store
@@ -467,8 +535,9 @@ class _Fp8DispatchFn(torch.autograd.Function):
         grad_p = None
         if grad_probs is not None:  # only the rank owning expert topk_idx[t, k] holds its gradient
             mine = ctx.recv_idx >= 0
-            grad_p = ctx.buffer.combine(torch.where(mine, grad_probs, torch.zeros_like(grad_probs)).contiguous(),
-                                        ctx.handle)[0]
+            grad_p = ctx.buffer.combine(
+                torch.where(mine, grad_probs, torch.zeros_like(grad_probs)).contiguous(), ctx.handle
+            )[0]
         if store is not None:
             store.backward_dw()
         event.current_stream_wait()

@@ -31,7 +31,13 @@ def run_gpt_step(model, batches: list[torch.Tensor]) -> list[torch.Tensor]:
         run = model.build_schedule_plan if return_schedule_plan else model
         return run(tokens, positions, None, labels=tokens), loss_func
 
-    out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                                      num_microbatches=len(batches), seq_length=seq_len,
-                                      micro_batch_size=micro_batch_size, forward_only=False)
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
     return [o["loss"] for o in out]

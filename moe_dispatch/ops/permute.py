@@ -52,10 +52,17 @@ class PermuteResult(NamedTuple):
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _permute_count_kernel(
-    topk_idx_ptr, row_id_map_ptr, block_counts_ptr, num_tokens, num_experts,
-    NUM_TOPK: tl.constexpr, BLOCK_R: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    topk_idx_ptr,
+    row_id_map_ptr,
+    block_counts_ptr,
+    num_tokens,
+    num_experts,
+    NUM_TOPK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
 ):
     """Index pass 1: per block of BLOCK_R tokens, the rank of each copy inside its expert
     among the block's copies (written to ``row_id_map``) and the block's per-expert counts."""
@@ -81,9 +88,23 @@ def _permute_count_kernel(
 
 @triton.jit
 def _permute_finalize_kernel(
-    topk_idx_ptr, row_id_map_ptr, block_counts_ptr, tokens_per_expert_ptr, num_tokens_per_expert_ptr,
-    expert_offsets_ptr, num_rows_needed_ptr, overflow_ptr, num_tokens, num_blocks, num_rows, num_experts,
-    pad_multiple, expert_capacity, NUM_TOPK: tl.constexpr, BLOCK_R: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    topk_idx_ptr,
+    row_id_map_ptr,
+    block_counts_ptr,
+    tokens_per_expert_ptr,
+    num_tokens_per_expert_ptr,
+    expert_offsets_ptr,
+    num_rows_needed_ptr,
+    overflow_ptr,
+    num_tokens,
+    num_blocks,
+    num_rows,
+    num_experts,
+    pad_multiple,
+    expert_capacity,
+    NUM_TOPK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
     CHUNK_B: tl.constexpr,
 ):
     """Index pass 2: row = padded start of the expert + copies in earlier blocks + rank in the
@@ -107,8 +128,11 @@ def _permute_finalize_kernel(
         match = experts[None, :] == expert[:, None]
         row = tl.sum(tl.where(match, base[None, :], 0), axis=1) + local
         row_end = tl.sum(tl.where(match, end[None, :], 0), axis=1)
-        tl.store(row_id_map_ptr + rows * NUM_TOPK + k, tl.where(valid & (row < num_rows) & (row < row_end), row, -1),
-                 mask=token_mask)
+        tl.store(
+            row_id_map_ptr + rows * NUM_TOPK + k,
+            tl.where(valid & (row < num_rows) & (row < row_end), row, -1),
+            mask=token_mask,
+        )
     if pid == 0:
         emask = experts < num_experts
         clipped = tl.minimum(tl.maximum(num_rows - start, 0), padded)
@@ -122,10 +146,25 @@ def _permute_finalize_kernel(
 
 @triton.jit
 def _permute_scatter_kernel(
-    x_ptr, row_id_map_ptr, probs_ptr, out_ptr, permuted_probs_ptr, expert_offsets_ptr,
-    num_tokens_per_expert_ptr, tokens_per_expert_ptr, num_tokens, hidden, num_rows, num_token_blocks, num_experts,
-    NUM_TOPK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr, HAS_PROBS: tl.constexpr,
+    x_ptr,
+    row_id_map_ptr,
+    probs_ptr,
+    out_ptr,
+    permuted_probs_ptr,
+    expert_offsets_ptr,
+    num_tokens_per_expert_ptr,
+    tokens_per_expert_ptr,
+    num_tokens,
+    hidden,
+    num_rows,
+    num_token_blocks,
+    num_experts,
+    NUM_TOPK: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
 ):
     """Data pass, grid ``(token blocks + zero blocks, H blocks)``.
 
@@ -143,13 +182,15 @@ def _permute_scatter_kernel(
         tokens = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         token_mask = tokens < num_tokens
         rows = tokens.to(tl.int64)
-        tile = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :],
-                       mask=token_mask[:, None] & col_mask[None, :])
+        tile = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=token_mask[:, None] & col_mask[None, :])
         for k in tl.static_range(NUM_TOPK):
             dst = tl.load(row_id_map_ptr + rows * NUM_TOPK + k, mask=token_mask, other=-1)
             dst_mask = dst >= 0
-            tl.store(out_ptr + dst.to(tl.int64)[:, None] * hidden + cols[None, :], tile,
-                     mask=dst_mask[:, None] & col_mask[None, :])
+            tl.store(
+                out_ptr + dst.to(tl.int64)[:, None] * hidden + cols[None, :],
+                tile,
+                mask=dst_mask[:, None] & col_mask[None, :],
+            )
             if HAS_PROBS:
                 if pid_h == 0:
                     p = tl.load(probs_ptr + rows * NUM_TOPK + k, mask=dst_mask)
@@ -159,24 +200,40 @@ def _permute_scatter_kernel(
         experts = tl.arange(0, EXPERTS_PAD)
         emask = experts < num_experts
         start = tl.load(expert_offsets_ptr + experts, mask=emask, other=0)
-        count = tl.minimum(tl.load(num_tokens_per_expert_ptr + experts, mask=emask, other=0),
-                           tl.load(tokens_per_expert_ptr + experts, mask=emask, other=0)).to(tl.int32)
+        count = tl.minimum(
+            tl.load(num_tokens_per_expert_ptr + experts, mask=emask, other=0),
+            tl.load(tokens_per_expert_ptr + experts, mask=emask, other=0),
+        ).to(tl.int32)
         filled = (out_rows[:, None] >= start[None, :]) & (out_rows[:, None] < (start + count)[None, :])
         hole = (tl.max(filled.to(tl.int32), axis=1) == 0) & (out_rows < num_rows)
         if tl.max(hole.to(tl.int32), axis=0) > 0:
             zeros = tl.zeros([BLOCK_Z, BLOCK_H], out_ptr.dtype.element_ty)
-            tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * hidden + cols[None, :], zeros,
-                     mask=hole[:, None] & col_mask[None, :])
+            tl.store(
+                out_ptr + out_rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+                zeros,
+                mask=hole[:, None] & col_mask[None, :],
+            )
             if HAS_PROBS:
                 if pid_h == 0:
-                    tl.store(permuted_probs_ptr + out_rows,
-                             tl.zeros([BLOCK_Z], permuted_probs_ptr.dtype.element_ty), mask=hole)
+                    tl.store(
+                        permuted_probs_ptr + out_rows,
+                        tl.zeros([BLOCK_Z], permuted_probs_ptr.dtype.element_ty),
+                        mask=hole,
+                    )
 
 
 @triton.jit
 def _unpermute_gather_kernel(
-    y_ptr, row_id_map_ptr, row_weights_ptr, out_ptr, num_tokens, hidden,
-    NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    y_ptr,
+    row_id_map_ptr,
+    row_weights_ptr,
+    out_ptr,
+    num_tokens,
+    hidden,
+    NUM_TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
 ):
     """out[r, cols] = sum over r's rows in ascending order of w[row] * y[row, cols] in fp32.
@@ -190,8 +247,11 @@ def _unpermute_gather_kernel(
     cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < hidden
     slots = tl.arange(0, TOPK_PAD)
-    src = tl.load(row_id_map_ptr + rows[:, None] * NUM_TOPK + slots[None, :],
-                  mask=token_mask[:, None] & (slots < NUM_TOPK)[None, :], other=-1)
+    src = tl.load(
+        row_id_map_ptr + rows[:, None] * NUM_TOPK + slots[None, :],
+        mask=token_mask[:, None] & (slots < NUM_TOPK)[None, :],
+        other=-1,
+    )
     key = tl.where(src >= 0, src, 2147483647)
     if TOPK_PAD > 1:
         # Expert blocks are laid out in ascending expert order, so ascending row = ascending expert.
@@ -200,19 +260,31 @@ def _unpermute_gather_kernel(
     for i in tl.static_range(NUM_TOPK):
         row = tl.sum(tl.where(slots[None, :] == i, key, 0), axis=1)
         valid = row != 2147483647
-        v = tl.load(y_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :],
-                    mask=valid[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+        v = tl.load(
+            y_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :],
+            mask=valid[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         if HAS_WEIGHTS:
             w = tl.load(row_weights_ptr + row, mask=valid, other=0.0).to(tl.float32)
             v = v * w[:, None]
         acc += v
-    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=token_mask[:, None] & col_mask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * hidden + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=token_mask[:, None] & col_mask[None, :],
+    )
 
 
 # Launch configuration of the data kernels on GPU (benchmarks/bench_kernels.py may override).
-GPU_CONFIG = {"scatter_block_r": 8, "scatter_block_bytes": 2048, "zero_block": 64,
-              "gather_block_r": 4, "gather_block_h": 1024, "num_warps": 4}
+GPU_CONFIG = {
+    "scatter_block_r": 8,
+    "scatter_block_bytes": 2048,
+    "zero_block": 64,
+    "gather_block_r": 4,
+    "gather_block_h": 1024,
+    "num_warps": 4,
+}
 
 
 def _index_block(num_tokens: int, experts_pad: int, on_gpu: bool) -> int:
@@ -224,8 +296,13 @@ def _index_block(num_tokens: int, experts_pad: int, on_gpu: bool) -> int:
 
 
 def permute_map_triton(
-    topk_idx: torch.Tensor, num_local_experts: int, pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None, expert_capacity: int | None = None, *, block_r: int | None = None,
+    topk_idx: torch.Tensor,
+    num_local_experts: int,
+    pad_multiple: int = 1,
+    num_permuted_tokens: int | None = None,
+    expert_capacity: int | None = None,
+    *,
+    block_r: int | None = None,
 ) -> PermuteHandle:
     """Triton index phase; same result as :func:`permute_map_reference`. Two kernels (block
     counts and ranks, then block prefixes). Synchronises the host only when neither
@@ -252,14 +329,37 @@ def permute_map_triton(
         num_warps = 8 if block * experts_pad >= 2048 else 4
         with _device_of(topk_idx):
             _permute_count_kernel[(num_blocks,)](
-                topk_idx, row_id_map, block_counts, num_tokens, e,
-                NUM_TOPK=num_topk, BLOCK_R=block, EXPERTS_PAD=experts_pad, num_warps=num_warps)
+                topk_idx,
+                row_id_map,
+                block_counts,
+                num_tokens,
+                e,
+                NUM_TOPK=num_topk,
+                BLOCK_R=block,
+                EXPERTS_PAD=experts_pad,
+                num_warps=num_warps,
+            )
             _permute_finalize_kernel[(num_blocks,)](
-                topk_idx, row_id_map, block_counts, tokens_per_expert, num_tokens_per_expert, expert_offsets,
-                num_rows_needed, overflow.view(torch.uint8), num_tokens, num_blocks, budget, e, pad_multiple,
-                -1 if expert_capacity is None else expert_capacity, NUM_TOPK=num_topk, BLOCK_R=block,
-                EXPERTS_PAD=experts_pad, CHUNK_B=max(1, min(_next_pow2(num_blocks), 4096 // experts_pad)),
-                num_warps=num_warps)
+                topk_idx,
+                row_id_map,
+                block_counts,
+                tokens_per_expert,
+                num_tokens_per_expert,
+                expert_offsets,
+                num_rows_needed,
+                overflow.view(torch.uint8),
+                num_tokens,
+                num_blocks,
+                budget,
+                e,
+                pad_multiple,
+                -1 if expert_capacity is None else expert_capacity,
+                NUM_TOPK=num_topk,
+                BLOCK_R=block,
+                EXPERTS_PAD=experts_pad,
+                CHUNK_B=max(1, min(_next_pow2(num_blocks), 4096 // experts_pad)),
+                num_warps=num_warps,
+            )
     if num_tokens == 0 and expert_capacity is not None:  # no kernel ran: the fixed blocks' tables
         tokens_per_expert.fill_(expert_capacity)
         expert_offsets.copy_(torch.arange(e, dtype=torch.int32, device=device) * expert_capacity)
@@ -269,10 +369,18 @@ def permute_map_triton(
     else:
         num_rows = int(num_rows_needed) if num_permuted_tokens is None else num_permuted_tokens
     return PermuteHandle(
-        row_id_map=row_id_map, tokens_per_expert=tokens_per_expert, num_tokens_per_expert=num_tokens_per_expert,
-        expert_offsets=expert_offsets, num_rows_needed=num_rows_needed, overflow=overflow,
-        num_tokens=num_tokens, num_rows=num_rows, num_local_experts=e, pad_multiple=pad_multiple,
-        num_permuted_tokens=num_permuted_tokens, expert_capacity=expert_capacity,
+        row_id_map=row_id_map,
+        tokens_per_expert=tokens_per_expert,
+        num_tokens_per_expert=num_tokens_per_expert,
+        expert_offsets=expert_offsets,
+        num_rows_needed=num_rows_needed,
+        overflow=overflow,
+        num_tokens=num_tokens,
+        num_rows=num_rows,
+        num_local_experts=e,
+        pad_multiple=pad_multiple,
+        num_permuted_tokens=num_permuted_tokens,
+        expert_capacity=expert_capacity,
     )
 
 
@@ -282,9 +390,15 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def permute_rows_triton(x: torch.Tensor, handle: PermuteHandle, probs: torch.Tensor | None = None,
-                        *, block_r: int | None = None, block_h: int | None = None,
-                        block_z: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def permute_rows_triton(
+    x: torch.Tensor,
+    handle: PermuteHandle,
+    probs: torch.Tensor | None = None,
+    *,
+    block_r: int | None = None,
+    block_h: int | None = None,
+    block_z: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton data phase; same result as :func:`permute_rows_reference` (bit-exact). One launch,
     no host synchronisation."""
     num_tokens, hidden = x.shape
@@ -309,17 +423,38 @@ def permute_rows_triton(x: torch.Tensor, handle: PermuteHandle, probs: torch.Ten
     has_probs = probs is not None
     with _device_of(x):
         _permute_scatter_kernel[grid](
-            _int_view(x), handle.row_id_map, probs if has_probs else x, _int_view(out),
-            permuted_probs if has_probs else x, handle.expert_offsets, handle.num_tokens_per_expert,
-            handle.tokens_per_expert, num_tokens, hidden, num_rows, num_token_blocks, handle.num_local_experts,
-            NUM_TOPK=handle.row_id_map.shape[1], EXPERTS_PAD=_next_pow2(handle.num_local_experts),
-            BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_Z=block_z, HAS_PROBS=has_probs,
-            num_warps=GPU_CONFIG["num_warps"] if on_gpu else 4)
+            _int_view(x),
+            handle.row_id_map,
+            probs if has_probs else x,
+            _int_view(out),
+            permuted_probs if has_probs else x,
+            handle.expert_offsets,
+            handle.num_tokens_per_expert,
+            handle.tokens_per_expert,
+            num_tokens,
+            hidden,
+            num_rows,
+            num_token_blocks,
+            handle.num_local_experts,
+            NUM_TOPK=handle.row_id_map.shape[1],
+            EXPERTS_PAD=_next_pow2(handle.num_local_experts),
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            BLOCK_Z=block_z,
+            HAS_PROBS=has_probs,
+            num_warps=GPU_CONFIG["num_warps"] if on_gpu else 4,
+        )
     return out, permuted_probs
 
 
-def unpermute_rows_triton(y: torch.Tensor, handle: PermuteHandle, row_weights: torch.Tensor | None = None,
-                          *, block_r: int | None = None, block_h: int | None = None) -> torch.Tensor:
+def unpermute_rows_triton(
+    y: torch.Tensor,
+    handle: PermuteHandle,
+    row_weights: torch.Tensor | None = None,
+    *,
+    block_r: int | None = None,
+    block_h: int | None = None,
+) -> torch.Tensor:
     """Triton unpermute; matches :func:`unpermute_rows_reference` up to fp32 rounding (on GPU
     the multiply-add may fuse into an FMA). No host synchronisation."""
     num_tokens = handle.num_tokens
@@ -337,15 +472,26 @@ def unpermute_rows_triton(y: torch.Tensor, handle: PermuteHandle, row_weights: t
     grid = (triton.cdiv(num_tokens, block_r), triton.cdiv(hidden, block_h))
     with _device_of(y):
         _unpermute_gather_kernel[grid](
-            y, handle.row_id_map, row_weights if row_weights is not None else y, out, num_tokens, hidden,
-            NUM_TOPK=num_topk, TOPK_PAD=_next_pow2(num_topk), BLOCK_R=block_r, BLOCK_H=block_h,
-            HAS_WEIGHTS=row_weights is not None, num_warps=GPU_CONFIG["num_warps"] if y.is_cuda else 4)
+            y,
+            handle.row_id_map,
+            row_weights if row_weights is not None else y,
+            out,
+            num_tokens,
+            hidden,
+            NUM_TOPK=num_topk,
+            TOPK_PAD=_next_pow2(num_topk),
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            HAS_WEIGHTS=row_weights is not None,
+            num_warps=GPU_CONFIG["num_warps"] if y.is_cuda else 4,
+        )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Autograd
 # ---------------------------------------------------------------------------------------------
+
 
 def _permute_rows(x, handle, probs, use_triton):
     return (permute_rows_triton if use_triton else permute_rows_reference)(x, handle, probs)
@@ -404,6 +550,7 @@ class _UnpermuteFunction(torch.autograd.Function):
 # Public API
 # ---------------------------------------------------------------------------------------------
 
+
 def check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity):
     """Raises TypeError/ValueError naming the first bad argument of a permute (see :func:`permute`)."""
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=INDEX_DTYPES)
@@ -415,19 +562,32 @@ def check_permute_args(topk_idx, num_local_experts, pad_multiple, num_permuted_t
         raise ValueError(f"num_permuted_tokens must be None or an int >= 0, got {num_permuted_tokens!r}")
     if expert_capacity is None:
         return
-    if not isinstance(expert_capacity, int) or isinstance(expert_capacity, bool) or expert_capacity < 0 \
-            or expert_capacity % pad_multiple:
-        raise ValueError(f"expert_capacity must be None or an int >= 0 that is a multiple of pad_multiple="
-                         f"{pad_multiple} (rows of every expert block), got {expert_capacity!r}")
+    if (
+        not isinstance(expert_capacity, int)
+        or isinstance(expert_capacity, bool)
+        or expert_capacity < 0
+        or expert_capacity % pad_multiple
+    ):
+        raise ValueError(
+            f"expert_capacity must be None or an int >= 0 that is a multiple of pad_multiple="
+            f"{pad_multiple} (rows of every expert block), got {expert_capacity!r}"
+        )
     if num_permuted_tokens is not None:
-        raise ValueError(f"expert_capacity ({expert_capacity}) fixes the output at E_local * expert_capacity rows: "
-                         f"pass it or num_permuted_tokens ({num_permuted_tokens}), not both")
+        raise ValueError(
+            f"expert_capacity ({expert_capacity}) fixes the output at E_local * expert_capacity rows: "
+            f"pass it or num_permuted_tokens ({num_permuted_tokens}), not both"
+        )
 
 
 def make_permute_handle(
-    topk_idx: torch.Tensor, num_local_experts: int, *, pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None, expert_capacity: int | None = None,
-    validate: bool | None = None, backend: str = "auto",
+    topk_idx: torch.Tensor,
+    num_local_experts: int,
+    *,
+    pad_multiple: int = 1,
+    num_permuted_tokens: int | None = None,
+    expert_capacity: int | None = None,
+    validate: bool | None = None,
+    backend: str = "auto",
 ) -> PermuteHandle:
     """Computes only the index phase of :func:`permute` (the row of every copy, the split sizes).
 
@@ -464,10 +624,17 @@ def make_permute_handle(
 
 
 def permute(
-    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor,
-    probs: torch.Tensor | None = None, *, num_local_experts: int, pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None, expert_capacity: int | None = None,
-    handle: PermuteHandle | None = None, validate: bool | None = None, backend: str = "auto",
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    topk_idx: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    *,
+    num_local_experts: int,
+    pad_multiple: int = 1,
+    num_permuted_tokens: int | None = None,
+    expert_capacity: int | None = None,
+    handle: PermuteHandle | None = None,
+    validate: bool | None = None,
+    backend: str = "auto",
 ) -> PermuteResult:
     """Received tokens -> expert-major, padded rows (fused: one kernel moves the data).
 
@@ -506,9 +673,15 @@ def permute(
     else:
         check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if handle is None:
-        handle = make_permute_handle(topk_idx, num_local_experts, pad_multiple=pad_multiple,
-                                     num_permuted_tokens=num_permuted_tokens, expert_capacity=expert_capacity,
-                                     validate=validate, backend=backend)
+        handle = make_permute_handle(
+            topk_idx,
+            num_local_experts,
+            pad_multiple=pad_multiple,
+            num_permuted_tokens=num_permuted_tokens,
+            expert_capacity=expert_capacity,
+            validate=validate,
+            backend=backend,
+        )
     if data.shape[0] != handle.num_tokens:
         raise ValueError(f"x has {data.shape[0]} rows but topk_idx has {handle.num_tokens} tokens")
     if handle.row_id_map.device != data.device:
@@ -516,8 +689,9 @@ def permute(
     if probs is not None:
         check_tensor("probs", probs, ndim=2, dtypes=FLOAT_DTYPES)
         if probs.shape != handle.row_id_map.shape:
-            raise ValueError(f"probs has shape {list(probs.shape)} but topk_idx has shape "
-                             f"{list(handle.row_id_map.shape)}")
+            raise ValueError(
+                f"probs has shape {list(probs.shape)} but topk_idx has shape {list(handle.row_id_map.shape)}"
+            )
     use_triton = resolve_backend(backend, data)
     if fp8:
         with torch.no_grad():
@@ -525,12 +699,15 @@ def permute(
             s, _ = _permute_rows(x[1], handle, None, use_triton)
         return PermuteResult((q, s), permuted_probs, handle.tokens_per_expert, handle)
     res = _PermuteFunction.apply(x, probs, handle, use_triton)
-    out, permuted_probs = (res if probs is not None else (res, None))
+    out, permuted_probs = res if probs is not None else (res, None)
     return PermuteResult(out, permuted_probs, handle.tokens_per_expert, handle)
 
 
 def unpermute(
-    permuted_x: torch.Tensor, handle: PermuteHandle, permuted_probs: torch.Tensor | None = None, *,
+    permuted_x: torch.Tensor,
+    handle: PermuteHandle,
+    permuted_probs: torch.Tensor | None = None,
+    *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Inverse of :func:`permute`: ``out[r] = sum over r's copies (ascending expert) of
@@ -552,15 +729,15 @@ def unpermute(
     """
     check_tensor("permuted_x", permuted_x, ndim=2, dtypes=FLOAT_DTYPES)
     if permuted_x.shape[0] != handle.num_rows:
-        raise ValueError(f"permuted_x has {permuted_x.shape[0]} rows but the handle's permute produced "
-                         f"{handle.num_rows}")
+        raise ValueError(
+            f"permuted_x has {permuted_x.shape[0]} rows but the handle's permute produced {handle.num_rows}"
+        )
     if handle.row_id_map.device != permuted_x.device:
         raise ValueError(f"permuted_x is on {permuted_x.device} but the handle is on {handle.row_id_map.device}")
     if permuted_probs is not None:
         check_tensor("permuted_probs", permuted_probs, ndim=1, dtypes=FLOAT_DTYPES)
         if permuted_probs.shape[0] != handle.num_rows:
-            raise ValueError(f"permuted_probs has {permuted_probs.shape[0]} rows but permuted_x has "
-                             f"{handle.num_rows}")
+            raise ValueError(f"permuted_probs has {permuted_probs.shape[0]} rows but permuted_x has {handle.num_rows}")
     use_triton = resolve_backend(backend, permuted_x)
     return _UnpermuteFunction.apply(permuted_x, permuted_probs, handle, use_triton)
 
