@@ -228,6 +228,9 @@ fi
 # --shapes wins), which checks every argument the GPU calls pass.
 TINY=()
 [[ "$DRY_RUN" == 1 ]] && TINY=(--shapes tiny)
+# The variant sweep on the CPU backend: 4 ranks, one ring shape (its 8-rank GPU grid would take minutes).
+SMALL=()
+[[ "$DRY_RUN" == 1 ]] && SMALL=(--world-sizes 4 --rings 32x8 --l2-discard off)
 # Quick benchmarks: DeepSeek-V3 (4096 tokens, H 7168, top-8 of 256), one SM budget, loopback.
 step bench_intranode_quick "$PY" benchmarks/bench_intranode.py --shapes deepseek-v3 --num-sms 16 --rings 32x8 \
      --l2-discard off on --warmup 2 --iters 10 --json "$OUT/bench_intranode_quick.json" "${TINY[@]}"
@@ -262,7 +265,7 @@ step bench_per_sm "$PY" benchmarks/bench_intranode.py --world-sizes 4 --num-sms 
 # 8 ranks at 16 SMs: rings 32x8 (the two-hop HBM bound) and 4x2 (in L2), without and with l2_discard.
 step bench_variants_intranode "$PY" benchmarks/bench_intranode.py --world-sizes 8 --num-sms 16 --shapes deepseek-v3 \
      --rings 32x8 4x2 --l2-discard off on --variants all --warmup 2 --iters 8 \
-     --json "$OUT/bench_variants_intranode.json" "${TINY[@]}"
+     --json "$OUT/bench_variants_intranode.json" "${TINY[@]}" "${SMALL[@]}"
 # The hierarchical kernels, 2x4 at 12 SMs: the fused pipeline's variants and the staged pipeline.
 step bench_variants_internode "$PY" benchmarks/bench_internode.py --worlds 2x4 --num-sms 12 --shapes deepseek-v3 \
      --variants all --warmup 2 --iters 8 --json "$OUT/bench_variants_internode.json" "${TINY[@]}"

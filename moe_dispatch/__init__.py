@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from ._ext import cuda_available
 from .buffer import Buffer, DispatchHandle, EventOverlap
+from .config import Config
 from .errors import BudgetOverflowError, CommError
 from .topology import Topology
 
@@ -15,6 +16,7 @@ __all__ = [
     "BudgetOverflowError",
     "Buffer",
     "CommError",
+    "Config",
     "DispatchHandle",
     "EventOverlap",
     "Topology",

