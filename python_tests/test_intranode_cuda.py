@@ -866,14 +866,14 @@ def _failed_setup(rank, world_size):
     """Rank 1 cannot map its peer's buffer: every rank raises, and removes what it made."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport import intranode as intranode_transport
+    from moe_dispatch.transport import memory
 
     if rank == 1:
 
         def refuse(self, path):
             raise OSError(f"mapping {path} refused (test)")
 
-        intranode_transport._SharedMemoryBuffer.open = refuse
+        memory.SharedMemoryBuffer.open = refuse
     try:
         IntranodeTransport(
             dist.group.WORLD,

@@ -42,9 +42,7 @@ Two front ends share one launcher (:class:`_Engine`):
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -68,6 +66,7 @@ from .header import (
     Records,
     header_words,
 )
+from .memory import CudaIpcBuffer, SharedMemoryBuffer, map_peers
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
 COOPERATIVE_ENV = "MOE_DISPATCH_COOPERATIVE"
@@ -1266,10 +1265,10 @@ class IntranodeTransport:
             world_size, self.config.num_channels, self.config.num_slots, slot_bytes, relay_nodes
         )
         on_gpu = self.device.type == "cuda"
-        self._own = _CudaIpcBuffer(self.layout, self.device) if on_gpu else _SharedMemoryBuffer(self.layout)
+        self._own = CudaIpcBuffer(self.layout, self.device) if on_gpu else SharedMemoryBuffer(self.layout)
         self._opened: dict[int, int] = {}
         try:
-            buffers = _map_peers(self._own, group, rank, world_size, self._opened)
+            buffers = map_peers(self._own, group, rank, world_size, self._opened)
             error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
             # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
             self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
@@ -1443,109 +1442,3 @@ def _refuse_or_raise(refuse, err: Exception) -> None:
         refuse()
     except CommError as refusal:
         raise err from refusal
-
-
-def _map_peers(own, group: dist.ProcessGroup, rank: int, world_size: int, opened: dict[int, int]) -> list[int]:
-    """Every rank's buffer address as this process sees it: the handles of ``own``'s kind
-    (:class:`_CudaIpcBuffer`, :class:`_SharedMemoryBuffer`) travel over ``group``, and each
-    peer's is opened into ``opened`` as it comes, so a failure leaves the opened ones closable."""
-    handles: list = [None] * world_size
-    dist.all_gather_object(handles, own.handle, group=group)
-    for r, handle in enumerate(handles):
-        if r != rank:
-            opened[r] = own.open(handle)
-    return [own.address if r == rank else opened[r] for r in range(world_size)]
-
-
-class _CudaIpcBuffer:
-    """A rank's buffer in device memory: ``cudaMalloc``'ed (a base pointer, as
-    ``cudaIpcGetMemHandle`` needs), its control part zeroed before peers map it."""
-
-    def __init__(self, layout, device: torch.device):
-        C = _ext()
-        self.address = C.cuda_malloc(layout.total_bytes)
-        zero = torch.zeros(min(layout.total_bytes, layout.queue_offset), dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
-        _copy_to_raw(self.address, zero)
-        torch.cuda.synchronize(device)
-        self.handle = C.ipc_get_handle(self.address)
-
-    @staticmethod
-    def open(handle) -> int:
-        return _ext().ipc_open_handle(handle)
-
-    def mapped(self) -> None:
-        pass  # an IPC handle names nothing that outlives the allocation
-
-    @staticmethod
-    def close_peer(address: int) -> None:
-        _ext().ipc_close(address)
-
-    def free(self) -> None:
-        if self.address:
-            _ext().cuda_free(self.address)
-            self.address = 0
-
-
-class _SharedMemoryBuffer:
-    """A rank's buffer in shared memory (a ``/dev/shm`` file, zero-filled when created) that
-    peers map by path. The file is unlinked once every peer has mapped it, so nothing is left
-    behind if a process dies; the mappings live until :meth:`free` / :meth:`close_peer`."""
-
-    def __init__(self, layout):
-        self.handle = f"/dev/shm/moe_dispatch-{os.getpid()}-{uuid.uuid4().hex}"
-        fd = os.open(self.handle, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, layout.total_bytes)
-            self._map = mmap.mmap(fd, layout.total_bytes)
-        except BaseException:
-            os.unlink(self.handle)
-            raise
-        finally:
-            os.close(fd)
-        self._peers: dict[int, mmap.mmap] = {}
-        self.address = self._address(self._map)
-
-    @staticmethod
-    def _address(mapping: mmap.mmap) -> int:
-        return torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()  # the view is dropped at once
-
-    def open(self, path: str) -> int:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        address = self._address(mapping)
-        self._peers[address] = mapping
-        return address
-
-    def mapped(self) -> None:
-        if self.handle is not None:
-            os.unlink(self.handle)
-            self.handle = None
-
-    def close_peer(self, address: int) -> None:
-        self._peers.pop(address).close()
-
-    def free(self) -> None:
-        self.mapped()  # unlinked already, unless the peers never mapped it
-        if self.address:
-            self._map.close()
-            self.address = 0
-
-
-def _copy_to_raw(address: int, src: torch.Tensor) -> None:
-    """Copies a CUDA tensor's bytes to a raw device address (through a tensor view of it)."""
-    dst = _raw_tensor(address, src.numel(), src.device)
-    dst.copy_(src)
-
-
-def _raw_tensor(address: int, num_bytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over raw device memory (not owned: the caller keeps the memory alive)."""
-
-    class _Holder:
-        __cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (address, False), "version": 3}
-
-    with torch.cuda.device(device):
-        return torch.as_tensor(_Holder(), device=device)

@@ -43,12 +43,11 @@ from .intranode import (
     _ext,
     _Input,
     _loopback_device,
-    _map_peers,
     _prepare,
-    _SharedMemoryBuffer,
     _slot_bytes,
     default_timeout_s,
 )
+from .memory import SharedMemoryBuffer, map_peers
 
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
 HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (signals, collectives' scratch)
@@ -230,9 +229,9 @@ class InternodeTransport:
             self.transport = _Transport(N, L, rdma, nodes)
             dist.barrier(group=group)
         else:
-            self._rdma_own = _SharedMemoryBuffer(layout)
+            self._rdma_own = SharedMemoryBuffer(layout)
             try:
-                buffers = _map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers)
+                buffers = map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers)
                 rdma = _RdmaEngine(
                     N,
                     L,
