@@ -110,7 +110,6 @@ class CustomBackendOptions:
     fp8_dispatch: bool | None = None
 
     def __post_init__(self) -> None:
-        from ..config import Config
         from ..transport import TRANSPORTS
 
         if self.fp8_dispatch is not None and not isinstance(self.fp8_dispatch, bool):

@@ -261,14 +261,6 @@ class CustomDispatchManager(_DispatchManager):
             expert_capacity=resolve_expert_capacity(self.config, num_tokens, dist.get_world_size(self.group)),
         )
 
-    def receive_budget(self, num_tokens: int) -> int | None:
-        """Static rows of the dispatch's receive (``Buffer.dispatch(num_worst_tokens=...)``) when the
-        expert input has a static budget P, else None (the dispatch sizes its receive on the
-        host; drop-and-pad too, whose blocks drop per expert in the permute, not whole rows). A
-        received row holds at least one (token, local expert) pair, each of which takes a row of
-        the expert input, so more received rows than P overflow that input anyway."""
-        return self.budget(num_tokens)
-
     def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
         """The DeepEP layout's permute of the received rows (unfused)."""
         # recv_topk_idx comes from Buffer.dispatch (checked there, local ids): no second host check
@@ -394,7 +386,10 @@ class CustomDispatchManager(_DispatchManager):
             self._inflight = state
             return out
         # The kernels (a static receive in budget mode: no host sync) and fp8 rows: permuted after.
-        budget = self.receive_budget(num_tokens)
+        # The receive is static with the expert input's budget P: a received row holds at least
+        # one (token, local expert) pair, each taking a row of the expert input, so more rows than
+        # P overflow that input anyway (drop-and-pad drops per expert in the permute instead).
+        budget = self.budget(num_tokens)
         launch = {
             "async_finish": async_finish,
             "allocate_on_comm_stream": allocate_on_comm_stream,
