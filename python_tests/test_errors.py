@@ -293,31 +293,35 @@ def test_withheld_rank_times_out(world_size, ranks_per_node, transport):
 
 
 def _mode_mismatch_entry(rank, world_size):
-    """Rank 0 sizes its dispatch, rank 1 passes num_worst_tokens: their counts travel on
-    different groups, so both time out; each message says the other runs it differently."""
+    """Rank 0 sizes its dispatch, rank 1 passes num_worst_tokens, then both pass different values:
+    the counts travel in the same exchange, so every rank raises a ValueError naming the field at
+    once; the same value on every rank works."""
     buf = Buffer(ranks_per_node=1, timeout_s=TIMEOUT_S)
     x, idx, w = _inputs()
-    try:
-        if rank == 0:
-            buf.dispatch(x, idx, w, E)
-        else:
-            buf.dispatch(x, idx, w, E, num_worst_tokens=64, async_finish=True)[-1].current_stream_wait()
-    except CommError as err:
-        return str(err)
-    return "no error"
+    messages, start = [], time.monotonic()
+    for num_worst_tokens in (64 if rank else 0, 32 * (rank + 1)):
+        try:
+            buf.dispatch(x, idx, w, E, num_worst_tokens=num_worst_tokens, async_finish=True)[-1].current_stream_wait()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    elapsed = time.monotonic() - start
+    recv_x = buf.dispatch(x, idx, w, E, num_worst_tokens=64)[0]
+    assert recv_x.shape[0] == 64
+    buf.close()
+    return messages, elapsed
 
 
 @pytest.mark.world
 def test_ranks_disagreeing_on_num_worst_tokens_are_named():
-    first, second = world_results(_mode_mismatch_entry, 2)
-    assert (
-        "at this operation (#1 dispatch (metadata)) but running it differently: EP rank 1 "
-        "(dispatch (num_worst_tokens))" in first
-    ), first
-    assert (
-        "at this operation (#1 dispatch (num_worst_tokens)) but running it differently: EP rank 0 "
-        "(dispatch (metadata))" in second
-    ), second
+    for rank, (messages, elapsed) in enumerate(world_results(_mode_mismatch_entry, 2)):
+        given, values = (0, 64), (32, 64)
+        for message, mine in zip(messages, (given, values)):
+            assert (
+                f"EP rank {rank}: dispatch arguments differ across ranks: num_worst_tokens is {mine[rank]} "
+                f"here but {mine[1 - rank]} on EP rank {1 - rank}"
+            ) in message, message
+        assert elapsed < TIMEOUT_S / 2, f"{elapsed:.2f} s: {messages}"
 
 
 def _inconsistent_entry(rank, world_size):

@@ -269,6 +269,13 @@ def _manager_step(m, hidden, routing_map, probs):
     return out.detach(), hidden.grad, probs.grad, tokens.shape[0]
 
 
+def _even_inputs(rank: int, seed: int):
+    """:func:`_inputs` cut to the same 10 tokens on every rank: a static budget from the rank
+    capacity factor follows T, and the ranks' budgets (num_worst_tokens) must agree."""
+    x, routing_map, probs = _inputs(rank, seed)
+    return x[:5], routing_map[:10], probs[:10]
+
+
 def _rank_capacity_factor(factor: float) -> dict:
     """Megatron's moe_expert_rank_capacity_factor where this megatron-core has it (0.19), else
     the backend's own knob of the same meaning (0.16)."""
@@ -292,7 +299,7 @@ def _check_sync_free_static_shape(ep: int, seed: int):
         import moe_dispatch.megatron.manager as mgr
         from moe_dispatch.testing.sync import no_host_sync
 
-        x, routing_map, probs = _inputs(rank, seed)
+        x, routing_map, probs = _even_inputs(rank, seed)
         hidden = x.reshape(-1, HIDDEN)
         static = _dispatcher(_config(ep, "custom", transport="kernels", **_rank_capacity_factor(4.0)))
         manager = static._comm_manager
@@ -402,21 +409,15 @@ def _check_ranks_per_node(ep: int):
     return case
 
 
-def _train_step(overlap: bool, seed: int, **knobs):
-    """Three micro-batches of a 2-layer bf16 GPTModel through Megatron's no-pipelining schedule
-    (the combined 1F1B EP-overlap schedule when ``overlap``); returns losses and gradients."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+def gpt_config(num_layers: int, hidden: int, heads: int, ffn: int, **fields):
+    """A bf16 GPT TransformerConfig with NUM_EXPERTS experts (top-TOPK), EP = the world, no bias,
+    no dropout, CPU initialisation; ``fields`` adds to it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    import moe_dispatch.megatron as mdm
-    from moe_dispatch.megatron.schedule import run_gpt_step
-
-    cfg = TransformerConfig(
-        num_layers=2,
-        hidden_size=HIDDEN,
-        num_attention_heads=2,
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
         num_moe_experts=NUM_EXPERTS,
         moe_router_topk=TOPK,
         use_cpu_initialization=True,
@@ -424,27 +425,50 @@ def _train_step(overlap: bool, seed: int, **knobs):
         add_bias_linear=False,
         params_dtype=torch.bfloat16,
         bf16=True,
-        ffn_hidden_size=24,
-        moe_ffn_hidden_size=24,
-        expert_model_parallel_size=4,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        expert_model_parallel_size=torch.distributed.get_world_size(),
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **fields,
     )
-    mdm.configure(cfg, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap, **knobs)
+
+
+def gpt_model(cfg, seed: int, *, vocab_size: int, max_sequence_length: int):
+    """A GPTModel of ``cfg`` (local layer spec, rope) whose parameters come from
+    ``torch.manual_seed(seed)``; configure ``cfg`` first."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     # process-wide aux-loss scale: earlier cases' layer backward made it 0-d, the schedule sets [1]
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     torch.manual_seed(seed)
-    model = GPTModel(
+    return GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
-        vocab_size=32,
-        max_sequence_length=8,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
     )
+
+
+def _train_step(overlap: bool, seed: int, run_wgrad: str | None = None, **knobs):
+    """Three micro-batches of a 2-layer bf16 GPTModel (EP = the world) through Megatron's
+    no-pipelining schedule (the combined 1F1B EP-overlap schedule + delay_wgrad_compute when
+    ``overlap``), experts with delayed wgrads when ``run_wgrad``; returns losses, gradients and
+    the delayed-wgrad stores ({} without ``run_wgrad``). test_megatron_overlap.py runs it too."""
+    import moe_dispatch.megatron as mdm
+    from moe_dispatch.megatron.schedule import run_gpt_step
+
+    cfg = gpt_config(2, HIDDEN, 2, 24)
+    mdm.configure(cfg, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap, **knobs)
+    model = gpt_model(cfg, seed, vocab_size=32, max_sequence_length=8)
+    stores = mdm.enable_delayed_wgrad(model, run_wgrad=run_wgrad) if run_wgrad else {}
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     batches = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(3)]
-    return run_gpt_step(model, batches), {n: p.grad for n, p in model.named_parameters()}
+    return run_gpt_step(model, batches), {n: p.grad for n, p in model.named_parameters()}, stores
 
 
 def _check_ep_overlap(seed: int, **knobs):
@@ -453,8 +477,8 @@ def _check_ep_overlap(seed: int, **knobs):
     (the same operations per micro-batch; only the interleaving differs)."""
 
     def case(rank, world_size):
-        losses, grads = _train_step(False, seed, **knobs)
-        losses_overlap, grads_overlap = _train_step(True, seed, **knobs)
+        losses, grads, _ = _train_step(False, seed, **knobs)
+        losses_overlap, grads_overlap, _ = _train_step(True, seed, **knobs)
         assert all(torch.equal(a, b) for a, b in zip(losses, losses_overlap)), (losses, losses_overlap)
         for name, g in grads.items():
             assert g is not None and torch.equal(grads_overlap[name], g), f"gradient of {name} differs"
@@ -541,7 +565,7 @@ def _graph_entry(rank: int, world_size: int):
     _init_parallel(2)
     d = _dispatcher(_config(2, "custom", transport="kernels", **_rank_capacity_factor(4.0)))
     manager = d._comm_manager
-    x, routing_map, probs = _inputs(rank, 41)
+    x, routing_map, probs = _even_inputs(rank, 41)
     hidden, routing_map, probs = x.reshape(-1, HIDDEN).cuda(), routing_map.cuda(), probs.cuda()
     eager = [_manager_step(manager, hidden * s, routing_map, probs) for s in (1.0, 2.0)]
     static = hidden.clone()

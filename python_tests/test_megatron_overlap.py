@@ -32,7 +32,16 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
-from .test_megatron import HIDDEN, NUM_EXPERTS, TOPK, _config, _init_parallel  # noqa: E402
+from .test_megatron import (  # noqa: E402
+    HIDDEN,
+    NUM_EXPERTS,
+    _config,
+    _init_parallel,
+    _phase,
+    _train_step,
+    gpt_config,
+    gpt_model,
+)
 from .worlds import assert_case, run_cases, world_results  # noqa: E402
 
 WORLD_SIZE = 4
@@ -206,53 +215,6 @@ def _check_main_grad(rank, world_size):
     assert len(store) == 0
 
 
-def _train_step(overlap: bool, seed: int, run_wgrad: str | None, **knobs):
-    """Three micro-batches of a 2-layer bf16 GPTModel through Megatron's no-pipelining schedule
-    (the combined 1F1B EP-overlap schedule + delay_wgrad_compute when ``overlap``), experts
-    with delayed wgrads when ``run_wgrad``; returns losses, gradients and the stores.
-    (test_megatron.py's ``_train_step`` with the enable call added.)"""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    import moe_dispatch.megatron as mdm
-    from moe_dispatch.megatron.schedule import run_gpt_step
-
-    cfg = TransformerConfig(
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=2,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        use_cpu_initialization=True,
-        moe_aux_loss_coeff=1e-2,
-        add_bias_linear=False,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        ffn_hidden_size=24,
-        moe_ffn_hidden_size=24,
-        expert_model_parallel_size=torch.distributed.get_world_size(),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    mdm.configure(cfg, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap, **knobs)
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # process-wide; the schedule sets it
-    torch.manual_seed(seed)
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
-        vocab_size=32,
-        max_sequence_length=8,
-        position_embedding_type="rope",
-    )
-    stores = mdm.enable_delayed_wgrad(model, run_wgrad=run_wgrad) if run_wgrad else {}
-    rank = torch.distributed.get_rank()
-    gen = torch.Generator().manual_seed(seed * 10 + rank)
-    batches = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(NUM_MICROBATCHES)]
-    return run_gpt_step(model, batches), {n: p.grad for n, p in model.named_parameters()}, stores
-
-
 def _check_schedule(seed: int, **knobs):
     """Plain schedule (reference) == plain with delayed experts (the dispatch backward runs
     them) == combined 1F1B + delay_wgrad with delayed experts run by Megatron's backward_dw
@@ -284,13 +246,6 @@ def _check_schedule(seed: int, **knobs):
                     assert ran == ["handed_over", "run_in_dispatch_backward"] * NUM_MICROBATCHES, ran
 
     return case
-
-
-def _phase(ep: int, cases: dict) -> dict:
-    def init(rank, world_size):
-        _init_parallel(ep)
-
-    return {f"init_ep{ep}": init, **cases}
 
 
 CPU_CASES = {
@@ -341,44 +296,13 @@ GPU_STEPS = 3
 def _gpu_losses(dispatcher: str, seed: int) -> list[float]:
     """Mean loss of each of GPU_STEPS steps (NUM_MICROBATCHES micro-batches, SGD) of a 2-layer
     bf16 GPTModel; "custom": EP overlap + delay_wgrad_compute with delayed experts."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     import moe_dispatch.megatron as mdm
     from moe_dispatch.megatron.schedule import run_gpt_step
 
-    ep = torch.distributed.get_world_size()
-    cfg = TransformerConfig(
-        num_layers=NUM_LAYERS,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        use_cpu_initialization=True,
-        moe_aux_loss_coeff=1e-2,
-        add_bias_linear=False,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        ffn_hidden_size=128,
-        moe_ffn_hidden_size=128,
-        expert_model_parallel_size=ep,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        moe_token_dispatcher_type="alltoall",
-    )
+    cfg = gpt_config(NUM_LAYERS, 64, 4, 128, moe_token_dispatcher_type="alltoall")
     if dispatcher == "custom":
         mdm.configure(cfg, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    torch.manual_seed(seed)
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
-        vocab_size=128,
-        max_sequence_length=64,
-        position_embedding_type="rope",
-    ).cuda()
+    model = gpt_model(cfg, seed, vocab_size=128, max_sequence_length=64).cuda()
     if dispatcher == "custom":
         mdm.enable_delayed_wgrad(model)
     rank = torch.distributed.get_rank()

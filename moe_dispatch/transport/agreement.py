@@ -9,14 +9,20 @@ One rank's row (what it sends to every peer, the same number of words on every r
                   FIELD_DTYPES / FIELD_WORDS, ints as they are, bools as 0/1, -1 = not known
                   (a refusing rank sends -1 for every field)
 
-Where the rows travel:
+Where the rows travel (torch_dist): every first collective of an operation is one equal-split
+all_to_all of blocks ``[header | payload]`` on the Buffer's queue group (gloo; on an NCCL EP group
+the checks use a gloo group of the same ranks, so no device synchronisation), whose size depends on
+nothing a rank's arguments hold, so ranks running different operations compare their first field
+(the operation) instead of aborting in gloo:
 
-- a fresh dispatch: in front of its layout counts, in the metadata exchange (torch_dist's
-  ``plan``; a refusing rank sends zero counts);
-- combine, cached dispatch and the kernels' plan: :meth:`TorchDistTransport.agree`, one
-  all_gather of :data:`AGREE_WORDS` words on the Buffer's host group (gloo; on an NCCL EP group
-  a gloo group of the same ranks, so no device synchronisation). The operation is the first
-  field there, so ranks running different operations get a ValueError naming them.
+- a fresh dispatch: the row with the operation ``"dispatch (metadata)"`` first, then its layout
+  counts (``TorchDistTransport.plan``; a refusing rank sends zero counts);
+- combine, cached dispatch and the kernels' plan: :meth:`TorchDistTransport.agree`, the row of
+  :data:`AGREE_WORDS` words alone.
+
+On the flat route the blocks also carry the payload where every rank's fits them (their size
+follows the previous dispatch, the same on every rank): the check and the transfer are then one
+collective.
 
 After the collective every rank checks every row with :func:`check`: refusals first (a
 ValueError naming each refusing rank and quoting its error, which it posted in the store

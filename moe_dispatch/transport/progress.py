@@ -292,7 +292,7 @@ def _describe(states: dict[int, tuple], peers: list[int], seq: int, what: str, l
         parts.append(
             f"at this operation (#{seq} {what}) but running it differently: EP rank "
             + ", EP rank ".join(f"{r} ({marks[r][1]})" for r in elsewhere)
-            + " (every rank must pass the same arguments, num_worst_tokens given or not included)"
+            + " (every rank must pass the same arguments, num_worst_tokens included)"
         )
     if failed:
         parts.append(f"EP ranks {failed} failed in this operation too (their own errors say why)")
