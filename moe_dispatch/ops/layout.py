@@ -439,9 +439,11 @@ def routing_map_to_topk(
             row = int(torch.argmax(counts))
             raise ValueError(f"routing_map row {row} selects {worst} experts but num_topk is {num_topk}")
     # The K largest keys E - e of the selected experts (0 elsewhere) are the selected experts in
-    # ascending id: a top-k, not a sort of all E entries per row.
+    # ascending id: a top-k, not a sort of all E entries per row (int32 keys: E <= 2**20).
     width = min(num_topk, num_experts)
-    key = torch.where(selected, num_experts - torch.arange(num_experts, device=selected.device), 0)
+    key = selected.to(torch.int32).mul_(
+        num_experts - torch.arange(num_experts, dtype=torch.int32, device=selected.device)
+    )
     values, order = torch.topk(key, width, dim=1)
     chosen = values > 0
     topk_idx = torch.where(chosen, order, torch.full_like(order, -1))

@@ -104,6 +104,20 @@ def _e4m3_bits_to_fp32(code):
 
 
 @triton.jit
+def _group_block(
+    i, num_tokens, hidden, num_groups, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr
+):
+    """Block ``i`` of program (p, q): rows ``[p*BLOCK_T, ...)`` of group ``q*GROUPS_PER_PROGRAM + i``.
+    Returns the elements' offsets ``[BLOCK_T, BLOCK_SIZE]``, the rows' mask ``[BLOCK_T]``
+    (rows and groups in range) and the rows' scale offsets ``[BLOCK_T]`` (int64)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1) * GROUPS_PER_PROGRAM + i
+    rows = tokens.to(tl.int64)
+    offs = rows[:, None] * hidden + g * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    return offs, (tokens < num_tokens) & (g < num_groups), rows * num_groups + g
+
+
+@triton.jit
 def _per_token_cast_to_fp8_kernel(
     x_ptr,
     x_fp8_ptr,
@@ -117,16 +131,10 @@ def _per_token_cast_to_fp8_kernel(
     USE_UE8M0: tl.constexpr,
 ):
     """Program (i, j) quantizes rows ``[i*BLOCK_T, ...)`` x blocks ``[j*GROUPS_PER_PROGRAM, ...)``."""
-    pid_t = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_mask = tokens < num_tokens
-    rows = tokens.to(tl.int64)
-    cols = tl.arange(0, BLOCK_SIZE)
     for i in range(GROUPS_PER_PROGRAM):
-        g = pid_g * GROUPS_PER_PROGRAM + i
-        mask = token_mask & (g < num_groups)
-        offs = rows[:, None] * hidden + g * BLOCK_SIZE + cols[None, :]
+        offs, mask, scale_offs = _group_block(
+            i, num_tokens, hidden, num_groups, BLOCK_T, BLOCK_SIZE, GROUPS_PER_PROGRAM
+        )
         x = tl.load(x_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
         finite = tl.abs(x) <= 3.4028234663852886e38  # False for NaN and +-Inf
         amax = tl.maximum(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), 1e-4)
@@ -138,7 +146,7 @@ def _per_token_cast_to_fp8_kernel(
         code = _fp32_to_e4m3_bits(tl.div_rn(x, scale[:, None]))
         code = tl.where(finite, code, 0x7F)
         tl.store(x_fp8_ptr + offs, code.to(tl.uint8), mask=mask[:, None])
-        tl.store(scales_ptr + rows * num_groups + g, scale, mask=mask)
+        tl.store(scales_ptr + scale_offs, scale, mask=mask)
 
 
 @triton.jit
@@ -153,18 +161,12 @@ def _per_token_cast_back_kernel(
     BLOCK_SIZE: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_mask = tokens < num_tokens
-    rows = tokens.to(tl.int64)
-    cols = tl.arange(0, BLOCK_SIZE)
     for i in range(GROUPS_PER_PROGRAM):
-        g = pid_g * GROUPS_PER_PROGRAM + i
-        mask = token_mask & (g < num_groups)
-        offs = rows[:, None] * hidden + g * BLOCK_SIZE + cols[None, :]
+        offs, mask, scale_offs = _group_block(
+            i, num_tokens, hidden, num_groups, BLOCK_T, BLOCK_SIZE, GROUPS_PER_PROGRAM
+        )
         code = tl.load(x_fp8_ptr + offs, mask=mask[:, None], other=0).to(tl.int32)
-        scale = tl.load(scales_ptr + rows * num_groups + g, mask=mask, other=0.0)
+        scale = tl.load(scales_ptr + scale_offs, mask=mask, other=0.0)
         val = _e4m3_bits_to_fp32(code) * scale[:, None]
         tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=mask[:, None])
 

@@ -106,29 +106,31 @@ def permute_map_reference(
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
     e = num_local_experts
-    idx = topk_idx.long()
-    valid = (idx >= 0) & (idx < e)
-    col = torch.where(valid, idx, e)  # expert e: none
-    flat = col.flatten()  # row-major: token-major, slot-minor
+    idx = topk_idx.t()  # slot-major [K, R]: the one-hot below is indexed by it without copies
+    col = torch.where((idx >= 0) & (idx < e), idx, e).long().contiguous()  # expert e: none
     # hits[x, t]: token t has a copy for expert x (no expert twice in a row); the copies of x in
     # earlier tokens give each copy its rank inside its expert (ascending token order)
-    hits = torch.zeros((e + 1, num_tokens), dtype=torch.int32, device=device).scatter_(0, col.t(), 1)
-    rank = (torch.cumsum(hits, 1, dtype=torch.int32) - hits).gather(0, col.t()).t().flatten().long()
-    counts = hits[:e].sum(1)
+    hits = torch.zeros((e + 1, num_tokens), dtype=torch.int32, device=device).scatter_(0, col, 1)
+    cum = torch.cumsum(hits, 1, dtype=torch.int32)  # inclusive: a copy's rank is its value - 1
+    rank = cum.gather(0, col) - 1
+    counts = cum[:e, -1].long() if num_tokens else torch.zeros(e, dtype=torch.int64, device=device)
     rounded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     padded = rounded if expert_capacity is None else torch.full_like(counts, expert_capacity)
     start = torch.cumsum(padded, 0) - padded
     needed = torch.maximum(padded, rounded).sum()
-    start_ext = torch.cat([start, start.new_zeros(1)])
-    padded_ext = torch.cat([padded, padded.new_zeros(1)])
-    row = start_ext[flat] + rank
+    flat = col.flatten()
+    row = torch.cat([start, start.new_zeros(1)]).to(torch.int32).index_select(0, flat).view_as(rank) + rank
     if expert_capacity is not None:
         num_rows = e * expert_capacity
     else:
         num_rows = int(needed) if num_permuted_tokens is None else num_permuted_tokens
-    row = torch.where((flat < e) & (row < num_rows) & (rank < padded_ext[flat]), row, -1)
+    keep = col < e
+    if num_permuted_tokens is not None or expert_capacity is not None:  # else every copy has a row
+        padded_ext = torch.cat([padded, padded.new_zeros(1)]).to(torch.int32).index_select(0, flat).view_as(rank)
+        keep &= (row < num_rows) & (rank < padded_ext)
+    row = torch.where(keep, row, -1)
     return PermuteHandle(
-        row_id_map=row.view(num_tokens, num_topk).to(torch.int32),
+        row_id_map=row.t().contiguous(),
         tokens_per_expert=torch.minimum(torch.clamp(num_rows - start, min=0), padded),
         num_tokens_per_expert=counts,
         expert_offsets=start.to(torch.int32),

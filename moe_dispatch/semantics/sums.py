@@ -14,8 +14,9 @@ How, without an fp32 copy of whole blocks:
 - An output of at most two terms is added in the rows' own dtype (``index_add_``): torch adds two
   values of a 16-bit float type in fp32 and rounds the result, which is the fp32 sum's rounding; the
   first add starts from +0.0 (so -0.0 becomes +0.0 as in fp32). Two terms commute, so the order of
-  the adds (atomics on CUDA) cannot change the bits. One ``index_add_`` serves all of them (the rows
-  of the other outputs go to a scratch row).
+  the adds (atomics on CUDA) cannot change the bits. One ``index_add_`` serves all of them, over
+  their rows only (gathered first where other rows are left out or take the fp32 path: on CPU an
+  ``index_add_`` costs about three row gathers per row).
 - Outputs of three terms or more (every output, with scales) are accumulated in fp32 by slot: sorted
   by their number of terms (most first) and taken in blocks whose fp32 accumulator fits the cache,
   slot ``j`` adds the ``j``-th term of every output of the block that has one (a prefix of the
@@ -46,9 +47,10 @@ class SumPlan:
     Attributes:
         num_out: outputs.
         max_terms: most rows any output gets.
-        index: ``[n]`` int64, the output of each row that the row-dtype ``index_add_`` adds it to;
-            ``num_out`` (a scratch row) for rows left out or summed by the fp32 path.
-        scratch: whether some row goes to the scratch row.
+        index: the row-dtype path: ``[m]`` int64, the output each of its rows is added to; None
+            without one.
+        low_rows: ``[m]`` int64 the rows ``index`` lists (ascending), or None when it lists every
+            row in order.
         slot_rows: the fp32 path: per slot ``j``, ``[n_j]`` int64 rows, the ``j``-th term of the
             first ``n_j`` outputs of ``slot_outputs``; empty without one.
         slot_outputs: ``[m]`` int64 the outputs of the fp32 path, most terms first, or None.
@@ -58,10 +60,18 @@ class SumPlan:
     num_out: int
     max_terms: int
     index: torch.Tensor | None
-    scratch: bool
+    low_rows: torch.Tensor | None
     slot_rows: list[torch.Tensor]
     slot_outputs: torch.Tensor | None
     scaled: bool
+
+
+def _row_dtype_path(index: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(index, low_rows)`` of :class:`SumPlan` for the rows where ``low [n]`` is True."""
+    if bool(low.all()):
+        return index, None
+    rows = torch.nonzero(low).flatten()
+    return (index[rows], rows) if rows.numel() else (None, None)
 
 
 def plan_sum(index: torch.Tensor, num_out: int, *, scaled: bool = False) -> SumPlan:
@@ -77,10 +87,10 @@ def plan_sum(index: torch.Tensor, num_out: int, *, scaled: bool = False) -> SumP
     device = index.device
     counts = torch.bincount(index, minlength=num_out + 1)
     kept = counts[:num_out]
-    max_terms, dropped = (int(v) for v in torch.stack([kept.max() if num_out else counts[:0].sum(), counts[num_out]]))
+    max_terms = int(kept.max()) if num_out else 0
     fewest = 1 if scaled else _ROW_DTYPE_TERMS + 1  # the fewest terms an output of the fp32 path has
     if max_terms < fewest:
-        return SumPlan(num_out, max_terms, index, dropped, [], None, scaled)
+        return SumPlan(num_out, max_terms, *_row_dtype_path(index, index < num_out), [], None, scaled)
     outputs = torch.nonzero(kept >= fewest).flatten()
     outputs = outputs[torch.argsort(kept[outputs], descending=True, stable=True)]
     rank = torch.full((num_out + 1,), -1, dtype=torch.int64, device=device)
@@ -96,9 +106,8 @@ def plan_sum(index: torch.Tensor, num_out: int, *, scaled: bool = False) -> SumP
     )
     order = torch.argsort(position, stable=True)  # slot-major; inside a slot, outputs in order
     slot_rows = list(torch.split(rows[order], torch.bincount(position, minlength=max_terms).tolist()))
-    if scaled or bool(fp32.all()):  # no output left for the row-dtype path
-        return SumPlan(num_out, max_terms, None, False, slot_rows, outputs, scaled)
-    return SumPlan(num_out, max_terms, torch.where(fp32, num_out, index), True, slot_rows, outputs, scaled)
+    low = (None, None) if scaled else _row_dtype_path(index, ~fp32 & (index < num_out))
+    return SumPlan(num_out, max_terms, *low, slot_rows, outputs, scaled)
 
 
 def plan_sum_by_output(terms: torch.Tensor, num_rows: int, *, scaled: bool = False) -> SumPlan:
@@ -121,16 +130,20 @@ def plan_sum_by_output(terms: torch.Tensor, num_rows: int, *, scaled: bool = Fal
         outputs = torch.nonzero(~low).flatten()
         outputs = outputs[torch.argsort(counts[outputs], descending=True, stable=True)]
         per_slot = (counts[outputs].unsqueeze(1) > torch.arange(max_terms, device=device)).sum(0).tolist()
-        slot_rows = [key[outputs[:n], j] for j, n in enumerate(per_slot)]
-    index = None
+        by_slot = key.index_select(0, outputs).t().contiguous()  # [K, m]: slot j's rows, a prefix each
+        slot_rows = [by_slot[j, :n] for j, n in enumerate(per_slot)]
+    index = low_rows = None
     if not scaled and bool(low.any()):
-        low_key = key[low]
-        kept = low_key < num_rows
-        index = torch.full((num_rows + 1,), num_out, dtype=torch.int64, device=device)
-        index[low_key[kept]] = torch.nonzero(low).flatten().unsqueeze(1).expand_as(low_key)[kept]
-        index = index[:num_rows]
-    scratch = index is not None and bool((index == num_out).any())
-    return SumPlan(num_out, max_terms, index, scratch, slot_rows, outputs, scaled)
+        # A row-dtype output's rows are its first _ROW_DTYPE_TERMS keys (the others are num_rows);
+        # a row belongs to one output at most, so the scatter has one writer per row (the
+        # num_rows slot takes the rest and is dropped).
+        low_key = torch.where(low.unsqueeze(1), key[:, :_ROW_DTYPE_TERMS], num_rows)
+        of_row = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+        owner = torch.arange(num_out, device=device).unsqueeze(1).expand_as(low_key)
+        of_row.scatter_(0, low_key.flatten(), owner.flatten())
+        of_row = of_row[:num_rows]
+        index, low_rows = _row_dtype_path(of_row, of_row >= 0)
+    return SumPlan(num_out, max_terms, index, low_rows, slot_rows, outputs, scaled)
 
 
 def ordered_sum(
@@ -151,13 +164,9 @@ def ordered_sum(
     num_out, width = plan.num_out, rows.shape[1:]
     if (scale is not None) != plan.scaled:
         raise ValueError("ordered_sum: row scales need a plan made with scaled=True, and such a plan needs them")
-    if plan.scratch:  # one extra output collects the rows the row-dtype path leaves to others
-        full = rows.new_zeros((num_out + 1, *width))
-        result = full[:num_out]
-    else:
-        full = result = rows.new_zeros((num_out, *width)) if out is None else out.zero_()
+    result = rows.new_zeros((num_out, *width)) if out is None else out.zero_()
     if plan.index is not None and rows.shape[0]:
-        full.index_add_(0, plan.index, rows)
+        result.index_add_(0, plan.index, rows if plan.low_rows is None else rows.index_select(0, plan.low_rows))
     outputs = plan.slot_outputs
     if outputs is not None:
         block = outputs.numel() if rows.is_cuda else _CPU_BLOCK_OUTPUTS
@@ -176,7 +185,4 @@ def ordered_sum(
                 part_acc[: sel.numel()].add_(part)
             sums[first : first + part_acc.shape[0]].copy_(part_acc)  # the one rounding
         result.index_copy_(0, outputs, sums)
-    if out is not None and result is not out:
-        out.copy_(result)
-        return out
     return result

@@ -159,9 +159,10 @@ class Transport(Protocol):
       landed), :meth:`forward` takes ``permuted`` (a handle: every tensor lands so), :meth:`combine`
       takes ``permuted`` (per tensor None, or a handle: the tensor is ``[P, ...]`` in its layout
       and each received row is the fp32 sum of its copies, ascending), and :meth:`forward` and
-      :meth:`combine` take ``check``, the argument check's steps, which they start before packing
-      their first payload and complete before it moves. Without it the Buffer permutes around
-      the transport and runs the check first.
+      :meth:`combine` take ``check``, the argument check (what :meth:`agree` returned), which
+      they run before their payload moves or which carries it; :meth:`plan` takes ``rows=``, the
+      dispatch's row tensors, which may travel with the counts. Without it the Buffer permutes
+      around the transport and runs the check first.
     - ``routes_on_device``: :meth:`plan` takes ``topk_idx=``, ``num_rows=`` (a static receive
       size) and ``dispatch_id=`` instead of ``status``; the Buffer runs the argument check
       (:meth:`agree`, with this rank's status) before it.

@@ -4,11 +4,14 @@ Portable (gloo on CPU, NCCL on GPU, PCIe-safe) and the executable mirror of the 
 orchestration. Rank (n, l) is node n, local index l (see ``Topology``).
 
 Dispatch:
-  metadata (group: all EP ranks): each source tells each destination d how many of its
-    tokens reach d's node and each rank of d's node, per sub-range of its tokens, plus its own
-    send sizes by either route. From that every rank knows every split below and its
-    receive count before any payload moves (so outputs can be allocated up front and the
-    payload can move asynchronously), and every rank takes the same route:
+  metadata (group: all EP ranks, the one of the argument checks, in the Buffer's queue): each
+    source tells each destination d how many of its tokens reach d's node and each rank of d's
+    node, per sub-range of its tokens, plus its own send sizes by either route, behind its
+    agreement row (:mod:`moe_dispatch.transport.agreement`). From that every rank knows every
+    split below and its receive count before any payload moves (so outputs can be allocated up
+    front and the payload can move asynchronously), and every rank takes the same route. Small
+    calls' rows travel in the same blocks (one collective per dispatch and per combine, see
+    :data:`FUSED_BYTES`):
   flat (small calls, and worlds of one node or one rank per node): one exchange over all ranks,
     each token once to each rank that holds it; rows arrive in final order.
   two-stage (the rest):
@@ -52,8 +55,9 @@ one collective per chunk whatever the number of tensors. Operations are written 
 that yield each collective they wait for (a :class:`Pending`; others may be in flight
 meanwhile): the steps of :mod:`moe_dispatch.transport.base`, which ``drive`` runs to
 completion; callers may instead stop after the first yield to overlap the first transfer with
-their own work. A combine or cached dispatch given its argument check (``check``) starts it,
-packs its first payload meanwhile, and completes it before that payload moves.
+their own work. A combine or cached dispatch given its argument check (``check``) carries its
+flat rows in the check's blocks where they fit; on the two-stage route it starts the check,
+packs its first payload meanwhile, and completes the check before that payload moves.
 """
 
 from __future__ import annotations
@@ -87,6 +91,12 @@ FLAT_BYTES = 4 << 20
 # that reaches few ranks per node, e.g. top-2: the second stage's latency and forwarding copy then
 # cost more than they save).
 MIN_DEDUP = 0.25
+# The flat route: a dispatch's rows travel in its counts' blocks, a combine's or cached dispatch's
+# in its argument check's, where no rank sends a peer more than the block holds; blocks hold the
+# previous dispatch's largest flat payload to one peer, if at most this many bytes (one collective
+# instead of two: at these sizes the round trip costs more than the padding up to the block size).
+FUSED_BYTES = 1 << 20
+FUSED_PADDING = 1.25  # ... and the padding adds at most a quarter to the bytes (links may be slow)
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,6 +132,8 @@ class _Counts:
     arrivals: torch.Tensor  # [S, L, N] rows of source (m, l') reaching me through forwarder (n, l')
     max_flat_rows: int  # the largest flat payload of any rank, in rows
     max_stage1_rows: int  # the largest stage-1 payload of any rank, in rows
+    max_pair_rows: int  # the most flat rows any rank sends one rank
+    total_flat_rows: int  # the flat rows of all ranks
     flat_cross_rows: int  # rows all ranks would send to other nodes by the flat route
     stage1_cross_rows: int  # ... and by the two stages (one copy per token and node)
 
@@ -146,6 +158,7 @@ class TorchDistPlan:
     flat_send_idx: torch.Tensor | None = None  # [F] token of each flat send row, by destination rank
     flat_send_splits: list[int] = dataclasses.field(default_factory=list)  # [W]
     flat_recv_splits: list[int] = dataclasses.field(default_factory=list)  # [W]
+    arrived: torch.Tensor | None = None  # [R, wb] the flat rows that came with the counts, until landed
     internode_rows: int = 0  # rows this rank sends to other nodes per dispatch (and receives back in combine)
     intranode_rows: int = 0  # rows this rank sends to other local ranks per dispatch
     # Derived on first use and kept for every later call (combine, backward): sum plans, indices
@@ -171,6 +184,7 @@ class Pending:
             raise CommError(self.describe(err)) from err
 
 
+_NUM_SIZES = 5  # a fresh dispatch's header: the sender's sizes (see TorchDistTransport.plan)
 _ALIGN = 8  # bytes; every packed field starts at a multiple, so it can be viewed in place as its dtype
 
 
@@ -253,9 +267,9 @@ def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ..
     return [(t.dtype, tuple(t.shape[1:])) for t in tensors]
 
 
-INTER, INTRA, ALL = "inter-node", "intra-node", "all-ranks"
+INTER, INTRA = "inter-node", "intra-node"
 
-ALL_COMM = "all-ranks (comm thread)"  # flat payloads, gloo argument checks, metadata of comm-thread dispatches
+ALL_COMM = "all-ranks (comm thread)"  # the counts, flat payloads, gloo argument checks
 HOST = "all-ranks (host, gloo)"  # the argument checks of an NCCL EP group: host ints, no device synchronisation
 
 
@@ -301,8 +315,10 @@ class TorchDistTransport:
     them.
     """
 
-    # A fresh dispatch's counts run on the caller's thread, on a group of their own.
-    plans_on_comm_thread = False
+    # A fresh dispatch's counts travel in the Buffer's one queue, on the group of the checks: every
+    # first collective of an operation is the same block exchange, so ranks running different
+    # operations (or a dispatch sized on one rank and num_worst_tokens on another) get a ValueError.
+    plans_on_comm_thread = True
     # dispatch / forward / combine take the fused permute (``permute``, ``permuted``) and the
     # argument check to overlap (``check``) as keywords (see base.Transport).
     fuses_layout = True
@@ -313,6 +329,15 @@ class TorchDistTransport:
         self.topology = topology
         self.timeout_s = timeout_s
         self.num_chunks = num_chunks
+        # The count sub-ranges of a fresh dispatch, and the words of every block's header: the
+        # agreement row, the rows of payload the block carries (-1: none), the sender's sizes,
+        # then its counts for the destination, per sub-range.
+        self._subs = num_chunks or (NUM_CHUNKS if topology.num_nodes > 1 and topology.ranks_per_node > 1 else 1)
+        self._header_words = AGREE_WORDS + 1 + _NUM_SIZES + self._subs * (topology.ranks_per_node + 1)
+        # Payload bytes a check's block carries to each peer: set by every fresh dispatch's payload
+        # from its agreed sizes (the same on every rank, in queue order), so every rank's blocks
+        # have the same size whatever its arguments are.
+        self._capacity = 0
         group_ranks = dist.get_process_group_ranks(group)
         self.progress = Progress(group_ranks, topology.rank)
         backend = dist.get_backend(group)
@@ -320,7 +345,6 @@ class TorchDistTransport:
         self.peers = {
             INTER: topology.peer_ranks(topology.local_rank),  # EP ranks, one per node
             INTRA: topology.node_ranks(topology.node),
-            ALL: list(range(topology.world_size)),
             ALL_COMM: list(range(topology.world_size)),
         }
         # The argument checks move host ints: over the comm thread's group on gloo, else over a
@@ -437,14 +461,15 @@ class TorchDistTransport:
             refusals=lambda ranks: self.progress.read_refusals(ranks, seq),
         )
 
-    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps:
-        """Steps checking ``fields`` and every rank's ``status`` across all EP ranks (one
-        all_gather of :data:`~moe_dispatch.transport.agreement.AGREE_WORDS` int64 on the host
-        group: the comm thread's group on gloo, a gloo group of the same ranks on NCCL, so no
-        device synchronisation); run before the payload of an operation whose sizes are not
-        exchanged (combine, cached dispatch, the kernels' plan), since ranks that disagree on
-        them would abort inside gloo, or hang or read garbage on NCCL. The wire format and the
-        messages: :mod:`moe_dispatch.transport.agreement`.
+    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> "Agreement":
+        """The argument check of an operation whose sizes are not exchanged (combine, cached
+        dispatch, the kernels' plan): iterating it gives its steps, one block exchange on the host
+        group (the comm thread's group on gloo, a gloo group of the same ranks on NCCL, so no
+        device synchronisation), then :func:`agreement.check` on every rank. Ranks that disagree
+        would abort inside gloo, or hang or read garbage on NCCL, had the payload moved first.
+        Given to :meth:`combine` or :meth:`forward` as ``check``, the flat route's rows travel in
+        the same blocks where they fit (:data:`FUSED_BYTES`). The wire format and the messages:
+        :mod:`moe_dispatch.transport.agreement`.
 
         Args:
             fields: at most ``AGREE_FIELDS`` fields, the operation first (same keys on every rank).
@@ -457,19 +482,76 @@ class TorchDistTransport:
                 field and the EP ranks that differ from this rank.
             CommError: a peer failed or did not join within ``timeout_s``.
         """
-        mine = torch.tensor(agreement.row(fields, status, AGREE_WORDS), dtype=torch.int64)
-        group = self.groups[self._agree_kind]
-        if group is None:
-            self._check([mine.tolist()], fields, what)
-            return
-        gathered = [torch.empty_like(mine) for _ in range(self.topology.world_size)]
-        describe = functools.partial(self._describe, self._agree_kind, f"{what} argument check (all_gather)")
-        try:
-            work = dist.all_gather(gathered, mine, group=group, async_op=True)
-        except RuntimeError as err:
-            raise CommError(describe(err)) from err
-        yield Pending(work, describe)
-        self._check(torch.stack(gathered).tolist(), fields, what)
+        return Agreement(self, fields, what, status)
+
+    def _headers(self, fields: dict[str, Field], status: int, device) -> torch.Tensor:
+        """``[W, header words]`` int64, a row per destination: this rank's agreement row, no
+        payload, zero sizes and counts (what a check sends; a fresh dispatch fills the rest)."""
+        head = torch.zeros((self.topology.world_size, self._header_words), dtype=torch.int64, device=device)
+        head[:, :AGREE_WORDS] = torch.tensor(agreement.row(fields, status, AGREE_WORDS), dtype=torch.int64)
+        head[:, AGREE_WORDS] = -1
+        return head
+
+    def _exchange_blocks(self, head: torch.Tensor, what: str, kind: str, rows: tuple | None = None) -> Steps:
+        """Steps of one equal-split exchange of blocks ``[header | payload]`` on the ``kind`` group
+        (every rank's blocks have the same size: the header's, plus :attr:`_capacity` bytes when
+        ``kind`` is the payloads' group); returns ``(headers [W, header words] int64, blocks [W,
+        block bytes] uint8)`` by source. ``rows = (send [F, wb] uint8, send_splits)``: packed rows
+        by destination, written into the blocks (the caller checked they fit); their count per
+        destination goes in the header."""
+        world = self.topology.world_size
+        head_bytes = self._header_words * 8
+        capacity = self._capacity if kind == ALL_COMM else 0
+        send = torch.empty((world, head_bytes + capacity), dtype=torch.uint8, device=head.device)
+        if rows is not None:
+            packed, splits = rows
+            head[:, AGREE_WORDS] = torch.tensor(splits, dtype=torch.int64)
+            offset = 0
+            for d, n in enumerate(splits):
+                send[d, head_bytes : head_bytes + n * packed.shape[1]] = packed[offset : offset + n].view(-1)
+                offset += n
+        send[:, :head_bytes].view(torch.int64).copy_(head)
+        recv, pending = self._all_to_all(send.view(-1), None, None, kind, what)
+        yield pending
+        recv = recv.view(world, -1)
+        return recv[:, :head_bytes].view(torch.int64), recv
+
+    def _carried_rows(self, blocks: torch.Tensor, carried: list[int], expected: list[int], width: int, what: str):
+        """``[R, width]`` uint8: the rows each source's block carried (``carried`` of them; the
+        plan's ``expected``), by source."""
+        if carried != expected:
+            raise RuntimeError(
+                f"EP rank {self.topology.rank}: {what}: the peers sent {carried} rows, the plan expects {expected}"
+            )
+        head_bytes = self._header_words * 8
+        return torch.cat([blocks[s, head_bytes : head_bytes + n * width].view(n, width) for s, n in enumerate(carried)])
+
+    def _agreed(self, check: "Agreement", rows: tuple | None = None) -> Steps:
+        """Steps of ``check`` (see :meth:`agree`); with ``rows = (send [F, wb] uint8, send_splits,
+        recv_splits, what)`` also the flat exchange of those packed rows, returned as ``[R, wb]``
+        by source: inside the check's blocks where every rank's fit (one collective), else after
+        it."""
+        kind = self._agree_kind
+        if self.groups[kind] is None:  # a group of one: nothing to compare, the rows are this rank's
+            self._check([agreement.row(check.fields, check.status, AGREE_WORDS)], check.fields, check.what)
+            return None if rows is None else rows[0]
+        fused = None
+        if rows is not None and kind == ALL_COMM and rows[0].device.type == "cpu":
+            send, send_splits = rows[0], rows[1]
+            if max(send_splits) * send.shape[1] <= self._capacity:
+                fused = (send, send_splits)
+        head = self._headers(check.fields, check.status, torch.device("cpu"))
+        headers, blocks = yield from self._exchange_blocks(head, f"{check.what} argument check", kind, fused)
+        self._check(headers[:, :AGREE_WORDS].tolist(), check.fields, check.what)
+        if rows is None:
+            return None
+        send, send_splits, recv_splits, what = rows
+        carried = headers[:, AGREE_WORDS].tolist()
+        if all(n >= 0 for n in carried):  # every rank's rows came with its header
+            return self._carried_rows(blocks, carried, recv_splits, send.shape[1], what)
+        recv, pending = self._all_to_all(send, send_splits, recv_splits, ALL_COMM, what)
+        yield pending
+        return recv
 
     # -- dispatch ----------------------------------------------------------------------------
     def plan(
@@ -479,9 +561,12 @@ class TorchDistTransport:
         what: str = "dispatch",
         on_comm_thread: bool = False,
         status: int = 0,
+        rows: list[torch.Tensor] | None = None,
     ) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan` (its route
-        is chosen by the first payload transfer); one all_to_all on the all-ranks group.
+        is chosen by the first payload transfer); one block exchange on the all-ranks group, the
+        one every argument check uses (:meth:`agree`), so the blocks have the same size whatever
+        operation a peer runs, and the operation is the first field compared.
 
         Args:
             is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
@@ -491,11 +576,14 @@ class TorchDistTransport:
                 (:mod:`~moe_dispatch.transport.agreement`), so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
                 hold (a size mismatch inside a collective aborts the process instead of raising).
-            on_comm_thread: the steps run on the communication thread (with the payloads), not
-                on the caller's: they use a group of their own, so that the two threads never
-                interleave collectives of one group in different orders on different ranks.
+            on_comm_thread: unused: the steps always run in the Buffer's one queue
+                (``plans_on_comm_thread``), as every collective of this transport.
             status: 0, or this rank's refusal: then ``is_token_in_rank`` is ``[0, W]`` (zero
                 counts), the fields are -1, and every rank raises after the exchange.
+            rows: the dispatch's row tensors ``[T, ...]`` (what :meth:`dispatch` will get), or
+                None. Where they fit the blocks (the previous dispatch's size, see
+                :data:`FUSED_BYTES`) they travel with the counts, and if every rank's did and the
+                route is flat, :meth:`dispatch` only lands them: one collective per dispatch.
 
         Raises (from the steps):
             ValueError: a rank refused (naming each and quoting its error), or naming the first
@@ -504,7 +592,7 @@ class TorchDistTransport:
         topo = self.topology
         world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
         device, num_tokens = is_token_in_rank.device, is_token_in_rank.shape[0]
-        subs = self.num_chunks or (NUM_CHUNKS if self._two_stage_world else 1)
+        subs = self._subs
         bounds = [c * num_tokens // subs for c in range(subs + 1)]
         # My tokens per sub-range for each rank and each node: running counts at the bounds.
         in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
@@ -517,32 +605,44 @@ class TorchDistTransport:
         to_rank, to_node = per_sub[:, :world], per_sub[:, world:]
         own_ranks = slice(topo.node * local_ranks, (topo.node + 1) * local_ranks)
         flat_rows, stage1_rows = to_rank.sum(), to_node.sum()
-        # my flat and stage-1 payload, in rows, then the rows of each that cross nodes
+        # my flat and stage-1 payload, in rows, the rows of each that cross nodes, and the most
+        # flat rows I send one rank
         sizes = torch.stack(
-            [flat_rows, stage1_rows, flat_rows - to_rank[:, own_ranks].sum(), stage1_rows - to_node[:, topo.node].sum()]
+            [
+                flat_rows,
+                stage1_rows,
+                flat_rows - to_rank[:, own_ranks].sum(),
+                stage1_rows - to_node[:, topo.node].sum(),
+                to_rank.sum(0).max(),
+            ]
         )
-        # Row for destination d = (n_d, l_d): my status and fields, my sizes, then per sub-range my counts
-        # for d's node's ranks and d's node.
+        # Header for destination d = (n_d, l_d): my agreement row, my sizes, then per sub-range my
+        # counts for d's node's ranks and d's node.
         dest_node = torch.arange(world, device=device) // local_ranks
         sub_counts = torch.cat(
             [to_rank.view(subs, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
         )  # [S, W, L + 1]
-        meta = torch.cat(
-            [
-                torch.tensor(agreement.row(fields, status), dtype=torch.int64, device=device).expand(world, -1),
-                sizes.expand(world, -1),
-                sub_counts.transpose(0, 1).reshape(world, -1),
-            ],
-            1,
-        )
-        got, pending = self._all_to_all(meta, None, None, ALL_COMM if on_comm_thread else ALL, f"{what} metadata")
-        yield pending
-        got = got.view(world, -1)  # [source rank, row]
-        self._check(got[:, : 1 + len(fields)].tolist(), fields, what)
-        head = 1 + len(fields) + 4
+        checked = {"operation": "dispatch (metadata)", **fields}
+        head = self._headers(checked, status, device)
+        head[:, AGREE_WORDS + 1 : AGREE_WORDS + 1 + _NUM_SIZES] = sizes
+        head[:, AGREE_WORDS + 1 + _NUM_SIZES :] = sub_counts.transpose(0, 1).reshape(world, -1)
+        fused = None
+        if rows is not None and self._capacity and device.type == "cpu":
+            width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in rows)
+            send_splits = to_rank.sum(0).tolist()
+            if max(send_splits) * width <= self._capacity:
+                send_idx = torch.nonzero(is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
+                fused = (_pack([(t, send_idx) for t in rows]), send_splits)
+        if self.groups[ALL_COMM] is None:
+            got, blocks = head, None
+        else:
+            got, blocks = yield from self._exchange_blocks(head, f"{what} metadata", ALL_COMM, fused)
+        self._check(got[:, :AGREE_WORDS].tolist(), checked, what)
+        head = AGREE_WORDS + 1 + _NUM_SIZES
         counts = got[:, head:].reshape(world, subs, local_ranks + 1)
         peers = counts[topo.local_rank :: local_ranks]  # [N, S, L + 1]: my inter-node peers, one per node
         mine = counts[:, :, topo.local_rank]  # [W, S]: each source's tokens for me
+        sizes_of = got[:, AGREE_WORDS + 1 : head]
         # Every split as host ints in one transfer (one host sync on GPU).
         host = iter(
             torch.cat(
@@ -552,8 +652,10 @@ class TorchDistTransport:
                     mine.sum(1),
                     peers[:, :, -1].t().flatten(),
                     peers[:, :, :-1].sum(0).flatten(),
-                    got[:, head - 4 : head - 2].max(0).values,
-                    got[:, head - 2 : head].sum(0),
+                    sizes_of[:, :2].max(0).values,
+                    sizes_of[:, 2:4].sum(0),
+                    sizes_of[:, 4:].max(0).values,
+                    sizes_of[:, :1].sum(0),
                 ]
             ).tolist()
         )
@@ -564,7 +666,7 @@ class TorchDistTransport:
         to_rank_l, to_node_l = take(world, subs), take(num_nodes, subs)
         (from_rank,) = take(world, 1)
         s1_recv, s2_send = take(num_nodes, subs), take(local_ranks, subs)
-        ((max_flat, max_stage1, flat_cross, stage1_cross),) = take(4, 1)
+        ((max_flat, max_stage1, flat_cross, stage1_cross, max_pair, total_flat),) = take(6, 1)
         counts_of = _Counts(
             is_token_in_rank=is_token_in_rank,
             in_node=in_node,
@@ -578,16 +680,24 @@ class TorchDistTransport:
             arrivals=mine.reshape(num_nodes, local_ranks, subs).permute(2, 1, 0),
             max_flat_rows=max_flat,
             max_stage1_rows=max_stage1,
+            max_pair_rows=max_pair,
+            total_flat_rows=total_flat,
             flat_cross_rows=flat_cross,
             stage1_cross_rows=stage1_cross,
         )
-        return TorchDistPlan(
+        plan = TorchDistPlan(
             num_tokens=num_tokens,
             num_recv_tokens=sum(from_rank),
             counts=counts_of,
             internode_rows=sum(sum(s) - s[topo.node] for s in to_node_l),
             intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
         )
+        carried = got[:, AGREE_WORDS].tolist()
+        if blocks is not None and all(n >= 0 for n in carried):  # every rank's rows came along
+            self._route(plan, fused[0].shape[1])
+            if plan.flat:
+                plan.arrived = self._carried_rows(blocks, carried, from_rank, fused[0].shape[1], what)
+        return plan
 
     @property
     def _two_stage_world(self) -> bool:
@@ -701,7 +811,19 @@ class TorchDistTransport:
         ``out[:k]`` (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
         ``layout()`` lays the received rows out (zero padding rows); ``layout`` is called once
         ``out[k:]`` hold their rows (it reads the received top-k ids)."""
-        self._route(plan, sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors))
+        width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors)
+        self._route(plan, width)
+        # The blocks of the following checks carry this dispatch's flat rows (combine's are at most
+        # as wide): from agreed sizes, at the same point of the queue on every rank; not where
+        # padding every pair to the largest would add more than FUSED_PADDING to the bytes moved.
+        counts, world = plan.counts, self.topology.world_size
+        fused = counts.max_pair_rows * width if plan.flat and counts is not None else 0
+        even = fused and counts.max_pair_rows * world * world <= FUSED_PADDING * counts.total_flat_rows
+        self._capacity = fused if even and fused <= FUSED_BYTES and self._agree_kind == ALL_COMM else 0
+        if plan.arrived is not None:  # the rows came with the counts
+            recv, plan.arrived = plan.arrived, None
+            self._land(recv, plan, _specs(tensors), out, permute)
+            return
         if plan.flat:
             yield from self._flat_dispatch(tensors, plan, out, what, permute)
             return
@@ -739,15 +861,22 @@ class TorchDistTransport:
         self._land(recv2, plan, specs[:-1], out, permute)
 
     def _flat_dispatch(self, tensors, plan, out, what, permute=None, permuted=None, check=None) -> Steps:
-        """The flat route: one exchange, rows arrive in final order."""
-        begun = _begin(check)
+        """The flat route: one exchange, rows arrive in final order; a replay's (``check``: its
+        argument check) travel inside the check's blocks where they fit."""
         send = _pack([(t, plan.flat_send_idx) for t in tensors])
-        yield from _complete(check, begun)
-        recv, pending = self._all_to_all(
-            send, plan.flat_send_splits, plan.flat_recv_splits, ALL_COMM, f"{what} (flat exchange)"
-        )
-        yield pending
+        recv = yield from self._flat_exchange(send, plan.flat_send_splits, plan.flat_recv_splits, what, check)
         self._land(recv, plan, _specs(tensors), out, permute, permuted)
+
+    def _flat_exchange(self, send, send_splits, recv_splits, what, check=None) -> Steps:
+        """Steps moving packed rows ``send [F, wb]`` (by destination) on the flat route; returns
+        ``[R, wb]`` by source. With ``check`` (an :class:`Agreement`) the check runs first, or
+        carries the rows (:meth:`_agreed`)."""
+        what = f"{what} (flat exchange)"
+        if check is not None:
+            return (yield from self._agreed(check, (send, send_splits, recv_splits, what)))
+        recv, pending = self._all_to_all(send, send_splits, recv_splits, ALL_COMM, what)
+        yield pending
+        return recv
 
     def forward(
         self,
@@ -854,10 +983,10 @@ class TorchDistTransport:
         permuted = permuted if permuted is not None else [None] * len(tensors)
         if any(s is not None for s in scales) and any(p is not None for p in permuted):
             raise ValueError("combine: row scales apply to received rows, not to expert-major ones")
-        begun = _begin(check)
         arrival = None if plan.flat else self._final_of_arrival(plan)
         # Each tensor's received rows in arrival order: the expert-major ones summed straight there
         # (one pass), the others gathered there as they are packed (index None: in order already).
+        begun = None if plan.flat else _begin(check)  # the flat route's rows travel with the check
         rows_of = [t if h is None else self._unpermute(plan, t, h) for t, h in zip(tensors, permuted)]
         index_of = [arrival if h is None else None for h in permuted]
         # Scales travel as extra fp32 columns so whoever sums multiplies in fp32.
@@ -866,11 +995,7 @@ class TorchDistTransport:
         specs = _specs(payload)
         if plan.flat:
             send = _pack(list(zip(payload, payload_index)))
-            yield from _complete(check, begun)
-            back, pending = self._all_to_all(
-                send, plan.flat_recv_splits, plan.flat_send_splits, ALL_COMM, f"{what} (flat exchange)"
-            )
-            yield pending
+            back = yield from self._flat_exchange(send, plan.flat_recv_splits, plan.flat_send_splits, what, check)
             fields = _fields(back, specs)
             row_scales = self._row_scales(fields, scales, len(tensors))
             for dst, rows, sc in zip(out, fields[: len(tensors)], row_scales):
@@ -991,21 +1116,37 @@ def _sum_plan(plan: TorchDistPlan, key, index: torch.Tensor, num_out: int, scale
     return plan.cached((key, scaled), lambda: plan_sum(index, num_out, scaled=scaled))
 
 
-def _begin(check: Steps | None):
-    """Issues ``check``'s first collective; returns ``(waitable,)`` to complete later, or None."""
+def _begin(check: "Agreement | None"):
+    """Issues ``check``'s first collective; returns ``(steps, waitable)`` to complete later, or None."""
     if check is None:
         return None
+    steps = iter(check)
     try:
-        return (next(check),)
+        return steps, next(steps)
     except StopIteration:
         return None
 
 
-def _complete(check: Steps | None, begun) -> Steps:
+def _complete(check: "Agreement | None", begun) -> Steps:
     """Steps finishing a check begun with :func:`_begin` (its ValueError is raised here)."""
     if begun is not None:
-        yield begun[0]
-        yield from check
+        steps, pending = begun
+        yield pending
+        yield from steps
+
+
+@dataclasses.dataclass(eq=False)
+class Agreement:
+    """An argument check (:meth:`TorchDistTransport.agree`): iterating it gives its steps; a
+    combine or cached dispatch given it may carry its rows in the check's blocks."""
+
+    transport: TorchDistTransport
+    fields: dict[str, Field]
+    what: str
+    status: int = 0
+
+    def __iter__(self):
+        return self.transport._agreed(self)
 
 
 def _reorder_blocks(counts: torch.Tensor, dims: tuple[int, ...], total: int) -> torch.Tensor:
