@@ -34,21 +34,22 @@ Without a GPU it runs the CPU backend on a tiny shape, to check the script (no g
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
 import torch
 from loopback_bench import (
+    TIMING_COLUMNS,
     Shape,
     add_run_args,
-    add_shapes_arg,
     add_variant_args,
+    bench_parser,
     cached_cases,
     cell,
     launch_device,
     make_inputs,
-    not_resident,
+    model_ops,
+    print_cpu_check,
     print_estimate,
     print_fresh_goal,
     print_model_goal,
@@ -56,14 +57,17 @@ from loopback_bench import (
     ratio,
     shapes_for,
     time_copy,
+    time_variants,
     timer,
+    timing_cells,
     variant_names,
     write_json,
 )
 
 from moe_dispatch import costmodel
 from moe_dispatch.config import VARIANTS, Config
-from moe_dispatch.transport.internode import InternodeLoopback, cross_node_bytes
+from moe_dispatch.testing.loopback import InternodeLoopback
+from moe_dispatch.transport.internode import cross_node_bytes
 
 GOAL_BOUND = 1.00
 GOAL_VS_COPY = 0.4  # 2x4
@@ -191,31 +195,21 @@ def bench_world(
                     *(1.0, None, None, None, None, W),
                 )
             )
-        current: dict[str, float] = {}
-        for variant in variants if pipeline == "fused" else ["current"]:
-            lb.set_variant(variant)
-            for op, nbytes, row_bytes, fn in cases:
-                try:
-                    med, p20, p80 = time_case(fn)
-                except ValueError as err:
-                    if not_resident(err):
-                        print(f"bench_internode: {variant} at {world} x {num_sms} SMs: not resident, skipped")
-                        break
-                    raise
-                if variant == "current":
-                    current[op] = med
-                rate = nbytes / (med * 1e-6) / 1e9
-                model = None
-                if on_gpu and pipeline == "fused":
-                    model = predicted_us(op, shape, num_nodes, ranks_per_node, received / W, lb.config, num_sms)
-                rows.append(
-                    Row(
-                        *(shape.name, world, pipeline, num_sms, op, variant, med, p20, p80, nbytes, rate),
-                        *(ratio(rate, copy_rate), ratio(current.get(op), med), model),
-                        *(xnode_rows * row_bytes / W / (med * 1e-6) / 1e9, xnode_ratio, W),
-                    )
+        timed = [(op, nbytes, row_bytes, lambda fn=fn: time_case(fn)) for op, nbytes, row_bytes, fn in cases]
+        for variant, (op, nbytes, row_bytes, _), (med, p20, p80), vs_current in time_variants(
+            lb, variants if pipeline == "fused" else ["current"], timed, "bench_internode", f"{world} x {num_sms} SMs"
+        ):
+            rate = nbytes / (med * 1e-6) / 1e9
+            model = None
+            if on_gpu and pipeline == "fused":
+                model = predicted_us(op, shape, num_nodes, ranks_per_node, received / W, lb.config, num_sms)
+            rows.append(
+                Row(
+                    *(shape.name, world, pipeline, num_sms, op, variant, med, p20, p80, nbytes, rate),
+                    *(ratio(rate, copy_rate), vs_current, model),
+                    *(xnode_rows * row_bytes / W / (med * 1e-6) / 1e9, xnode_ratio, W),
                 )
-        lb.set_variant("current")
+            )
     lb.transport.check()  # a wait that timed out during the timings fails the benchmark here
     return rows
 
@@ -233,9 +227,7 @@ def plan_estimate(shapes, worlds, num_sms_list, pipelines, variants, args) -> li
                 config = Config(num_sms=max(num_sms_list), num_slots=args.slots, chunk_tokens=args.chunk)
                 for num_sms in num_sms_list:
                     for variant in variants if pipeline == "fused" else ["current"]:
-                        for op in [*MODEL_OPS, FRESH_BUDGET] if pipeline == "fused" else MODEL_OPS:
-                            if op == "dispatch fp8" and shape.hidden % 128:
-                                continue
+                        for op in model_ops(shape, [*MODEL_OPS, FRESH_BUDGET] if pipeline == "fused" else MODEL_OPS):
                             t = predicted_us(
                                 op, shape, num_nodes, ranks_per_node, None, config.with_variant(variant), num_sms
                             )
@@ -248,13 +240,12 @@ def print_table(rows: list[Row]) -> None:
     print_rows(
         "internode loopback",
         [
-            *("shape", "world", "pipeline", "sms", "op", "variant", "median us", "p20-p80 us", "GB/s", "GB/s/SM"),
+            *("shape", "world", "pipeline", "sms", "op", "variant", *TIMING_COLUMNS),
             *("vs copy", "vs current", "model us", "model/meas", "xnode GB/s/rank", "xnode/bound"),
         ],
         [
             [
-                *(r.shape, r.world, r.pipeline, str(r.num_sms), r.op, r.variant, f"{r.median_us:.1f}"),
-                *(f"{r.p20_us:.1f}-{r.p80_us:.1f}", f"{r.gbps:.1f}", cell(r.gbps_per_sm, ".1f")),
+                *(r.shape, r.world, r.pipeline, str(r.num_sms), r.op, r.variant, *timing_cells(r)),
                 *(cell(r.vs_copy, ".2f"), cell(r.vs_current, ".2f"), cell(r.model_us, ".1f")),
                 *(cell(r.model_ratio, ".2f"), cell(r.xnode_gbps_per_rank, ".1f"), cell(r.xnode_vs_bound, ".2f")),
             ]
@@ -311,10 +302,7 @@ def print_goals(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_shapes_arg(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--worlds", nargs="+", default=None, help="NxL worlds (default: 2x4 4x2 on GPU, 2x2 on CPU)")
     parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 8 16 24 on GPU, 2 on CPU")
     parser.add_argument("--slots", type=int, default=32)
@@ -343,10 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu:
         print_estimate("bench_internode", plan_estimate(shapes, worlds, num_sms_list, args.pipelines, variants, args))
     if not on_gpu:
-        print(
-            "bench_internode: no GPU: running the CPU backend on a tiny shape to check the script; "
-            "GPU figures not measured"
-        )
+        print_cpu_check("bench_internode", "figures")
         args.slots, args.chunk = min(args.slots, 4), min(args.chunk, 2)
     rows: list[Row] = []
     for shape in shapes:
@@ -366,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json,
             device,
-            [dict(dataclasses.asdict(r), gbps_per_sm=r.gbps_per_sm, model_ratio=r.model_ratio) for r in rows],
+            rows,
             slots=args.slots,
             chunk=args.chunk,
             variants=variants,

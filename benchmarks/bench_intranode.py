@@ -41,22 +41,23 @@ check the script (and prints the variants' CPU ratios); no goal is measured ther
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
 import torch
 from loopback_bench import (
     GOAL_GBPS_PER_SM,
+    TIMING_COLUMNS,
     Shape,
     add_run_args,
-    add_shapes_arg,
     add_variant_args,
+    bench_parser,
     cached_cases,
     cell,
     launch_device,
     make_inputs,
-    not_resident,
+    model_ops,
+    print_cpu_check,
     print_estimate,
     print_fresh_goal,
     print_model_goal,
@@ -65,15 +66,17 @@ from loopback_bench import (
     shapes_for,
     time_copy,
     time_host,
+    time_variants,
     timed_runs,
     timer,
+    timing_cells,
     variant_names,
     write_json,
 )
 
 from moe_dispatch import costmodel
 from moe_dispatch.config import Config
-from moe_dispatch.transport.intranode import Loopback
+from moe_dispatch.testing.loopback import Loopback
 
 GOAL_TWO_HOP = 0.9  # of the two-hop HBM bound, 16 SMs, without l2_discard
 GOAL_L2_COPY = 0.6  # of the copy, 16 SMs, l2_discard and rings that fit in L2
@@ -199,30 +202,18 @@ def bench_config(
             ),
         ]
         timed = [(op, nbytes, lambda fn=fn: time_case(fn)) for op, nbytes, _, fn in cases] + fresh
-        current: dict[str, float] = {}
-        for variant in variants:
-            lb.set_variant(variant)
-            for op, nbytes, run in timed:
-                try:
-                    med, p20, p80 = run()
-                except ValueError as err:
-                    if not_resident(err):
-                        print(f"bench_intranode: {variant} at {world_size} x {num_sms} SMs: not resident, skipped")
-                        break
-                    raise
-                if variant == "current":
-                    current[op] = med
-                rate = nbytes / (med * 1e-6) / 1e9
-                model = (
-                    predicted_us(op, shape, world_size, received / world_size, lb.config, num_sms) if on_gpu else None
+        where = f"{world_size} x {num_sms} SMs"
+        for variant, (op, nbytes, _), (med, p20, p80), vs_current in time_variants(
+            lb, variants, timed, "bench_intranode", where
+        ):
+            rate = nbytes / (med * 1e-6) / 1e9
+            model = predicted_us(op, shape, world_size, received / world_size, lb.config, num_sms) if on_gpu else None
+            rows.append(
+                Row(
+                    *(shape.name, world_size, rings, l2_discard, num_sms, op, variant, med, p20, p80),
+                    *(nbytes, rate, ratio(rate, copy_rate), vs_current, model, fits),
                 )
-                rows.append(
-                    Row(
-                        *(shape.name, world_size, rings, l2_discard, num_sms, op, variant, med, p20, p80),
-                        *(nbytes, rate, ratio(rate, copy_rate), ratio(current.get(op), med), model, fits),
-                    )
-                )
-        lb.set_variant("current")
+            )
         del handles, cases
     lb.check()  # a wait that timed out during the timings fails the benchmark here
     return rows, copy_rate
@@ -245,9 +236,7 @@ def plan_estimate(shapes, world_sizes, rings_list, discards, num_sms_list, varia
                     for num_sms in num_sms_list:
                         for variant in variants:
                             c = config.with_variant(variant)
-                            for op in MODEL_OPS:
-                                if op == "dispatch fp8" and shape.hidden % 128:
-                                    continue
+                            for op in model_ops(shape, MODEL_OPS):
                                 n = 1 + max(3, args.iters // 4) if op == FRESH_HOST else runs
                                 total += n * predicted_us(op, shape, world_size, None, c, num_sms) * 1e-6
             steps.append((f"{shape.name} W={world_size}", total))
@@ -258,14 +247,14 @@ def print_table(rows: list[Row]) -> None:
     print_rows(
         "intranode loopback",
         [
-            *("shape", "W", "rings", "l2 discard", "sms", "op", "variant", "median us", "p20-p80 us", "GB/s"),
-            *("GB/s/SM", "vs copy", "vs 2-hop", "vs current", "model us", "model/meas"),
+            *("shape", "W", "rings", "l2 discard", "sms", "op", "variant", *TIMING_COLUMNS),
+            *("vs copy", "vs 2-hop", "vs current", "model us", "model/meas"),
         ],
         [
             [
                 *(r.shape, str(r.world_size), r.rings, ("on" if r.l2_discard else "off") if r.num_sms else "-"),
-                *(str(r.num_sms), r.op, r.variant, f"{r.median_us:.1f}", f"{r.p20_us:.1f}-{r.p80_us:.1f}"),
-                *(f"{r.gbps:.1f}", cell(r.gbps_per_sm, ".1f"), cell(r.vs_copy, ".2f"), cell(r.vs_two_hop, ".2f")),
+                *(str(r.num_sms), r.op, r.variant, *timing_cells(r)),
+                *(cell(r.vs_copy, ".2f"), cell(r.vs_two_hop, ".2f")),
                 *(cell(r.vs_current, ".2f"), cell(r.model_us, ".1f"), cell(r.model_ratio, ".2f")),
             ]
             for r in rows
@@ -362,10 +351,7 @@ def print_goals(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_shapes_arg(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--world-sizes", nargs="+", type=int, default=None, help="default: 8 on GPU, 4 on CPU")
     parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 4 8 16 24 on GPU, 2 4 on CPU")
     parser.add_argument(
@@ -400,10 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     world_sizes = args.world_sizes or ([8] if on_gpu else [4])
     num_sms_list = args.num_sms or ([4, 8, 16, 24] if on_gpu else [2, 4])
     if not on_gpu:
-        print(
-            "bench_intranode: no GPU: running the CPU backend on a tiny shape to check the script; "
-            "GPU goals not measured"
-        )
+        print_cpu_check("bench_intranode", "goals")
     print_estimate(
         "bench_intranode",
         plan_estimate(shapes, world_sizes, args.rings, args.l2_discard, num_sms_list, variants, args)
@@ -434,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json,
             device,
-            [dict(dataclasses.asdict(r), gbps_per_sm=r.gbps_per_sm, model_ratio=r.model_ratio) for r in rows],
+            rows,
             rings=args.rings,
             l2_discard=args.l2_discard,
             variants=variants,

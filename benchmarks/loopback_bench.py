@@ -4,6 +4,7 @@ the command line they have in common and the JSON they write."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import platform
@@ -159,6 +160,43 @@ def not_resident(err: Exception) -> bool:
     return isinstance(err, ValueError) and "resident at once" in str(err)
 
 
+def time_variants(lb, variants: list[str], cases: list[tuple], prog: str, where: str):
+    """Times every case ``(op, ..., run)`` (``run()`` gives median, p20, p80 in us) under each
+    kernel variant (the loopback's ``set_variant``), yielding ``(variant, case, (median, p20,
+    p80), vs_current)``: vs_current is the current kernels' median over this one (None until the
+    current kernels ran the op). A variant whose blocks are not all resident is skipped (said on
+    stdout: ``prog: variant at where: not resident, skipped``). Ends on the current kernels."""
+    current: dict[str, float] = {}
+    for variant in variants:
+        lb.set_variant(variant)
+        for case in cases:
+            op = case[0]
+            try:
+                med, p20, p80 = case[-1]()
+            except ValueError as err:
+                if not_resident(err):
+                    print(f"{prog}: {variant} at {where}: not resident, skipped")
+                    break
+                raise
+            if variant == "current":
+                current[op] = med
+            yield variant, case, (med, p20, p80), ratio(current.get(op), med)
+    lb.set_variant("current")
+
+
+TIMING_COLUMNS = ["median us", "p20-p80 us", "GB/s", "GB/s/SM"]
+
+
+def timing_cells(row) -> list[str]:
+    """A row's cells under :data:`TIMING_COLUMNS` (its median_us, p20_us, p80_us, gbps, gbps_per_sm)."""
+    return [
+        f"{row.median_us:.1f}",
+        f"{row.p20_us:.1f}-{row.p80_us:.1f}",
+        f"{row.gbps:.1f}",
+        cell(row.gbps_per_sm, ".1f"),
+    ]
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -207,7 +245,11 @@ def time_copy(nbytes: int, device: torch.device, args) -> tuple[float, float, fl
     return med, p20, p80, nbytes / (med * 1e-6) / 1e9
 
 
-def add_shapes_arg(parser) -> None:
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """Both scripts' parser: ``doc``'s first paragraph as the description, and ``--shapes``."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--shapes",
         nargs="+",
@@ -215,6 +257,7 @@ def add_shapes_arg(parser) -> None:
         choices=sorted(SHAPES),
         help="default: deepseek-v3 gpt-oss on GPU, tiny on CPU",
     )
+    return parser
 
 
 def add_run_args(parser, warmup: int, iters: int) -> None:
@@ -233,6 +276,16 @@ def launch_device(name: str) -> torch.device | None:
         return None
     on_gpu = _ext.cuda_available() and torch.cuda.is_available()
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+
+def print_cpu_check(name: str, unmeasured: str) -> None:
+    """What a run without a GPU is for."""
+    print(f"{name}: no GPU: running the CPU backend on a tiny shape to check the script; GPU {unmeasured} not measured")
+
+
+def model_ops(shape: Shape, ops) -> list[str]:
+    """The ops of ``ops`` that ``shape`` runs (an FP8 dispatch needs hidden % 128 == 0)."""
+    return [op for op in ops if op != "dispatch fp8" or shape.hidden % 128 == 0]
 
 
 def shapes_for(args, device: torch.device) -> list[Shape]:
@@ -265,7 +318,8 @@ def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def write_json(path: str, device: torch.device, rows: list, **env) -> None:
-    """The rows (dataclasses or dicts) and the environment (``env`` after device, torch, gpu) to ``path``."""
+    """The rows (the scripts' Row dataclasses, with their derived gbps_per_sm and model_ratio) and
+    the environment (``env`` after device, torch, gpu) to ``path``."""
     on_gpu = device.type == "cuda"
     env = {
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
@@ -275,5 +329,12 @@ def write_json(path: str, device: torch.device, rows: list, **env) -> None:
     }
     with open(path, "w") as f:
         json.dump(
-            {"env": env, "rows": [r if isinstance(r, dict) else dataclasses.asdict(r) for r in rows]}, f, indent=1
+            {
+                "env": env,
+                "rows": [
+                    dict(dataclasses.asdict(r), gbps_per_sm=r.gbps_per_sm, model_ratio=r.model_ratio) for r in rows
+                ],
+            },
+            f,
+            indent=1,
         )

@@ -15,6 +15,10 @@
 namespace py = pybind11;
 
 namespace moe_dispatch {
+namespace bind {
+// csrc/kernels/intranode_bindings.cpp: the argument classes both kernel families share (bind_args.h).
+void register_arg_types(py::module_& m);
+}  // namespace bind
 // csrc/kernels/intranode_bindings.cpp: intranode dispatch/combine, CUDA IPC helpers.
 void register_intranode(py::module_& m);
 // csrc/kernels/internode_bindings.cpp: stage 1 of internode dispatch/combine, NVSHMEM host calls.
@@ -105,6 +109,7 @@ PYBIND11_MODULE(_C, m) {
       "bool, all fully overwritten. Raises ValueError for inconsistent sizes, CudaError on\n"
       "launch failure.");
 
+  moe_dispatch::bind::register_arg_types(m);
   moe_dispatch::register_intranode(m);
   moe_dispatch::register_internode(m);
 }

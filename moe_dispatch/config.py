@@ -2,16 +2,20 @@
 
 Pure Python (no extension needed): it validates itself when built, sizes the communication
 buffer, and ``Config.auto`` picks the SM budget and ring depth from the shape with the analytical
-model of :mod:`moe_dispatch.costmodel`. The byte layouts mirror
-``csrc/kernels/intranode.cuh`` (``make_slot_layout``, ``make_buffer_layout``); a CPU test
-checks the mirror against the extension.
+model of :mod:`moe_dispatch.costmodel`.
+
+The kernels' limits and byte layouts (``csrc/kernels/intranode.cuh``, ``internode.cuh``,
+``header.cuh``, ``variant.cuh``) are mirrored here by hand for the pure-Python wheel, which has
+no ``_C`` to ask: Config's checks and buffer sizing use them. Every launch takes its layouts from
+``_C`` itself (``_C.intranode_buffer_layout``, ``_C.internode_rdma_layout``), and
+``python_tests/test_extension.py`` checks each mirrored value against ``_C`` where it is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# Limits of the kernels (csrc/kernels/intranode.cuh); _C.intranode_limits reports the same.
+# Limits of the intranode kernels (csrc/kernels/intranode.cuh); _C.intranode_limits reports the same.
 MAX_RANKS = 16  # warp groups of a 16-warp block: one per peer
 MAX_CHANNELS = 64  # num_sms / 2
 MAX_TOPK = 32
@@ -19,7 +23,11 @@ FIELD_ALIGN = 16  # slot fields start on 16 bytes
 LINE = 128  # each head/tail counter owns a 128-byte line
 ERROR_RECORD_INTS = 16
 MISMATCH_RECORD_WORDS = 8  # csrc/kernels/header.cuh MismatchRecord
-HEADER_WORDS = 8
+HEADER_WORDS = 9
+# Limits of the internode kernels (csrc/kernels/internode.cuh); _C.internode_limits reports the same.
+MAX_NODES = 64
+MAX_RANKS_PER_NODE = 16  # max_ranks_per_node: the NVLink domain of stage 2
+MAX_LAUNCH_RANKS = 16  # max_launch_ranks: ranks one launch serves (a loopback's whole world)
 INTERNODE_PIPELINES = ("fused", "staged")
 MAX_ROWS_IN_FLIGHT = 2
 COMBINE_WARPS = (1, 2, 4)
@@ -148,6 +156,68 @@ def buffer_layout(
         relay,
         queue,
         queue + queues * num_slots * slot_bytes,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaLayout:
+    """Byte offsets of one rank's RDMA buffer (drawn in internode.cuh)."""
+
+    num_nodes: int
+    ranks_per_node: int
+    num_channels: int
+    num_slots: int
+    slot_bytes: int
+    msg_bytes: int
+    arrive_offset: int
+    meta_offset: int
+    meta_out_offset: int
+    header_offset: int
+    header_out_offset: int
+    tail_offset: int
+    head_offset: int
+    flag_offset: int
+    zero_offset: int
+    recv_offset: int
+    send_offset: int
+    total_bytes: int
+
+
+def rdma_layout(num_nodes: int, ranks_per_node: int, num_channels: int, num_slots: int, slot_bytes: int) -> RdmaLayout:
+    """Mirror of the C++ make_rdma_layout (internode.cuh)."""
+    align = lambda v: _align(v, LINE)  # noqa: E731
+    queues = num_nodes * num_channels
+    ring = queues * num_slots * slot_bytes
+    msg = LINE + align(4 * num_channels * (1 + ranks_per_node))
+    arrive = LINE
+    meta = arrive + align(16 * num_nodes)
+    meta_out = meta + 2 * num_nodes * msg
+    header = meta_out + 2 * num_nodes * msg
+    header_out = header + 2 * LINE * num_nodes
+    tail = header_out + LINE * num_nodes
+    head = tail + LINE * queues
+    flag = head + LINE * queues
+    zero = flag + align(8 * queues * num_slots)
+    recv = zero + align(slot_bytes)
+    return RdmaLayout(
+        num_nodes,
+        ranks_per_node,
+        num_channels,
+        num_slots,
+        slot_bytes,
+        msg,
+        arrive,
+        meta,
+        meta_out,
+        header,
+        header_out,
+        tail,
+        head,
+        flag,
+        zero,
+        recv,
+        recv + ring,
+        recv + 2 * ring,
     )
 
 
@@ -318,7 +388,7 @@ class Config:
         return next((name for name in VARIANTS if Config().with_variant(name).variant_fields() == mine), "custom")
 
     def variant_fields(self) -> dict[str, int]:
-        """The variant as the kernels' launch dicts carry it (csrc/kernels/bind_args.h parse_variant)."""
+        """The variant as ``_C.Variant`` takes it (its fields, by keyword; csrc/kernels/variant.cuh)."""
         return {
             "loads_in_flight": self.loads_in_flight,
             "rows_in_flight": self.rows_in_flight,

@@ -20,40 +20,37 @@ cases, the timeout error, and the NVSHMEM world.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import VARIANTS, Config, max_slot_bytes
+from moe_dispatch.config import HEADER_WORDS, VARIANTS, Config, max_slot_bytes, rdma_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
+from moe_dispatch.testing.loopback import InternodeLoopback
 from moe_dispatch.transport.internode import (
     InternodeHandle,
-    InternodeLoopback,
     InternodeTimeoutError,
     StagedInternodeHandle,
     cross_node_bytes,
     describe_timeout,
     fused_channels,
-    rdma_layout,
 )
 from moe_dispatch.transport.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
 from python_tests.conftest import needs_gpu
 from python_tests.test_intranode_cuda import (
-    ROOT,
     assert_dispatch_equal,
     cpu,
-    fp8_reference_dispatch,
     header_cases,
     make_world,
     rank_roundtrips,
+    run_roundtrip,
     seed_of,
     transport_header_cases,
 )
+from python_tests.tsan import build_tsan_driver
 from python_tests.worlds import assert_case, run_cases, world_results
 
 STATUS = _ext.extension_status()
@@ -76,36 +73,29 @@ def lower_bound_bytes(idxs, num_experts: int, num_nodes: int, ranks_per_node: in
 
 
 def roundtrip(lb: InternodeLoopback, xs, idxs, ws, num_experts: int, *, row_scales=False, fp8=False, **kw):
-    """Dispatch then combine, both checked against the oracle; returns the dispatch results."""
-    W, L = lb.world_size, lb.ranks_per_node
-    if fp8:
-        xs8 = [per_token_cast_to_fp8_reference(x) for x in xs]
-        results = lb.dispatch(xs8, idxs, ws, num_experts, **kw)
-        refs = fp8_reference_dispatch(cpu(xs8), cpu(idxs), cpu(ws), num_experts, W)
-    else:
-        results = lb.dispatch(xs, idxs, ws, num_experts, **kw)
-        refs = reference.dispatch(cpu(xs), cpu(idxs), cpu(ws), num_experts, L)
-    assert_dispatch_equal(results, refs)
-    hidden = xs[0].shape[1]
-    row_bytes = hidden * (1 if fp8 else xs[0].element_size())
-    assert cross_node_bytes([r.handle for r in results], L, row_bytes) == lower_bound_bytes(
-        cpu(idxs), num_experts, lb.num_nodes, L, row_bytes
-    )
-    gen = torch.Generator().manual_seed(7)
-    dtype = torch.bfloat16 if fp8 else xs[0].dtype
-    ys = [torch.randn(ref.src_idx.shape[0], hidden, generator=gen).to(dtype) for ref in refs]
-    scales = [torch.rand(y.shape[0], generator=gen) for y in ys] if row_scales else None
-    outs = lb.combine(
-        [y.to(lb.device) for y in ys],
-        [r.handle for r in results],
-        [s.to(lb.device) for s in scales] if scales else None,
-    )
-    want = reference.combine(ys, cpu(idxs), num_experts, L, weights=scales)
-    for r, (o, w) in enumerate(zip(cpu(outs), want)):
-        assert o.dtype == w.dtype and torch.equal(o, w), (
-            f"combine of rank {r}: max diff {(o.float() - w.float()).abs().max().item()}"
+    """Dispatch then combine, both checked against the oracle, and the bytes that crossed nodes
+    equal to the de-duplicated lower bound; returns the dispatch results."""
+    L = lb.ranks_per_node
+    row_bytes = xs[0].shape[1] * (1 if fp8 else xs[0].element_size())
+
+    def crossed_once(results):
+        assert cross_node_bytes([r.handle for r in results], L, row_bytes) == lower_bound_bytes(
+            cpu(idxs), num_experts, lb.num_nodes, L, row_bytes
         )
-    return results
+
+    return run_roundtrip(
+        lb,
+        xs,
+        idxs,
+        ws,
+        num_experts,
+        row_scales=row_scales,
+        fp8=fp8,
+        ranks_per_node=L,
+        seed=7,
+        after_dispatch=crossed_once,
+        **kw,
+    )
 
 
 def all_nodes_routing(num_nodes: int, ranks_per_node: int, tokens: int, num_experts: int, seed: int):
@@ -160,7 +150,7 @@ def cpu_loopback(
 )
 def test_rdma_layout_mirror_matches_extension(nodes, local, channels, slots, slot_bytes):
     layout = rdma_layout(nodes, local, channels, slots, slot_bytes)
-    assert layout.__dict__ == _ext._C.internode_rdma_layout(nodes, local, channels, slots, slot_bytes)
+    assert layout.__dict__ == _ext._C.internode_rdma_layout(nodes, local, channels, slots, slot_bytes).to_dict()
     assert (
         layout.recv_offset % 128 == 0
         and layout.send_offset - layout.recv_offset == nodes * channels * slots * slot_bytes
@@ -335,7 +325,7 @@ def test_cpu_fused_budget_mode_fills_and_overflows_without_a_host_read(monkeypat
     # Rows up to the budget are right, the flag is set, combine counts the dropped rows as zeros.
     assert_dispatch_equal(short, refs, num_rows=short_budget)
     assert any(int(r.handle.overflow) for r in short)
-    with pytest.raises(BudgetOverflowError, match=rf"allowed {short_budget} .*rows past the budget were dropped"):
+    with pytest.raises(BudgetOverflowError, match=rf"allowed {short_budget}: rows past the budget were dropped"):
         next(r for r in short if int(r.handle.overflow)).handle.check_overflow()
     ys_full = [torch.randn(r.src_idx.numel(), 32).to(torch.bfloat16) for r in refs]
     outs = lb.combine(
@@ -345,6 +335,35 @@ def test_cpu_fused_budget_mode_fills_and_overflows_without_a_host_read(monkeypat
     kept = [torch.cat([y[:short_budget], torch.zeros_like(y[short_budget:])]) for y in ys_full]
     for o, w in zip(outs, reference.combine(kept, idxs, E, L)):
         assert torch.equal(o, w)
+
+
+@built
+def test_cpu_fused_budget_drop_combine_and_replay_over_channels():
+    """A budget far below the receive (2 channels, 2 x 3): combine and a cached dispatch move the
+    rows each rank kept, whether the forwarders' holders fit forward_capacity (cut per ring) or
+    not (the travelling rows listed): the kept rows combine as the oracle's, the dropped ones as
+    zeros, and the replay lands the kept rows again."""
+    N, L, E = 2, 3, 12
+    lb = cpu_loopback(N, L, 32, 3, num_sms=6, slots=4, chunk=2)
+    xs, idxs, ws = make_world(6, N * L, [16, 0, 20, 12, 9, 14], 32, 3, E)
+    refs = reference.dispatch(xs, idxs, ws, E, L)
+    ys = [torch.randn(r.src_idx.numel(), 32).to(torch.bfloat16) for r in refs]
+    modes = set()
+    for budget in (2, 7):
+        short = lb.dispatch(xs, idxs, ws, E, num_worst_tokens=budget)
+        assert_dispatch_equal(short, refs, num_rows=budget)
+        assert short[0].handle.num_channels == 2
+        modes |= {int(r.handle.counts[1]) > r.handle.forward_capacity for r in short}
+        outs = lb.combine([torch.cat([y, y.new_zeros(budget, 32)])[:budget] for y in ys], [r.handle for r in short])
+        kept = [torch.cat([y[:budget], torch.zeros_like(y[budget:])]) for y in ys]
+        for o, w in zip(outs, reference.combine(kept, idxs, E, L)):
+            assert torch.equal(o, w), f"budget {budget}: combine"
+        replay = lb.dispatch([x * 2 for x in xs], None, None, E, handles=[r.handle for r in short])
+        for got, want in zip(replay, refs):
+            n = min(budget, want.src_idx.numel())
+            assert torch.equal(got.recv_x[:n], want.recv_x[:n] * 2), f"budget {budget}: cached dispatch"
+            assert not got.recv_x[n:].any()
+    assert modes == {True, False}, "both records of the forwarded rows (holders, listed) must run"
 
 
 @built
@@ -409,34 +428,28 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match=r"num_worst_tokens needs Config.internode_pipeline='fused'"):
         staged.dispatch(xs, idxs, ws, 8, num_worst_tokens=20)
     with pytest.raises(ValueError, match=r"common is missing 'num_nodes'"):
-        _ext._C.internode_node_notify({}, [{}], "cpu", "loopback")
+        _ext._C.InternodeCommon()
     common = lb.transport.rdma.common(1, 0, None)
     with pytest.raises(ValueError, match=r"fused notify rank is missing 'is_token_in_rank'"):
-        _ext._C.internode_fused_notify(common, [{}], 2, "cpu", "loopback")
+        _ext._C.FusedNotifyRank()
+    rank = _ext._C.FusedCombineRank(
+        y=None,
+        row_scale=None,
+        is_token_in_node=None,
+        recv_prefix=None,
+        forward_prefix=None,
+        relay_prefix=None,
+        forward_mask=None,
+        forward_cut=None,
+        out=None,
+        check=_ext._C.Check(header=[0] * HEADER_WORDS, mismatch=8),
+        num_tokens=0,
+        num_rows=0,
+        forward_capacity=0,
+        budget=-1,
+    )
     with pytest.raises(ValueError, match=r"mode must be 'loopback' or 'nvshmem', got 'x'"):
-        _ext._C.internode_fused_combine(
-            common,
-            [
-                {
-                    "y": None,
-                    "row_scale": None,
-                    "is_token_in_node": None,
-                    "recv_prefix": None,
-                    "forward_prefix": None,
-                    "forward_mask": None,
-                    "out": None,
-                    "header": [0] * 8,
-                    "mismatch": 8,
-                    "num_tokens": 0,
-                    "num_rows": 0,
-                    "forward_capacity": 0,
-                }
-            ],
-            64,
-            0,
-            "cpu",
-            "x",
-        )
+        _ext._C.internode_fused_combine(common, [rank], 64, 0, "cpu", "x")
 
 
 TSAN_CASES = [
@@ -460,33 +473,7 @@ def test_internode_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
     tags and the forwarders' head updates must hold while ranks run ahead; a mismatched last
     combine must be recorded by every rank without a timeout. The driver also checks dispatch
     against a direct computation and combine of the received rows."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
-    exe = tmp_path / "internode_tsan"
-    build = subprocess.run(
-        [
-            gxx,
-            "-std=c++17",
-            "-O1",
-            "-g",
-            "-fsanitize=thread",
-            f"-I{ROOT / 'csrc'}",
-            str(ROOT / "csrc/kernels/internode_cpu.cpp"),
-            str(ROOT / "csrc/tests/internode_tsan.cpp"),
-            "-o",
-            str(exe),
-            "-pthread",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if build.returncode != 0 and "tsan" in build.stderr.lower():
-        pytest.skip(f"ThreadSanitizer unavailable: {build.stderr[-300:]}")
-    assert build.returncode == 0, build.stderr
-    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
+    exe, env = build_tsan_driver(tmp_path, "internode")
     for case in TSAN_CASES:
         run = subprocess.run(
             [str(exe), *map(str, case)], check=False, capture_output=True, text=True, env=env, timeout=300
@@ -530,7 +517,7 @@ def _shm_roundtrip(rank, world_size, ranks_per_node, pipeline):
         cached = transport.dispatch(xs[rank] * 2, None, None, num_experts, handle=first.handle)
         assert torch.equal(cached.recv_x, first.recv_x * 2) and cached.recv_topk_idx is None
         if pipeline == "fused":
-            budget = first.recv_x.shape[0] + 4
+            budget = sum(x.shape[0] for x in xs)  # the same on every rank (their headers compare it), never short
             fits = transport.dispatch(xs[rank], idxs[rank], ws[rank], num_experts, num_worst_tokens=budget)
             assert fits.recv_x.shape[0] == budget and torch.equal(fits.recv_x[: first.recv_x.shape[0]], first.recv_x)
             fits.handle.check_overflow()

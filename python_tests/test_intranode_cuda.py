@@ -22,19 +22,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import COPY_VARIANTS, VARIANTS, Config, buffer_layout, max_slot_bytes, slot_layout
+from moe_dispatch.config import VARIANTS, Config, buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
+from moe_dispatch.testing.loopback import Loopback
 from moe_dispatch.transport.header import (
     STATUS_INVALID_ARGUMENTS,
     STATUS_TEST,
@@ -46,13 +45,12 @@ from moe_dispatch.transport.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
     IntranodeTransport,
-    Loopback,
     describe_timeout,
 )
 from python_tests.conftest import needs_gpu
+from python_tests.tsan import build_tsan_driver
 from python_tests.worlds import assert_case, run_cases, world_results
 
-ROOT = Path(__file__).resolve().parents[1]
 STATUS = _ext.extension_status()
 built = pytest.mark.skipif(not STATUS.built, reason=f"moe_dispatch._C not available: {STATUS.error}")
 
@@ -141,25 +139,46 @@ def fp8_reference_dispatch(xs8, idxs, ws, num_experts, world_size):
     return refs
 
 
-def run_roundtrip(lb: Loopback, xs, idxs, ws, num_experts, *, row_scales=False, fp8=False, **dispatch_kw):
+def run_roundtrip(
+    lb,
+    xs,
+    idxs,
+    ws,
+    num_experts,
+    *,
+    row_scales=False,
+    fp8=False,
+    ranks_per_node=None,
+    seed=99,
+    after_dispatch=None,
+    **dispatch_kw,
+):
+    """Dispatch then combine on a loopback (``Loopback`` or ``InternodeLoopback``), both checked
+    against the oracle; ``ranks_per_node``: L of the combine's summation order (default W, one
+    node); ``after_dispatch(results)``: further checks between the two. Returns the dispatch
+    results."""
     world_size = len(xs)
+    L = ranks_per_node or world_size
     if fp8:
         xs8 = [per_token_cast_to_fp8_reference(x) for x in xs]
         results = lb.dispatch(xs8, idxs, ws, num_experts, **dispatch_kw)
         refs = fp8_reference_dispatch(cpu(xs8), cpu(idxs), cpu(ws), num_experts, world_size)
     else:
         results = lb.dispatch(xs, idxs, ws, num_experts, **dispatch_kw)
-        refs = reference.dispatch(cpu(xs), cpu(idxs), cpu(ws), num_experts, world_size)
+        refs = reference.dispatch(cpu(xs), cpu(idxs), cpu(ws), num_experts, L)
     assert_dispatch_equal(results, refs)
-    gen = torch.Generator().manual_seed(99)
-    ys = [torch.randn(ref.src_idx.shape[0], xs[0].shape[1], generator=gen).to(xs[0].dtype) for ref in refs]
+    if after_dispatch is not None:
+        after_dispatch(results)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if fp8 else xs[0].dtype
+    ys = [torch.randn(ref.src_idx.shape[0], xs[0].shape[1], generator=gen).to(dtype) for ref in refs]
     scales = [torch.rand(y.shape[0], generator=gen) for y in ys] if row_scales else None
     outs = lb.combine(
         [y.to(lb.device) for y in ys],
         [r.handle for r in results],
         [sc.to(lb.device) for sc in scales] if scales else None,
     )
-    want = reference.combine(ys, cpu(idxs), num_experts, world_size, weights=scales)
+    want = reference.combine(ys, cpu(idxs), num_experts, L, weights=scales)
     for r, (o, w) in enumerate(zip(cpu(outs), want)):
         assert o.dtype == w.dtype and torch.equal(o, w), (
             f"combine of rank {r}: max diff {(o.float() - w.float()).abs().max().item()}"
@@ -176,8 +195,9 @@ def run_roundtrip(lb: Loopback, xs, idxs, ws, num_experts, *, row_scales=False, 
     [(14336, 224, 8), (5760, 0, 8), (16, 0, 0), (256, 8, 3), (7168, 224, 32), (11520, 0, 1)],
 )
 def test_slot_layout_mirror_matches_extension(x_bytes, scale_bytes, num_topk):
-    assert slot_layout(x_bytes, scale_bytes, num_topk).__dict__ == _ext._C.intranode_slot_layout(
-        x_bytes, scale_bytes, num_topk
+    assert (
+        slot_layout(x_bytes, scale_bytes, num_topk).__dict__
+        == _ext._C.intranode_slot_layout(x_bytes, scale_bytes, num_topk).to_dict()
     )
     s = slot_layout(x_bytes, scale_bytes, num_topk)
     fields = [0, s.scale_offset, s.topk_idx_offset, s.topk_weights_offset, s.aux_offset, s.slot_bytes]
@@ -191,9 +211,9 @@ def test_slot_layout_mirror_matches_extension(x_bytes, scale_bytes, num_topk):
 )
 def test_buffer_layout_mirror_matches_extension(world_size, channels, slots, slot_bytes):
     layout = buffer_layout(world_size, channels, slots, slot_bytes)
-    assert layout.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes)
+    assert layout.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes).to_dict()
     relay = buffer_layout(world_size, channels, slots, slot_bytes, relay_nodes=5)  # an internode node's buffers
-    assert relay.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes, 5)
+    assert relay.__dict__ == _ext._C.intranode_buffer_layout(world_size, channels, slots, slot_bytes, 5).to_dict()
     assert relay.queue_offset > layout.queue_offset and relay.relay_bytes >= 128 + 4 * 5 * channels
     assert layout.queue_offset % 128 == 0 and layout.tail_offset >= layout.meta_offset + 4 * world_size * channels
     stride = -(-slot_bytes // 128) * 128  # every slot starts on a cache line
@@ -231,13 +251,6 @@ def test_config_validates_itself():
     # DeepSeek-V3 dispatch slots: bf16 row + top-8, fp8 row + 56 scales; EP8 with 8 channels.
     assert max_slot_bytes(7168, 8) == slot_layout(7168 * 2, 0, 8).slot_bytes
     assert Config().buffer_bytes(8, max_slot_bytes(7168, 8)) < 64 << 20
-
-
-@built
-def test_copy_variants_mirror_matches_extension():
-    compiled = [tuple(v) for v in _ext._C.copy_variants]
-    assert compiled == [(a, b, int(c), int(d), int(e)) for a, b, c, d, e in COPY_VARIANTS]
-    assert _ext._C.intranode_limits["max_rows_in_flight"] == 2
 
 
 def test_config_variants_validate_themselves():
@@ -426,7 +439,7 @@ def test_cpu_withheld_rank_times_out_with_its_name(phase):
     error = info.value
     assert error.peer == withheld and error.rank != withheld and error.phase == phase
     assert error.counter == ("signal" if phase == "notify" else error.counter)
-    assert "reset() them" in str(error)
+    assert "close() it on every rank and make a new Buffer" in str(error)
     # reset() ran: the same world works again.
     lb.timeout_s = 60
     run_roundtrip(lb, xs, idxs, ws, 8)
@@ -470,7 +483,7 @@ def test_bad_arguments_name_the_value():
         with pytest.raises(RuntimeError, match=r"torch sees no CUDA GPU; pass device='cpu'"):
             Loopback(2, 64, 2)
     with pytest.raises(ValueError, match=r"common is missing 'num_ranks'"):
-        _ext._C.intranode_notify({}, [{}], 2, "cpu")
+        _ext._C.IntranodeCommon()
 
 
 @built
@@ -482,31 +495,7 @@ def test_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
     every read before the slot is rewritten, the barrier-free reuse of rings, counters and
     header lines must hold while ranks run ahead, and a last round's mismatched combine must be
     recorded by every rank without a timeout."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
-    exe = tmp_path / "intranode_tsan"
-    build = subprocess.run(
-        [
-            gxx,
-            "-std=c++17",
-            "-O1",
-            "-g",
-            "-fsanitize=thread",
-            f"-I{ROOT / 'csrc'}",
-            str(ROOT / "csrc/kernels/intranode_cpu.cpp"),
-            str(ROOT / "csrc/tests/intranode_tsan.cpp"),
-            "-o",
-            str(exe),
-            "-pthread",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if build.returncode != 0 and "tsan" in build.stderr.lower():
-        pytest.skip(f"ThreadSanitizer unavailable: {build.stderr[-300:]}")
-    assert build.returncode == 0, build.stderr
-    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
+    exe, env = build_tsan_driver(tmp_path, "intranode")
     for args in (
         ["3", "2", "2", "1", "2", "2", "4"],
         ["4", "1", "1", "1", "1", "3", "4"],
@@ -681,16 +670,6 @@ def test_cpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
     header_cases(lb, lb.engine.records, "cpu")
 
 
-@built
-def test_header_mirror_matches_extension():
-    from moe_dispatch.config import HEADER_WORDS, MISMATCH_RECORD_WORDS
-    from moe_dispatch.transport.header import header_words
-
-    limits = _ext._C.intranode_limits
-    assert (limits["header_words"], limits["mismatch_record_words"]) == (HEADER_WORDS, MISMATCH_RECORD_WORDS)
-    assert len(header_words(1, 2, 3, torch.bfloat16, 4, 5, 6)) == HEADER_WORDS
-
-
 def test_mismatch_message_names_ranks_and_field():
     assert describe_mismatch([0] * 8) is None
     message, fields = describe_mismatch([1, 3, 1, 1, 7, 9, -1, 0])
@@ -700,6 +679,8 @@ def test_mismatch_message_names_ranks_and_field():
     assert "rank 0 refused the operation: its arguments were invalid" in message and fields["via"] == 4
     message, _ = describe_mismatch([1, 0, 2, 3, 0, 2, -1, 0])
     assert "dtype: float32 on rank 2, bfloat16 on rank 0" in message
+    message, fields = describe_mismatch([1, 0, 1, 8, 64, 0, -1, 0])
+    assert "num_worst_tokens: 0 (none) on rank 1, 64 on rank 0" in message and fields["field"] == "num_worst_tokens"
     flagged = header_words(3, 1, 64, torch.bfloat16, 0, 8, 4, slot_flags=True)[6]
     message, _ = describe_mismatch([1, 0, 1, 6, 4, flagged, -1, 0])
     assert "channels and flags: 4 channels, ready flags on rank 1, 4 channels on rank 0" in message
@@ -719,22 +700,24 @@ def test_handle_is_a_named_dataclass():
 # --- one process per rank, buffers shared through CUDA IPC ---------------------------------------
 
 
+def cpu_transport(rank, hidden, num_topk, *, timeout_s, num_sms=2, num_slots=4):
+    """This rank's IntranodeTransport over the WORLD gloo group on the CPU path (shared memory,
+    one process per rank), with 2-token chunks."""
+    import torch.distributed as dist
+
+    config = Config(num_sms=num_sms, num_slots=num_slots, chunk_tokens=2)
+    return IntranodeTransport(
+        dist.group.WORLD, rank, hidden, num_topk, device="cpu", config=config, timeout_s=timeout_s
+    )
+
+
 def _shm_world_roundtrip(rank, world_size):
     """The CPU path of IntranodeTransport: each process's buffer is a shared-memory segment
     its peers map by name; the kernels' CPU backend runs this rank's blocks on threads."""
-    import torch.distributed as dist
 
     hidden, num_topk, num_experts = 256, 4, 4 * world_size
     xs, idxs, ws = make_world(45, world_size, [96, 0, 64, 40][:world_size], hidden, num_topk, num_experts)
-    transport = IntranodeTransport(
-        dist.group.WORLD,
-        rank,
-        hidden,
-        num_topk,
-        device="cpu",
-        config=Config(num_sms=4, num_slots=8, chunk_tokens=2),
-        timeout_s=30,
-    )
+    transport = cpu_transport(rank, hidden, num_topk, timeout_s=30, num_sms=4, num_slots=8)
     try:
         rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size)
         first = transport.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
@@ -750,15 +733,7 @@ def _shm_world_withheld_rank(rank, world_size):
 
     withheld = world_size - 1
     xs, idxs, ws = make_world(46, world_size, 32, 128, 2, 2 * world_size, drop=0.0)
-    transport = IntranodeTransport(
-        dist.group.WORLD,
-        rank,
-        128,
-        2,
-        device="cpu",
-        config=Config(num_sms=2, num_slots=4, chunk_tokens=2),
-        timeout_s=0.5,
-    )
+    transport = cpu_transport(rank, 128, 2, timeout_s=0.5)
     try:
         if rank != withheld:
             with pytest.raises(IntranodeTimeoutError, match=f"rank {withheld}") as info:
@@ -820,19 +795,10 @@ def transport_header_cases(transport, rank: int, xs, idxs, ws, num_experts: int,
 
 def _shm_world_headers(rank, world_size):
     """The header cases over IntranodeTransport's CPU path (shared memory, one process per rank)."""
-    import torch.distributed as dist
 
     hidden, num_topk, num_experts = 64, 2, 4 * world_size
     xs, idxs, ws = make_world(48, world_size, [40, 12, 0, 33][:world_size], hidden, num_topk, num_experts)
-    transport = IntranodeTransport(
-        dist.group.WORLD,
-        rank,
-        hidden,
-        num_topk,
-        device="cpu",
-        config=Config(num_sms=2, num_slots=4, chunk_tokens=2),
-        timeout_s=20,
-    )
+    transport = cpu_transport(rank, hidden, num_topk, timeout_s=20)
     try:
         transport_header_cases(
             transport,
@@ -864,7 +830,6 @@ def test_cpu_shared_memory_world_matches_oracle(case):
 
 def _failed_setup(rank, world_size):
     """Rank 1 cannot map its peer's buffer: every rank raises, and removes what it made."""
-    import torch.distributed as dist
 
     from moe_dispatch.transport import memory
 
@@ -875,15 +840,7 @@ def _failed_setup(rank, world_size):
 
         memory.SharedMemoryBuffer.open = refuse
     try:
-        IntranodeTransport(
-            dist.group.WORLD,
-            rank,
-            64,
-            2,
-            device="cpu",
-            timeout_s=5,
-            config=Config(num_sms=2, num_slots=4, chunk_tokens=2),
-        )
+        cpu_transport(rank, 64, 2, timeout_s=5)
     except Exception as err:  # noqa: BLE001 - the test reports which error each rank saw
         return type(err).__name__
     return "no error"

@@ -51,4 +51,18 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// launch_kernel after checking that every block of `grid` (grid.x per rank x grid.y ranks) fits
+// on the device at once, as the blocks of one launch wait on each other; `what` names the launch
+// in the error ("the intranode dispatch").
+template <typename... Params, typename... Args>
+void launch_resident(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                     cudaStream_t stream, bool cooperative, Args&&... args) {
+  const int resident = max_resident_blocks(kernel, static_cast<int>(block.x), smem_bytes);
+  const long long blocks = static_cast<long long>(grid.x) * grid.y;
+  MOE_HOST_CHECK(blocks <= resident, what << " launch needs all of its " << blocks << " blocks (" << grid.x
+                                          << " per rank x " << grid.y << " ranks) resident at once, but this GPU holds "
+                                          << resident << "; lower num_sms (or the number of simulated ranks)");
+  launch_kernel(kernel, grid, block, smem_bytes, stream, cooperative, std::forward<Args>(args)...);
+}
+
 }  // namespace moe_dispatch

@@ -50,6 +50,18 @@
 //             m ascending); the forwarder's workers reduce each forwarded row over its holders
 //             (forward_mask, written by the dispatch) straight into the stage-1 staging slots,
 //             and each puts the chunks it owns with their flags; the source reduces over nodes.
+//   budget    (num_worst_tokens = B) every rank keeps the first B rows of its receive order and
+//             drops the rest (they combine as zeros). What travels between a forwarder f and a
+//             local rank d (fresh dispatch, cached dispatch and combine alike) is d's rows from
+//             f whose ordinal among them, in d's order (source node, channel, token), is below
+//             B: at most B per pair, and every row d keeps (its receive row is at least that
+//             ordinal). d counts them from recv_prefix, f from relay_prefix (notify: the counts
+//             it relayed to d, summed over (source node, channel)). forward_mask then holds,
+//             while R1 <= forward_capacity = L B, each forwarded row's holders, and forward_cut
+//             the first ring index of each (d, channel, source node) that stays; past that
+//             capacity ("listed") it holds per d the ring indices of its B travelling rows
+//             (d B + ordinal), which the forwarder searches: the rows that travel always fit,
+//             the holders of all R1 rows need not.
 // STAGED (kept so one GPU run can time both side by side): node notify, a host read of the
 // stage-1 counts, node dispatch into staging rows, a layout of them, one intranode notify per
 // source node, a second host read, one intranode dispatch per source node; combine reverses
@@ -299,8 +311,10 @@ struct FusedNotifyRank {
   int32_t* recv_prefix;          // [W * C + 1] out: rows before (source rank, channel), R last
   int32_t* forward_prefix;       // [C * N + 1] out: stage-1 rows before (channel, source node), R1 last
   int32_t* counts;               // [2] out: R, R1
-  int32_t* overflow;             // [1] out: R > budget, or R1 > forward_capacity
+  int32_t* overflow;             // [1] out: R > budget
   int32_t* peer_ok;              // [N + L] out
+  int32_t* relay_prefix;         // [L * (N * C + 1)] out: per local rank d, rows relayed to d before (source node,
+                                 // channel), d's total last
   int64_t* recv_topk_idx;        // [budget, K] or null: rows [R, budget) get -1 (budget mode)
   float* recv_topk_weights;      // [budget, K] or null: rows [R, budget) get 0
   int32_t* recv_src_idx;         // [budget] or null: rows [R, budget) get -1
@@ -325,7 +339,10 @@ struct FusedDispatchRank {
   const bool* is_token_in_node;   // [T, N]
   const int32_t* recv_prefix;     // [W * C + 1]
   const int32_t* forward_prefix;  // [C * N + 1]
-  int32_t* forward_mask;          // [forward_capacity] out: bit l set where local rank l holds forwarded row
+  const int32_t* relay_prefix;    // [L * (N * C + 1)]
+  int32_t* forward_mask;          // [forward_capacity] out (fresh): holders per forwarded row, or listed (budget)
+  int32_t* forward_cut;           // [L * C * N] out (fresh): per (d, channel, source node) the first ring
+                                  // index whose row does not travel (INT32_MAX: every one does)
   char* recv_x;                   // [rows, x_bytes]
   float* recv_scales;             // [rows, H/128] or null
   int64_t* recv_topk_idx;         // [rows, K] local ids (null when K = 0)
@@ -338,6 +355,7 @@ struct FusedDispatchRank {
   int32_t num_tokens;
   int32_t num_rows;  // rows allocated (R, or the budget)
   int32_t forward_capacity;
+  int32_t budget;  // B, or -1 without one
 };
 
 struct FusedDispatchArgs {
@@ -354,12 +372,15 @@ struct FusedCombineRank {
   const bool* is_token_in_node;   // [T, N]
   const int32_t* recv_prefix;     // [W * C + 1]
   const int32_t* forward_prefix;  // [C * N + 1]
+  const int32_t* relay_prefix;    // [L * (N * C + 1)]
   const int32_t* forward_mask;    // [forward_capacity]
+  const int32_t* forward_cut;     // [L * C * N]
   char* out;                      // [T, x_bytes]
   Check check;
   int32_t num_tokens;
   int32_t num_rows;
   int32_t forward_capacity;
+  int32_t budget;  // B, or -1 without one
 };
 
 struct FusedCombineArgs {

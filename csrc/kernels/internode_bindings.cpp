@@ -2,12 +2,12 @@
 // (registered into moe_dispatch._C by bindings.cpp; moe_dispatch/transport/internode.py and
 // nvshmem.py drive them).
 //
-// Launches take `common` (a dict: world shape, RDMA buffer shape, buffers or the symmetric
-// buffer, the fused pipeline's NVLink buffers, error record) and `ranks` (one dict per launched
-// rank: for the staged stage 1 the intranode rank fields with is_token_in_rank meaning
-// is_token_in_node [T, N]; for the fused pipeline the fused rank fields). backend="cuda" launches on `stream` in
-// `mode` "loopback" or "nvshmem"; backend="cpu" runs the same role code on threads over host
-// memory (loopback buffers) and returns when done.
+// Launches take `common` (an InternodeCommon: world shape, RDMA buffer layout, buffers or the
+// symmetric buffer, the fused pipeline's NVLink buffers, error record) and `ranks` (one struct
+// per launched rank: for the staged stage 1 the intranode rank structs with is_token_in_rank
+// meaning is_token_in_node [T, N]; for the fused pipeline the Fused*Rank structs; bind_args.h). backend="cuda" launches
+// on `stream` in `mode` "loopback" or "nvshmem"; backend="cpu" runs the same role code on threads over host memory
+// (loopback buffers) and returns when done.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -31,10 +31,7 @@ namespace moe_dispatch {
 namespace internode {
 namespace {
 
-using bind::field;
-using bind::int32;
-using bind::integer;
-using bind::pointer;
+using bind::copy_ranks;
 
 Mode parse_mode(const std::string& mode) {
   MOE_HOST_CHECK(mode == "loopback" || mode == "nvshmem", "mode must be 'loopback' or 'nvshmem', got '" << mode << "'");
@@ -56,70 +53,119 @@ RdmaLayout checked_layout(int64_t num_nodes, int64_t ranks_per_node, int64_t num
                           static_cast<int>(num_slots), static_cast<int>(slot_bytes));
 }
 
-std::vector<std::uintptr_t> address_list(const py::dict& d, const char* key, const char* what) {
-  const auto list = field(d, key, what).cast<std::vector<std::uintptr_t>>();
-  MOE_HOST_CHECK(list.size() <= static_cast<size_t>(kMaxLaunchRanks),
-                 what << "['" << key << "'] lists at most " << kMaxLaunchRanks << " buffers, got " << list.size());
-  return list;
-}
-
-// `common` of either pipeline; the fused one also has the NVLink buffers ('nvl_buffers',
-// 'nvl_first_rank', 'nvl_slot_bytes', 'nvl_num_slots').
-Common parse_common(const py::dict& d, const py::list& ranks) {
-  const char* what = "common";
-  MOE_HOST_CHECK(ranks.size() >= 1 && ranks.size() <= kMaxLaunchRanks,
-                 "ranks must list 1 to " << kMaxLaunchRanks << " launched ranks, got " << ranks.size());
-  Common c{};
-  c.num_nodes = int32(d, "num_nodes", what);
-  c.ranks_per_node = int32(d, "ranks_per_node", what);
-  c.num_channels = int32(d, "num_channels", what);
-  c.rank_begin = int32(d, "rank_begin", what);
-  c.num_launch_ranks = static_cast<int32_t>(ranks.size());
-  c.skip_rank = int32(d, "skip_rank", what);
-  c.chunk_tokens = int32(d, "chunk_tokens", what);
-  c.l2_discard = int32(d, "l2_discard", what);
-  c.variant = bind::parse_variant(d);
-  c.timeout_cycles = integer(d, "timeout_cycles", what);
-  const int64_t buffer_channels = integer(d, "buffer_channels", what);
-  c.layout = checked_layout(c.num_nodes, c.ranks_per_node, buffer_channels, integer(d, "num_slots", what),
-                            integer(d, "slot_bytes", what));
-  c.symmetric = pointer<char>(d, "symmetric", what);
-  const auto buffers = address_list(d, "buffers", what);
-  for (size_t i = 0; i < buffers.size(); ++i) c.buffers[i] = reinterpret_cast<char*>(buffers[i]);
-  if (d.contains("nvl_buffers")) {
-    const auto nvl = address_list(d, "nvl_buffers", what);
-    for (size_t i = 0; i < nvl.size(); ++i) c.nvl_buffers[i] = reinterpret_cast<char*>(nvl[i]);
-    c.nvl_first_rank = int32(d, "nvl_first_rank", what);
-    c.nvl_layout =
-        intranode::make_buffer_layout(c.ranks_per_node, static_cast<int>(buffer_channels),
-                                      int32(d, "nvl_num_slots", what), int32(d, "nvl_slot_bytes", what), c.num_nodes);
-  }
-  c.error = pointer<intranode::ErrorRecord>(d, "error", what);
-  c.error_host = pointer<intranode::ErrorRecord>(d, "error_host", what);
+// A launch's common fields with its launched ranks counted.
+Common launch_common(const Common& given, int32_t num_launch_ranks) {
+  Common c = given;
+  c.num_launch_ranks = num_launch_ranks;
   return c;
 }
 
-py::dict layout_dict(const RdmaLayout& l) {
-  py::dict d;
-  d["num_nodes"] = l.num_nodes;
-  d["ranks_per_node"] = l.ranks_per_node;
-  d["num_channels"] = l.num_channels;
-  d["num_slots"] = l.num_slots;
-  d["slot_bytes"] = l.slot_bytes;
-  d["msg_bytes"] = l.msg_bytes;
-  d["arrive_offset"] = l.arrive_offset;
-  d["meta_offset"] = l.meta_offset;
-  d["meta_out_offset"] = l.meta_out_offset;
-  d["header_offset"] = l.header_offset;
-  d["header_out_offset"] = l.header_out_offset;
-  d["tail_offset"] = l.tail_offset;
-  d["head_offset"] = l.head_offset;
-  d["flag_offset"] = l.flag_offset;
-  d["zero_offset"] = l.zero_offset;
-  d["recv_offset"] = l.recv_offset;
-  d["send_offset"] = l.send_offset;
-  d["total_bytes"] = l.total_bytes;
-  return d;
+void register_types(py::module_& m) {
+  using bind::Layout;
+  using bind::Struct;
+  Layout<RdmaLayout>(m, "RdmaLayout", "Byte offsets of one rank's RDMA buffer (drawn in internode.cuh).")
+      .field("num_nodes", &RdmaLayout::num_nodes)
+      .field("ranks_per_node", &RdmaLayout::ranks_per_node)
+      .field("num_channels", &RdmaLayout::num_channels)
+      .field("num_slots", &RdmaLayout::num_slots)
+      .field("slot_bytes", &RdmaLayout::slot_bytes)
+      .field("msg_bytes", &RdmaLayout::msg_bytes)
+      .field("arrive_offset", &RdmaLayout::arrive_offset)
+      .field("meta_offset", &RdmaLayout::meta_offset)
+      .field("meta_out_offset", &RdmaLayout::meta_out_offset)
+      .field("header_offset", &RdmaLayout::header_offset)
+      .field("header_out_offset", &RdmaLayout::header_out_offset)
+      .field("tail_offset", &RdmaLayout::tail_offset)
+      .field("head_offset", &RdmaLayout::head_offset)
+      .field("flag_offset", &RdmaLayout::flag_offset)
+      .field("zero_offset", &RdmaLayout::zero_offset)
+      .field("recv_offset", &RdmaLayout::recv_offset)
+      .field("send_offset", &RdmaLayout::send_offset)
+      .field("total_bytes", &RdmaLayout::total_bytes)
+      .done();
+  Struct<Common>(m, "InternodeCommon", "internode common",
+                 "The fields every rank of an internode launch shares (internode.cuh Common): world shape, the\n"
+                 "RDMA buffers (loopback) or the symmetric buffer (NVSHMEM), the fused pipeline's NVLink\n"
+                 "buffers; the launch sets num_launch_ranks from its rank list.")
+      .integer("num_nodes", &Common::num_nodes)
+      .integer("ranks_per_node", &Common::ranks_per_node)
+      .integer("num_channels", &Common::num_channels)
+      .integer("rank_begin", &Common::rank_begin)
+      .integer("skip_rank", &Common::skip_rank)
+      .integer("chunk_tokens", &Common::chunk_tokens)
+      .integer("l2_discard", &Common::l2_discard)
+      .integer("nvl_first_rank", &Common::nvl_first_rank, false)
+      .member("variant", &Common::variant)
+      .integer("timeout_cycles", &Common::timeout_cycles)
+      .member("layout", &Common::layout)
+      .member("nvl_layout", &Common::nvl_layout, false)
+      .pointer("symmetric", &Common::symmetric, false)
+      .addresses("buffers", &Common::buffers)
+      .addresses("nvl_buffers", &Common::nvl_buffers, false)
+      .pointer("error", &Common::error)
+      .pointer("error_host", &Common::error_host, false)
+      .init();
+  Struct<FusedNotifyRank>(m, "FusedNotifyRank", "fused notify rank",
+                          "One launched rank of the fused notify (internode.cuh FusedNotifyRank).")
+      .pointer("is_token_in_rank", &FusedNotifyRank::is_token_in_rank)
+      .pointer("is_token_in_node", &FusedNotifyRank::is_token_in_node)
+      .pointer("recv_prefix", &FusedNotifyRank::recv_prefix)
+      .pointer("forward_prefix", &FusedNotifyRank::forward_prefix)
+      .pointer("counts", &FusedNotifyRank::counts)
+      .pointer("overflow", &FusedNotifyRank::overflow)
+      .pointer("peer_ok", &FusedNotifyRank::peer_ok)
+      .pointer("relay_prefix", &FusedNotifyRank::relay_prefix)
+      .pointer("recv_topk_idx", &FusedNotifyRank::recv_topk_idx)
+      .pointer("recv_topk_weights", &FusedNotifyRank::recv_topk_weights)
+      .pointer("recv_src_idx", &FusedNotifyRank::recv_src_idx)
+      .member("check", &FusedNotifyRank::check)
+      .integer("num_tokens", &FusedNotifyRank::num_tokens)
+      .integer("budget", &FusedNotifyRank::budget)
+      .integer("forward_capacity", &FusedNotifyRank::forward_capacity)
+      .init();
+  Struct<FusedDispatchRank>(m, "FusedDispatchRank", "fused dispatch rank",
+                            "One launched rank of the fused dispatch (internode.cuh FusedDispatchRank).")
+      .pointer("x", &FusedDispatchRank::x)
+      .pointer("x_scales", &FusedDispatchRank::x_scales)
+      .pointer("topk_idx", &FusedDispatchRank::topk_idx)
+      .pointer("topk_weights", &FusedDispatchRank::topk_weights)
+      .pointer("is_token_in_node", &FusedDispatchRank::is_token_in_node)
+      .pointer("recv_prefix", &FusedDispatchRank::recv_prefix)
+      .pointer("forward_prefix", &FusedDispatchRank::forward_prefix)
+      .pointer("relay_prefix", &FusedDispatchRank::relay_prefix)
+      .pointer("forward_mask", &FusedDispatchRank::forward_mask)
+      .pointer("forward_cut", &FusedDispatchRank::forward_cut)
+      .pointer("recv_x", &FusedDispatchRank::recv_x)
+      .pointer("recv_scales", &FusedDispatchRank::recv_scales)
+      .pointer("recv_topk_idx", &FusedDispatchRank::recv_topk_idx)
+      .pointer("recv_topk_weights", &FusedDispatchRank::recv_topk_weights)
+      .pointer("recv_src_idx", &FusedDispatchRank::recv_src_idx)
+      .pointer("num_recv_per_expert", &FusedDispatchRank::num_recv_per_expert)
+      .pointer("overflow", &FusedDispatchRank::overflow)
+      .pointer("peer_ok", &FusedDispatchRank::peer_ok)  // None: a cached dispatch exchanges header lines
+      .member("check", &FusedDispatchRank::check)
+      .integer("num_tokens", &FusedDispatchRank::num_tokens)
+      .integer("num_rows", &FusedDispatchRank::num_rows)
+      .integer("forward_capacity", &FusedDispatchRank::forward_capacity)
+      .integer("budget", &FusedDispatchRank::budget)
+      .init();
+  Struct<FusedCombineRank>(m, "FusedCombineRank", "fused combine rank",
+                           "One launched rank of the fused combine (internode.cuh FusedCombineRank).")
+      .pointer("y", &FusedCombineRank::y)
+      .pointer("row_scale", &FusedCombineRank::row_scale)
+      .pointer("is_token_in_node", &FusedCombineRank::is_token_in_node)
+      .pointer("recv_prefix", &FusedCombineRank::recv_prefix)
+      .pointer("forward_prefix", &FusedCombineRank::forward_prefix)
+      .pointer("relay_prefix", &FusedCombineRank::relay_prefix)
+      .pointer("forward_mask", &FusedCombineRank::forward_mask)
+      .pointer("forward_cut", &FusedCombineRank::forward_cut)
+      .pointer("out", &FusedCombineRank::out)
+      .member("check", &FusedCombineRank::check)
+      .integer("num_tokens", &FusedCombineRank::num_tokens)
+      .integer("num_rows", &FusedCombineRank::num_rows)
+      .integer("forward_capacity", &FusedCombineRank::forward_capacity)
+      .integer("budget", &FusedCombineRank::budget)
+      .init();
 }
 
 // Runs `cpu` on the CPU backend, or launches `cuda(mode)`; the GIL is released either way.
@@ -139,90 +185,12 @@ void run(const std::string& backend, const std::string& mode, const Common& comm
   }
 }
 
-SlotLayout dispatch_slot(int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
-  MOE_HOST_CHECK(x_bytes > 0 && x_bytes <= INT32_MAX / 2, "x_bytes must be in (0, 2^30), got " << x_bytes);
-  MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2,
-                 "scale_bytes must be in [0, 2^30), got " << scale_bytes);
-  MOE_HOST_CHECK(num_topk >= 0 && num_topk <= intranode::kMaxTopk,
-                 "num_topk must be in [0, " << intranode::kMaxTopk << "], got " << num_topk);
-  return intranode::make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes),
-                                     static_cast<int>(num_topk));
-}
-
-SlotLayout combine_slot(int64_t y_bytes) {
-  MOE_HOST_CHECK(y_bytes > 0 && y_bytes <= INT32_MAX / 2, "y_bytes must be in (0, 2^30), got " << y_bytes);
-  return intranode::make_slot_layout(static_cast<int>(y_bytes), 0, 0);
-}
-
-FusedNotifyRank parse_fused_notify_rank(const py::dict& r) {
-  const char* what = "fused notify rank";
-  FusedNotifyRank n{};
-  n.is_token_in_rank = pointer<const bool>(r, "is_token_in_rank", what);
-  n.is_token_in_node = pointer<const bool>(r, "is_token_in_node", what);
-  n.recv_prefix = pointer<int32_t>(r, "recv_prefix", what);
-  n.forward_prefix = pointer<int32_t>(r, "forward_prefix", what);
-  n.counts = pointer<int32_t>(r, "counts", what);
-  n.overflow = pointer<int32_t>(r, "overflow", what);
-  n.peer_ok = pointer<int32_t>(r, "peer_ok", what);
-  n.recv_topk_idx = pointer<int64_t>(r, "recv_topk_idx", what);
-  n.recv_topk_weights = pointer<float>(r, "recv_topk_weights", what);
-  n.recv_src_idx = pointer<int32_t>(r, "recv_src_idx", what);
-  n.check = bind::parse_check(r, what);
-  n.num_tokens = int32(r, "num_tokens", what);
-  n.budget = int32(r, "budget", what);
-  n.forward_capacity = int32(r, "forward_capacity", what);
-  return n;
-}
-
-FusedDispatchRank parse_fused_dispatch_rank(const py::dict& r) {
-  const char* what = "fused dispatch rank";
-  FusedDispatchRank d{};
-  d.x = pointer<const char>(r, "x", what);
-  d.x_scales = pointer<const float>(r, "x_scales", what);
-  d.topk_idx = pointer<const int64_t>(r, "topk_idx", what);
-  d.topk_weights = pointer<const float>(r, "topk_weights", what);
-  d.token_ids = nullptr;
-  d.is_token_in_node = pointer<const bool>(r, "is_token_in_node", what);
-  d.recv_prefix = pointer<const int32_t>(r, "recv_prefix", what);
-  d.forward_prefix = pointer<const int32_t>(r, "forward_prefix", what);
-  d.forward_mask = pointer<int32_t>(r, "forward_mask", what);
-  d.recv_x = pointer<char>(r, "recv_x", what);
-  d.recv_scales = pointer<float>(r, "recv_scales", what);
-  d.recv_topk_idx = pointer<int64_t>(r, "recv_topk_idx", what);
-  d.recv_topk_weights = pointer<float>(r, "recv_topk_weights", what);
-  d.recv_src_idx = pointer<int32_t>(r, "recv_src_idx", what);
-  d.num_recv_per_expert = pointer<int64_t>(r, "num_recv_per_expert", what);
-  d.overflow = pointer<int32_t>(r, "overflow", what);
-  d.peer_ok = pointer<const int32_t>(r, "peer_ok", what);
-  d.check = bind::parse_check(r, what);
-  d.num_tokens = int32(r, "num_tokens", what);
-  d.num_rows = int32(r, "num_rows", what);
-  d.forward_capacity = int32(r, "forward_capacity", what);
-  return d;
-}
-
-FusedCombineRank parse_fused_combine_rank(const py::dict& r) {
-  const char* what = "fused combine rank";
-  FusedCombineRank c{};
-  c.y = pointer<const char>(r, "y", what);
-  c.row_scale = pointer<const float>(r, "row_scale", what);
-  c.is_token_in_node = pointer<const bool>(r, "is_token_in_node", what);
-  c.recv_prefix = pointer<const int32_t>(r, "recv_prefix", what);
-  c.forward_prefix = pointer<const int32_t>(r, "forward_prefix", what);
-  c.forward_mask = pointer<const int32_t>(r, "forward_mask", what);
-  c.out = pointer<char>(r, "out", what);
-  c.check = bind::parse_check(r, what);
-  c.num_tokens = int32(r, "num_tokens", what);
-  c.num_rows = int32(r, "num_rows", what);
-  c.forward_capacity = int32(r, "forward_capacity", what);
-  return c;
-}
-
 }  // namespace
 }  // namespace internode
 
 void register_internode(py::module_& m) {
   using namespace internode;
+  register_types(m);
   py::dict limits;
   limits["max_nodes"] = kMaxNodes;
   limits["max_channels"] = kMaxChannels;
@@ -234,7 +202,7 @@ void register_internode(py::module_& m) {
   m.def(
       "internode_rdma_layout",
       [](int64_t num_nodes, int64_t ranks_per_node, int64_t num_channels, int64_t num_slots, int64_t slot_bytes) {
-        return layout_dict(checked_layout(num_nodes, ranks_per_node, num_channels, num_slots, slot_bytes));
+        return checked_layout(num_nodes, ranks_per_node, num_channels, num_slots, slot_bytes);
       },
       py::arg("num_nodes"), py::arg("ranks_per_node"), py::arg("num_channels"), py::arg("num_slots"),
       py::arg("slot_bytes"), "Byte offsets of one rank's RDMA buffer (csrc/kernels/internode.cuh draws it).");
@@ -242,11 +210,10 @@ void register_internode(py::module_& m) {
   // ---- the staged pipeline's stage 1 ----
   m.def(
       "internode_node_notify",
-      [](const py::dict& common, const py::list& ranks, const std::string& backend, const std::string& mode,
-         std::uintptr_t stream, bool cooperative) {
+      [](const Common& common, const std::vector<intranode::NotifyRank>& ranks, const std::string& backend,
+         const std::string& mode, std::uintptr_t stream, bool cooperative) {
         NotifyArgs args{};
-        args.common = parse_common(common, ranks);
-        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_notify_rank(ranks[i].cast<py::dict>());
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
         run(
             backend, mode, args.common, false, [&]() { run_node_notify_cpu(args); },
             [&](Mode md) { launch_node_notify(args, md, cooperative, bind::as_stream(stream)); });
@@ -258,34 +225,31 @@ void register_internode(py::module_& m) {
 
   m.def(
       "internode_node_dispatch",
-      [](const py::dict& common, const py::list& ranks, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk,
-         int64_t experts_per_node, const std::string& backend, const std::string& mode, std::uintptr_t stream,
-         bool cooperative, const py::dict& cpu_options) {
+      [](const Common& common, const std::vector<intranode::DispatchRank>& ranks, int64_t x_bytes, int64_t scale_bytes,
+         int64_t num_topk, int64_t experts_per_node, const std::string& backend, const std::string& mode,
+         std::uintptr_t stream, bool cooperative, const CpuOptions& options) {
         DispatchArgs args{};
-        args.common = parse_common(common, ranks);
-        args.slot = dispatch_slot(x_bytes, scale_bytes, num_topk);
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.slot = bind::checked_slot(x_bytes, scale_bytes, num_topk);
         args.experts_per_node = static_cast<int32_t>(experts_per_node);
-        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_dispatch_rank(ranks[i].cast<py::dict>());
-        const CpuOptions options = bind::parse_cpu_options(cpu_options);
         run(
             backend, mode, args.common, false, [&]() { run_node_dispatch_cpu(args, options); },
             [&](Mode md) { launch_node_dispatch(args, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
       py::arg("experts_per_node"), py::arg("backend") = "cuda", py::arg("mode") = "loopback", py::arg("stream") = 0,
-      py::arg("cooperative") = true, py::arg("cpu_options") = py::dict(),
+      py::arg("cooperative") = true, py::arg("cpu_options") = CpuOptions{},
       "Stage 1: each token once to each node holding it (the forwarder of the same local index);\n"
       "rows by (source node, source token), top-k ids node-local.");
 
   m.def(
       "internode_node_combine",
-      [](const py::dict& common, const py::list& ranks, int64_t y_bytes, int64_t dtype, const std::string& backend,
-         const std::string& mode, std::uintptr_t stream, bool cooperative, const py::dict& cpu_options) {
+      [](const Common& common, const std::vector<intranode::CombineRank>& ranks, int64_t y_bytes, int64_t dtype,
+         const std::string& backend, const std::string& mode, std::uintptr_t stream, bool cooperative,
+         const CpuOptions& options) {
         CombineArgs args{};
-        args.common = parse_common(common, ranks);
-        args.slot = combine_slot(y_bytes);
-        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = bind::parse_combine_rank(ranks[i].cast<py::dict>());
-        const CpuOptions options = bind::parse_cpu_options(cpu_options);
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.slot = bind::checked_slot(y_bytes, 0, 0, "y_bytes");
         const auto dt = static_cast<intranode::DType>(dtype);
         run(
             backend, mode, args.common, false, [&]() { run_node_combine_cpu(args, dt, options); },
@@ -293,21 +257,20 @@ void register_internode(py::module_& m) {
       },
       py::arg("common"), py::arg("ranks"), py::arg("y_bytes"), py::arg("dtype"), py::arg("backend") = "cuda",
       py::arg("mode") = "loopback", py::arg("stream") = 0, py::arg("cooperative") = true,
-      py::arg("cpu_options") = py::dict(),
+      py::arg("cpu_options") = CpuOptions{},
       "Stage 1 backwards: each node partial once back to its source, summed there over nodes in\n"
       "ascending order (fp32, rounded once).");
 
   // ---- the fused pipeline ----
   m.def(
       "internode_fused_notify",
-      [](const py::dict& common, const py::list& ranks, int64_t num_topk, const std::string& backend,
+      [](const Common& common, const std::vector<FusedNotifyRank>& ranks, int64_t num_topk, const std::string& backend,
          const std::string& mode, std::uintptr_t stream, bool cooperative) {
         FusedNotifyArgs args{};
-        args.common = parse_common(common, ranks);
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
         MOE_HOST_CHECK(num_topk >= 0 && num_topk <= intranode::kMaxTopk,
-                       "num_topk must be in [0, 32], got " << num_topk);
+                       "num_topk must be in [0, " << intranode::kMaxTopk << "], got " << num_topk);
         args.num_topk = static_cast<int32_t>(num_topk);
-        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = parse_fused_notify_rank(ranks[i].cast<py::dict>());
         run(
             backend, mode, args.common, true, [&]() { run_fused_notify_cpu(args); },
             [&](Mode md) { launch_fused_notify(args, md, cooperative, bind::as_stream(stream)); });
@@ -319,35 +282,32 @@ void register_internode(py::module_& m) {
 
   m.def(
       "internode_fused_dispatch",
-      [](const py::dict& common, const py::list& ranks, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk,
-         int64_t experts_per_rank, const std::string& backend, const std::string& mode, std::uintptr_t stream,
-         bool cooperative, const py::dict& cpu_options) {
+      [](const Common& common, const std::vector<FusedDispatchRank>& ranks, int64_t x_bytes, int64_t scale_bytes,
+         int64_t num_topk, int64_t experts_per_rank, const std::string& backend, const std::string& mode,
+         std::uintptr_t stream, bool cooperative, const CpuOptions& options) {
         FusedDispatchArgs args{};
-        args.common = parse_common(common, ranks);
-        args.slot = dispatch_slot(x_bytes, scale_bytes, num_topk);
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.slot = bind::checked_slot(x_bytes, scale_bytes, num_topk);
         args.experts_per_rank = static_cast<int32_t>(experts_per_rank);
         args.experts_per_node = static_cast<int32_t>(experts_per_rank * args.common.ranks_per_node);
-        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = parse_fused_dispatch_rank(ranks[i].cast<py::dict>());
-        const CpuOptions options = bind::parse_cpu_options(cpu_options);
         run(
             backend, mode, args.common, true, [&]() { run_fused_dispatch_cpu(args, options); },
             [&](Mode md) { launch_fused_dispatch(args, md, cooperative, bind::as_stream(stream)); });
       },
       py::arg("common"), py::arg("ranks"), py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
       py::arg("experts_per_rank"), py::arg("backend") = "cuda", py::arg("mode") = "loopback", py::arg("stream") = 0,
-      py::arg("cooperative") = true, py::arg("cpu_options") = py::dict(),
+      py::arg("cooperative") = true, py::arg("cpu_options") = CpuOptions{},
       "Both stages at once: RDMA puts to the forwarders, forwarding over NVLink as chunks land;\n"
       "rows by (source rank, source token), top-k ids local.");
 
   m.def(
       "internode_fused_combine",
-      [](const py::dict& common, const py::list& ranks, int64_t y_bytes, int64_t dtype, const std::string& backend,
-         const std::string& mode, std::uintptr_t stream, bool cooperative, const py::dict& cpu_options) {
+      [](const Common& common, const std::vector<FusedCombineRank>& ranks, int64_t y_bytes, int64_t dtype,
+         const std::string& backend, const std::string& mode, std::uintptr_t stream, bool cooperative,
+         const CpuOptions& options) {
         FusedCombineArgs args{};
-        args.common = parse_common(common, ranks);
-        args.slot = combine_slot(y_bytes);
-        for (size_t i = 0; i < ranks.size(); ++i) args.ranks[i] = parse_fused_combine_rank(ranks[i].cast<py::dict>());
-        const CpuOptions options = bind::parse_cpu_options(cpu_options);
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.slot = bind::checked_slot(y_bytes, 0, 0, "y_bytes");
         const auto dt = static_cast<intranode::DType>(dtype);
         run(
             backend, mode, args.common, true, [&]() { run_fused_combine_cpu(args, dt, options); },
@@ -355,7 +315,7 @@ void register_internode(py::module_& m) {
       },
       py::arg("common"), py::arg("ranks"), py::arg("y_bytes"), py::arg("dtype"), py::arg("backend") = "cuda",
       py::arg("mode") = "loopback", py::arg("stream") = 0, py::arg("cooperative") = true,
-      py::arg("cpu_options") = py::dict(),
+      py::arg("cpu_options") = CpuOptions{},
       "Holders -> forwarder over NVLink, pre-reduced there (ascending local rank, fp32, rounded\n"
       "once), one partial per (token, node) back over RDMA, summed by ascending node.");
 

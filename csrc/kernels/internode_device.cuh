@@ -217,7 +217,5 @@ __device__ __forceinline__ void rank_block(const Common& common, Body body) {
   intranode::op_epoch_end(common.layout.op_epoch(buf), common.layout.done(buf), epoch, static_cast<int>(gridDim.x));
 }
 
-void check_resident(int resident, dim3 grid, const char* what);
-
 }  // namespace internode
 }  // namespace moe_dispatch

@@ -126,16 +126,15 @@ void launch_fused_notify(const FusedNotifyArgs& args, Mode mode, bool cooperativ
     MOE_HOST_CHECK(r.num_tokens == 0 || (r.is_token_in_rank != nullptr && r.is_token_in_node != nullptr),
                    "rank " << rank << ": is_token_in_rank and is_token_in_node must be device pointers");
     MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr && r.counts != nullptr &&
-                       r.overflow != nullptr && r.peer_ok != nullptr,
+                       r.overflow != nullptr && r.peer_ok != nullptr && r.relay_prefix != nullptr,
                    "rank " << rank
-                           << ": recv_prefix, forward_prefix, counts, overflow and peer_ok must be device "
-                              "pointers");
+                           << ": recv_prefix, forward_prefix, counts, overflow, peer_ok and relay_prefix must be "
+                              "device pointers");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
     auto kernel = fused_notify_kernel<decltype(ctx)>;
-    check_resident(max_resident_blocks(kernel, kNotifyThreads), grid, "fused notify");
-    launch_kernel(kernel, grid, dim3(kNotifyThreads), 0, stream, cooperative, args);
+    launch_resident("the internode fused notify", kernel, grid, dim3(kNotifyThreads), 0, stream, cooperative, args);
   });
 }
 
@@ -150,18 +149,19 @@ void launch_fused_dispatch(const FusedDispatchArgs& args, Mode mode, bool cooper
   for (int i = 0; i < c.num_launch_ranks; ++i) {
     const FusedDispatchRank& r = args.ranks[i];
     const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0 && r.forward_capacity >= 0,
-                   "rank " << rank << ": num_tokens, num_rows and forward_capacity must be >= 0");
+    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0 && r.forward_capacity >= 0 && r.budget >= -1,
+                   "rank " << rank << ": num_tokens, num_rows and forward_capacity >= 0 and budget >= -1 expected");
     MOE_HOST_CHECK(r.num_tokens == 0 ||
                        (r.x != nullptr && r.is_token_in_node != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
                    "rank " << rank << ": x, is_token_in_node and topk_idx must be device pointers");
     MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
                    "rank " << rank << ": fp8 dispatch needs x_scales");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr && r.overflow != nullptr &&
-                       r.num_recv_per_expert != nullptr && (r.forward_capacity == 0 || r.forward_mask != nullptr),
+    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr && r.relay_prefix != nullptr &&
+                       r.forward_cut != nullptr && r.overflow != nullptr && r.num_recv_per_expert != nullptr &&
+                       (r.forward_capacity == 0 || r.forward_mask != nullptr),
                    "rank " << rank
-                           << ": recv_prefix, forward_prefix, forward_mask, overflow and num_recv_per_expert "
-                              "must be device pointers");
+                           << ": recv_prefix, forward_prefix, relay_prefix, forward_mask, forward_cut, overflow and "
+                              "num_recv_per_expert must be device pointers");
     MOE_HOST_CHECK(r.num_rows == 0 || (r.recv_x != nullptr && (s.num_topk == 0 || r.recv_topk_idx != nullptr) &&
                                        (s.scale_bytes == 0 || r.recv_scales != nullptr)),
                    "rank " << rank << ": recv_x, recv_topk_idx (and recv_scales for fp8) must be device pointers");
@@ -173,8 +173,7 @@ void launch_fused_dispatch(const FusedDispatchArgs& args, Mode mode, bool cooper
     using Ctx = decltype(ctx);
     auto kernel = fused_dispatch_kernel<Ctx, decltype(min_blocks)::value>;
     const size_t smem = prepare_dynamic_smem(kernel, intranode::bulk_smem_bytes<typename Ctx::Policy>());
-    check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "fused dispatch");
-    launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
+    launch_resident("the internode fused dispatch", kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
   });
 }
 
@@ -186,11 +185,13 @@ void launch_fused_combine(const FusedCombineArgs& args, intranode::DType dtype, 
   for (int i = 0; i < c.num_launch_ranks; ++i) {
     const FusedCombineRank& r = args.ranks[i];
     const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0 && r.forward_capacity >= 0,
-                   "rank " << rank << ": num_tokens, num_rows and forward_capacity must be >= 0");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr &&
-                       (r.forward_capacity == 0 || r.forward_mask != nullptr),
-                   "rank " << rank << ": recv_prefix, forward_prefix and forward_mask must be device pointers");
+    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0 && r.forward_capacity >= 0 && r.budget >= -1,
+                   "rank " << rank << ": num_tokens, num_rows and forward_capacity >= 0 and budget >= -1 expected");
+    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.forward_prefix != nullptr && r.relay_prefix != nullptr &&
+                       r.forward_cut != nullptr && (r.forward_capacity == 0 || r.forward_mask != nullptr),
+                   "rank " << rank
+                           << ": recv_prefix, forward_prefix, relay_prefix, forward_mask and forward_cut must be "
+                              "device pointers");
     MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_node != nullptr),
                    "rank " << rank << ": out and is_token_in_node must be device pointers");
     MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": y must be a device pointer");
@@ -201,8 +202,7 @@ void launch_fused_combine(const FusedCombineArgs& args, intranode::DType dtype, 
     intranode::with_dtype(dtype, [&](auto tag) {
       auto kernel = fused_combine_kernel<Ctx, decltype(tag), decltype(min_blocks)::value>;
       const size_t smem = prepare_dynamic_smem(kernel, intranode::bulk_smem_bytes<typename Ctx::Policy>());
-      check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "fused combine");
-      launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
+      launch_resident("the internode fused combine", kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
     });
   });
 }

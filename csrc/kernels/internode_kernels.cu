@@ -8,6 +8,7 @@
 #include "core/launch.h"
 #include "kernels/internode_device.cuh"
 #include "kernels/internode_roles.cuh"
+#include "kernels/intranode.h"
 
 namespace moe_dispatch {
 namespace internode {
@@ -72,14 +73,6 @@ __global__ void __launch_bounds__(kNumThreads, 2) node_combine_kernel(const __gr
 }
 
 }  // namespace
-
-void check_resident(int resident, dim3 grid, const char* what) {
-  const long long blocks = static_cast<long long>(grid.x) * grid.y;
-  MOE_HOST_CHECK(blocks <= resident, "the internode " << what << " launch needs all of its " << blocks << " blocks ("
-                                                      << grid.x << " per rank x " << grid.y
-                                                      << " ranks) resident at once, but this GPU holds " << resident
-                                                      << "; lower num_sms (or the number of simulated ranks)");
-}
 
 bool nvshmem_compiled() {
 #ifdef MOE_DISPATCH_WITH_NVSHMEM
@@ -167,8 +160,7 @@ void launch_node_notify(const NotifyArgs& args, Mode mode, bool cooperative, cud
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
     auto kernel = node_notify_kernel<decltype(ctx)>;
-    check_resident(max_resident_blocks(kernel, kNotifyThreads), grid, "node notify");
-    launch_kernel(kernel, grid, dim3(kNotifyThreads), 0, stream, cooperative, args);
+    launch_resident("the internode node notify", kernel, grid, dim3(kNotifyThreads), 0, stream, cooperative, args);
   });
 }
 
@@ -183,26 +175,11 @@ void launch_node_dispatch(const DispatchArgs& args, Mode mode, bool cooperative,
   MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
                  "a dispatch slot needs " << s.slot_bytes << " bytes but the RDMA slots hold " << c.layout.slot_bytes);
   MOE_HOST_CHECK(args.experts_per_node >= 1, "experts_per_node must be >= 1, got " << args.experts_per_node);
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const DispatchRank& r = args.ranks[i];
-    const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank << ": num_tokens and num_rows must be >= 0");
-    MOE_HOST_CHECK(r.num_tokens == 0 ||
-                       (r.x != nullptr && r.is_token_in_rank != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
-                   "rank " << rank << ": x, is_token_in_node and topk_idx must be device pointers");
-    MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
-                   "rank " << rank << ": fp8 dispatch needs x_scales");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.overflow != nullptr && r.num_recv_per_expert != nullptr,
-                   "rank " << rank << ": recv_prefix, overflow and num_recv_per_expert must be device pointers");
-    MOE_HOST_CHECK(r.num_rows == 0 || (r.recv_x != nullptr && (s.num_topk == 0 || r.recv_topk_idx != nullptr) &&
-                                       (s.scale_bytes == 0 || r.recv_scales != nullptr)),
-                   "rank " << rank << ": recv_x, recv_topk_idx (and recv_scales for fp8) must be device pointers");
-  }
+  intranode::check_dispatch_ranks(s, args.ranks, c.num_launch_ranks, c.rank_begin, "is_token_in_node");
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
     auto kernel = node_dispatch_kernel<decltype(ctx)>;
-    check_resident(max_resident_blocks(kernel, kNumThreads), grid, "node dispatch");
-    launch_kernel(kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+    launch_resident("the internode node dispatch", kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
   });
 }
 
@@ -217,22 +194,13 @@ void launch_node_combine(const CombineArgs& args, intranode::DType dtype, Mode m
                  "the combine slot layout is not make_slot_layout(" << s.x_bytes << ", 0, 0) with 16-byte rows");
   MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
                  "a combine slot needs " << s.slot_bytes << " bytes but the RDMA slots hold " << c.layout.slot_bytes);
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const CombineRank& r = args.ranks[i];
-    const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank << ": num_tokens and num_rows must be >= 0");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr, "rank " << rank << ": recv_prefix must be a device pointer");
-    MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_rank != nullptr),
-                   "rank " << rank << ": out and is_token_in_node must be device pointers");
-    MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr,
-                   "rank " << rank << ": y (the node partials) must be a device pointer");
-  }
+  intranode::check_combine_ranks(args.ranks, c.num_launch_ranks, c.rank_begin, "is_token_in_node",
+                                 "y (the node partials)");
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
   with_mode(mode, [&](auto ctx) {
     intranode::with_dtype(dtype, [&](auto tag) {
       auto kernel = node_combine_kernel<decltype(ctx), decltype(tag)>;
-      check_resident(max_resident_blocks(kernel, kNumThreads), grid, "node combine");
-      launch_kernel(kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
+      launch_resident("the internode node combine", kernel, grid, dim3(kNumThreads), 0, stream, cooperative, args);
     });
   });
 }

@@ -13,9 +13,11 @@ namespace intranode {
 // Checks the fields every launch shares (sizes, counts, pointers).
 void check_common(const Common& common);
 
-// Throws std::invalid_argument unless `grid` fits in `resident` co-resident blocks (the
-// blocks of one launch wait on each other; `what` names the launch).
-void check_resident(int resident, dim3 grid, const char* what);
+// The per-rank counts and pointers of a dispatch's (combine's) `count` launched ranks, rank
+// `rank_begin` first, shared with the internode stage 1; `mask` and `y` name is_token_in_rank and
+// y in the messages (stage 1: is_token_in_node, the node partials).
+void check_dispatch_ranks(const SlotLayout& s, const DispatchRank* ranks, int count, int rank_begin, const char* mask);
+void check_combine_ranks(const CombineRank* ranks, int count, int rank_begin, const char* mask, const char* y);
 
 // One block per launched rank: barrier, exchange per-(source, channel) counts, receive prefix.
 // Collective across the W ranks' launches (loopback: within the one launch).

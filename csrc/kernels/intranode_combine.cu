@@ -18,34 +18,29 @@ template <class T, class P, int kMinBlocks>
 __global__ void __launch_bounds__(kNumThreads, kMinBlocks) combine_kernel(const __grid_constant__ CombineArgs args) {
   using Ctx = DeviceCtxT<Common, P>;
   const Common& common = args.common;
-  const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
-  if (rank == common.skip_rank) return;
-  const BufferLayout& l = common.layout;
-  __shared__ uint64_t epoch_shared;
-  const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
-  bulk_init<P>();
-  const int channel = static_cast<int>(blockIdx.x) / 2;
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  if (blockIdx.x % 2 == 0) {
-    __shared__ GroupState groups[kMaxRanks];
-    const int group_warps = kNumWarps / common.num_ranks;
-    const int peer = warp / group_warps;
-    if (peer < common.num_ranks) {
-      Ctx ctx{&common, peer + 1, group_warps * 32};
-      combine_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
-    }
-  } else {
-    __shared__ CombineRecvState state;
-    ring::init_reduce_state(&state);
-    Ctx ctx{&common, 0, 32};
-    const CombineSource src = combine_source(ctx, args, rank, channel, epoch, warp == 0);
-    if (warp == 0) {
-      ring::reduce_coordinator(ctx, src, kNumWarps - 1, &state);
+  launched_rank_block<P>(common, [&](int rank, uint64_t epoch) {
+    const int channel = static_cast<int>(blockIdx.x) / 2;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    if (blockIdx.x % 2 == 0) {
+      __shared__ GroupState groups[kMaxRanks];
+      const int group_warps = kNumWarps / common.num_ranks;
+      const int peer = warp / group_warps;
+      if (peer < common.num_ranks) {
+        Ctx ctx{&common, peer + 1, group_warps * 32};
+        combine_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+      }
     } else {
-      ring::reduce_worker<T>(ctx, src, args.slot.x_bytes, warp - 1, kNumWarps - 1, &state);
+      __shared__ CombineRecvState state;
+      ring::init_reduce_state(&state);
+      Ctx ctx{&common, 0, 32};
+      const CombineSource src = combine_source(ctx, args, rank, channel, epoch, warp == 0);
+      if (warp == 0) {
+        ring::reduce_coordinator(ctx, src, kNumWarps - 1, &state);
+      } else {
+        ring::reduce_worker<T>(ctx, src, args.slot.x_bytes, warp - 1, kNumWarps - 1, &state);
+      }
     }
-  }
-  op_epoch_end(l.epoch(common.buffers[rank]), l.done(common.buffers[rank]), epoch, static_cast<int>(gridDim.x));
+  });
 }
 
 template <class T>
@@ -55,8 +50,7 @@ void launch_typed(const CombineArgs& args, bool cooperative, cudaStream_t stream
   with_intranode_variant(c.variant, [&](auto policy, auto min_blocks) {
     auto kernel = combine_kernel<T, decltype(policy), decltype(min_blocks)::value>;
     const size_t smem = prepare_dynamic_smem(kernel, bulk_smem_bytes<decltype(policy)>());
-    check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "combine");
-    launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
+    launch_resident("the intranode combine", kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
   });
 }
 
@@ -75,17 +69,7 @@ void launch_combine(const CombineArgs& args, DType dtype, bool cooperative, cuda
   MOE_HOST_CHECK(s.slot_bytes <= c.layout.slot_bytes,
                  "a combine slot needs " << s.slot_bytes << " bytes but the buffer's slots hold " << c.layout.slot_bytes
                                          << "; make the Buffer for this hidden size and dtype");
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const CombineRank& r = args.ranks[i];
-    const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank
-                                                                 << ": num_tokens and num_rows must be >= 0, got "
-                                                                 << r.num_tokens << ", " << r.num_rows);
-    MOE_HOST_CHECK(r.recv_prefix != nullptr, "rank " << rank << ": recv_prefix must be a device pointer");
-    MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_rank != nullptr),
-                   "rank " << rank << ": out and is_token_in_rank must be device pointers");
-    MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": y must be a device pointer");
-  }
+  check_combine_ranks(args.ranks, c.num_launch_ranks, c.rank_begin, "is_token_in_rank", "y");
   with_dtype(dtype, [&](auto tag) { launch_typed<decltype(tag)>(args, cooperative, stream); });
 }
 

@@ -27,29 +27,59 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 template <class P, int kMinBlocks>
 __global__ void __launch_bounds__(kNumThreads, kMinBlocks) dispatch_kernel(const __grid_constant__ DispatchArgs args) {
   const Common& common = args.common;
-  const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
-  if (rank == common.skip_rank) return;
-  const BufferLayout& l = common.layout;
-  __shared__ uint64_t epoch_shared;
-  const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
-  bulk_init<P>();
-  const int channel = static_cast<int>(blockIdx.x) / 2;
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int group_warps = kNumWarps / common.num_ranks;
-  const int peer = warp / group_warps;
-  __shared__ GroupState groups[kMaxRanks];
-  if (peer < common.num_ranks) {  // W does not divide the warps: the rest idle
-    DeviceCtxT<Common, P> ctx{&common, peer + 1, group_warps * 32};
-    if (blockIdx.x % 2 == 0) {
-      dispatch_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
-    } else {
-      dispatch_recv(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+  launched_rank_block<P>(common, [&](int rank, uint64_t epoch) {
+    const int channel = static_cast<int>(blockIdx.x) / 2;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int group_warps = kNumWarps / common.num_ranks;
+    const int peer = warp / group_warps;
+    __shared__ GroupState groups[kMaxRanks];
+    if (peer < common.num_ranks) {  // W does not divide the warps: the rest idle
+      DeviceCtxT<Common, P> ctx{&common, peer + 1, group_warps * 32};
+      if (blockIdx.x % 2 == 0) {
+        dispatch_send(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+      } else {
+        dispatch_recv(ctx, args, rank, channel, peer, warp % group_warps, group_warps, epoch, &groups[peer]);
+      }
     }
-  }
-  op_epoch_end(l.epoch(common.buffers[rank]), l.done(common.buffers[rank]), epoch, static_cast<int>(gridDim.x));
+  });
 }
 
 }  // namespace
+
+static void check_counts(int rank, int num_tokens, int num_rows) {
+  MOE_HOST_CHECK(num_tokens >= 0 && num_rows >= 0,
+                 "rank " << rank << ": num_tokens and num_rows must be >= 0, got " << num_tokens << ", " << num_rows);
+}
+
+void check_dispatch_ranks(const SlotLayout& s, const DispatchRank* ranks, int count, int rank_begin, const char* mask) {
+  for (int i = 0; i < count; ++i) {
+    const DispatchRank& r = ranks[i];
+    const int rank = rank_begin + i;
+    check_counts(rank, r.num_tokens, r.num_rows);
+    MOE_HOST_CHECK(r.num_tokens == 0 ||
+                       (r.x != nullptr && r.is_token_in_rank != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
+                   "rank " << rank << ": x, " << mask << " and topk_idx must be device pointers");
+    MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
+                   "rank " << rank << ": fp8 dispatch needs x_scales");
+    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.overflow != nullptr && r.num_recv_per_expert != nullptr,
+                   "rank " << rank << ": recv_prefix, overflow and num_recv_per_expert must be device pointers");
+    MOE_HOST_CHECK(r.num_rows == 0 || (r.recv_x != nullptr && (s.num_topk == 0 || r.recv_topk_idx != nullptr) &&
+                                       (s.scale_bytes == 0 || r.recv_scales != nullptr)),
+                   "rank " << rank << ": recv_x, recv_topk_idx (and recv_scales for fp8) must be device pointers");
+  }
+}
+
+void check_combine_ranks(const CombineRank* ranks, int count, int rank_begin, const char* mask, const char* y) {
+  for (int i = 0; i < count; ++i) {
+    const CombineRank& r = ranks[i];
+    const int rank = rank_begin + i;
+    check_counts(rank, r.num_tokens, r.num_rows);
+    MOE_HOST_CHECK(r.recv_prefix != nullptr, "rank " << rank << ": recv_prefix must be a device pointer");
+    MOE_HOST_CHECK(r.num_tokens == 0 || (r.out != nullptr && r.is_token_in_rank != nullptr),
+                   "rank " << rank << ": out and " << mask << " must be device pointers");
+    MOE_HOST_CHECK(r.num_rows == 0 || r.y != nullptr, "rank " << rank << ": " << y << " must be a device pointer");
+  }
+}
 
 void check_common(const Common& c) {
   const BufferLayout& l = c.layout;
@@ -76,14 +106,6 @@ void check_common(const Common& c) {
     MOE_HOST_CHECK(c.buffers[r] != nullptr, "the buffer of rank " << r << " is null");
 }
 
-void check_resident(int resident, dim3 grid, const char* what) {
-  const long long blocks = static_cast<long long>(grid.x) * grid.y;
-  MOE_HOST_CHECK(blocks <= resident, "the intranode " << what << " launch needs all of its " << blocks << " blocks ("
-                                                      << grid.x << " per rank x " << grid.y
-                                                      << " ranks) resident at once, but this GPU holds " << resident
-                                                      << "; lower num_sms (or the number of simulated ranks)");
-}
-
 void launch_notify(const NotifyArgs& args, bool cooperative, cudaStream_t stream) {
   const Common& c = args.common;
   check_common(c);
@@ -102,8 +124,7 @@ void launch_notify(const NotifyArgs& args, bool cooperative, cudaStream_t stream
     MOE_HOST_CHECK(r.peer_ok != nullptr, "rank " << c.rank_begin + i << ": peer_ok must be a device pointer");
   }
   const dim3 grid(static_cast<unsigned>(c.num_launch_ranks));
-  check_resident(max_resident_blocks(notify_kernel, kNotifyThreads), grid, "notify");
-  launch_kernel(notify_kernel, grid, dim3(kNotifyThreads), 0, stream, cooperative, args);
+  launch_resident("the intranode notify", notify_kernel, grid, dim3(kNotifyThreads), 0, stream, cooperative, args);
 }
 
 void launch_dispatch(const DispatchArgs& args, bool cooperative, cudaStream_t stream) {
@@ -124,29 +145,12 @@ void launch_dispatch(const DispatchArgs& args, bool cooperative, cudaStream_t st
                  "a dispatch slot needs " << s.slot_bytes << " bytes but the buffer's slots hold "
                                           << c.layout.slot_bytes << "; make the Buffer for this hidden size");
   MOE_HOST_CHECK(args.experts_per_rank >= 1, "experts_per_rank must be >= 1, got " << args.experts_per_rank);
-  for (int i = 0; i < c.num_launch_ranks; ++i) {
-    const DispatchRank& r = args.ranks[i];
-    const int rank = c.rank_begin + i;
-    MOE_HOST_CHECK(r.num_tokens >= 0 && r.num_rows >= 0, "rank " << rank
-                                                                 << ": num_tokens and num_rows must be >= 0, got "
-                                                                 << r.num_tokens << ", " << r.num_rows);
-    MOE_HOST_CHECK(r.num_tokens == 0 ||
-                       (r.x != nullptr && r.is_token_in_rank != nullptr && (s.num_topk == 0 || r.topk_idx != nullptr)),
-                   "rank " << rank << ": x, is_token_in_rank and topk_idx must be device pointers");
-    MOE_HOST_CHECK(s.scale_bytes == 0 || r.num_tokens == 0 || r.x_scales != nullptr,
-                   "rank " << rank << ": fp8 dispatch needs x_scales");
-    MOE_HOST_CHECK(r.recv_prefix != nullptr && r.overflow != nullptr && r.num_recv_per_expert != nullptr,
-                   "rank " << rank << ": recv_prefix, overflow and num_recv_per_expert must be device pointers");
-    MOE_HOST_CHECK(r.num_rows == 0 || (r.recv_x != nullptr && (s.num_topk == 0 || r.recv_topk_idx != nullptr) &&
-                                       (s.scale_bytes == 0 || r.recv_scales != nullptr)),
-                   "rank " << rank << ": recv_x, recv_topk_idx (and recv_scales for fp8) must be device pointers");
-  }
+  check_dispatch_ranks(s, args.ranks, c.num_launch_ranks, c.rank_begin, "is_token_in_rank");
   const dim3 grid(static_cast<unsigned>(2 * c.num_channels), static_cast<unsigned>(c.num_launch_ranks));
   with_intranode_variant(c.variant, [&](auto policy, auto min_blocks) {
     auto kernel = dispatch_kernel<decltype(policy), decltype(min_blocks)::value>;
     const size_t smem = prepare_dynamic_smem(kernel, bulk_smem_bytes<decltype(policy)>());
-    check_resident(max_resident_blocks(kernel, kNumThreads, smem), grid, "dispatch");
-    launch_kernel(kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
+    launch_resident("the intranode dispatch", kernel, grid, dim3(kNumThreads), smem, stream, cooperative, args);
   });
 }
 

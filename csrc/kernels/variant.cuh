@@ -52,6 +52,8 @@ namespace moe_dispatch {
 
 // Most rows a warp copies together (Config.rows_in_flight).
 constexpr int kMaxRowsInFlight = 2;
+// Warps that may reduce one token together (Config.combine_warps).
+constexpr int kCombineWarps[] = {1, 2, 4};
 
 struct Variant {
   int32_t loads_in_flight;      // 16-byte loads per lane in flight (4: the current copy)
@@ -127,8 +129,9 @@ inline void check_variant(const Variant& v) {
   if (v.rows_in_flight < 1 || v.rows_in_flight > kMaxRowsInFlight)
     fail("rows_in_flight must be in [1, " + std::to_string(kMaxRowsInFlight) + "], got " +
          std::to_string(v.rows_in_flight));
-  if (v.combine_warps != 1 && v.combine_warps != 2 && v.combine_warps != 4)
-    fail("combine_warps must be 1, 2 or 4, got " + std::to_string(v.combine_warps));
+  bool team = false;
+  for (int w : kCombineWarps) team = team || v.combine_warps == w;
+  if (!team) fail("combine_warps must be 1, 2 or 4, got " + std::to_string(v.combine_warps));
   if ((v.slot_flags | v.coordinator_backoff | v.bulk_copy | v.register_cap) & ~1)
     fail("slot_flags, coordinator_backoff, bulk_copy and register_cap must be 0 or 1");
 }

@@ -57,6 +57,7 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
   na.common = common;
   na.num_topk = w.K;
   std::vector<int32_t> prefix(W * C + 1, -1), forward(C * N + 1, -1), counts(2, -1), peer_ok(N + w.L, -1);
+  std::vector<int32_t> relayed(w.L * (N * C + 1), -1), cut(w.L * C * N, -1);
   int32_t overflow = -1;
   FusedNotifyRank& n = na.ranks[0];
   n.is_token_in_rank = reinterpret_cast<const bool*>(w.in_rank[r].data());
@@ -66,6 +67,7 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
   n.counts = counts.data();
   n.overflow = &overflow;
   n.peer_ok = peer_ok.data();
+  n.relay_prefix = relayed.data();
   n.check = {header(kOpDispatch, round, w, w.K), &record, nullptr};
   n.num_tokens = w.T[r];
   n.budget = -1;
@@ -89,11 +91,14 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
   d.is_token_in_node = n.is_token_in_node;
   d.recv_prefix = prefix.data();
   d.forward_prefix = forward.data();
+  d.relay_prefix = relayed.data();
   d.forward_mask = mask.data();
+  d.forward_cut = cut.data();
   d.peer_ok = peer_ok.data();
   d.check = n.check;
   d.num_rows = R;
   d.forward_capacity = R1;
+  d.budget = -1;
   run_fused_dispatch_cpu(da, w.options);
   if (w.common.error->flag) return fail("fused dispatch timed out", r, round);
   std::vector<int64_t> want_per_expert(epr, 0);
@@ -142,12 +147,15 @@ int fused_round(const World& w, int r, int round, bool mismatch, MismatchRecord&
   f.is_token_in_node = n.is_token_in_node;
   f.recv_prefix = prefix.data();
   f.forward_prefix = forward.data();
+  f.relay_prefix = relayed.data();
   f.forward_mask = mask.data();
+  f.forward_cut = cut.data();
   f.out = reinterpret_cast<char*>(out.data());
   f.check = {header(kOpCombine, mismatch && r == 0 ? 1000 : round, w, 0), &record, nullptr};
   f.num_tokens = w.T[r];
   f.num_rows = R;
   f.forward_capacity = R1;
+  f.budget = -1;
   run_fused_combine_cpu(ca, intranode::kBf16, w.options);
   if (w.common.error->flag) return fail("fused combine timed out", r, round);
   if (mismatch) {

@@ -1,3 +1,4 @@
 """Helpers for tests and benchmarks: :mod:`.launch` (``spawn_world``, ``launch_ranks``),
+:mod:`.loopback` (the kernels' loopback harnesses ``Loopback`` and ``InternodeLoopback``),
 :mod:`.routing` (seeded routing presets), :mod:`.cases` (dispatch/combine cases checked against
 the oracle) and :mod:`.resources` (what a process holds, for leak checks)."""

@@ -20,32 +20,27 @@ import os
 import torch
 import torch.distributed as dist
 
+from .._ext import require_extension
 from ..config import ERROR_RECORD_INTS, Config
-from ..errors import CommError
-from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records
+from .header import Records
 from .internode import (
-    InternodeDispatch,
+    InternodeEngines,
     InternodeHandle,
-    InternodeTimeoutError,
+    RdmaEngine,
     StagedInternodeHandle,
-    _combine,
-    _dispatch,
-    _RdmaEngine,
-    _Transport,
     check_rdma_config,
     describe_timeout,
     empty_handle,
-    rdma_layout,
+    run_combine,
+    run_dispatch,
 )
-from .intranode import (
-    IntranodeTransport,
-    _empty_input,
-    _ext,
-    _Input,
-    _loopback_device,
-    _prepare,
-    _slot_bytes,
+from .intranode import IntranodeTransport
+from .launcher import (
+    InternodeTimeoutError,
+    RankTransport,
     default_timeout_s,
+    resolve_device,
+    slot_bytes_for,
 )
 from .memory import SharedMemoryBuffer, map_peers
 
@@ -76,7 +71,7 @@ class NvshmemWorld:
     _active: NvshmemWorld | None = None
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, heap_bytes: int):
-        C = _ext()
+        C = require_extension()
         if not C.with_nvshmem:
             raise RuntimeError(
                 "moe_dispatch._C was built without NVSHMEM: reinstall with nvidia-nvshmem-cu13 present "
@@ -101,13 +96,13 @@ class NvshmemWorld:
 
     def malloc(self, num_bytes: int) -> int:
         """A zeroed symmetric allocation (collective: the same size on every PE); its address."""
-        ptr = _ext().nvshmem_malloc(num_bytes)
+        ptr = require_extension().nvshmem_malloc(num_bytes)
         self._allocations.append(ptr)
         return ptr
 
     def close(self) -> None:
         """Frees every allocation and finalizes NVSHMEM (collective; after the last kernel)."""
-        C = _ext()
+        C = require_extension()
         torch.cuda.synchronize()
         for ptr in self._allocations:
             C.nvshmem_free(ptr)
@@ -116,7 +111,7 @@ class NvshmemWorld:
         NvshmemWorld._active = None
 
 
-class InternodeTransport:
+class InternodeTransport(RankTransport):
     """The internode kernels for an EP group of W = N x L ranks, one process each, PE = group rank.
 
     On GPUs (one each) stage 1 puts over NVSHMEM and stage 2 runs on CUDA IPC buffers. On CPU
@@ -168,10 +163,10 @@ class InternodeTransport:
         world_size = dist.get_world_size(group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
-        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config, min_topk=1)
+        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=1)
         self.config = config or Config()
         check_rdma_config(self.config)
-        self.device, _ = _loopback_device("cuda" if device is None else device)  # before anything collective
+        self.device, _ = resolve_device("cuda" if device is None else device)  # before anything collective
         # The kernel refuses it at the first dispatch; refused here, at construction.
         fused = self.config.internode_pipeline == "fused"
         if fused and self.device.type == "cuda" and self.config.copy_variant != Config().copy_variant:
@@ -180,12 +175,12 @@ class InternodeTransport:
                 f"rows_in_flight=1, bulk_copy=False, register_cap=True), got {self.config.copy_variant}; the copy "
                 "variants run in loopback mode (InternodeLoopback)"
             )
-        C = _ext()
+        C = require_extension()
         self.group, self.rank, self.world_size = group, rank, world_size
         self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
         on_gpu = self.device.type == "cuda"
         timeout = default_timeout_s(timeout_s)
-        layout = rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
+        layout = C.internode_rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
         # Every rank creates every node group, in the same order (new_group is collective).
         node = rank // L
         node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
@@ -209,7 +204,7 @@ class InternodeTransport:
             self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
             symmetric = self.nvshmem.malloc(layout.total_bytes)
             self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
-            rdma = _RdmaEngine(
+            rdma = RdmaEngine(
                 N,
                 L,
                 self.config,
@@ -226,13 +221,13 @@ class InternodeTransport:
                 records=records,
                 rank_begin=rank,
             )
-            self.transport = _Transport(N, L, rdma, nodes)
+            self.transport = InternodeEngines(N, L, rdma, nodes)
             dist.barrier(group=group)
         else:
             self._rdma_own = SharedMemoryBuffer(layout)
             try:
                 buffers = map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers)
-                rdma = _RdmaEngine(
+                rdma = RdmaEngine(
                     N,
                     L,
                     self.config,
@@ -249,7 +244,7 @@ class InternodeTransport:
                     records=records,
                     rank_begin=rank,
                 )
-                self.transport = _Transport(N, L, rdma, nodes)
+                self.transport = InternodeEngines(N, L, rdma, nodes)
                 dist.barrier(group=group)  # every rank has mapped every buffer
             except BaseException:
                 self.close()  # leave no mapping or shared-memory file behind (local: no collective)
@@ -259,105 +254,17 @@ class InternodeTransport:
     def _launches(self) -> int:
         return self.transport.rdma.launches + self.intranode.engine.launches
 
-    def dispatch(
-        self,
-        x,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-        num_experts: int,
-        *,
-        num_sms: int | None = None,
-        handle: InternodeHandle | StagedInternodeHandle | None = None,
-        num_worst_tokens: int | None = None,
-        dispatch_id: int | None = None,
-    ) -> InternodeDispatch:
-        """This rank's dispatch (collective). Arguments as
-        :meth:`~moe_dispatch.transport.internode.InternodeLoopback.dispatch` for one rank. Raises
-        ValueError / TypeError for bad arguments (after taking part with a refusal, so the peers
-        finish at once and record it), MismatchError, InternodeTimeoutError."""
-        self.check_errors()
-        op, launches = (OP_DISPATCH if handle is None else OP_CACHED_DISPATCH), self._launches()
-        try:
-            inp = _prepare(
-                self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device, handle=handle
-            )
-            result = _dispatch(
-                self.transport,
-                [inp],
-                num_experts,
-                num_sms=num_sms or self.config.num_sms,
-                handles=[handle] if handle is not None else None,
-                num_worst_tokens=num_worst_tokens,
-                skip_rank=None,
-                skip_phase=None,
-                dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
-                statuses=None,
-                check=False,
-            )[0]
-        except (ValueError, TypeError) as err:
-            if self._launches() == launches:
-                self._refuse(op, err)
-            raise
-        self._after(synchronized=handle is None and not num_worst_tokens)
-        return result
+    def _dispatch_ranks(self, inputs, num_experts, **options):
+        return run_dispatch(self.transport, inputs, num_experts, **options, check=False)
 
-    def combine(
-        self, y: torch.Tensor, handle: InternodeHandle | StagedInternodeHandle, row_scale: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """This rank's combine (collective; never synchronises the host on a GPU)."""
-        self.check_errors()
-        launches = self._launches()
-        try:
-            out = _combine(self.transport, self.rank, [y], [handle], [row_scale], None, None, None, check=False)[0]
-        except (ValueError, TypeError) as err:
-            if self._launches() == launches:
-                self._refuse(OP_COMBINE, err)
-            raise
-        self._after(synchronized=False)
-        return out
+    def _run_combine(self, y, handle, row_scale, statuses=None):
+        return run_combine(self.transport, self.rank, [y], [handle], [row_scale], None, None, statuses, check=False)[0]
 
-    def _refuse(self, op: int, err: Exception) -> None:
-        """Runs ``op`` with no tokens and status STATUS_INVALID_ARGUMENTS (the peers finish at
-        once and record it); if that fails too, raises ``err`` caused by it."""
-        statuses = {self.rank: STATUS_INVALID_ARGUMENTS}
-        x = torch.zeros(0, 8, dtype=torch.bfloat16, device=self.device)
-        inp = _Input(
-            self.rank,
-            x,
-            None,
-            torch.zeros(0, 1, dtype=torch.int64, device=self.device),
-            None,
-            torch.zeros(0, self.world_size, dtype=torch.bool, device=self.device),
-            torch.int64,
-        )
-        handle = empty_handle(self.transport, self.rank)
-        try:
-            if op == OP_COMBINE:
-                _combine(self.transport, self.rank, [x], [handle], None, None, None, statuses, check=False)
-            else:
-                _dispatch(
-                    self.transport,
-                    [inp if op == OP_DISPATCH else _empty_input(inp)],
-                    self.world_size,
-                    num_sms=self.config.num_sms,
-                    handles=None if op == OP_DISPATCH else [handle],
-                    num_worst_tokens=None,
-                    skip_rank=None,
-                    skip_phase=None,
-                    dispatch_ids=None,
-                    statuses=statuses,
-                    check=False,
-                )
-        except CommError as refusal:
-            raise err from refusal
+    def _empty_handle(self) -> InternodeHandle | StagedInternodeHandle:
+        return empty_handle(self.transport, self.rank)
 
-    def _after(self, synchronized: bool) -> None:
-        """The next synchronisation after an operation: at once on the CPU backend; on a GPU when
-        the host just read the notify's counts (``synchronized``), from the pinned mirrors."""
-        if self.device.type == "cpu":
-            self.transport.check()
-        elif synchronized:
-            self.check_errors()
+    def _check_finished(self) -> None:
+        self.transport.check()
 
     def check_errors(self) -> None:
         """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out, or
@@ -372,12 +279,6 @@ class InternodeTransport:
             )
         self.intranode.check_timeout()
         self.transport.check_mismatches(synchronize=False)  # the node engine's with global ranks
-
-    def check(self) -> None:
-        """Synchronises with this rank's kernels, then raises as :meth:`check_errors`."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.check_errors()
 
     def close(self) -> None:
         """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
