@@ -8,11 +8,12 @@ import dataclasses
 import itertools
 import math
 import os
+import re
 import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ from .transport.base import (
     start,
     stream_order_wait,
 )
-from .transport.header import MismatchError
+from .transport.header import FIELD_STATUS, STATUS_INVALID_ARGUMENTS, MismatchError, describe_mismatch
 from .transport.kernels import KernelTransport
 from .transport.torch_dist import TorchDistTransport
 
@@ -60,7 +61,16 @@ if TYPE_CHECKING:
 
 _BUFFER_IDS = itertools.count()
 # A fresh dispatch's fields, compared across ranks in its metadata exchange (in this order).
-DISPATCH_FIELDS = ("num_experts", "top-k", "hidden", "x dtype", "fp8 x", "topk_idx dtype", "topk_weights given")
+DISPATCH_FIELDS = (
+    "num_experts",
+    "top-k",
+    "hidden",
+    "x dtype",
+    "fp8 x",
+    "topk_idx dtype",
+    "topk_weights given",
+    "num_worst_tokens",
+)
 # Transports of Buffers dropped without close(), released at the next Buffer() or close() (where
 # destroying process groups cannot cut into c10d's own bookkeeping, as a garbage collection could).
 _DROPPED: list[Transport] = []
@@ -359,10 +369,21 @@ def _resolve_arguments(
             "transport": transport,
             "ranks_per_node": ranks_per_node,
             "num_chunks": num_chunks,
-            "config": repr(config or Config()) if transport == "kernels" else None,
+            **_posted_config(config if transport == "kernels" else None, transport == "kernels"),
         },
     )
     return args, None
+
+
+def _posted_config(config: Config | str | None, kernels: bool) -> dict:
+    """What the ranks compare of the kernels' Config: each field by name (a difference is named
+    as ``config.num_sms``, not as two whole reprs), or ``"auto"``; None off the kernels."""
+    if not kernels:
+        return {"config": None}
+    if config == "auto":
+        return {"config": "auto"}
+    config = config or Config()
+    return {"config": "Config", **{f"config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)}}
 
 
 # c10d names a group made with use_local_synchronization (as the transports make theirs) after its
@@ -398,7 +419,7 @@ def _check_posts(posts: list[dict], rank: int, args: dict) -> None:
         ) from args.get("error")
     mine = args["posted"]
     for field, value in mine.items():
-        differ = [(r, post[field]) for r, post in enumerate(posts) if post[field] != value]
+        differ = [(r, post.get(field)) for r, post in enumerate(posts) if post.get(field) != value]
         if differ:
             theirs = ", ".join(f"{v!r} on EP rank {r}" for r, v in differ)
             resolved = (
@@ -648,9 +669,11 @@ class Buffer:
                 itself may move only inside ``hook()``. Nothing is held in between (the
                 communication thread is free). Outputs must not be read, nor the inputs
                 modified, nor the handle used, before the hook ran. Excludes ``async_finish``.
-            num_worst_tokens: 0 (default), or a static receive size: the outputs get that many
-                rows, of which the first ``handle.plan.num_recv_tokens`` are received (the rest:
-                ``recv_x`` 0, ``recv_topk_idx`` -1, ``recv_topk_weights`` 0), and no collective
+            num_worst_tokens: 0 (default), or a static receive size, the same on every rank
+                (compared like the other fields: a ValueError on every rank otherwise): the
+                outputs get that many rows, of which the first ``handle.plan.num_recv_tokens``
+                are received (the rest: ``recv_x`` 0, ``recv_topk_idx`` -1, ``recv_topk_weights``
+                0), and no collective
                 runs on the caller's thread: the counts are exchanged by the transfer itself
                 (CPU: on the communication thread; with the torch_dist transport on CUDA the
                 host still waits inside the call, as NCCL's splits are host ints). Argument
@@ -685,11 +708,11 @@ class Buffer:
             ValueError/TypeError: bad shapes, dtypes, devices, ranges (``num_experts`` an int in
                 ``[1, 2**20]``, bools refused as ints); a foreign handle, or (cached) the handle of
                 another dispatch than the peers'; async_finish with return_recv_hook; ranks that
-                disagree on E, K, H, dtypes or whether topk_weights are given (naming the
-                ranks). A bad argument on any rank costs its peers one small collective, not
-                ``timeout_s``: that rank takes part in the call's check with a non-zero status
-                and raises its own error, its peers a ValueError naming it and quoting its error
-                (``moe_dispatch.transport.agreement``); the Buffer stays usable.
+                disagree on E, K, H, dtypes, whether topk_weights are given or num_worst_tokens
+                (naming the ranks and the field). A bad argument on any rank costs its peers one
+                small collective, not ``timeout_s``: that rank takes part in the call's check with
+                a non-zero status and raises its own error, its peers a ValueError naming it and
+                quoting its error (``moe_dispatch.transport.agreement``); the Buffer stays usable.
             RuntimeError: the handle's dispatch was issued with ``return_recv_hook`` and its hook
                 not called; another thread is inside this Buffer; the Buffer was closed.
             BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts),
@@ -708,11 +731,9 @@ class Buffer:
             except (TypeError, ValueError) as err:
                 if handle is not None:
                     self._transfers.refuse(err, "dispatch", "cached dispatch")
-                else:
-                    worst = _truthy(num_worst_tokens)  # the peers' exchange, as far as it can be told
-                    what = "dispatch (num_worst_tokens)" if worst else "dispatch (metadata)"
-                    self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
-                raise
+                worst = _truthy(num_worst_tokens)  # the peers' exchange, as far as it can be told
+                what = "dispatch (num_worst_tokens)" if worst else "dispatch (metadata)"
+                self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
             call = self._launch(mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
             fp8 = isinstance(x, tuple)
@@ -800,7 +821,6 @@ class Buffer:
             except (TypeError, ValueError) as err:
                 what = "dispatch (metadata)"
                 self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
-                raise
             call = self._launch(mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
             self._fresh(call, x, topk_idx, topk_weights, num_experts, 0, permute=layout)
@@ -823,7 +843,7 @@ class Buffer:
         transfer does) and sets ``call.dispatch``; returns it. ``permute``: a fused permute's
         ``(pad_multiple, num_permuted_tokens, expert_capacity)``, or None."""
         num_tokens = (x[0] if isinstance(x, tuple) else x).shape[0]
-        fields = _dispatch_fields(x, topk_idx, topk_weights, num_experts)
+        fields = _dispatch_fields(x, topk_idx, topk_weights, num_experts, num_worst_tokens)
         layout = None
         if permute is not None:
             sizes = torch.empty(num_experts // self.world_size, dtype=torch.int64, device=self.device)
@@ -832,7 +852,9 @@ class Buffer:
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
         else:
-            plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx=topk_idx)
+            xs = list(x) if isinstance(x, tuple) else [x]
+            rows = [dense(t) for t in [*xs, topk_idx, *([topk_weights] if topk_weights is not None else [])]]
+            plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx=topk_idx, rows=rows)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
         call.dispatch = FreshDispatch(
             slot=slot,
@@ -888,12 +910,16 @@ class Buffer:
             raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
         sync_free = bool(num_worst_tokens) and self._transfers.sync_free
+        check_num_experts(num_experts, self.world_size)  # first: topk_idx's range check assumes a valid E
         check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
-        check_num_experts(num_experts, self.world_size)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         if sync_free:
             self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
+        else:
+            # A call that synchronises anyway: an earlier sync-free dispatch's bad topk_idx is
+            # refused here, so the peers learn of it in this call's check instead of waiting.
+            self._transfers.raise_recorded_topk_idx()
 
     def combine(
         self,
@@ -942,7 +968,6 @@ class Buffer:
                 row_scale = self._check_combine(y, handle, topk_weights)
             except (TypeError, ValueError) as err:
                 self._transfers.refuse(err, "combine", "combine")
-                raise
             call = self._launch(mode, previous_event, allocate_on_comm_stream)
             out = autograd.CombineFn.apply(self._transfers, handle.slot, call, y, row_scale)
             return (out, *self._completion(call))
@@ -1070,14 +1095,25 @@ class Buffer:
             check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)
 
 
-def _dispatch_fields(x, topk_idx: torch.Tensor, topk_weights, num_experts: int) -> dict[str, Field]:
+def _dispatch_fields(
+    x, topk_idx: torch.Tensor, topk_weights, num_experts: int, num_worst_tokens: int
+) -> dict[str, Field]:
     """A fresh dispatch's fields (:data:`DISPATCH_FIELDS`), as every rank compares them."""
     fp8 = isinstance(x, tuple)
     x0 = x[0] if fp8 else x
     return dict(
         zip(
             DISPATCH_FIELDS,
-            (num_experts, topk_idx.shape[1], x0.shape[1], x0.dtype, fp8, topk_idx.dtype, topk_weights is not None),
+            (
+                num_experts,
+                topk_idx.shape[1],
+                x0.shape[1],
+                x0.dtype,
+                fp8,
+                topk_idx.dtype,
+                topk_weights is not None,
+                num_worst_tokens,
+            ),
         )
     )
 
@@ -1102,10 +1138,25 @@ def _steps_calling(fn, *args):
     fn(*args)
 
 
+# The checked fields the kernels' operation header compares in every launch (transport/header.py),
+# by operation: the fresh dispatch's notify header carries its exact row bytes, dtype, top-k,
+# experts, weights flag and num_worst_tokens; a combine's or cached dispatch's its handle, the
+# caller's row bytes and dtype. topk_idx's dtype only names the received ids' dtype on each rank.
+_HEADER_FIELDS = {
+    "dispatch (metadata)": frozenset(DISPATCH_FIELDS),
+    "dispatch": frozenset({"handle", "hidden", "dtype"}),
+    "combine": frozenset({"handle", "hidden", "dtype"}),
+}
+
+
 def _signature_key(fields: dict[str, Field]) -> tuple:
-    """A call signature: its checked fields but the handle's dispatch id (which the kernels'
-    header carries on every call)."""
-    return tuple((name, value) for name, value in fields.items() if name != "handle")
+    """A call signature: its checked fields but those the kernels' header compares in every
+    launch (:data:`_HEADER_FIELDS`). Whether a signature is new must not depend on such a value:
+    ranks that disagree on one would otherwise split, some into the host check of a new
+    signature, the others into the kernels of one they have seen, and wait for each other until
+    ``timeout_s`` instead of comparing headers."""
+    carried = _HEADER_FIELDS.get(fields["operation"], frozenset())
+    return tuple((name, value) for name, value in fields.items() if name not in carried)
 
 
 class Transfers:
@@ -1129,16 +1180,19 @@ class Transfers:
     Argument checks across ranks: a transport whose operations exchange their sizes (torch_dist)
     compares the arguments of every operation. The kernels compare them on the device in every
     launch (their operation header, ``transport.device_checks``); then the host compares them
-    only the first time a call signature (the operation and its checked fields) appears on this
-    Buffer, and every rank takes part in that check. A rank refusing its own arguments
-    (:meth:`refuse`) joins the host check while no call of that kind has passed one, the
-    kernels after that. What that leaves: a rank whose call has a signature new to it while its
-    peers' (different) one is not, or a refusal while the peers run the first call of a new
-    signature of a kind seen before, waits in the host check while the others wait in the
-    kernels (or the reverse); both end in a CommError naming the other within ``timeout_s``
-    (no hang). Likewise a rank in a combine while its peers start a fresh dispatch, each of a
-    signature seen before: the combine's and the notify's headers do not meet, so that pair
-    times out, naming the peer, instead of recording a mismatch.
+    only the first time a call signature appears on this Buffer, where a signature leaves out
+    the fields the header compares (:func:`_signature_key`): in practice the first fresh
+    dispatch, the first combine and the first cached dispatch, and every rank takes part in that
+    check. A later call that differs on one rank only (a dtype, hidden, top-k, experts, weights
+    or num_worst_tokens) therefore meets its peers in the kernels, which tell them apart; one
+    that needs larger buffers joins with status "grow" first (``transport._sized``), so every
+    rank raises MismatchError at once unless every rank grows. A rank refusing its own
+    arguments (:meth:`refuse`) joins the host check while no call of that kind has passed one,
+    the kernels after that. What that leaves: calls that differ in what the header does not
+    carry (the number of row tensors of a combine or cached dispatch, its fp8 scales), and a
+    rank in a combine while its peers start a fresh dispatch: such ranks wait for each other
+    in different places and end in a CommError naming the other within ``timeout_s`` (no
+    hang), instead of recording a mismatch.
 
     Args:
         transport: the Buffer's transport.
@@ -1155,6 +1209,7 @@ class Transfers:
         self._signatures: set[tuple] = set()  # call signatures checked across ranks on the host
         # Sync-free dispatches' topk_idx checked on the device: set when one had bad values.
         self._bad_topk_idx = torch.zeros((), dtype=torch.bool, device=device)
+        self._topk_idx_unread = False  # whether _bad_topk_idx may be set (a sync-free dispatch since)
         self._broken: str | None = None  # why, once an operation failed halfway
         self._guard = threading.Lock()
         self._owner: tuple[int, str, str] | None = None  # (thread id, thread name, entry point) inside
@@ -1181,6 +1236,25 @@ class Transfers:
             s = topk_idx.sort(dim=1).values
             bad = bad | ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()
         self._bad_topk_idx |= bad
+        self._topk_idx_unread = True
+
+    def raise_recorded_topk_idx(self) -> None:
+        """Raises (once) the ValueError :meth:`check_topk_idx_on_device` recorded since the last
+        read; a host read of the flag, made only after a sync-free dispatch.
+
+        Raises:
+            ValueError: a sync-free dispatch since the last check had bad topk_idx entries.
+        """
+        if not self._topk_idx_unread:
+            return
+        self._topk_idx_unread = False
+        if bool(self._bad_topk_idx):
+            self._bad_topk_idx.zero_()
+            raise ValueError(
+                f"EP rank {self.topology.rank}: a num_worst_tokens dispatch since the last check had topk_idx "
+                "entries outside [-1, num_experts) or an expert twice in a row (checked on the device in the "
+                "sync-free mode; its rows went only to the experts its valid ids name)"
+            )
 
     def check_errors(self) -> None:
         """Waits for the queued operations (a host synchronisation), then raises what was
@@ -1197,13 +1271,7 @@ class Transfers:
         check = getattr(self.transport, "check_errors", None)
         if check is not None:
             check()
-        if bool(self._bad_topk_idx):
-            self._bad_topk_idx.zero_()
-            raise ValueError(
-                f"EP rank {self.topology.rank}: a num_worst_tokens dispatch since the last check had topk_idx "
-                "entries outside [-1, num_experts) or an expert twice in a row (checked on the device in the "
-                "sync-free mode; its rows went only to the experts its valid ids name)"
-            )
+        self.raise_recorded_topk_idx()
 
     def check_open(self) -> None:
         """Raises RuntimeError once the Buffer was closed, CommError once it is broken."""
@@ -1276,7 +1344,12 @@ class Transfers:
             raise CommError(self._broken)
         try:
             return fn(*args)
-        except (ValueError, TypeError, BudgetOverflowError):
+        except ValueError as err:
+            kind = _refusal_type(str(err))
+            if kind is TypeError:  # a peer's refused TypeError: the same type on every rank
+                raise TypeError(str(err)) from err
+            raise
+        except (TypeError, BudgetOverflowError):
             raise
         except Exception as err:
             self._break(err)
@@ -1288,20 +1361,22 @@ class Transfers:
         operation: str,
         what: str,
         fields: dict[str, Field] | None = None,
-    ) -> None:
+    ) -> NoReturn:
         """Takes part, for a call this rank refuses with ``err``, in the check its peers run,
         with a non-zero status and ``err``'s text posted in the store (the agreement:
-        :mod:`moe_dispatch.transport.agreement`); returns once every rank has seen the refusal,
-        and the caller raises ``err``. The peers raise ValueError naming this rank, and the
-        Buffer stays usable.
+        :mod:`moe_dispatch.transport.agreement`); once every rank has seen the refusal, raises
+        what the peers raise: the refusing rank's error type (TypeError or ValueError; with
+        several refusals the lowest rank's), naming the refusing ranks and quoting their errors
+        (this rank's ``err`` is the cause). The Buffer stays usable.
 
         With the kernels (``device_checks``), once a call of this operation's kind has passed
         the host check on this Buffer, the peers are taken to run a signature they have seen
         (the steady state: the refused arguments themselves tell nothing of the peers' call),
         so they skip that check and run the kernels: this rank then takes part in the operation
         itself with no rows and a non-zero header status (``transport.refuse``), and the peers
-        raise MismatchError naming it and quoting its error where their operation completes.
-        Before that, everyone is in the host check of a first call.
+        raise MismatchError (a TypeError for a refused TypeError) naming it and quoting its
+        error where their operation completes; so does this rank. Before that, everyone is in
+        the host check of a first call.
 
         Args:
             operation: the check the peers run: ``"dispatch (metadata)"`` (a fresh dispatch's
@@ -1311,6 +1386,7 @@ class Transfers:
             fields: a fresh dispatch's fields (the refusing rank's: all -1).
 
         Raises:
+            ValueError, TypeError: the refusal (MismatchError where the kernels compared it).
             CommError: the check itself failed or timed out.
         """
         status = agreement.status_of(err)
@@ -1320,7 +1396,11 @@ class Transfers:
         if refuse_on_device is not None and self._checked_kind(operation):
             kind = "cached dispatch" if what == "cached dispatch" else operation.split(" (")[0]
             self._run(_steps_calling(refuse_on_device, kind, err), call, [], f"{what} (refused)")
-            return
+            # What the peers' records say of this rank, quoting its error (Transfers._marked).
+            rank = self.topology.rank
+            message, fields = describe_mismatch([1, rank, rank, FIELD_STATUS, STATUS_INVALID_ARGUMENTS, 0, -1, 0])
+            message = f"{message} (EP rank {rank} refused: {type(err).__name__}: {err})"
+            raise (TypeError(message) if isinstance(err, TypeError) else MismatchError(message, fields)) from err
         empty = torch.zeros((0, self.topology.world_size), dtype=torch.bool, device=self.device)
         try:
             if operation == "dispatch (metadata)":
@@ -1329,8 +1409,9 @@ class Transfers:
                 self._run(self._plan(empty, fields, None, None, call, status), call, [], what)
             else:
                 self._run(self._check({"operation": operation}, what, status), call, [], what)
-        except ValueError:
-            pass  # the refusal itself, which every rank raises
+        except (ValueError, TypeError) as refused:  # the refusal itself, which every rank raises
+            raise type(refused)(str(refused)) from err
+        raise err  # unreachable: the check raises every rank's refusal
 
     def _checked_kind(self, operation: str) -> bool:
         """Whether a call of ``operation``'s kind (a refusal's check name) passed the host check
@@ -1345,6 +1426,7 @@ class Transfers:
         fields: dict[str, Field],
         topk_idx: torch.Tensor | None = None,
         status: int = 0,
+        rows: list[torch.Tensor] | None = None,
     ) -> Plan:
         """A fresh dispatch's plan: the counts exchanged and ``fields`` compared across ranks (a
         host synchronisation: receive sizes are host ints). Takes the operation's number into
@@ -1352,10 +1434,14 @@ class Transfers:
 
         The exchange runs on the caller's thread, on a group no other thread uses, so it does
         not queue behind payloads in flight; where the transport ``plans_on_comm_thread`` (the
-        kernels: one queue for every launch), it runs in the queue and the caller waits.
+        kernels: one queue for every launch; torch_dist: the counts share the checks' group), it
+        runs in the queue and the caller waits (on CPU with nothing queued, on the caller's
+        thread: the same order).
 
         ``topk_idx``: ``[T, K]``, what the kernels' notify routes by. ``status``: this rank's
-        refusal (see :meth:`refuse`), 0 otherwise.
+        refusal (see :meth:`refuse`), 0 otherwise. ``rows``: the row tensors the dispatch will
+        move (as :meth:`dispatch` packs them), which a transport that ``fuses_layout`` may send
+        with the counts.
 
         Raises:
             ValueError: a rank refused, or ranks disagree on a field (naming it and the ranks).
@@ -1367,8 +1453,12 @@ class Transfers:
             if not self.transport.plans_on_comm_thread:
                 return self._guarded(drive, self.transport.plan(is_token_in_rank, fields, status=status))
             steps = self._marked(
-                self._plan(is_token_in_rank, fields, topk_idx, None, call, status), call.seq, "dispatch (metadata)"
+                self._plan(is_token_in_rank, fields, topk_idx, None, call, status, rows),
+                call.seq,
+                "dispatch (metadata)",
             )
+            if self.device.type != "cuda" and not self._queued:  # in queue order already (see _run)
+                return self._guarded(drive, steps)
             plan = stream_order_wait(self.submit(drive, steps))
             self.join()
             return plan
@@ -1381,13 +1471,16 @@ class Transfers:
         num_rows: int | None,
         call: Call,
         status: int = 0,
+        rows: list[torch.Tensor] | None = None,
     ):
         """Steps of a fresh dispatch's plan on the communication thread/stream: the kernels
         (``routes_on_device``) check the arguments first (:meth:`_check`), then run notify, with
-        the dispatch's identity (``call.seq``); torch_dist exchanges the counts with the fields."""
+        the dispatch's identity (``call.seq``); torch_dist exchanges the counts with the fields
+        (and, where they fit, ``rows``)."""
         t = self.transport
         if not getattr(t, "routes_on_device", False):
-            return (yield from t.plan(is_token_in_rank, fields, on_comm_thread=True, status=status))
+            extra = {"rows": rows} if rows is not None and getattr(t, "fuses_layout", False) else {}
+            return (yield from t.plan(is_token_in_rank, fields, on_comm_thread=True, status=status, **extra))
         if not status:  # a refusal is the transport's plan's own check
             # The operation first, so it is told apart from a combine's check.
             yield from self._check({"operation": "dispatch (metadata)", **fields}, "dispatch")
@@ -1681,6 +1774,8 @@ class Transfers:
             if not texts:
                 raise
             quoted = "; ".join(f"EP rank {r} refused: {text}" for r, text in sorted(texts.items()))
+            if texts[min(texts)].startswith("TypeError"):  # the refusing rank's type on every rank
+                raise TypeError(f"{err} ({quoted})") from err
             raise MismatchError(f"{err} ({quoted})", dict(vars(err))) from err
 
     def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
@@ -1741,17 +1836,35 @@ class Transfers:
 
     def _check(self, fields: dict[str, Field], what: str, status: int = 0):
         """Steps comparing ``fields`` (an operation's signature) and every rank's ``status``
-        across ranks on the host (``transport.agree``): every time, or, where the transport
+        across ranks on the host (``transport.agree``, whose check object a transport that
+        ``fuses_layout`` takes back to carry rows in it): every time, or, where the transport
         compares every launch on the device (``device_checks``), the first time this signature
         appears on this Buffer, and for a refusal."""
         if getattr(self.transport, "device_checks", False) and not status:
-            signature = _signature_key(fields)
-            if signature in self._signatures:
-                return
-            yield from self.transport.agree(fields, what, status)
-            self._signatures.add(signature)
+            return self._check_first(fields, what)
+        return self.transport.agree(fields, what, status)
+
+    def _check_first(self, fields: dict[str, Field], what: str):
+        """Steps of :meth:`_check` on a transport with ``device_checks``: the host check of a
+        signature new to this Buffer, nothing for one seen before."""
+        signature = _signature_key(fields)
+        if signature in self._signatures:
             return
-        yield from self.transport.agree(fields, what, status)
+        yield from self.transport.agree(fields, what)
+        self._signatures.add(signature)
+
+
+# The lowest refusing rank's error type in an agreement's refusal message (agreement.check): its
+# posted text ("TypeError: ...") or, where the store did not answer, its status in words.
+_FIRST_REFUSAL = re.compile(r"refused by EP ranks? \d+ \((?:(TypeError|ValueError): |[^()]*\((TypeError|ValueError)\))")
+
+
+def _refusal_type(message: str) -> type | None:
+    """TypeError or ValueError: the type of the first refusal ``message`` quotes; None for none."""
+    found = _FIRST_REFUSAL.search(message)
+    if found is None:
+        return None
+    return TypeError if "TypeError" in (found.group(1), found.group(2)) else ValueError
 
 
 def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:

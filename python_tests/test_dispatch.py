@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moe_dispatch import Buffer
 from moe_dispatch.config import Config
@@ -377,7 +378,41 @@ def _close(rank, world_size, buf):
 
 
 # Cases of the torch_dist transport alone (before "close", the last shared case).
-TORCH_DIST_CASES = {"every-pipeline-depth": _pipeline_depths}
+def _small_calls_one_collective(rank, world_size, buf):
+    """Once a dispatch sized the blocks, a small dispatch, its combine and a cached dispatch are
+    one collective each (the counts' or the argument check's blocks carry the rows; every pair
+    sends the same rows here, so no padding), with the oracle's bits."""
+    L, experts_per_rank = buf.topology.ranks_per_node, 2
+    num_experts, num_tokens = experts_per_rank * world_size, [12] * world_size
+    token = torch.arange(12).view(-1, 1)
+    idxs = [torch.arange(world_size) * experts_per_rank + (token + r) % experts_per_rank for r in range(world_size)]
+    ws = [torch.rand(12, world_size, generator=torch.Generator().manual_seed(36 + r)) for r in range(world_size)]
+    xs = make_x(num_tokens, 24, torch.bfloat16, seed=36)
+    buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)  # sizes the blocks
+    calls, real = [], dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("group"))
+        return real(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+        out, _ = buf.combine(expert(recv_x, rank), handle)
+        cached = buf.dispatch(xs[rank] * 3, handle=handle)[0]
+    finally:
+        dist.all_to_all_single = real
+    assert len(calls) == (3 if world_size > 1 else 0), f"{len(calls)} collectives for a dispatch, combine, replay"
+    refs = reference.dispatch(xs, idxs, ws, num_experts, L)
+    assert torch.equal(recv_x, refs[rank].recv_x) and torch.equal(recv_idx, refs[rank].recv_topk_idx)
+    assert torch.equal(recv_w, refs[rank].recv_topk_weights)
+    ys = [expert(r.recv_x, i) for i, r in enumerate(refs)]
+    assert torch.equal(out, reference.combine(ys, idxs, num_experts, L, ranks=[rank])[0])
+    tripled = reference.dispatch([x * 3 for x in xs], idxs, None, num_experts, L, ranks=[rank])[0]
+    assert torch.equal(cached, tripled.recv_x)
+
+
+TORCH_DIST_CASES = {"every-pipeline-depth": _pipeline_depths, "small-calls-one-collective": _small_calls_one_collective}
 
 
 def _world_entry(rank, world_size, ranks_per_node, transport="auto"):
@@ -418,35 +453,44 @@ def _wider_rows_later(rank, world_size, buf):
 
 
 def _mismatch_named_by_the_plan(rank, world_size, buf):
-    """The first call of a signature compares the arguments with one all_gather on the Buffer's
-    host group (gloo; on an NCCL EP group a gloo group of the same ranks): a ValueError naming
-    the rank. A num_experts no other case uses makes this call every rank's first of its
-    signature (the kernels compare later calls on the device)."""
+    """The ranks' hidden sizes differ: a ValueError on every rank naming the other. torch_dist
+    compares the arguments in its metadata exchange (one all_gather on the Buffer's host group);
+    the kernels, after their first dispatch, in their operation header (a MismatchError naming
+    the row bytes)."""
     num_tokens = [5] * world_size
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
     x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
     other = 1 - rank
-    with pytest.raises(ValueError, match=f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"):
+    if getattr(buf.transport, "device_checks", False):
+        match = rf"rank {other} disagrees on the row bytes: {32 + 32 * other} on rank {other}, {32 + 32 * rank} "
+    else:
+        match = f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"
+    with pytest.raises(ValueError, match=match):
         buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+        buf.check_errors()  # on a GPU the kernels' records are read here
 
 
 def _mixed_operations(rank, world_size, buf):
-    """Rank 0 combines while rank 1 starts a fresh dispatch: both checks run on one group, so
-    both ranks raise a ValueError naming the other's operation (not a gloo abort). With the
-    kernels these are both ranks' first calls of their signatures (fp16 rows of 48, a dispatch
-    without weights), which the host checks."""
-    num_tokens = [5] * world_size
-    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=33)
-    x = make_x(num_tokens, 48, torch.float16, seed=33)[rank]
-    recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
-    theirs = "dispatch (metadata)" if rank == 0 else "combine"
-    with pytest.raises(ValueError, match=rf"operation is .* here but {re.escape(theirs)} on EP rank {1 - rank}"):
-        if rank == 0:
-            buf.combine(recv_x, handle)
-        else:
-            buf.dispatch(x, idxs[rank], None, num_experts)
-    out, _ = buf.combine(recv_x, handle)  # still in step afterwards
-    assert out.shape == x.shape
+    """Rank 0 combines while rank 1 replays the dispatch (a cached dispatch): both checks run
+    on one group, so both ranks raise a ValueError naming the other's operation (not a gloo
+    abort). The kernels check on the host the first call of each kind: on a new Buffer these
+    are both ranks' first calls of their kinds."""
+    fresh = Buffer(buf.group, transport="kernels", ranks_per_node=world_size, timeout_s=60, config=buf.transport.config)
+    try:
+        num_tokens = [5] * world_size
+        idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=33)
+        x = make_x(num_tokens, 48, torch.float16, seed=33)[rank]
+        recv_x, *_, handle, _ = fresh.dispatch(x, idxs[rank], ws[rank], num_experts)
+        theirs = "dispatch" if rank == 0 else "combine"
+        with pytest.raises(ValueError, match=rf"operation is .* here but {re.escape(theirs)} on EP rank {1 - rank}"):
+            if rank == 0:
+                fresh.combine(recv_x, handle)
+            else:
+                fresh.dispatch(x, handle=handle)
+        out, _ = fresh.combine(recv_x, handle)  # still in step afterwards
+        assert out.shape == x.shape
+    finally:
+        fresh.close()
 
 
 def _config_reaches_the_kernels(rank, world_size, buf):

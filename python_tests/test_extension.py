@@ -59,6 +59,88 @@ def test_module_attributes():
     assert str(STATUS).startswith("built for sm_")
 
 
+@built
+def test_config_mirror_matches_extension():
+    """config.py's hand mirror (the pure-Python wheel's only source) equals what _C reports."""
+    from moe_dispatch import config
+    from moe_dispatch.transport.header import header_words
+
+    intranode, internode = _ext._C.intranode_limits, _ext._C.internode_limits
+    mirror = {
+        "max_ranks": config.MAX_RANKS,
+        "max_channels": config.MAX_CHANNELS,
+        "max_topk": config.MAX_TOPK,
+        "field_align": config.FIELD_ALIGN,
+        "line": config.LINE,
+        "error_record_ints": config.ERROR_RECORD_INTS,
+        "mismatch_record_words": config.MISMATCH_RECORD_WORDS,
+        "header_words": config.HEADER_WORDS,
+        "max_rows_in_flight": config.MAX_ROWS_IN_FLIGHT,
+        "combine_warps": list(config.COMBINE_WARPS),
+    }
+    assert {k: intranode[k] for k in mirror} == mirror
+    assert (internode["max_nodes"], internode["max_ranks_per_node"], internode["max_launch_ranks"]) == (
+        config.MAX_NODES,
+        config.MAX_RANKS_PER_NODE,
+        config.MAX_LAUNCH_RANKS,
+    )
+    assert internode["max_channels"] == config.MAX_CHANNELS
+    assert _ext._C.intranode_limits["max_rows_in_flight"] == 2
+    compiled = [tuple(v) for v in _ext._C.copy_variants]
+    assert compiled == [(a, b, int(c), int(d), int(e)) for a, b, c, d, e in config.COPY_VARIANTS]
+    assert len(header_words(1, 2, 3, torch.bfloat16, 4, 5, 6)) == config.HEADER_WORDS
+    assert (
+        config.buffer_layout(8, 8, 32, 14640, 2).__dict__
+        == _ext._C.intranode_buffer_layout(8, 8, 32, 14640, 2).to_dict()
+    )
+    assert config.slot_layout(7168, 224, 8).__dict__ == _ext._C.intranode_slot_layout(7168, 224, 8).to_dict()
+    assert (
+        config.rdma_layout(2, 8, 8, 32, 14640).__dict__ == _ext._C.internode_rdma_layout(2, 8, 8, 32, 14640).to_dict()
+    )
+
+
+@built
+def test_header_and_record_codes_match_extension():
+    """The codes Python writes into headers and reads from the kernels' records equal _C's."""
+    from moe_dispatch.transport import header, launcher
+
+    codes = _ext._C.codes
+    assert {name: code for code, name in header.OPS.items()} == codes["op"]
+    assert len(header.FIELDS) == len(codes["header_field"])
+    fields = codes["header_field"]
+    assert (header.FIELD_STATUS, header.FIELD_BUDGET) == (fields["status"], fields["budget"])
+    assert {"grow": header.STATUS_GROW} == codes["status"]
+    assert {str(dtype).removeprefix("torch."): c for dtype, c in launcher.COMBINE_DTYPES.items()} == codes[
+        "combine_dtype"
+    ]
+    assert {name: code for code, name in launcher._PHASES.items()} == codes["phase"]
+    assert {name: code for code, name in launcher._ROLES.items()} == codes["role"]
+    assert {name: code for code, name in launcher._COUNTERS.items()} == codes["counter"]
+
+
+@built
+def test_argument_structs_are_typed():
+    """The launch structs take each field by keyword in its C++ type; a missing, unknown or
+    too wide field is refused naming the struct and the field."""
+    from moe_dispatch.config import HEADER_WORDS as words
+
+    C = _ext._C
+    check = C.Check(header=list(range(words)), mismatch=64)
+    assert check.header == list(range(words)) and check.mismatch == 64 and check.mismatch_host is None
+    with pytest.raises(ValueError, match=rf"check.header must list {words} words, got 2"):
+        C.Check(header=[1, 2], mismatch=64)
+    with pytest.raises(ValueError, match=r"check is missing 'mismatch'"):
+        C.Check(header=[0] * words)
+    with pytest.raises(TypeError, match=r"combine rank has no field 'rows'"):
+        C.CombineRank(rows=1)
+    fields = dict(y=None, row_scale=None, is_token_in_rank=None, recv_prefix=None, out=None, check=check)
+    with pytest.raises(ValueError, match=r"combine rank.num_rows = 4294967296 does not fit int32"):
+        C.CombineRank(**fields, num_tokens=1, num_rows=1 << 32)
+    rank = C.CombineRank(**fields, num_tokens=3, num_rows=5)
+    assert (rank.num_tokens, rank.num_rows, rank.check.header) == (3, 5, list(range(words)))
+    assert C.Variant().loads_in_flight == 4 and C.CpuOptions(num_workers=5).group_warps == 2
+
+
 def test_status_when_missing_names_the_fix():
     if STATUS.built:
         pytest.skip("the extension is built here")

@@ -31,6 +31,7 @@ from moe_dispatch.semantics import reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.sync import HostSyncError, no_host_sync
 from moe_dispatch.transport.header import MismatchError
+from moe_dispatch.transport.launcher import TIMEOUT_ENV
 
 from . import test_async, test_dispatch
 from .test_dispatch import expert, make_routing, make_x
@@ -110,61 +111,53 @@ def _detector_fails_on_a_sync(rank, world_size, buf):
     one.item()  # restored
 
 
-def _forwarded_rows(idxs, num_experts, world_size, ranks_per_node) -> list[int]:
-    """Per rank, the rows it receives in stage 1 of a hierarchical dispatch and forwards: one per
-    (token, destination node) pair from the ranks of its local index (R1)."""
-    L, N = ranks_per_node, world_size // ranks_per_node
-    rows = [0] * world_size
-    for src, idx in enumerate(idxs):
-        nodes = torch.zeros(idx.shape[0], N, dtype=torch.bool)
-        valid = idx >= 0
-        nodes[torch.nonzero(valid)[:, 0], idx[valid] // (num_experts // N)] = True
-        for n in range(N):
-            rows[n * L + src % L] += int(nodes[:, n].sum())
-    return rows
-
-
 def _budget_overflow(rank, world_size, buf):
-    """More rows than num_worst_tokens: "raise" raises on every rank (all overflow), naming both
-    counts, while every rank completes; "drop" keeps the first rows, flags the handle and
-    combines the dropped rows as zeros. Several nodes: the budget is chosen so that the
-    forwarders' capacity (ranks per node x budget) holds their stage-1 rows; one rank per node
-    cannot overflow the receive without it, and those worlds check the flag and the kept count
-    only (the fused combine after a forwarding overflow times out in the kernels)."""
+    """More rows than num_worst_tokens on every rank: "raise" raises on every rank, naming both
+    counts; "drop" keeps the first rows and flags the handle. A whole step then equals the
+    oracle's with the dropped rows left out, forward (the combine sums the kept rows, the
+    dropped ones as zeros) and backward (the combine's backward replays the dispatch into the
+    kept rows, the dispatch's combines their gradients). Two budgets: one row per rank, and
+    just below the smallest receive; several nodes: the forwarders' records of the holders then
+    overflow (the rows that travel are listed) or fit."""
     L = buf.topology.ranks_per_node
-    _, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=53)
+    num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=53, dtype=torch.float32)
     x, idx, w = _dev(buf, xs[rank], idxs[rank], ws[rank])
     refs = reference.dispatch(xs, idxs, ws, num_experts, L)
     received = [r.recv_x.shape[0] for r in refs]
-    rows = received[rank]
-    budget = 4
-    if buf.num_nodes > 1:  # room for every forwarded row, if the receive can overflow without
-        budget = max(-(-r1 // L) for r1 in _forwarded_rows(idxs, num_experts, world_size, L))
-    forwards_all = budget < min(received)
-    budget = budget if forwards_all else min(received) - 1
-    with pytest.raises(BudgetOverflowError, match=f"received {rows} rows but num_worst_tokens={budget}"):
-        buf.dispatch(x, idx, w, num_experts, num_worst_tokens=budget)
-    recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(
-        x, idx, w, num_experts, num_worst_tokens=budget, on_overflow="drop"
-    )
-    assert bool(handle.overflow) and int(handle.recv_count) == rows and recv_x.shape[0] == budget
-    if not forwards_all:
-        return
-    assert torch.equal(recv_x.cpu(), refs[rank].recv_x[:budget])
-    assert torch.equal(recv_idx.cpu(), refs[rank].recv_topk_idx[:budget])
-    assert torch.equal(recv_w.cpu(), refs[rank].recv_topk_weights[:budget])
-    kept = refs[rank].recv_topk_idx[:budget]
-    assert torch.equal(per_expert.cpu(), torch.bincount(kept[kept >= 0], minlength=num_experts // world_size))
-    ys = [expert(r.recv_x, i) for i, r in enumerate(refs)]
-    for y in ys:
-        y[budget:] = 0  # what was dropped reaches no token
-    out, _ = buf.combine(expert(recv_x, rank), handle)
-    assert torch.equal(out.cpu(), reference.combine(ys, idxs, num_experts, L, ranks=[rank])[0])
+    gen = torch.Generator().manual_seed(59)
+    gouts = [torch.randn(t, xs[0].shape[1], generator=gen) for t in num_tokens]
+    grads = reference.dispatch(gouts, idxs, None, num_experts, L)  # the combine's backward, before the drop
+    for budget in (1, min(received) - 1):
+        with pytest.raises(BudgetOverflowError, match=f"received {received[rank]} rows but num_worst_tokens={budget}"):
+            buf.dispatch(x, idx, w, num_experts, num_worst_tokens=budget)
+        x_ = x.clone().requires_grad_()
+        recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(
+            x_, idx, w, num_experts, num_worst_tokens=budget, on_overflow="drop"
+        )
+        assert bool(handle.overflow) and int(handle.recv_count) == received[rank] and recv_x.shape[0] == budget
+        assert torch.equal(recv_x.detach().cpu(), refs[rank].recv_x[:budget])
+        assert torch.equal(recv_idx.cpu(), refs[rank].recv_topk_idx[:budget])
+        assert torch.equal(recv_w.cpu(), refs[rank].recv_topk_weights[:budget])
+        kept = refs[rank].recv_topk_idx[:budget]
+        assert torch.equal(per_expert.cpu(), torch.bincount(kept[kept >= 0], minlength=num_experts // world_size))
+        y = recv_x * (rank + 1)
+        y.retain_grad()
+        out, _ = buf.combine(y, handle)
+        (out * gouts[rank].to(buf.device)).sum().backward()
+        ys = [r.recv_x * (i + 1) for i, r in enumerate(refs)]
+        gys = [g.recv_x.clone() for g in grads]
+        for rows in (*ys, *gys):
+            rows[budget:] = 0  # what was dropped reaches no token
+        assert torch.equal(out.detach().cpu(), reference.combine(ys, idxs, num_experts, L, ranks=[rank])[0])
+        assert torch.equal(y.grad.cpu(), gys[rank][:budget]), f"budget {budget}: grad y (the replayed dispatch)"
+        want = reference.combine([g * (i + 1) for i, g in enumerate(gys)], idxs, num_experts, L, ranks=[rank])[0]
+        assert torch.equal(x_.grad.cpu(), want), f"budget {budget}: grad x (the gradients' combine)"
 
 
 def _device_checked_topk_idx(rank, world_size, buf):
     """Sync-free mode checks topk_idx values on the device: rank 0 names an expert twice in a
-    row; its check_errors() raises, the others' do not, and the Buffer stays usable."""
+    row; its check_errors() raises, the others' do not, or, without it, the next sized dispatch
+    raises on every rank; the Buffer stays usable."""
     assert _sync_free(buf)
     num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=54)
     x, idx, w = _dev(buf, xs[rank], idxs[rank], ws[rank])
@@ -178,6 +171,17 @@ def _device_checked_topk_idx(rank, world_size, buf):
         with pytest.raises(ValueError, match="EP rank 0: a num_worst_tokens dispatch .* an expert twice in a row"):
             buf.check_errors()
     buf.check_errors()  # cleared
+    # Without check_errors(), the next call that synchronises anyway (a sized dispatch) refuses on
+    # rank 0 with that error, so every rank raises at once instead of the peers timing out later.
+    buf.dispatch(x, idx, w, num_experts, num_worst_tokens=budget)
+    start = time.monotonic()
+    good = _dev(buf, xs[rank], idxs[rank], ws[rank])
+    with pytest.raises(ValueError, match="an expert twice in a row" if rank == 0 else "rank 0 refused") as err:
+        buf.dispatch(*good, num_experts)
+        buf.check_errors()
+    assert rank == 0 or isinstance(err.value, MismatchError), str(err.value)
+    assert time.monotonic() - start < buf.timeout_s / 2, "the refusal must end the operation at once"
+    buf.dispatch(*good, num_experts)  # usable
 
 
 def _device_mismatch_flag(rank, world_size, buf):
@@ -197,6 +201,55 @@ def _device_mismatch_flag(rank, world_size, buf):
         buf.check_errors()  # on a GPU the records are read here
     assert err.value.field in ("row bytes", "dtype") and 0 in (err.value.rank, err.value.peer), str(err.value)
     assert torch.equal(buf.combine(y, handle)[0], want), "the Buffer must stay usable"
+
+
+def _budget_mismatch(rank, world_size, buf):
+    """num_worst_tokens on the last rank only, after warm-up (the kernels' header compares it in
+    every fresh dispatch): a budget on that rank against none on the others, then a different
+    budget, each a MismatchError on every rank naming the field and the rank. Both within a
+    second, and the Buffer stays usable."""
+    num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=63, hidden=48)
+    x, idx, w = _dev(buf, xs[rank], idxs[rank], ws[rank])
+    budget, odd = sum(num_tokens), world_size - 1
+    start = time.monotonic()
+    want = buf.dispatch(x, idx, w, num_experts, num_worst_tokens=budget)[0]
+    for theirs in (0, budget + 1):
+        with pytest.raises(MismatchError, match="disagrees on the num_worst_tokens") as err:
+            buf.dispatch(x, idx, w, num_experts, num_worst_tokens=theirs if rank == odd else budget)
+            buf.check_errors()  # on a GPU a sync-free dispatch's records are read here
+        assert err.value.field == "num_worst_tokens" and odd in (err.value.rank, err.value.peer), str(err.value)
+    assert time.monotonic() - start < 2, "the mismatches must end the calls at once, not after timeout_s"
+    assert torch.equal(buf.dispatch(x, idx, w, num_experts, num_worst_tokens=budget)[0], want), "usable"
+
+
+def _one_rank_changes(rank, world_size, buf):
+    """After warm-up, a call whose signature is new on one rank only meets its peers in the
+    kernels, not in a host check they skip: rank 0 dispatches fp16 rows while the others send
+    bf16 (MismatchError on every rank naming the dtype), then rows wider than the buffers hold
+    while the others' fit (rank 0 joins with status "grow": every rank raises at once, naming
+    it). Both end within a second and the Buffer stays usable; when every rank changes (fp16
+    rows, then the wider rows: the buffers grow together) the calls equal the oracle."""
+    wide = 2 * buf.transport._capacity[0]  # 4-byte elements the buffers hold now: these rows need more
+    start = time.monotonic()
+    for field, hidden, dtype in (("dtype", 64, torch.float16), ("status", wide, torch.bfloat16)):
+        num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=64, hidden=hidden, dtype=dtype)
+        _, _, _, _, normal = _inputs(rank, world_size, seed=64)
+        x = xs[rank] if rank == 0 else normal[rank]
+        with pytest.raises(MismatchError) as err:
+            buf.dispatch(*_dev(buf, x, idxs[rank], ws[rank]), num_experts)
+            buf.check_errors()
+        assert err.value.field == field, str(err.value)
+        if field == "status":
+            assert "rank 0 refused the operation: its call needs larger buffers" in str(err.value), str(err.value)
+        else:
+            assert 0 in (err.value.rank, err.value.peer), str(err.value)
+    assert time.monotonic() - start < 2, "the mismatches must end the calls at once, not after timeout_s"
+    for hidden, dtype in ((64, torch.float16), (wide, torch.bfloat16)):  # every rank: fine
+        num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=65, hidden=hidden, dtype=dtype)
+        recv_x, _, recv_w, *_ = buf.dispatch(*_dev(buf, xs[rank], idxs[rank], ws[rank]), num_experts)
+        ref = reference.dispatch(xs, idxs, ws, num_experts, buf.topology.ranks_per_node)[rank]
+        assert torch.equal(recv_x.cpu(), ref.recv_x) and torch.equal(recv_w.cpu(), ref.recv_topk_weights)
+    assert buf.transport._capacity[0] >= wide, "every rank's buffers grew"
 
 
 def _refusal_named(rank, world_size, buf):
@@ -252,13 +305,24 @@ def _handle_fields(rank, world_size, buf):
 def _withheld_rank(rank, world_size, buf):
     """The last rank skips a budget-mode dispatch of a signature every rank has run: every other
     rank raises CommError within the timeout bound (no hang), the withheld rank named by those
-    that waited for it (the others name the rank they waited for in turn); then all close."""
+    that waited for it (the others name the rank they waited for in turn); then all close. The
+    kernels' waits end after MOE_DISPATCH_KERNEL_TIMEOUT_S (1 s) where it is set, whatever the
+    Buffer's timeout_s."""
     import torch.distributed as dist
 
     L = buf.topology.ranks_per_node
-    short = Buffer(
-        buf.group, ranks_per_node=L, transport="kernels", timeout_s=WITHHOLD_TIMEOUT_S, config=CONFIG, device=buf.device
-    )
+    os.environ[TIMEOUT_ENV] = "1"  # read when the Buffer is made
+    try:
+        short = Buffer(
+            buf.group,
+            ranks_per_node=L,
+            transport="kernels",
+            timeout_s=WITHHOLD_TIMEOUT_S,
+            config=CONFIG,
+            device=buf.device,
+        )
+    finally:
+        del os.environ[TIMEOUT_ENV]
     num_tokens, idxs, ws, num_experts, xs = _inputs(rank, world_size, seed=56)
     x, idx, w = _dev(short, xs[rank], idxs[rank], ws[rank])
     budget, absent = sum(num_tokens), world_size - 1
@@ -288,6 +352,7 @@ def _withheld_rank(rank, world_size, buf):
         assert elapsed < 3 * WITHHOLD_TIMEOUT_S, f"took {elapsed:.1f} s to fail: {message}"
     named = [m for m in messages if m is not None and re.search(rf"(?i)\brank {absent}\b", m)]
     assert named, f"no rank named the withheld rank {absent}: {messages}"
+    assert any("timed out after timeout_s=1:" in m for m in messages if m), f"the kernels' bound: {messages}"
 
 
 KERNEL_CASES = {
@@ -297,7 +362,9 @@ KERNEL_CASES = {
     "handle-fields": _handle_fields,
     "device-checked-topk-idx": _device_checked_topk_idx,
     "device-mismatch-flag": _device_mismatch_flag,
+    "budget-mismatch": _budget_mismatch,
     "refusal-named": _refusal_named,
+    "one-rank-changes": _one_rank_changes,
     "auto-config": test_dispatch._auto_config,
 }
 

@@ -394,6 +394,16 @@ def _construction_entry(rank, world_size):
             ValueError,
             r"Buffer\(\) arguments differ across ranks: config is .*'auto'",
         ),
+        "num-sms-differ": (  # a Config's fields are compared by name
+            lambda: Buffer(ranks_per_node=W, transport="kernels", num_sms=2 if rank == 1 else 4, timeout_s=TIMEOUT_S),
+            ValueError,
+            r"Buffer\(\) arguments differ across ranks: config.num_sms is "
+            + (
+                r"2 here but 4 on EP rank 0, 4 on EP rank 2, 4 on EP rank 3"
+                if rank == 1
+                else r"4 here but 2 on EP rank 1"
+            ),
+        ),
         "every-rank-bad": (
             lambda: Buffer(ranks_per_node=L, timeout_s=-1),
             ValueError,
@@ -423,6 +433,7 @@ CONSTRUCTION_CASES = [
     "ranks-per-node-differ",
     "num-chunks-differ",
     "config-auto-differ",
+    "num-sms-differ",
     "every-rank-bad",
 ]
 
@@ -431,7 +442,7 @@ CONSTRUCTION_CASES = [
 def test_refused_buffer_leaves_the_world_usable(case):
     """Buffer() with a bad (or different) argument on one rank: every rank raises the same error
     naming the rank and the field within FAST_S, and a good Buffer() right after works."""
-    if case == "config-auto-differ" and not _ext.extension_status().built:
+    if case in ("config-auto-differ", "num-sms-differ") and not _ext.extension_status().built:
         pytest.skip("transport='kernels' needs the built extension moe_dispatch._C")
     results = world_results(_construction_entry, W)
     assert_case(results, case)

@@ -60,6 +60,54 @@ MOE_ROLE void forward_slot(Ctx& ctx, const SlotLayout& s, int expert_base, int e
   }
 }
 
+// ---- the rows that travel between a forwarder and a local rank (internode.cuh, "budget") ----
+
+constexpr int32_t kNoCut = 0x7fffffff;  // forward_cut: every row of the ring travels
+
+// This rank's rows from forwarder f of source node m (every channel). p: recv_prefix.
+MOE_ROLE int64_t rows_from(const int32_t* p, int L, int C, int f, int m) {
+  return p[(m * L + f) * C + C] - p[(m * L + f) * C];
+}
+
+// This rank's rows of queue (source node m, forwarder f, channel c) that travel between it and
+// f: those whose ordinal among its rows from f, in its receive order, is below the budget (all
+// without one). `before`: its rows from f of source nodes below m (rows_from summed).
+MOE_ROLE int64_t travelling(const int32_t* p, int L, int C, int f, int m, int c, int32_t budget, int64_t before) {
+  const int64_t count = p[(m * L + f) * C + c + 1] - p[(m * L + f) * C + c];
+  if (budget < 0) return count;
+  const int64_t left = budget - before - (p[(m * L + f) * C + c] - p[(m * L + f) * C]);
+  return left <= 0 ? 0 : (left < count ? left : count);
+}
+
+// A forwarder's record of its forwarded rows (FusedDispatchRank / FusedCombineRank): whether
+// forward_mask lists each local rank's travelling rows (budget mode past forward_capacity).
+template <class Rank>
+MOE_ROLE bool listed(const Rank& me, int C, int N) {
+  return me.budget >= 0 && me.forward_prefix[C * N] > me.forward_capacity;
+}
+
+// Whether row j of the forwarder's stage-1 ring (channel c, source node m) travels to / from
+// local rank d, read back from what the fresh dispatch recorded.
+template <class Rank>
+MOE_ROLE bool travels(const Rank& me, int N, int L, int C, int c, int m, int j, int d, bool list) {
+  if (!list)
+    return ((me.forward_mask[me.forward_prefix[c * N + m] + j] >> d) & 1) != 0 &&
+           (me.budget < 0 || j < me.forward_cut[(d * C + c) * N + m]);
+  const int32_t* rp = me.relay_prefix + d * (N * C + 1);
+  int32_t lo = rp[m * C + c], hi = rp[m * C + c + 1] < me.budget ? rp[m * C + c + 1] : me.budget;
+  const int32_t* rows = me.forward_mask + static_cast<int64_t>(d) * me.budget;
+  while (lo < hi) {  // the ring indices of d's travelling rows of this ring, ascending
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (rows[mid] == j) return true;
+    if (rows[mid] < j) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return false;
+}
+
 // Lane: local peer f's NVLink header line of this epoch (in my NVLink buffer), into
 // theirs[kHeaderLineWords] (its report included); false when the wait timed out.
 template <class Ctx>
@@ -77,7 +125,8 @@ MOE_ROLE bool judge_local(Ctx& ctx, const Common& cm, const Check& check, int ra
   const int f_rank = (rank / cm.ranks_per_node) * cm.ranks_per_node + f;
   const bool ok = ring::judge(ctx, check, rank, f_rank, theirs, record);
   const int64_t* report = theirs + kReportWord;
-  if (record && ok && f_rank != rank && report[0] != 0)
+  // A growing f's report too, when this rank grows: whether f's rail peers grow (header.cuh).
+  if (record && (ok || both_grow(check.header.w, theirs)) && f_rank != rank && report[0] != 0)
     ctx.offer_mismatch(check, rank, static_cast<int>(report[1]), f_rank, static_cast<int>(report[2]), report[3],
                        report[4]);
   return ok;
@@ -90,20 +139,28 @@ template <class Ctx>
 MOE_ROLE void fused_handshake(Ctx& ctx, const Common& cm, const Check& check, int rank, uint64_t epoch, int phase) {
   const int num_nodes = cm.num_nodes, L = cm.ranks_per_node, my_node = rank / L, my_local = rank % L;
   for (int m = ctx.lane(); m < num_nodes; m += ctx.width()) put_rail_header(ctx, cm, check, rank, m, epoch);
-  uint64_t bad = 0;
+  uint64_t bad = 0, named = 0;  // named: the disagreeing pairs not growing on both sides
   for (int m = ctx.lane(); m < num_nodes; m += ctx.width()) {
     const int peer = rail_peer(cm, rank, m);
     int64_t theirs[kHeaderWords];
     const WaitSite site{phase, intranode::kBarrier, rank, -1, peer, intranode::kHeader};
-    if (!get_rail_header(ctx, cm, rank, m, epoch, site, theirs) || !ring::judge(ctx, check, rank, peer, theirs, true))
+    if (!get_rail_header(ctx, cm, rank, m, epoch, site, theirs)) {
       bad |= uint64_t{1} << m;
+      named |= uint64_t{1} << m;
+    } else if (!ring::judge(ctx, check, rank, peer, theirs, true)) {
+      bad |= uint64_t{1} << m;
+      if (!both_grow(check.header.w, theirs)) named |= uint64_t{1} << m;
+    }
   }
   bad = ctx.warp_or(bad);
-  // The report names the lowest disagreeing node's peer (every lane rereads its line).
+  named = ctx.warp_or(named);
+  // The report names the lowest disagreeing node's peer, one not growing with this rank if
+  // there is one (header.cuh, kStatusGrow); every lane rereads its line.
   int64_t report[kReportWords] = {static_cast<int64_t>(bad), -1, -1, 0, 0};
   if (bad != 0) {
+    const uint64_t pick = named != 0 ? named : bad;
     int first = 0;
-    while (((bad >> first) & 1u) == 0) ++first;
+    while (((pick >> first) & 1u) == 0) ++first;
     int64_t theirs[kHeaderWords];
     const WaitSite site{phase, intranode::kBarrier, rank, -1, rail_peer(cm, rank, first), intranode::kHeader};
     if (get_rail_header(ctx, cm, rank, first, epoch, site, theirs)) {
@@ -188,18 +245,22 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
   const int32_t forwarded = ctx.block_exclusive_scan(me.forward_prefix, C * N);
   // 6. Relay to each local rank d: my header line with the report of my rail verdicts, and the
   //    counts [N][C] of every source (m, my_local) for d; then its arrival signal.
+  //    The report names the first disagreeing rail peer, one that is not growing with this rank
+  //    if there is one (header.cuh, kStatusGrow: what a growing local rank must learn of).
   int64_t report[kReportWords] = {0, -1, -1, 0, 0};
+  bool named_grows = true;
   for (int m = 0; m < N; ++m) {
     if (st->rail_ok[m]) continue;
-    if (report[0] == 0) {
-      int64_t theirs[kHeaderWords];
-      for (int w = 0; w < kHeaderWords; ++w)
-        theirs[w] = ctx.load_relaxed64(reinterpret_cast<const int64_t*>(l.meta(buf, parity, m)) + w);
+    int64_t theirs[kHeaderWords];
+    for (int w = 0; w < kHeaderWords; ++w)
+      theirs[w] = ctx.load_relaxed64(reinterpret_cast<const int64_t*>(l.meta(buf, parity, m)) + w);
+    if (report[0] == 0 || (named_grows && !both_grow(me.check.header.w, theirs))) {
       const int field = header_diff(me.check.header.w, theirs);
       report[1] = rail_peer(cm, rank, m);
       report[2] = field;
       report[3] = me.check.header.w[field];
       report[4] = theirs[field];
+      named_grows = both_grow(me.check.header.w, theirs);
     }
     report[0] |= int64_t{1} << m;
   }
@@ -210,6 +271,7 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
             ? ctx.queue_i32(reinterpret_cast<const char*>(message_counts(l.meta(buf, parity, m)) + (1 + d) * C + c))
             : 0;
     ctx.store_relaxed(nl.relay_counts(nvl_buffer(cm, my_node * L + d), parity, my_local) + mc, v);
+    me.relay_prefix[d * (N * C + 1) + mc] = v;
   }
   for (int d = tid; d < L; d += threads)
     ring::put_header_line(ctx, nl.relay_line(nvl_buffer(cm, my_node * L + d), parity, my_local), me.check.header, epoch,
@@ -218,6 +280,11 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
   for (int d = tid; d < L; d += threads)
     ctx.store_release(nl.relay_arrive(nvl_buffer(cm, my_node * L + d), parity, my_local),
                       static_cast<int32_t>(epoch + 1));
+  // What the dispatch and combine count the travelling rows with (after the relay: no peer waits).
+  for (int d = 0; d < L; ++d) {
+    const int32_t relayed = ctx.block_exclusive_scan(me.relay_prefix + d * (N * C + 1), N * C);
+    if (tid == 0) me.relay_prefix[d * (N * C + 1) + N * C] = relayed;
+  }
   // 7. Every local forwarder's relay; 8. the NVLink verdicts and the forwarders' reports.
   for (int f = tid; f < L; f += threads) {
     const WaitSite site{kNodeNotify, intranode::kBarrier, rank, -1, my_node * L + f, intranode::kRelayHeader};
@@ -245,8 +312,7 @@ MOE_ROLE void fused_notify(Ctx& ctx, const FusedNotifyArgs& a, int rank, FusedNo
     me.forward_prefix[C * N] = forwarded;
     me.counts[0] = total;
     me.counts[1] = forwarded;
-    *me.overflow =
-        (me.budget >= 0 && total > me.budget) || (me.forward_capacity >= 0 && forwarded > me.forward_capacity);
+    *me.overflow = me.budget >= 0 && total > me.budget;
     ctx.store_local(l.notify_epoch(buf), epoch + 1);
   }
   // 10. Budget mode: rows past the received ones read as "no expert".
@@ -320,8 +386,8 @@ MOE_ROLE void fused_rdma_send(Ctx& ctx, const FusedDispatchArgs& a, int rank, in
 // ---- dispatch: forwarder ----------------------------------------------------------------------
 
 // Block state of a forwarder (shared memory on the GPU): per group (local destination d) and
-// source node m, the ring's entries passed, of those the ones forwarded to d, and the ring's
-// size; per m the entries freed to the sender so far.
+// source node m, the ring's entries passed, of those the ones d holds (forwarded to d while they
+// travel), and the ring's size; per m the entries freed to the sender so far.
 struct ForwardState {
   int32_t consumed[kMaxLocal][kMaxNodes];
   int32_t held[kMaxLocal][kMaxNodes];
@@ -347,6 +413,9 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
   const int my_node = rank / L, my_local = rank % L, dest = my_node * L + d;
   const bool fresh = me.peer_ok != nullptr;  // a cached dispatch exchanges headers and replays forward_mask
   const bool self = d == my_local;
+  const bool list = listed(me, C, N);
+  // d's rows of ring (channel, m) before it (relay_prefix): their ordinals are what travels.
+  const int32_t* relayed = me.relay_prefix + d * (N * C + 1) + channel;
   char* buf = ctx.buffer(rank);
   char* nvl = nvl_buffer(cm, rank);
   int32_t* consumed = fs->consumed[d];
@@ -362,6 +431,8 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
       ctx.shared_store(&total[m], ok ? me.forward_prefix[channel * N + m + 1] - me.forward_prefix[channel * N + m] : 0);
       ctx.shared_store(&consumed[m], 0);
       ctx.shared_store(&held[m], 0);
+      if (fresh)  // a ring whose rows for d all travel (or none do); else its row at ordinal budget cuts it
+        me.forward_cut[(d * C + channel) * N + m] = me.budget >= 0 && relayed[m * C] >= me.budget ? 0 : kNoCut;
     }
     int32_t dest_ok = 0;
     if (ctx.lane() == 0) {
@@ -424,13 +495,17 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
     if (m < 0) break;
     const int first = ctx.shared_load(&gs->first), count = ctx.shared_load(&gs->count);
     const int32_t mask_at = me.forward_prefix[channel * N + m] + first;  // this row's forward_mask entry
-    // 2. Which of the chunk's rows d holds (every warp computes the same).
+    // 2. Which of the chunk's rows d holds (every warp computes the same): fresh, from the top-k ids;
+    //    cached, the ones that travel to d. Of d's rows, those at ordinals below the budget travel.
     auto holders = [&](int e) -> uint32_t {
       if (fresh) return local_holders(ctx, s, l.recv_slot(buf, m, channel, first + e, stride), epr);
-      return mask_at + e < me.forward_capacity ? static_cast<uint32_t>(me.forward_mask[mask_at + e]) : 0u;
+      return travels(me, N, L, C, channel, m, first + e, d, list) ? 1u << d : 0u;
     };
-    int num_held = 0;
-    for (int e = 0; e < count; ++e) num_held += (holders(e) >> d) & 1u;
+    const int32_t base = ctx.shared_load(&held[m]);  // d's rows of this ring before the chunk
+    int to_d = 0;
+    for (int e = 0; e < count; ++e) to_d += (holders(e) >> d) & 1u;
+    const int64_t room = me.budget < 0 ? to_d : me.budget - relayed[m * C] - base;
+    const int num_held = room <= 0 ? 0 : (room < to_d ? static_cast<int>(room) : to_d);  // the ones that travel
     // 3. Room in d's NVLink ring for them.
     if (warp == 0) {
       const int64_t target = nvl_sent + num_held - nl.num_slots;
@@ -439,20 +514,21 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
     }
     ctx.group_sync();
     if (ctx.shared_load(&gs->stop)) break;
-    // 4. Copies, entry by entry of d's rows round robin over the warps.
-    const int32_t queue = (m * L + my_local) * C + channel, base = ctx.shared_load(&held[m]);
+    // 4. Copies, entry by entry of d's travelling rows round robin over the warps; a fresh dispatch
+    //    records where they went (internode.cuh, "budget").
+    const int32_t queue = (m * L + my_local) * C + channel;
     int index = 0;
     for (int e = 0; e < count; ++e) {
       const uint32_t mask = holders(e);
-      if (fresh && d == 0 && e % group_warps == warp && ctx.lane() == 0) {
-        if (mask_at + e < me.forward_capacity) {
-          me.forward_mask[mask_at + e] = static_cast<int32_t>(mask);
-        } else {
-          ctx.store_relaxed(me.overflow, 1);
-        }
-      }
+      if (fresh && !list && d == 0 && e % group_warps == warp && ctx.lane() == 0)
+        me.forward_mask[mask_at + e] = static_cast<int32_t>(mask);
       if (((mask >> d) & 1u) == 0) continue;
-      if (to_dest && index % group_warps == warp) {
+      if (fresh && index % group_warps == warp && ctx.lane() == 0) {
+        const int64_t ordinal = relayed[m * C] + base + index;  // among d's rows from this forwarder
+        if (list && ordinal < me.budget) me.forward_mask[d * me.budget + ordinal] = first + e;
+        if (!list && ordinal == me.budget) me.forward_cut[(d * C + channel) * N + m] = first + e;
+      }
+      if (index < num_held && to_dest && index % group_warps == warp) {  // the rest stay (past the budget)
         const char* slot = l.recv_slot(buf, m, channel, first + e, stride);
         if (self) {
           const int64_t row = me.recv_prefix[queue] + base + index;
@@ -468,7 +544,7 @@ MOE_ROLE void fused_forward(Ctx& ctx, const FusedDispatchArgs& a, int rank, int 
     if (warp == 0) {
       if (nvlink && num_held > 0) q.publish(ctx, nvl_sent, num_held);
       if (ctx.lane() == 0) {
-        ctx.shared_store(&held[m], base + num_held);
+        ctx.shared_store(&held[m], base + to_d);
         ctx.shared_store(&consumed[m], first + count);
         // Store, then read the other groups' progress: without a sequentially consistent fence
         // between the two, two groups finishing the same chunk can each miss the other's store
@@ -517,9 +593,12 @@ MOE_ROLE void fused_nvl_recv(Ctx& ctx, const FusedDispatchArgs& a, int rank, int
         skipped = static_cast<uint64_t>(theirs[kReportWord]);
       }
     }
-    for (int m = 0; m < N; ++m)
+    int64_t before = 0;
+    for (int m = 0; m < N; ++m) {
       if (((skipped >> m) & 1u) == 0)
-        expected += me.recv_prefix[(m * L + f) * C + channel + 1] - me.recv_prefix[(m * L + f) * C + channel];
+        expected += static_cast<int32_t>(travelling(me.recv_prefix, L, C, f, m, channel, me.budget, before));
+      before += rows_from(me.recv_prefix, L, C, f, m);
+    }
     ctx.shared_store(&gs->verdict, ok);
     ctx.shared_store(&gs->count, expected);
   }
@@ -580,9 +659,11 @@ MOE_ROLE void fused_holder_send(Ctx& ctx, const FusedCombineArgs& a, int rank, i
                            static_cast<uint32_t>(ctx.shared_load(&gs->lo));
   const int32_t* p = me.recv_prefix;
   auto queue = [&](int m) { return (m * L + f) * C + channel; };
-  int64_t total = 0;
-  for (int m = 0; m < N; ++m)
-    if (((skipped >> m) & 1u) == 0) total += p[queue(m) + 1] - p[queue(m)];
+  int64_t total = 0, before = 0;  // my rows from f that travel (all of them without a budget)
+  for (int m = 0; m < N; ++m) {
+    if (((skipped >> m) & 1u) == 0) total += travelling(p, L, C, f, m, channel, me.budget, before);
+    before += rows_from(p, L, C, f, m);
+  }
   const NvlQueue q = nvl_queue(nl, nvl_buffer(cm, rank), nvl_buffer(cm, f_rank), my_local, f, channel,
                                WaitSite{kCombine, intranode::kSender, rank, channel, f_rank, intranode::kHead});
   ring::send_entries(
@@ -590,11 +671,11 @@ MOE_ROLE void fused_holder_send(Ctx& ctx, const FusedCombineArgs& a, int rank, i
       [&](const int64_t* entries, char* const* slots, int n) {
         int64_t rows[Ctx::kMaxRows];
         for (int r = 0; r < Ctx::kMaxRows && r < n; ++r) {
-          int64_t e = entries[r];
+          int64_t e = entries[r], from_f = 0;
           int m = 0;  // entry e of the concatenation over m
-          for (;; ++m) {
+          for (;; from_f += rows_from(p, L, C, f, m++)) {
             if ((skipped >> m) & 1u) continue;
-            const int64_t count = p[queue(m) + 1] - p[queue(m)];
+            const int64_t count = travelling(p, L, C, f, m, channel, me.budget, from_f);
             if (e < count) break;
             e -= count;
           }
@@ -616,6 +697,7 @@ struct ForwardTables {
   int32_t self_start[kMaxNodes + 1];
   uint32_t rail_lo, rail_hi;  // bit m: my rail pair with node m agrees
   uint32_t agree;             // bit d: my NVLink pair with local rank d agrees
+  int32_t list;               // forward_mask lists the travelling rows (listed())
 };
 
 // Warp: fills `t` (lane 0 writes).
@@ -643,16 +725,18 @@ MOE_ROLE void forward_tables(Ctx& ctx, const FusedCombineArgs& a, int rank, int 
   if (ctx.lane() == 0) {
     const int32_t* fp = me.forward_prefix;
     const int32_t* p = me.recv_prefix;
-    int32_t own = 0;
+    int64_t own = 0, before = 0;  // my own rows that travel (to myself as their forwarder)
     for (int m = 0; m <= N; ++m) {
       t->start[m] = fp[channel * N + m] - fp[channel * N];
-      t->self_start[m] = own;
-      if (m < N && ((rail >> m) & 1u))
-        own += p[(m * L + my_local) * C + channel + 1] - p[(m * L + my_local) * C + channel];
+      t->self_start[m] = static_cast<int32_t>(own);
+      if (m == N) break;
+      if ((rail >> m) & 1u) own += travelling(p, L, C, my_local, m, channel, me.budget, before);
+      before += rows_from(p, L, C, my_local, m);
     }
     t->rail_lo = static_cast<uint32_t>(rail);
     t->rail_hi = static_cast<uint32_t>(rail >> 32);
     t->agree = static_cast<uint32_t>(agree);
+    t->list = listed(me, C, N);
   }
   ctx.warp_sync();
 }
@@ -693,12 +777,11 @@ struct ForwardCombineSource {
   // to agree on first (Config.combine_warps serves the source reducers).
   MOE_ROLE int team() const { return 1; }
   MOE_ROLE bool backoff() const { return cm->variant.coordinator_backoff != 0; }
-  MOE_ROLE uint32_t mask(int i) const {
-    const int32_t at = me->forward_prefix[channel * cm->num_nodes] + i;
-    return at < me->forward_capacity ? static_cast<uint32_t>(me->forward_mask[at]) : 0u;
-  }
-  MOE_ROLE bool holds(int i, int d) const {
-    return ((t->agree >> d) & 1u) && ((mask(i) >> d) & 1u) && rail_ok(node_of(i));
+  MOE_ROLE bool holds(int i, int d) const {  // d returns row i (it holds it, and it travels)
+    const int m = node_of(i);
+    return ((t->agree >> d) & 1u) && rail_ok(m) &&
+           travels(*me, cm->num_nodes, cm->ranks_per_node, cm->num_channels, channel, m, i - t->start[m], d,
+                   t->list != 0);
   }
   MOE_ROLE bool owns(int i, int worker, int num_workers) const {
     const int m = node_of(i);

@@ -1,15 +1,16 @@
 // Python bindings of the intranode kernels (registered into moe_dispatch._C by bindings.cpp).
 //
-// Each launch takes `common`, a dict of the fields every launched rank shares, and `ranks`, a
-// list with one dict of device pointers (ints, 0 or None = null) and sizes per launched rank;
-// moe_dispatch/transport/intranode.py builds both. backend="cuda" launches the kernel on `stream`
-// (asynchronous); backend="cpu" runs the same protocol code on threads over host memory and
-// returns when done (timeouts then count nanoseconds instead of clock64 cycles).
+// Each launch takes `common`, an IntranodeCommon of the fields every launched rank shares, and
+// `ranks`, a list with one rank struct (NotifyRank, DispatchRank, CombineRank) per launched rank;
+// moe_dispatch/transport/intranode.py builds both (bind_args.h: the typed classes). backend="cuda" launches the kernel
+// on `stream` (asynchronous); backend="cpu" runs the same protocol code on threads over host memory and returns when
+// done (timeouts then count nanoseconds instead of clock64 cycles).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -21,102 +22,144 @@
 namespace py = pybind11;
 
 namespace moe_dispatch {
+namespace bind {
+
+void register_arg_types(py::module_& m) {
+  using namespace intranode;
+  Struct<Variant>(m, "Variant", "variant", "The kernel variant (variant.cuh; Config.variant_fields()).",
+                  kDefaultVariant)
+      .integer("loads_in_flight", &Variant::loads_in_flight, false)
+      .integer("rows_in_flight", &Variant::rows_in_flight, false)
+      .integer("bulk_copy", &Variant::bulk_copy, false)
+      .integer("register_cap", &Variant::register_cap, false)
+      .integer("slot_flags", &Variant::slot_flags, false)
+      .integer("combine_warps", &Variant::combine_warps, false)
+      .integer("coordinator_backoff", &Variant::coordinator_backoff, false)
+      .init();
+  Struct<CpuOptions>(m, "CpuOptions", "cpu options", "Threads of the CPU backend (intranode_cpu.h).")
+      .integer("group_warps", &CpuOptions::group_warps, false)
+      .integer("num_workers", &CpuOptions::num_workers, false)
+      .init();
+  Struct<Check>(m, "Check", "check", "A launched rank's side of the header check (header.cuh).")
+      .property(
+          "header", [](const Check& c) { return std::vector<int64_t>(c.header.w, c.header.w + kHeaderWords); },
+          [](Check& c, const std::vector<int64_t>& words) {
+            MOE_HOST_CHECK(words.size() == kHeaderWords,
+                           "check.header must list " << kHeaderWords << " words, got " << words.size());
+            for (int i = 0; i < kHeaderWords; ++i) c.header.w[i] = words[i];
+          })
+      .pointer("mismatch", &Check::mismatch)
+      .pointer("mismatch_host", &Check::mismatch_host, false)
+      .init();
+
+  Layout<SlotLayout>(m, "SlotLayout", "Byte offsets inside one queue slot (make_slot_layout, intranode.cuh).")
+      .field("x_bytes", &SlotLayout::x_bytes)
+      .field("scale_bytes", &SlotLayout::scale_bytes)
+      .field("num_topk", &SlotLayout::num_topk)
+      .field("scale_offset", &SlotLayout::scale_offset)
+      .field("topk_idx_offset", &SlotLayout::topk_idx_offset)
+      .field("topk_weights_offset", &SlotLayout::topk_weights_offset)
+      .field("aux_offset", &SlotLayout::aux_offset)
+      .field("slot_bytes", &SlotLayout::slot_bytes)
+      .done();
+  Layout<BufferLayout>(m, "BufferLayout", "Byte offsets of one rank's NVLink buffer (drawn in intranode.cuh).")
+      .field("num_ranks", &BufferLayout::num_ranks)
+      .field("num_channels", &BufferLayout::num_channels)
+      .field("num_slots", &BufferLayout::num_slots)
+      .field("slot_bytes", &BufferLayout::slot_bytes)
+      .field("relay_nodes", &BufferLayout::relay_nodes)
+      .field("relay_bytes", &BufferLayout::relay_bytes)
+      .field("meta_offset", &BufferLayout::meta_offset)
+      .field("tail_offset", &BufferLayout::tail_offset)
+      .field("head_offset", &BufferLayout::head_offset)
+      .field("epoch_offset", &BufferLayout::epoch_offset)
+      .field("header_offset", &BufferLayout::header_offset)
+      .field("relay_offset", &BufferLayout::relay_offset)
+      .field("queue_offset", &BufferLayout::queue_offset)
+      .field("total_bytes", &BufferLayout::total_bytes)
+      .done();
+
+  Struct<Common>(m, "IntranodeCommon", "intranode common",
+                 "The fields every rank of an intranode launch shares (intranode.cuh Common); the launch sets\n"
+                 "num_launch_ranks from its rank list.")
+      .integer("num_ranks", &Common::num_ranks)
+      .integer("num_channels", &Common::num_channels)
+      .integer("rank_begin", &Common::rank_begin)
+      .integer("skip_rank", &Common::skip_rank)
+      .integer("chunk_tokens", &Common::chunk_tokens)
+      .integer("l2_discard", &Common::l2_discard)
+      .member("variant", &Common::variant)
+      .integer("timeout_cycles", &Common::timeout_cycles)
+      .member("layout", &Common::layout)
+      .addresses("buffers", &Common::buffers)
+      .pointer("error", &Common::error)
+      .pointer("error_host", &Common::error_host, false)
+      .init();
+  Struct<NotifyRank>(m, "NotifyRank", "notify rank", "One launched rank of a notify (intranode.cuh NotifyRank).")
+      .pointer("is_token_in_rank", &NotifyRank::is_token_in_rank)
+      .pointer("recv_prefix", &NotifyRank::recv_prefix)
+      .pointer("num_recv_tokens", &NotifyRank::num_recv_tokens)
+      .pointer("overflow", &NotifyRank::overflow)
+      .pointer("recv_topk_idx", &NotifyRank::recv_topk_idx)
+      .pointer("recv_topk_weights", &NotifyRank::recv_topk_weights)
+      .pointer("recv_src_idx", &NotifyRank::recv_src_idx)
+      .pointer("peer_ok", &NotifyRank::peer_ok)
+      .member("check", &NotifyRank::check)
+      .integer("num_tokens", &NotifyRank::num_tokens)
+      .integer("budget", &NotifyRank::budget)
+      .init();
+  Struct<DispatchRank>(m, "DispatchRank", "dispatch rank",
+                       "One launched rank of a dispatch (intranode.cuh DispatchRank).")
+      .pointer("x", &DispatchRank::x)
+      .pointer("x_scales", &DispatchRank::x_scales)
+      .pointer("topk_idx", &DispatchRank::topk_idx)
+      .pointer("topk_weights", &DispatchRank::topk_weights)
+      .pointer("is_token_in_rank", &DispatchRank::is_token_in_rank)
+      .pointer("token_ids", &DispatchRank::token_ids, false)
+      .pointer("recv_prefix", &DispatchRank::recv_prefix)
+      .pointer("recv_x", &DispatchRank::recv_x)
+      .pointer("recv_scales", &DispatchRank::recv_scales)
+      .pointer("recv_topk_idx", &DispatchRank::recv_topk_idx)
+      .pointer("recv_topk_weights", &DispatchRank::recv_topk_weights)
+      .pointer("recv_src_idx", &DispatchRank::recv_src_idx)
+      .pointer("num_recv_per_expert", &DispatchRank::num_recv_per_expert)
+      .pointer("overflow", &DispatchRank::overflow)
+      .pointer("peer_ok", &DispatchRank::peer_ok)  // None: a cached dispatch exchanges headers
+      .member("check", &DispatchRank::check)
+      .integer("num_tokens", &DispatchRank::num_tokens)
+      .integer("num_rows", &DispatchRank::num_rows)
+      .init();
+  Struct<CombineRank>(m, "CombineRank", "combine rank", "One launched rank of a combine (intranode.cuh CombineRank).")
+      .pointer("y", &CombineRank::y)
+      .pointer("row_scale", &CombineRank::row_scale)
+      .pointer("is_token_in_rank", &CombineRank::is_token_in_rank)
+      .pointer("recv_prefix", &CombineRank::recv_prefix)
+      .pointer("out", &CombineRank::out)
+      .member("check", &CombineRank::check)
+      .integer("num_tokens", &CombineRank::num_tokens)
+      .integer("num_rows", &CombineRank::num_rows)
+      .init();
+}
+
+}  // namespace bind
+
 namespace intranode {
 namespace {
 
 using bind::as_stream;
 using bind::check_backend;
-using bind::field;
-using bind::int32;
-using bind::integer;
-using bind::parse_combine_rank;
-using bind::parse_cpu_options;
-using bind::parse_dispatch_rank;
-using bind::parse_notify_rank;
-using bind::pointer;
+using bind::copy_ranks;
 
-Common parse_common(const py::dict& d, int64_t num_launch_ranks) {
-  const char* what = "common";
-  Common c{};
-  c.num_ranks = int32(d, "num_ranks", what);
-  c.num_channels = int32(d, "num_channels", what);
-  c.rank_begin = int32(d, "rank_begin", what);
-  c.num_launch_ranks = static_cast<int32_t>(num_launch_ranks);
-  c.skip_rank = int32(d, "skip_rank", what);
-  c.chunk_tokens = int32(d, "chunk_tokens", what);
-  c.l2_discard = int32(d, "l2_discard", what);
-  c.variant = bind::parse_variant(d);
-  c.timeout_cycles = integer(d, "timeout_cycles", what);
-  c.layout =
-      make_buffer_layout(c.num_ranks, int32(d, "buffer_channels", what), int32(d, "num_slots", what),
-                         int32(d, "slot_bytes", what), d.contains("relay_nodes") ? int32(d, "relay_nodes", what) : 0);
-  const auto buffers = field(d, "buffers", what).cast<std::vector<std::uintptr_t>>();
-  MOE_HOST_CHECK(static_cast<int64_t>(buffers.size()) == c.num_ranks && c.num_ranks <= kMaxRanks,
-                 "common['buffers'] must list one buffer per rank (" << c.num_ranks << ", at most " << kMaxRanks
-                                                                     << "), got " << buffers.size());
-  for (size_t i = 0; i < buffers.size(); ++i) c.buffers[i] = reinterpret_cast<char*>(buffers[i]);
-  c.error = pointer<ErrorRecord>(d, "error", what);
-  c.error_host = pointer<ErrorRecord>(d, "error_host", what);
+// A launch's common fields with its launched ranks counted; every rank's buffer must be given.
+Common launch_common(const Common& given, int32_t num_launch_ranks) {
+  Common c = given;
+  c.num_launch_ranks = num_launch_ranks;
+  MOE_HOST_CHECK(c.num_ranks >= 1 && c.num_ranks <= kMaxRanks,
+                 "intranode common.num_ranks must be in [1, " << kMaxRanks << "], got " << c.num_ranks);
+  for (int i = 0; i < c.num_ranks; ++i)
+    MOE_HOST_CHECK(c.buffers[i] != nullptr, "intranode common.buffers must list one buffer per rank ("
+                                                << c.num_ranks << "), rank " << i << "'s is missing");
   return c;
-}
-
-void check_num_launch_ranks(const py::list& ranks) {
-  MOE_HOST_CHECK(ranks.size() >= 1 && ranks.size() <= kMaxRanks,
-                 "ranks must list 1 to " << kMaxRanks << " launched ranks, got " << ranks.size());
-}
-
-NotifyArgs parse_notify(const py::dict& common, const py::list& ranks, int64_t num_topk) {
-  check_num_launch_ranks(ranks);
-  NotifyArgs a{};
-  a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
-  a.num_topk = static_cast<int32_t>(num_topk);
-  for (size_t i = 0; i < ranks.size(); ++i) a.ranks[i] = parse_notify_rank(ranks[i].cast<py::dict>());
-  return a;
-}
-
-DispatchArgs parse_dispatch(const py::dict& common, const py::list& ranks, int64_t x_bytes, int64_t scale_bytes,
-                            int64_t num_topk, int64_t experts_per_rank) {
-  check_num_launch_ranks(ranks);
-  MOE_HOST_CHECK(x_bytes > 0 && x_bytes <= INT32_MAX / 2, "x_bytes must be in (0, 2^30), got " << x_bytes);
-  MOE_HOST_CHECK(scale_bytes >= 0 && scale_bytes <= INT32_MAX / 2,
-                 "scale_bytes must be in [0, 2^30), got " << scale_bytes);
-  MOE_HOST_CHECK(num_topk >= 0 && num_topk <= kMaxTopk,
-                 "num_topk must be in [0, " << kMaxTopk << "], got " << num_topk);
-  DispatchArgs a{};
-  a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
-  a.slot = make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
-  a.experts_per_rank = static_cast<int32_t>(experts_per_rank);
-  for (size_t i = 0; i < ranks.size(); ++i) a.ranks[i] = parse_dispatch_rank(ranks[i].cast<py::dict>());
-  return a;
-}
-
-CombineArgs parse_combine(const py::dict& common, const py::list& ranks, int64_t y_bytes) {
-  check_num_launch_ranks(ranks);
-  MOE_HOST_CHECK(y_bytes > 0 && y_bytes <= INT32_MAX / 2, "y_bytes must be in (0, 2^30), got " << y_bytes);
-  CombineArgs a{};
-  a.common = parse_common(common, static_cast<int64_t>(ranks.size()));
-  a.slot = make_slot_layout(static_cast<int>(y_bytes), 0, 0);
-  for (size_t i = 0; i < ranks.size(); ++i) a.ranks[i] = parse_combine_rank(ranks[i].cast<py::dict>());
-  return a;
-}
-
-py::dict buffer_layout_dict(const BufferLayout& l) {
-  py::dict d;
-  d["num_ranks"] = l.num_ranks;
-  d["num_channels"] = l.num_channels;
-  d["num_slots"] = l.num_slots;
-  d["slot_bytes"] = l.slot_bytes;
-  d["relay_nodes"] = l.relay_nodes;
-  d["relay_bytes"] = l.relay_bytes;
-  d["meta_offset"] = l.meta_offset;
-  d["tail_offset"] = l.tail_offset;
-  d["head_offset"] = l.head_offset;
-  d["epoch_offset"] = l.epoch_offset;
-  d["header_offset"] = l.header_offset;
-  d["relay_offset"] = l.relay_offset;
-  d["queue_offset"] = l.queue_offset;
-  d["total_bytes"] = l.total_bytes;
-  return d;
 }
 
 }  // namespace
@@ -129,12 +172,41 @@ void register_intranode(py::module_& m) {
   limits["max_channels"] = kMaxChannels;
   limits["max_topk"] = kMaxTopk;
   limits["num_threads"] = kNumThreads;
+  limits["line"] = kLine;
   limits["error_record_ints"] = kErrorRecordInts;
   limits["mismatch_record_words"] = kMismatchRecordWords;
   limits["header_words"] = static_cast<int>(kHeaderWords);
   limits["field_align"] = kFieldAlign;
   limits["max_rows_in_flight"] = kMaxRowsInFlight;
+  limits["combine_warps"] = std::vector<int>(std::begin(kCombineWarps), std::end(kCombineWarps));
   m.attr("intranode_limits") = limits;
+  // The codes Python reads or writes in headers and records (mirrored by transport/header.py and
+  // transport/launcher.py: test_extension compares them).
+  py::dict codes;
+  codes["op"] = py::dict(py::arg("dispatch") = static_cast<int64_t>(kOpDispatch),
+                         py::arg("cached dispatch") = static_cast<int64_t>(kOpCachedDispatch),
+                         py::arg("combine") = static_cast<int64_t>(kOpCombine));
+  codes["header_field"] =
+      py::dict(py::arg("op") = static_cast<int>(kHdrOp), py::arg("identity") = static_cast<int>(kHdrIdentity),
+               py::arg("row_bytes") = static_cast<int>(kHdrRowBytes), py::arg("dtype") = static_cast<int>(kHdrDtype),
+               py::arg("topk") = static_cast<int>(kHdrTopk), py::arg("experts") = static_cast<int>(kHdrExperts),
+               py::arg("shape") = static_cast<int>(kHdrShape), py::arg("status") = static_cast<int>(kHdrStatus),
+               py::arg("budget") = static_cast<int>(kHdrBudget));
+  codes["status"] = py::dict(py::arg("grow") = kStatusGrow);  // the statuses the kernels act on
+  codes["combine_dtype"] =
+      py::dict(py::arg("bfloat16") = static_cast<int>(kBf16), py::arg("float16") = static_cast<int>(kF16),
+               py::arg("float32") = static_cast<int>(kF32));
+  codes["phase"] =
+      py::dict(py::arg("notify") = static_cast<int>(kNotify), py::arg("dispatch") = static_cast<int>(kDispatch),
+               py::arg("combine") = static_cast<int>(kCombine));
+  codes["role"] = py::dict(
+      py::arg("barrier") = static_cast<int>(kBarrier), py::arg("sender") = static_cast<int>(kSender),
+      py::arg("receiver") = static_cast<int>(kReceiver), py::arg("coordinator") = static_cast<int>(kCoordinator));
+  codes["counter"] = py::dict(py::arg("signal") = static_cast<int>(kSignal), py::arg("tail") = static_cast<int>(kTail),
+                              py::arg("head") = static_cast<int>(kHead), py::arg("header") = static_cast<int>(kHeader),
+                              py::arg("relayed header") = static_cast<int>(kRelayHeader),
+                              py::arg("forwarded tail") = static_cast<int>(kForwardTail));
+  m.attr("codes") = codes;
   py::list copy_variants;  // (loads_in_flight, rows_in_flight, bulk_copy, register_cap, fused)
   for (const CopyVariant& v : kCopyVariants)
     copy_variants.append(py::make_tuple(v.loads, v.rows, v.bulk, v.cap, v.fused));
@@ -151,9 +223,9 @@ void register_intranode(py::module_& m) {
         MOE_HOST_CHECK(num_slots >= 1 && num_slots <= (1 << 20), "num_slots must be in [1, 2^20], got " << num_slots);
         MOE_HOST_CHECK(slot_bytes > 0 && slot_bytes % kFieldAlign == 0 && slot_bytes <= INT32_MAX / 2,
                        "slot_bytes must be a positive multiple of " << kFieldAlign << ", got " << slot_bytes);
-        return buffer_layout_dict(make_buffer_layout(static_cast<int>(num_ranks), static_cast<int>(num_channels),
-                                                     static_cast<int>(num_slots), static_cast<int>(slot_bytes),
-                                                     static_cast<int>(relay_nodes)));
+        return make_buffer_layout(static_cast<int>(num_ranks), static_cast<int>(num_channels),
+                                  static_cast<int>(num_slots), static_cast<int>(slot_bytes),
+                                  static_cast<int>(relay_nodes));
       },
       py::arg("num_ranks"), py::arg("num_channels"), py::arg("num_slots"), py::arg("slot_bytes"),
       py::arg("relay_nodes") = 0,
@@ -166,18 +238,7 @@ void register_intranode(py::module_& m) {
             x_bytes >= 0 && scale_bytes >= 0 && num_topk >= 0 && num_topk <= kMaxTopk && x_bytes <= INT32_MAX / 2 &&
                 scale_bytes <= INT32_MAX / 2,
             "bad slot sizes: x_bytes=" << x_bytes << " scale_bytes=" << scale_bytes << " num_topk=" << num_topk);
-        const SlotLayout s =
-            make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
-        py::dict d;
-        d["x_bytes"] = s.x_bytes;
-        d["scale_bytes"] = s.scale_bytes;
-        d["num_topk"] = s.num_topk;
-        d["scale_offset"] = s.scale_offset;
-        d["topk_idx_offset"] = s.topk_idx_offset;
-        d["topk_weights_offset"] = s.topk_weights_offset;
-        d["aux_offset"] = s.aux_offset;
-        d["slot_bytes"] = s.slot_bytes;
-        return d;
+        return make_slot_layout(static_cast<int>(x_bytes), static_cast<int>(scale_bytes), static_cast<int>(num_topk));
       },
       py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
       "Field offsets of one queue slot (dispatch: x, fp8 scales, topk, source index; combine: y, row scale).");
@@ -200,10 +261,12 @@ void register_intranode(py::module_& m) {
 
   m.def(
       "intranode_notify",
-      [](const py::dict& common, const py::list& ranks, int64_t num_topk, const std::string& backend,
+      [](const Common& common, const std::vector<NotifyRank>& ranks, int64_t num_topk, const std::string& backend,
          std::uintptr_t stream, bool cooperative) {
         check_backend(backend);
-        const NotifyArgs args = parse_notify(common, ranks, num_topk);
+        NotifyArgs args{};
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.num_topk = static_cast<int32_t>(num_topk);
         py::gil_scoped_release release;
         if (backend == "cpu") {
           run_notify_cpu(args);
@@ -214,16 +277,19 @@ void register_intranode(py::module_& m) {
       py::arg("common"), py::arg("ranks"), py::arg("num_topk"), py::arg("backend") = "cuda", py::arg("stream") = 0,
       py::arg("cooperative") = true,
       "Barrier + exchange of per-(source, channel) counts; writes recv_prefix [W*C+1], num_recv_tokens,\n"
-      "overflow (and -1/0 padding rows in budget mode). Collective across the W ranks.");
+      "overflow (and -1/0 padding rows in budget mode). Collective across the W ranks.\n"
+      "common: IntranodeCommon; ranks: one NotifyRank per launched rank.");
 
   m.def(
       "intranode_dispatch",
-      [](const py::dict& common, const py::list& ranks, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk,
-         int64_t experts_per_rank, const std::string& backend, std::uintptr_t stream, bool cooperative,
-         const py::dict& cpu_options) {
+      [](const Common& common, const std::vector<DispatchRank>& ranks, int64_t x_bytes, int64_t scale_bytes,
+         int64_t num_topk, int64_t experts_per_rank, const std::string& backend, std::uintptr_t stream,
+         bool cooperative, const CpuOptions& options) {
         check_backend(backend);
-        const DispatchArgs args = parse_dispatch(common, ranks, x_bytes, scale_bytes, num_topk, experts_per_rank);
-        const CpuOptions options = parse_cpu_options(cpu_options);
+        DispatchArgs args{};
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.slot = bind::checked_slot(x_bytes, scale_bytes, num_topk);
+        args.experts_per_rank = static_cast<int32_t>(experts_per_rank);
         py::gil_scoped_release release;
         if (backend == "cpu") {
           check_common(args.common);
@@ -234,16 +300,18 @@ void register_intranode(py::module_& m) {
       },
       py::arg("common"), py::arg("ranks"), py::arg("x_bytes"), py::arg("scale_bytes"), py::arg("num_topk"),
       py::arg("experts_per_rank"), py::arg("backend") = "cuda", py::arg("stream") = 0, py::arg("cooperative") = true,
-      py::arg("cpu_options") = py::dict(),
-      "Moves every token to the ranks holding it, rows ordered by (source rank, source token).");
+      py::arg("cpu_options") = CpuOptions{},
+      "Moves every token to the ranks holding it, rows ordered by (source rank, source token).\n"
+      "common: IntranodeCommon; ranks: one DispatchRank per launched rank.");
 
   m.def(
       "intranode_combine",
-      [](const py::dict& common, const py::list& ranks, int64_t y_bytes, int64_t dtype, const std::string& backend,
-         std::uintptr_t stream, bool cooperative, const py::dict& cpu_options) {
+      [](const Common& common, const std::vector<CombineRank>& ranks, int64_t y_bytes, int64_t dtype,
+         const std::string& backend, std::uintptr_t stream, bool cooperative, const CpuOptions& options) {
         check_backend(backend);
-        const CombineArgs args = parse_combine(common, ranks, y_bytes);
-        const CpuOptions options = parse_cpu_options(cpu_options);
+        CombineArgs args{};
+        args.common = launch_common(common, copy_ranks(ranks, args.ranks));
+        args.slot = bind::checked_slot(y_bytes, 0, 0, "y_bytes");
         py::gil_scoped_release release;
         if (backend == "cpu") {
           check_common(args.common);
@@ -253,8 +321,9 @@ void register_intranode(py::module_& m) {
         }
       },
       py::arg("common"), py::arg("ranks"), py::arg("y_bytes"), py::arg("dtype"), py::arg("backend") = "cuda",
-      py::arg("stream") = 0, py::arg("cooperative") = true, py::arg("cpu_options") = py::dict(),
-      "Sums each token's rows from its holders (ascending rank, fp32, rounded once) into out.");
+      py::arg("stream") = 0, py::arg("cooperative") = true, py::arg("cpu_options") = CpuOptions{},
+      "Sums each token's rows from its holders (ascending rank, fp32, rounded once) into out.\n"
+      "common: IntranodeCommon; ranks: one CombineRank per launched rank.");
 
   m.def(
       "device_clock_khz",

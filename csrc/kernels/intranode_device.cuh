@@ -14,11 +14,23 @@ namespace intranode {
 
 // ---- memory primitives ----------------------------------------------------------------------
 
-__device__ __forceinline__ int32_t ld_acquire_sys(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+// System-scope acquire loads, release stores and relaxed stores of one word, in both widths
+// (SUFFIX names the 64-bit ones: ld_acquire_sys_64, ...); REG is the word's register constraint.
+#define MOE_SYS_WORD_ACCESS(T, SUFFIX, BITS, REG)                                                \
+  __device__ __forceinline__ T ld_acquire_sys##SUFFIX(const T* p) {                              \
+    T v;                                                                                         \
+    asm volatile("ld.acquire.sys.global.b" #BITS " %0, [%1];" : "=" REG(v) : "l"(p) : "memory"); \
+    return v;                                                                                    \
+  }                                                                                              \
+  __device__ __forceinline__ void st_release_sys##SUFFIX(T* p, T v) {                            \
+    asm volatile("st.release.sys.global.b" #BITS " [%0], %1;" ::"l"(p), REG(v) : "memory");      \
+  }                                                                                              \
+  __device__ __forceinline__ void st_relaxed_sys##SUFFIX(T* p, T v) {                            \
+    asm volatile("st.relaxed.sys.global.b" #BITS " [%0], %1;" ::"l"(p), REG(v) : "memory");      \
+  }
+MOE_SYS_WORD_ACCESS(int32_t, , 32, "r")
+MOE_SYS_WORD_ACCESS(int64_t, _64, 64, "l")
+#undef MOE_SYS_WORD_ACCESS
 
 __device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
   int32_t v;
@@ -26,32 +38,10 @@ __device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void st_release_sys(int32_t* p, int32_t v) {
-  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys(int32_t* p, int32_t v) {
-  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ int64_t ld_acquire_sys_64(const int64_t* p) {
-  int64_t v;
-  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ int64_t ld_relaxed_sys_64(const int64_t* p) {
   int64_t v;
   asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
-}
-
-__device__ __forceinline__ void st_release_sys_64(int64_t* p, int64_t v) {
-  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys_64(int64_t* p, int64_t v) {
-  asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void red_add_release_sys(int32_t* p, int32_t v) {
@@ -287,6 +277,21 @@ __device__ __forceinline__ void op_epoch_end(uint64_t* epoch, int32_t* done, uin
   }
 }
 
+// A dispatch or combine block of launched rank blockIdx.y: a withheld rank's blocks do nothing;
+// the others read the rank's op epoch, set up policy P's bulk copies and run body(rank, epoch),
+// and the last block to finish advances the epoch.
+template <class P, class Body>
+__device__ __forceinline__ void launched_rank_block(const Common& common, Body body) {
+  const int rank = common.rank_begin + static_cast<int>(blockIdx.y);
+  if (rank == common.skip_rank) return;
+  const BufferLayout& l = common.layout;
+  __shared__ uint64_t epoch_shared;
+  const uint64_t epoch = op_epoch_begin(l.epoch(common.buffers[rank]), &epoch_shared);
+  bulk_init<P>();
+  body(rank, epoch);
+  op_epoch_end(l.epoch(common.buffers[rank]), l.done(common.buffers[rank]), epoch, static_cast<int>(gridDim.x));
+}
+
 // ---- the context ----------------------------------------------------------------------------
 
 // CommonT: a launch's shared arguments with timeout_cycles, error and error_host (intranode
@@ -374,7 +379,7 @@ struct DeviceCtxT {
   __device__ void offer_mismatch(const Check& check, int rank, int peer, int via, int field, int64_t mine,
                                  int64_t theirs) const {
     MismatchRecord* r = check.mismatch;
-    if (r == nullptr || check.header.w[kHdrStatus] != 0) return;  // a refusing rank knows already
+    if (r == nullptr || !records_verdict(check.header.w[kHdrStatus], field, mine, theirs)) return;
     unsigned long long* lock = reinterpret_cast<unsigned long long*>(&r->lock);
     bool locked = false;
     for (int i = 0; i < (1 << 16) && !locked; ++i) locked = atomicCAS(lock, 0ull, 1ull) == 0ull;

@@ -148,7 +148,7 @@ struct HostCtxT {
   // As DeviceCtx::offer_mismatch: the lowest (peer, relayed) key wins.
   void offer_mismatch(const Check& check, int rank, int peer, int via, int field, int64_t mine, int64_t theirs) const {
     MismatchRecord* r = check.mismatch;
-    if (r == nullptr || check.header.w[kHdrStatus] != 0) return;  // a refusing rank knows already
+    if (r == nullptr || !records_verdict(check.header.w[kHdrStatus], field, mine, theirs)) return;
     int64_t unlocked = 0;
     while (!__atomic_compare_exchange_n(&r->lock, &unlocked, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
       unlocked = 0;

@@ -1,7 +1,7 @@
 """The kernels' operation header and mismatch record (``csrc/kernels/header.cuh``).
 
 Every kernel operation (the notify of a fresh dispatch, a cached dispatch, a combine; intranode
-and internode) exchanges a header of 8 int64 words with the peers it moves rows with:
+and internode) exchanges a header of 9 int64 words with the peers it moves rows with:
 
 ====  ============  ===========================================================================
 word  field         value
@@ -15,6 +15,7 @@ word  field         value
 6     shape         num_channels | flags << 16 (flag 1: top-k weights travel; flag 2: ready flags,
                     ``Config.slot_flags``, whose ranks must agree on the queue protocol)
 7     status        0, or why this rank refused its own arguments (:data:`STATUS_NAMES`)
+8     budget        a fresh dispatch's ``num_worst_tokens`` (0: none), in its notify; else 0
 ====  ============  ===========================================================================
 
 A pair whose headers differ (or where either status is non-zero) moves no rows, so nothing
@@ -32,8 +33,19 @@ from ..config import MISMATCH_RECORD_WORDS
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OPS = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
-FIELDS = ("operation", "dispatch id (handle)", "row bytes", "dtype", "top-k", "experts", "channels and flags", "status")
+FIELDS = (
+    "operation",
+    "dispatch id (handle)",
+    "row bytes",
+    "dtype",
+    "top-k",
+    "experts",
+    "channels and flags",
+    "status",
+    "num_worst_tokens",
+)
 FIELD_STATUS = 7
+FIELD_BUDGET = 8
 DTYPE_CODES = {
     torch.bfloat16: 0,
     torch.float16: 1,
@@ -52,10 +64,16 @@ FLAG_SLOT_FLAGS = 2
 
 STATUS_INVALID_ARGUMENTS = 1
 STATUS_WRONG_HANDLE = 2
+# The kernels act on this one (header.cuh, kStatusGrow): a rank whose call needs larger buffers
+# than the calls before it joins with it before the (collective) resize, and records every peer
+# that does not grow too (its calls differ: every rank raises at once).
+STATUS_GROW = 3
 STATUS_TEST = 99  # the loopbacks' ``status=`` test knob
 STATUS_NAMES = {
     STATUS_INVALID_ARGUMENTS: "its arguments were invalid",
     STATUS_WRONG_HANDLE: "its handle does not belong to this transport or shape",
+    STATUS_GROW: "its call needs larger buffers than the calls before it (a wider row or more top-k "
+    "than its peers' calls)",
     STATUS_TEST: "a test asked it to refuse",
 }
 
@@ -72,8 +90,9 @@ def header_words(
     weights: bool = False,
     slot_flags: bool = False,
     status: int = 0,
+    budget: int = 0,
 ) -> list[int]:
-    """The 8 header words of an operation (see the module doc)."""
+    """The 9 header words of an operation (see the module doc)."""
     return [
         op,
         identity,
@@ -83,6 +102,7 @@ def header_words(
         num_experts,
         num_channels | (((FLAG_WEIGHTS if weights else 0) | (FLAG_SLOT_FLAGS if slot_flags else 0)) << 16),
         status,
+        budget,
     ]
 
 
@@ -111,6 +131,8 @@ def _value(field: int, value: int) -> str:
         return f"{value & 0xFFFF} channels{flags}"
     if field == FIELD_STATUS:
         return "0 (ok)" if value == 0 else f"{value} ({STATUS_NAMES.get(value, 'refused')})"
+    if field == FIELD_BUDGET:
+        return str(value) if value else "0 (none)"
     return str(value)
 
 
@@ -143,8 +165,8 @@ def describe_mismatch(record: list[int]) -> tuple[str, dict] | None:
         )
     message = (
         f"moe_dispatch: rank {rank} saw mismatched kernel calls: {what}. Every rank of the group must call "
-        "the same operation with the same handle and the same row size, dtype, top-k, experts and SMs; no "
-        "rows moved between the disagreeing ranks, and the buffers stay usable."
+        "the same operation with the same handle and the same row size, dtype, top-k, experts, SMs and "
+        "num_worst_tokens; no rows moved between the disagreeing ranks, and the buffers stay usable."
     )
     return message, fields
 
@@ -154,16 +176,16 @@ class Records:
     a pinned host mirror the kernels also write when ``mirror``: readable without a sync)."""
 
     def __init__(self, count: int, device: torch.device, mirror: bool = False):
-        from .intranode import _ext
+        from .._ext import require_extension
 
         self.device = device
         self.records = torch.zeros(count, MISMATCH_RECORD_WORDS, dtype=torch.int64, device=device)
         self.host = torch.zeros(count, MISMATCH_RECORD_WORDS, dtype=torch.int64).pin_memory() if mirror else None
-        self._host_ptr = _ext().host_device_pointer(self.host.data_ptr()) if mirror else None
+        self._host_ptr = require_extension().host_device_pointer(self.host.data_ptr()) if mirror else None
 
     def fields(self, index: int, header: list[int]) -> dict:
-        """The ``header`` / ``mismatch`` / ``mismatch_host`` keys of launched rank ``index``'s dict
-        (``header``: the 8 ints of :func:`header_words`)."""
+        """The ``header`` / ``mismatch`` / ``mismatch_host`` fields of launched rank ``index``'s
+        ``_C.Check``, by keyword (``header``: the ints of :func:`header_words`)."""
         row = MISMATCH_RECORD_WORDS * 8
         out = {"header": header, "mismatch": self.records.data_ptr() + index * row}
         if self._host_ptr is not None:

@@ -26,9 +26,11 @@ Every wait is bounded by ``timeout_s``; a timed-out launch raises
 :class:`InternodeTimeoutError` naming the rank, node, channel, the rank waited for and the
 counter. Every operation checks the ranks' arguments on the device
 (:mod:`moe_dispatch.transport.header`): a mismatch raises
-:class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation. Front ends:
-:class:`InternodeLoopback` (N x L simulated ranks on one device, or CPU threads with
-``device="cpu"``); one rank per process: ``moe_dispatch.transport.nvshmem.InternodeTransport``.
+:class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation. Front ends,
+both on the engines here (:class:`RdmaEngine`, :class:`InternodeEngines`) and
+:func:`run_dispatch` / :func:`run_combine`: :class:`moe_dispatch.testing.loopback.InternodeLoopback`
+(N x L simulated ranks on one device, or CPU threads with ``device="cpu"``); one rank per process:
+``moe_dispatch.transport.nvshmem.InternodeTransport``.
 """
 
 from __future__ import annotations
@@ -37,214 +39,50 @@ import dataclasses
 
 import torch
 
-from ..config import ERROR_RECORD_INTS, Config, buffer_layout
-from ..errors import BudgetOverflowError, CommError
-from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, Records, header_words
-from .intranode import (
+from .._ext import require_extension
+from ..config import Config
+from ..errors import BudgetOverflowError
+from .header import OP_CACHED_DISPATCH, OP_DISPATCH, Records
+from .intranode import IntranodeEngine, IntranodeHandle, launch_dispatch, run_notify
+from .intranode import run_combine as run_intranode_combine
+from .launcher import (
     COMBINE_DTYPES,
-    IntranodeHandle,
-    _alloc_outputs,
-    _check_budget,
-    _check_num_sms,
-    _check_world_args,
-    _combine_shape,
-    _dispatch_fields,
-    _dispatch_shape,
-    _Engine,
-    _ext,
-    _header,
-    _Input,
-    _launch_dispatch,
-    _Launcher,
-    _loopback_device,
-    _notify,
-    _prepare_world,
-    _ptr,
-    _rank_results,
-    _refusing,
-    _slot_bytes,
-    default_timeout_s,
+    InternodeTimeoutError,
+    Launcher,
+    RankInput,
+    alloc_outputs,
+    assemble_results,
+    check_budget,
+    check_num_sms,
+    combine_shape,
+    dispatch_fields,
+    dispatch_header,
+    dispatch_shape,
+    ptr,
 )
-from .intranode import (
-    _combine as _intranode_combine,
-)
+from .launcher import describe_internode_timeout as describe_timeout
 
-MAX_LOOPBACK_RANKS = 16  # internode_limits["max_launch_ranks"]
-MAX_NODES = 64
-MAX_RANKS_PER_NODE = 16
-LINE = 128
-
-_PHASES = {
-    1: "intranode notify",
-    2: "intranode dispatch",
-    3: "intranode combine",
-    4: "node notify",
-    5: "node dispatch",
-    6: "node combine",
-}
-_FUSED_PHASES = {
-    1: "notify",
-    2: "dispatch (NVLink)",
-    3: "combine (NVLink)",
-    4: "notify",
-    5: "dispatch (RDMA)",
-    6: "combine (RDMA)",
-}
-_ROLES = {1: "barrier", 2: "sender", 3: "receiver", 4: "coordinator"}
-_COUNTERS = {1: "signal", 2: "tail", 3: "head", 4: "header", 5: "relayed header", 6: "forwarded tail"}
-
-
-class InternodeTimeoutError(CommError):
-    """A wait inside an internode kernel ran past ``timeout_s``.
-
-    Attributes: ``stage`` (1 = RDMA, 2 = NVLink), ``phase``, ``role``, ``rank`` / ``node`` (the
-    waiting rank, global), ``channel`` (-1 for notify), ``peer`` / ``peer_node`` (the rank whose
-    store never came), ``counter`` ("signal"/"tail"/"head"/"header"/...), ``expected``,
-    ``observed``.
-    """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.__dict__.update(fields)
-
-
-def describe_timeout(
-    record: list[int], timeout_s: float, ranks_per_node: int, node: int | None = None, fused: bool = False
-) -> tuple[str, dict]:
-    """Message and fields of an error record (``int32[16]``). ``node``: the node whose intranode
-    engine wrote it (staged stage 2: its ranks and peers are local), None for the RDMA engine;
-    ``fused``: the record of a fused pipeline's launch (ranks are global)."""
-    _, phase, role, rank, channel, peer, counter, expected, observed = record[:9]
-    if phase == 0:
-        message = (
-            f"moe_dispatch internode operation timed out after timeout_s={timeout_s:g}, but the kernel's "
-            f"record of which wait it was is missing; the buffers are in an undefined state: reset() them"
-        )
-        return message, dict.fromkeys(
-            (
-                "stage",
-                "phase",
-                "role",
-                "rank",
-                "node",
-                "channel",
-                "peer",
-                "peer_node",
-                "counter",
-                "expected",
-                "observed",
-            )
-        )
-    if node is not None:  # an intranode engine: local ranks -> global
-        rank, peer = node * ranks_per_node + rank, node * ranks_per_node + peer
-    nvlink = node is not None or (fused and phase in (1, 2, 3))
-    fields = {
-        "stage": 2 if nvlink else 1,
-        "phase": (_FUSED_PHASES if fused else _PHASES).get(phase, str(phase)),
-        "role": _ROLES.get(role, str(role)),
-        "rank": rank,
-        "node": rank // ranks_per_node,
-        "channel": channel,
-        "peer": peer,
-        "peer_node": peer // ranks_per_node,
-        "counter": _COUNTERS.get(counter, str(counter)),
-        "expected": expected,
-        "observed": observed,
-    }
-    me = f"rank {rank} (node {rank // ranks_per_node}, local {rank % ranks_per_node})"
-    them = f"rank {peer} (node {peer // ranks_per_node}, local {peer % ranks_per_node})"
-    link = "NVLink" if nvlink else "RDMA"
-    counter_name = fields["counter"]
-    if counter_name == "signal":
-        what = f"waited at the {fields['phase']} for {them} to arrive; saw {observed}, needed {expected}"
-    elif counter_name in ("header", "relayed header"):
-        what = f"waited for the {counter_name} of {them} (its operation never started or stalled)"
-    elif counter_name in ("tail", "forwarded tail"):
-        what = (
-            f"{fields['role']} of channel {channel} waited for tokens from {them}: the tail of {link} queue "
-            f"{them} -> rank {rank}, channel {channel}, should reach {expected} but stayed at {observed}"
-        )
-    else:
-        what = (
-            f"{fields['role']} of channel {channel} waited for {them} to free slots: the head of {link} queue "
-            f"rank {rank} -> {them}, channel {channel}, should reach {expected} but stayed at {observed}"
-        )
-    message = (
-        f"moe_dispatch internode {fields['phase']} (stage {fields['stage']}, {link}) timed out after "
-        f"timeout_s={timeout_s:g}: {me} {what}. Rank {peer} did not take part (crashed, hung, or called another "
-        f"operation). The communication buffers are now in an undefined state: reset() them (loopback) or "
-        f"recreate the Buffer."
-    )
-    return message, fields
-
-
-# ---------------------------------------------------------------------------------------------
-# RDMA buffer layout (mirror of make_rdma_layout in internode.cuh; a CPU test checks it)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RdmaLayout:
-    """Byte offsets of one rank's RDMA buffer (drawn in internode.cuh)."""
-
-    num_nodes: int
-    ranks_per_node: int
-    num_channels: int
-    num_slots: int
-    slot_bytes: int
-    msg_bytes: int
-    arrive_offset: int
-    meta_offset: int
-    meta_out_offset: int
-    header_offset: int
-    header_out_offset: int
-    tail_offset: int
-    head_offset: int
-    flag_offset: int
-    zero_offset: int
-    recv_offset: int
-    send_offset: int
-    total_bytes: int
-
-
-def rdma_layout(num_nodes: int, ranks_per_node: int, num_channels: int, num_slots: int, slot_bytes: int) -> RdmaLayout:
-    align = lambda v: -(-v // LINE) * LINE  # noqa: E731
-    queues = num_nodes * num_channels
-    ring = queues * num_slots * slot_bytes
-    msg = LINE + align(4 * num_channels * (1 + ranks_per_node))
-    arrive = LINE
-    meta = arrive + align(16 * num_nodes)
-    meta_out = meta + 2 * num_nodes * msg
-    header = meta_out + 2 * num_nodes * msg
-    header_out = header + 2 * LINE * num_nodes
-    tail = header_out + LINE * num_nodes
-    head = tail + LINE * queues
-    flag = head + LINE * queues
-    zero = flag + align(8 * queues * num_slots)
-    recv = zero + align(slot_bytes)
-    return RdmaLayout(
-        num_nodes,
-        ranks_per_node,
-        num_channels,
-        num_slots,
-        slot_bytes,
-        msg,
-        arrive,
-        meta,
-        meta_out,
-        header,
-        header_out,
-        tail,
-        head,
-        flag,
-        zero,
-        recv,
-        recv + ring,
-        recv + 2 * ring,
-    )
+__all__ = [
+    "InternodeDispatch",
+    "InternodeEngines",
+    "InternodeHandle",
+    "InternodeTimeoutError",
+    "RdmaEngine",
+    "StagedInternodeHandle",
+    "check_rdma_config",
+    "cross_node_bytes",
+    "describe_timeout",
+    "empty_handle",
+    "fused_channels",
+    "fused_launch",
+    "fused_notify",
+    "run_combine",
+    "run_dispatch",
+]
 
 
 def check_rdma_config(config: Config) -> None:
+    """Raises ValueError unless ``config.chunk_tokens`` divides ``config.num_slots`` (a chunk is one RDMA put)."""
     if config.num_slots % config.chunk_tokens:
         raise ValueError(
             f"the internode kernels need Config.chunk_tokens to divide Config.num_slots (a chunk is one "
@@ -255,11 +93,11 @@ def check_rdma_config(config: Config) -> None:
 def fused_channels(num_sms: int, config: Config) -> int:
     """Channels of a fused launch for an SM budget of ``num_sms``: three blocks each, at least
     one (``num_sms`` checked as the intranode kernels check it)."""
-    _check_num_sms(num_sms, config)
+    check_num_sms(num_sms, config)
     return max(1, num_sms // 3)
 
 
-class _RdmaEngine(_Launcher):
+class RdmaEngine(Launcher):
     """Launches the RDMA-side kernels (both pipelines) for a list of ranks.
 
     Args:
@@ -299,53 +137,50 @@ class _RdmaEngine(_Launcher):
         self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
         self.config, self.slot_bytes, self.buffers, self.symmetric = config, slot_bytes, buffers, symmetric
         self.nvl_buffers, self.nvl_first_rank, self.mode = nvl_buffers, nvl_first_rank, mode
-        self.layout = rdma_layout(num_nodes, ranks_per_node, config.num_channels, config.num_slots, slot_bytes)
-        self.nvl_layout = buffer_layout(ranks_per_node, config.num_channels, config.num_slots, slot_bytes, num_nodes)
+        C = require_extension()
+        self.layout = C.internode_rdma_layout(
+            num_nodes, ranks_per_node, config.num_channels, config.num_slots, slot_bytes
+        )
+        self.nvl_layout = C.intranode_buffer_layout(
+            ranks_per_node, config.num_channels, config.num_slots, slot_bytes, num_nodes
+        )
         super().__init__(error, error_host_ptr, backend, timeout_s, cpu_options, records, rank_begin)
 
-    def common(self, num_channels: int, rank_begin: int, skip_rank: int | None) -> dict:
-        return {
-            "num_nodes": self.num_nodes,
-            "ranks_per_node": self.ranks_per_node,
-            "symmetric": self.symmetric,
-            "nvl_buffers": self.nvl_buffers,
-            "nvl_first_rank": self.nvl_first_rank,
-            "nvl_num_slots": self.config.num_slots,
-            "nvl_slot_bytes": self.slot_bytes,
-            **self._common(self.config, self.slot_bytes, self.buffers, num_channels, rank_begin, skip_rank),
-        }
+    def common(self, num_channels: int, rank_begin: int, skip_rank: int | None):
+        """The launch's ``_C.InternodeCommon``."""
+        return self._common(
+            "InternodeCommon",
+            num_channels,
+            rank_begin,
+            skip_rank,
+            num_nodes=self.num_nodes,
+            ranks_per_node=self.ranks_per_node,
+            layout=self.layout,
+            symmetric=self.symmetric,
+            nvl_buffers=self.nvl_buffers,
+            nvl_first_rank=self.nvl_first_rank,
+            nvl_layout=self.nvl_layout,
+        )
 
-    def _run(self, name: str, *args, cpu_options: bool = True) -> None:
-        self.launches += 1
-        extra = (self.cpu_options,) if cpu_options else ()
-        getattr(_ext(), name)(*args, self.backend, self.mode, self._stream(), self.cooperative, *extra)
+    def _backend_args(self) -> tuple:
+        return (self.backend, self.mode)
 
-    def node_notify(self, common: dict, ranks: list[dict]) -> None:
-        self._run("internode_node_notify", common, ranks, cpu_options=False)
+    def notify(self, pipeline: str, common, ranks: list, *args) -> None:
+        """Launches pipeline ``"node"`` (staged stage 1, ``ranks``: ``_C.NotifyRank``) or ``"fused"``
+        (``ranks``: ``_C.FusedNotifyRank``, ``args``: num_topk)'s notify."""
+        self._run(f"internode_{pipeline}_notify", common, ranks, *args, cpu_options=False)
 
-    def node_dispatch(
-        self, common: dict, ranks: list[dict], x_bytes: int, scale_bytes: int, num_topk: int, experts_per_node: int
+    def dispatch(
+        self, pipeline: str, common, ranks: list, x_bytes: int, scale_bytes: int, num_topk: int, num_experts: int
     ) -> None:
-        self._run("internode_node_dispatch", common, ranks, x_bytes, scale_bytes, num_topk, experts_per_node)
+        """Launches pipeline ``"node"``'s dispatch (``ranks``: ``_C.DispatchRank``, ``num_experts``:
+        experts per node) or ``"fused"``'s (``_C.FusedDispatchRank``, experts per rank)."""
+        self._run(f"internode_{pipeline}_dispatch", common, ranks, x_bytes, scale_bytes, num_topk, num_experts)
 
-    def node_combine(self, common: dict, ranks: list[dict], y_bytes: int, dtype: torch.dtype) -> None:
-        self._run("internode_node_combine", common, ranks, y_bytes, COMBINE_DTYPES[dtype])
-
-    def fused_notify(self, common: dict, ranks: list[dict], num_topk: int) -> None:
-        self._run("internode_fused_notify", common, ranks, num_topk, cpu_options=False)
-
-    def fused_dispatch(
-        self, common: dict, ranks: list[dict], x_bytes: int, scale_bytes: int, num_topk: int, experts_per_rank: int
-    ) -> None:
-        self._run("internode_fused_dispatch", common, ranks, x_bytes, scale_bytes, num_topk, experts_per_rank)
-
-    def fused_combine(self, common: dict, ranks: list[dict], y_bytes: int, dtype: torch.dtype) -> None:
-        self._run("internode_fused_combine", common, ranks, y_bytes, COMBINE_DTYPES[dtype])
-
-
-# ---------------------------------------------------------------------------------------------
-# Handles and results
-# ---------------------------------------------------------------------------------------------
+    def combine(self, pipeline: str, common, ranks: list, y_bytes: int, dtype: torch.dtype) -> None:
+        """Launches pipeline ``"node"``'s combine (``ranks``: ``_C.CombineRank``) or ``"fused"``'s
+        (``_C.FusedCombineRank``)."""
+        self._run(f"internode_{pipeline}_combine", common, ranks, y_bytes, COMBINE_DTYPES[dtype])
 
 
 @dataclasses.dataclass(eq=False)
@@ -361,10 +196,17 @@ class InternodeHandle:
         recv_prefix: ``[W * C + 1]`` int32: first receive row of each (source rank, channel).
         forward_prefix: ``[C * N + 1]`` int32: the rows this rank forwards, by (channel, source
             node) (stage-1 ring sizes); the last entry is R1.
-        forward_mask: ``[forward_capacity]`` int32: per forwarded row the local ranks holding it
-            (bit l), written by the dispatch, read by combine and cached dispatches.
+        relay_prefix: ``[L * (N * C + 1)]`` int32: per local rank d, the rows this rank forwards to
+            d before each (source node, channel), d's total last.
+        forward_mask: ``[forward_capacity]`` int32, written by the dispatch, read by combine and
+            cached dispatches: per forwarded row the local ranks holding it (bit l); in budget
+            mode with R1 above ``forward_capacity``, per local rank d instead the stage-1 ring
+            indices of the ``num_rows`` rows that travel between d and this rank
+            (``csrc/kernels/internode.cuh``, "budget").
+        forward_cut: ``[L * C * N]`` int32: per (local rank, channel, source node) the first
+            stage-1 ring index whose row does not travel (budget mode; INT32_MAX: all do).
         counts: ``[2]`` int32: R (rows received) and R1 (rows forwarded).
-        overflow: ``[1]`` int32: 1 when R exceeded ``num_rows`` or R1 ``forward_capacity``.
+        overflow: ``[1]`` int32: 1 when R exceeded ``num_rows`` (budget mode).
         peer_ok: ``[N + L]`` int32: the notify's verdicts (rail pairs by node, NVLink pairs by
             local rank).
         num_recv_tokens: R as a host int (None in budget mode).
@@ -380,7 +222,9 @@ class InternodeHandle:
     is_token_in_node: torch.Tensor
     recv_prefix: torch.Tensor
     forward_prefix: torch.Tensor
+    relay_prefix: torch.Tensor
     forward_mask: torch.Tensor
+    forward_cut: torch.Tensor
     counts: torch.Tensor
     overflow: torch.Tensor
     peer_ok: torch.Tensor
@@ -397,15 +241,32 @@ class InternodeHandle:
         """R1: rows this rank received in stage 1 and forwarded (reads the device)."""
         return int(self.counts[1])
 
+    @property
+    def budget(self) -> int:
+        """The static receive size of a budget-mode dispatch (``num_worst_tokens``), else -1."""
+        return self.num_rows if self.num_recv_tokens is None else -1
+
+    def routing_fields(self) -> dict:
+        """The fused dispatch and combine rank structs' fields this handle's routing fills (its
+        device tensors' addresses, the forward record's capacity, the budget)."""
+        return dict(
+            is_token_in_node=ptr(self.is_token_in_node),
+            recv_prefix=self.recv_prefix.data_ptr(),
+            forward_prefix=self.forward_prefix.data_ptr(),
+            relay_prefix=self.relay_prefix.data_ptr(),
+            forward_mask=ptr(self.forward_mask),
+            forward_cut=self.forward_cut.data_ptr(),
+            forward_capacity=self.forward_capacity,
+            budget=self.budget,
+        )
+
     def check_overflow(self) -> None:
         """Raises :class:`~moe_dispatch.errors.BudgetOverflowError` when the budget was too small
         (reads the device: a host sync)."""
         if int(self.overflow.item()):
-            received, forwarded = self.counts.tolist()
             raise BudgetOverflowError(
-                f"dispatch received {received} rows (forwarded {forwarded}) but num_worst_tokens allowed "
-                f"{self.num_rows} (forwarding {self.forward_capacity}): rows past the budget were dropped; "
-                "raise num_worst_tokens"
+                f"dispatch received {int(self.counts[0])} rows but num_worst_tokens allowed {self.num_rows}: "
+                "rows past the budget were dropped; raise num_worst_tokens"
             )
 
 
@@ -463,19 +324,21 @@ class InternodeDispatch:
     handle: InternodeHandle | StagedInternodeHandle
 
 
-class _Transport:
+class InternodeEngines:
     """The engines one launch uses: the RDMA engine (the fused pipeline's only one) and, for the
     staged pipeline, per node with launched ranks its intranode engine."""
 
-    def __init__(self, num_nodes: int, ranks_per_node: int, rdma: _RdmaEngine, nodes: dict[int, _Engine]):
+    def __init__(self, num_nodes: int, ranks_per_node: int, rdma: RdmaEngine, nodes: dict[int, IntranodeEngine]):
         self.num_nodes, self.ranks_per_node, self.rdma, self.nodes = num_nodes, ranks_per_node, rdma, nodes
 
     @property
     def world_size(self) -> int:
+        """W = N x L."""
         return self.num_nodes * self.ranks_per_node
 
     @property
     def fused(self) -> bool:
+        """Whether the launches run the fused pipeline (Config.internode_pipeline)."""
         return self.rdma.config.internode_pipeline == "fused"
 
     def check_timeouts(self) -> None:
@@ -496,6 +359,7 @@ class _Transport:
             engine.records.raise_if_set(synchronize, rank_offset=node * self.ranks_per_node)
 
     def check(self) -> None:
+        """Raises a recorded timeout, then a recorded mismatch (a host sync)."""
         self.check_timeouts()
         self.check_mismatches()
 
@@ -504,14 +368,9 @@ def _skipper(skip_rank: int | None, skip_phase: str | None):
     return lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
 
 
-# ---------------------------------------------------------------------------------------------
-# The fused pipeline
-# ---------------------------------------------------------------------------------------------
-
-
 def _fused_dispatch(
-    t: _Transport,
-    inputs: list[_Input],
+    t: InternodeEngines,
+    inputs: list[RankInput],
     num_experts: int,
     *,
     num_sms: int,
@@ -526,14 +385,14 @@ def _fused_dispatch(
     """Dispatch for ranks ``inputs[i].rank`` (consecutive): the fused notify (fresh only), then
     one fused dispatch launch."""
     e, W, device = t.rdma, t.world_size, t.rdma.device
-    _, num_topk, x_bytes, scale_bytes = _dispatch_shape(
+    _, num_topk, x_bytes, scale_bytes = dispatch_shape(
         inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
     )
     experts_per_rank, statuses = num_experts // W, statuses or {}
     skip = _skipper(skip_rank, skip_phase)
     outs = None
     if handles is None:
-        handles, outs = _fused_notify(
+        handles, outs = fused_notify(
             t,
             inputs,
             num_experts,
@@ -551,14 +410,14 @@ def _fused_dispatch(
                     f"(of this transport's fused pipeline)"
                 )
     if outs is None:
-        outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
-    _fused_launch(t, inputs, handles, outs, num_experts, skip("dispatch"), statuses, x_bytes, scale_bytes, num_topk)
-    return _rank_results(InternodeDispatch, inputs, handles, outs)
+        outs = [alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
+    fused_launch(t, inputs, handles, outs, num_experts, skip("dispatch"), statuses, x_bytes, scale_bytes, num_topk)
+    return assemble_results(InternodeDispatch, inputs, handles, outs)
 
 
-def _fused_notify(
-    t: _Transport,
-    inputs: list[_Input],
+def fused_notify(
+    t: InternodeEngines,
+    inputs: list[RankInput],
     num_experts: int,
     *,
     num_sms: int,
@@ -570,13 +429,13 @@ def _fused_notify(
 ) -> tuple[list[InternodeHandle], list[dict] | None]:
     """The fused notify launch: per rank a handle. Without a budget the host reads R and R1 (one
     read for all launched ranks); with one, nothing is read and the outputs notify fills (their
-    padding rows) are made here unless passed (``outs``, as in the intranode ``_notify``)."""
+    padding rows) are made here unless passed (``outs``, as in the intranode ``run_notify``)."""
     e, N, L, W, device = t.rdma, t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.device
     num_topk, experts_per_rank = inputs[0].topk_idx.shape[1], num_experts // W
     if num_topk == 0:
         raise ValueError("a fresh internode dispatch needs topk_idx (the forwarders read the holders from it)")
     C = fused_channels(num_sms, e.config)
-    budget = _check_budget(num_worst_tokens)
+    budget = check_budget(num_worst_tokens)
     ids = e.dispatch_ids(dispatch_ids, len(inputs))
     zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
     in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
@@ -587,31 +446,34 @@ def _fused_notify(
             "counts": zeros(2),
             "overflow": zeros(1),
             "peer_ok": zeros(N + L),
+            "relay_prefix": zeros(L * (N * C + 1)),
         }
         for _ in inputs
     ]
     if budget < 0:
         outs = None
     elif outs is None:
-        outs = [_alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs]
+        outs = [alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs]
     capacity = L * budget if budget >= 0 else -1
-    e.fused_notify(
+    e.notify(
+        "fused",
         e.common(C, inputs[0].rank, skip_rank),
         [
-            {
-                "is_token_in_rank": _ptr(inp.is_token_in_rank),
-                "is_token_in_node": _ptr(itn),
+            require_extension().FusedNotifyRank(
+                is_token_in_rank=ptr(inp.is_token_in_rank),
+                is_token_in_node=ptr(itn),
                 **{k: v.data_ptr() for k, v in tb.items()},
-                "recv_topk_idx": _ptr(outs[i]["topk_idx"]) if outs else None,
-                "recv_topk_weights": _ptr(outs[i]["topk_weights"]) if outs else None,
-                "recv_src_idx": _ptr(outs[i]["src_idx"]) if outs else None,
-                "num_tokens": inp.x.shape[0],
-                "budget": budget,
-                "forward_capacity": capacity,
+                recv_topk_idx=ptr(outs[i]["topk_idx"]) if outs else None,
+                recv_topk_weights=ptr(outs[i]["topk_weights"]) if outs else None,
+                recv_src_idx=ptr(outs[i]["src_idx"]) if outs else None,
+                num_tokens=inp.x.shape[0],
+                budget=budget,
+                forward_capacity=capacity,
                 **e.check_fields(
-                    inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
+                    inp.rank,
+                    dispatch_header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0), budget=budget),
                 ),
-            }
+            )
             for i, (inp, itn, tb) in enumerate(zip(inputs, in_node, tables))
         ],
         num_topk,
@@ -631,7 +493,9 @@ def _fused_notify(
             is_token_in_node=itn,
             recv_prefix=tb["recv_prefix"],
             forward_prefix=tb["forward_prefix"],
+            relay_prefix=tb["relay_prefix"],
             forward_mask=torch.zeros(capacity if budget >= 0 else forwarded, dtype=torch.int32, device=device),
+            forward_cut=zeros(L * C * N),
             counts=tb["counts"],
             overflow=tb["overflow"],
             peer_ok=tb["peer_ok"],
@@ -648,9 +512,9 @@ def _fused_notify(
     return handles, outs
 
 
-def _fused_launch(
-    t: _Transport,
-    inputs: list[_Input],
+def fused_launch(
+    t: InternodeEngines,
+    inputs: list[RankInput],
     handles: list[InternodeHandle],
     outs: list[dict],
     num_experts: int,
@@ -660,24 +524,21 @@ def _fused_launch(
     scale_bytes: int,
     num_topk: int,
 ) -> None:
-    """The fused dispatch launch into ``outs`` (per rank the dict of ``_alloc_outputs``, whose
+    """The fused dispatch launch into ``outs`` (per rank the dict of ``alloc_outputs``, whose
     tensors may be views of the caller's: rows ``[handle.num_rows, ...]``)."""
     e = t.rdma
     ranks = []
     for inp, h, o in zip(inputs, handles, outs):
-        fresh, fields = _dispatch_fields(e, inp, h, o, num_experts, statuses)
+        fresh, fields = dispatch_fields(e, inp, h, o, num_experts, statuses)
         ranks.append(
-            {
+            require_extension().FusedDispatchRank(
                 **fields,
-                "is_token_in_node": _ptr(h.is_token_in_node),
-                "recv_prefix": h.recv_prefix.data_ptr(),
-                "forward_prefix": h.forward_prefix.data_ptr(),
-                "forward_mask": _ptr(h.forward_mask),
-                "peer_ok": h.peer_ok.data_ptr() if fresh else None,
-                "forward_capacity": h.forward_capacity,
-            }
+                **h.routing_fields(),
+                peer_ok=h.peer_ok.data_ptr() if fresh else None,
+            )
         )
-    e.fused_dispatch(
+    e.dispatch(
+        "fused",
         e.common(handles[0].num_channels, inputs[0].rank, skip_rank),
         ranks,
         x_bytes,
@@ -688,7 +549,7 @@ def _fused_launch(
 
 
 def _fused_combine(
-    t: _Transport,
+    t: InternodeEngines,
     rank_begin: int,
     ys: list[torch.Tensor],
     handles: list[InternodeHandle],
@@ -696,40 +557,28 @@ def _fused_combine(
     skip_rank: int | None,
     skip_phase: str | None,
     statuses: dict[int, int] | None,
+    row_bytes: int | None = None,
 ) -> list[torch.Tensor]:
     e, device, statuses = t.rdma, t.rdma.device, statuses or {}
-    row_scales, hidden, dtype, y_bytes = _combine_shape(
+    row_scales, hidden, dtype, y_bytes = combine_shape(
         ys, handles, row_scales, rank_begin, device, e.slot_bytes, InternodeHandle, slots="the buffers' slots"
     )
     outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
-    e.fused_combine(
+    e.combine(
+        "fused",
         e.common(handles[0].num_channels, rank_begin, _skipper(skip_rank, skip_phase)("combine")),
         [
-            {
-                "y": _ptr(y),
-                "row_scale": _ptr(s.contiguous()) if s is not None else None,
-                "is_token_in_node": _ptr(h.is_token_in_node),
-                "recv_prefix": h.recv_prefix.data_ptr(),
-                "forward_prefix": h.forward_prefix.data_ptr(),
-                "forward_mask": _ptr(h.forward_mask),
-                "out": _ptr(out),
-                "num_tokens": h.num_tokens,
-                "num_rows": h.num_rows,
-                "forward_capacity": h.forward_capacity,
-                **e.check_fields(
-                    rank_begin + i,
-                    header_words(
-                        OP_COMBINE,
-                        h.dispatch_id,
-                        y_bytes,
-                        dtype,
-                        0,
-                        h.num_experts,
-                        h.num_channels,
-                        status=statuses.get(rank_begin + i, 0),
-                    ),
+            require_extension().FusedCombineRank(
+                y=ptr(y),
+                row_scale=ptr(s.contiguous()) if s is not None else None,
+                **h.routing_fields(),
+                out=ptr(out),
+                num_tokens=h.num_tokens,
+                num_rows=h.num_rows,
+                **e.combine_check(
+                    rank_begin + i, h, row_bytes or y_bytes, dtype, h.num_channels, statuses.get(rank_begin + i, 0)
                 ),
-            }
+            )
             for i, (y, h, s, out) in enumerate(zip(ys, handles, row_scales, outs))
         ],
         y_bytes,
@@ -738,12 +587,7 @@ def _fused_combine(
     return outs
 
 
-# ---------------------------------------------------------------------------------------------
-# The staged pipeline
-# ---------------------------------------------------------------------------------------------
-
-
-def _node_groups(t: _Transport, ranks: list[int]):
+def _node_groups(t: InternodeEngines, ranks: list[int]):
     """Per node with launched ranks (consecutive, global ``ranks``): its intranode engine and the
     indices into ``ranks`` of its members."""
     groups: dict[int, list[int]] = {}
@@ -753,19 +597,19 @@ def _node_groups(t: _Transport, ranks: list[int]):
         yield node, t.nodes[node], members
 
 
-def _local_statuses(t: _Transport, statuses: dict[int, int]) -> dict[int, int]:
+def _local_statuses(t: InternodeEngines, statuses: dict[int, int]) -> dict[int, int]:
     """Refusing ranks numbered as their node's intranode engine numbers them."""
     return {r % t.ranks_per_node: code for r, code in statuses.items()}
 
 
-def _local_skip(t: _Transport, node: int, skip_rank: int | None) -> int | None:
+def _local_skip(t: InternodeEngines, node: int, skip_rank: int | None) -> int | None:
     L = t.ranks_per_node
     return skip_rank - node * L if skip_rank is not None and skip_rank // L == node else None
 
 
 def _staged_dispatch(
-    t: _Transport,
-    inputs: list[_Input],
+    t: InternodeEngines,
+    inputs: list[RankInput],
     num_experts: int,
     *,
     num_sms: int,
@@ -779,7 +623,7 @@ def _staged_dispatch(
     """Dispatch for ranks ``inputs[i].rank`` (consecutive): stage 1 in one launch per step, stage
     2 one intranode launch per (node, source node)."""
     e, N, L, device = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device
-    _, num_topk, x_bytes, scale_bytes = _dispatch_shape(
+    _, num_topk, x_bytes, scale_bytes = dispatch_shape(
         inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
     )
     experts_per_node, experts_per_rank = num_experts // N, num_experts // t.world_size
@@ -789,30 +633,31 @@ def _staged_dispatch(
     scratch = lambda n=1: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
     # Stage 1: node notify (fresh only) and node dispatch into the forwarders' staging rows.
     if fresh:
-        C = _check_num_sms(num_sms, e.config)
+        C = check_num_sms(num_sms, e.config)
         ids = e.dispatch_ids(dispatch_ids, len(inputs))
         in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
         node_prefix = [scratch(N * C + 1) for _ in inputs]
         node_ok = [scratch(N) for _ in inputs]
         outputs = [scratch(2) for _ in inputs]  # the count and overflow words notify writes (unused here)
-        e.node_notify(
+        e.notify(
+            "node",
             e.common(C, ranks[0], skip("node_notify")),
             [
-                {
-                    "is_token_in_rank": _ptr(itn),
-                    "recv_prefix": p.data_ptr(),
-                    "num_recv_tokens": out.data_ptr(),
-                    "overflow": out.data_ptr() + 4,
-                    "peer_ok": ok.data_ptr(),
-                    "recv_topk_idx": None,
-                    "recv_topk_weights": None,
-                    "recv_src_idx": None,
-                    "num_tokens": inp.x.shape[0],
-                    "budget": -1,
+                require_extension().NotifyRank(
+                    is_token_in_rank=ptr(itn),
+                    recv_prefix=p.data_ptr(),
+                    num_recv_tokens=out.data_ptr(),
+                    overflow=out.data_ptr() + 4,
+                    peer_ok=ok.data_ptr(),
+                    recv_topk_idx=None,
+                    recv_topk_weights=None,
+                    recv_src_idx=None,
+                    num_tokens=inp.x.shape[0],
+                    budget=-1,
                     **e.check_fields(
-                        inp.rank, _header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
+                        inp.rank, dispatch_header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
                     ),
-                }
+                )
                 for i, (inp, itn, p, ok, out) in enumerate(zip(inputs, in_node, node_prefix, node_ok, outputs))
             ],
         )
@@ -826,31 +671,32 @@ def _staged_dispatch(
         in_node = [h.is_token_in_node for h in handles]
         node_prefix = [h.node_prefix for h in handles]
         segments = [h.segments for h in handles]
-    staged = [_alloc_outputs(inp, seg[-1], experts_per_node, device) for inp, seg in zip(inputs, segments)]
+    staged = [alloc_outputs(inp, seg[-1], experts_per_node, device) for inp, seg in zip(inputs, segments)]
     overflow = [scratch() for _ in inputs]
-    e.node_dispatch(
+    e.dispatch(
+        "node",
         e.common(C, ranks[0], skip("node_dispatch")),
         [
-            {
-                "x": _ptr(inp.x),
-                "x_scales": _ptr(inp.scales),
-                "topk_idx": _ptr(inp.topk_idx),
-                "topk_weights": _ptr(inp.topk_weights),
-                "is_token_in_rank": _ptr(itn),
-                "recv_prefix": p.data_ptr(),
-                "recv_x": _ptr(s["x"]),
-                "recv_scales": _ptr(s["scales"]),
-                "recv_topk_idx": _ptr(s["topk_idx"]),
-                "recv_topk_weights": _ptr(s["topk_weights"]) if inp.topk_weights is not None else None,
-                "recv_src_idx": _ptr(s["src_idx"]),
-                "num_recv_per_expert": s["per_expert"].data_ptr(),
-                "overflow": o.data_ptr(),
-                "peer_ok": node_ok[i].data_ptr() if fresh else None,
-                "num_tokens": inp.x.shape[0],
-                "num_rows": seg[-1],
+            require_extension().DispatchRank(
+                x=ptr(inp.x),
+                x_scales=ptr(inp.scales),
+                topk_idx=ptr(inp.topk_idx),
+                topk_weights=ptr(inp.topk_weights),
+                is_token_in_rank=ptr(itn),
+                recv_prefix=p.data_ptr(),
+                recv_x=ptr(s["x"]),
+                recv_scales=ptr(s["scales"]),
+                recv_topk_idx=ptr(s["topk_idx"]),
+                recv_topk_weights=ptr(s["topk_weights"]) if inp.topk_weights is not None else None,
+                recv_src_idx=ptr(s["src_idx"]),
+                num_recv_per_expert=s["per_expert"].data_ptr(),
+                overflow=o.data_ptr(),
+                peer_ok=node_ok[i].data_ptr() if fresh else None,
+                num_tokens=inp.x.shape[0],
+                num_rows=seg[-1],
                 **e.check_fields(
                     inp.rank,
-                    _header(
+                    dispatch_header(
                         OP_DISPATCH if fresh else OP_CACHED_DISPATCH,
                         ids[i],
                         inp,
@@ -859,7 +705,7 @@ def _staged_dispatch(
                         statuses.get(inp.rank, 0),
                     ),
                 ),
-            }
+            )
             for i, (inp, itn, p, s, o, seg) in enumerate(zip(inputs, in_node, node_prefix, staged, overflow, segments))
         ],
         x_bytes,
@@ -871,9 +717,9 @@ def _staged_dispatch(
         t.check()
 
     # Stage 2: per node, one intranode operation per source node m over the forwarded rows.
-    def stage2_input(i: int, m: int, forward_in_rank: torch.Tensor) -> _Input:
+    def stage2_input(i: int, m: int, forward_in_rank: torch.Tensor) -> RankInput:
         s, seg = staged[i], slice(segments[i][m], segments[i][m + 1])
-        return _Input(
+        return RankInput(
             ranks[i] % L,
             s["x"][seg],
             s["scales"][seg] if s["scales"] is not None else None,
@@ -896,7 +742,7 @@ def _staged_dispatch(
         local: list[list[IntranodeHandle]] = [[] for _ in inputs]
         for node, engine, members in _node_groups(t, ranks):
             for m in range(N):
-                got, _ = _notify(
+                got, _ = run_notify(
                     engine,
                     [stage2_input(i, m, forward_in_rank[i]) for i in members],
                     experts_per_rank,
@@ -930,7 +776,7 @@ def _staged_dispatch(
                 zip(inputs, in_node, node_prefix, node_ok, segments, forward_in_rank, local)
             )
         ]
-    outs = [_alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
+    outs = [alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
     for node, engine, members in _node_groups(t, ranks):
         for m in range(N):
             launch_inputs, launch_outs = [], []
@@ -951,7 +797,7 @@ def _staged_dispatch(
                         "per_expert": o["per_expert"],
                     }
                 )
-            _launch_dispatch(
+            launch_dispatch(
                 engine,
                 launch_inputs,
                 [handles[i].local[m] for i in members],
@@ -960,11 +806,11 @@ def _staged_dispatch(
                 skip_rank=_local_skip(t, node, skip("dispatch")),
                 statuses=_local_statuses(t, statuses),
             )
-    return _rank_results(InternodeDispatch, inputs, handles, outs)
+    return assemble_results(InternodeDispatch, inputs, handles, outs)
 
 
 def _staged_combine(
-    t: _Transport,
+    t: InternodeEngines,
     rank_begin: int,
     ys: list[torch.Tensor],
     handles: list[StagedInternodeHandle],
@@ -973,9 +819,10 @@ def _staged_combine(
     skip_phase: str | None,
     statuses: dict[int, int] | None,
     check: bool,
+    row_bytes: int | None = None,
 ) -> list[torch.Tensor]:
     e, N, L, device, statuses = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device, statuses or {}
-    row_scales, hidden, dtype, y_bytes = _combine_shape(
+    row_scales, hidden, dtype, y_bytes = combine_shape(
         ys, handles, row_scales, rank_begin, device, e.slot_bytes, StagedInternodeHandle, slots="the buffers' slots"
     )
     C = handles[0].num_channels
@@ -989,7 +836,7 @@ def _staged_combine(
                 slice(handles[i].row_base(m), handles[i].row_base(m) + handles[i].local[m].num_rows) for i in members
             ]
             segs = [slice(handles[i].segments[m], handles[i].segments[m + 1]) for i in members]
-            _intranode_combine(
+            run_intranode_combine(
                 engine,
                 ranks[members[0]] % L,
                 [ys[i][r] for i, r in zip(members, rows)],
@@ -1003,31 +850,20 @@ def _staged_combine(
         t.check()
     # Stage 1 backwards: each partial once to its source, summed there by ascending node.
     outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
-    e.node_combine(
+    e.combine(
+        "node",
         e.common(C, rank_begin, skip("node_combine")),
         [
-            {
-                "y": _ptr(p),
-                "row_scale": None,
-                "is_token_in_rank": _ptr(h.is_token_in_node),
-                "recv_prefix": h.node_prefix.data_ptr(),
-                "out": _ptr(o),
-                "num_tokens": h.num_tokens,
-                "num_rows": h.num_forward_rows,
-                **e.check_fields(
-                    rank_begin + i,
-                    header_words(
-                        OP_COMBINE,
-                        h.dispatch_id,
-                        y_bytes,
-                        dtype,
-                        0,
-                        h.num_experts,
-                        C,
-                        status=statuses.get(rank_begin + i, 0),
-                    ),
-                ),
-            }
+            require_extension().CombineRank(
+                y=ptr(p),
+                row_scale=None,
+                is_token_in_rank=ptr(h.is_token_in_node),
+                recv_prefix=h.node_prefix.data_ptr(),
+                out=ptr(o),
+                num_tokens=h.num_tokens,
+                num_rows=h.num_forward_rows,
+                **e.combine_check(rank_begin + i, h, row_bytes or y_bytes, dtype, C, statuses.get(rank_begin + i, 0)),
+            )
             for i, (p, h, o) in enumerate(zip(partials, handles, outs))
         ],
         y_bytes,
@@ -1036,9 +872,9 @@ def _staged_combine(
     return outs
 
 
-def _dispatch(
-    t: _Transport,
-    inputs: list[_Input],
+def run_dispatch(
+    t: InternodeEngines,
+    inputs: list[RankInput],
     num_experts: int,
     *,
     num_sms: int,
@@ -1065,7 +901,7 @@ def _dispatch(
             statuses=statuses,
             check=check,
         )
-    if _check_budget(num_worst_tokens) >= 0:
+    if check_budget(num_worst_tokens) >= 0:
         raise ValueError(
             "num_worst_tokens needs Config.internode_pipeline='fused' (the staged pipeline reads its "
             "counts on the host)"
@@ -1084,8 +920,8 @@ def _dispatch(
     )
 
 
-def _combine(
-    t: _Transport,
+def run_combine(
+    t: InternodeEngines,
     rank_begin: int,
     ys: list[torch.Tensor],
     handles: list,
@@ -1094,12 +930,16 @@ def _combine(
     skip_phase: str | None,
     statuses: dict[int, int] | None,
     check: bool,
+    row_bytes: int | None = None,
 ) -> list[torch.Tensor]:
-    """Combine through the transport's pipeline (``skip_phase`` None: its main kernel)."""
+    """Combine through the transport's pipeline (``skip_phase`` None: its main kernel);
+    ``row_bytes``: what the headers say of a row, the caller's before padding (None: y's)."""
     if t.fused:
-        return _fused_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "combine", statuses)
+        return _fused_combine(
+            t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "combine", statuses, row_bytes
+        )
     return _staged_combine(
-        t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "node_combine", statuses, check
+        t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "node_combine", statuses, check, row_bytes
     )
 
 
@@ -1118,246 +958,7 @@ def cross_node_bytes(handles: list, ranks_per_node: int, row_bytes: int, rank_be
     return total
 
 
-# ---------------------------------------------------------------------------------------------
-# Loopback: N x L simulated ranks on one device
-# ---------------------------------------------------------------------------------------------
-
-
-class InternodeLoopback:
-    """N nodes x L ranks simulated on one device: the internode kernels with every RDMA put
-    replaced by a store into the peer's buffer (same device).
-
-    On a GPU one launch per step serves all W = N * L ranks (the fused pipeline: a notify and
-    one kernel per operation; staged: stage 2 one launch per node and source node). With
-    ``device="cpu"`` the same role code runs on threads (``cpu_options``: ``group_warps``,
-    ``num_workers``).
-
-    Args:
-        num_nodes, ranks_per_node: N, L; W = N * L <= 16.
-        hidden, num_topk: the largest rows to move (sizes slots); ``element_bytes``: widest element.
-        config: :class:`Config` (``num_slots % chunk_tokens == 0``; ``internode_pipeline``).
-        device: a CUDA device, or CPU for the CPU backend.
-        timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
-
-    Raises:
-        ValueError: shapes out of range (num_topk in [1, 32]), or a device that is neither CUDA
-            nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device without a GPU,
-            or the extension is not built.
-    """
-
-    def __init__(
-        self,
-        num_nodes: int,
-        ranks_per_node: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        device: torch.device | str = "cuda",
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        cpu_options: dict | None = None,
-    ):
-        for name, value in (("num_nodes", num_nodes), ("ranks_per_node", ranks_per_node)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_nodes * ranks_per_node > MAX_LOOPBACK_RANKS:
-            raise ValueError(
-                f"loopback simulates at most {MAX_LOOPBACK_RANKS} ranks, got {num_nodes} x {ranks_per_node}"
-            )
-        self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
-        self.world_size = W = num_nodes * ranks_per_node
-        slot_bytes = _slot_bytes(hidden, num_topk, element_bytes, config, min_topk=1)
-        self.config = config or Config()
-        check_rdma_config(self.config)
-        self.device, backend = _loopback_device(device)
-        timeout = default_timeout_s(timeout_s)
-        C, S = self.config.num_channels, self.config.num_slots
-        self.rdma_layout = rdma_layout(num_nodes, ranks_per_node, C, S, slot_bytes)
-        self.nvl_layout = buffer_layout(ranks_per_node, C, S, slot_bytes, num_nodes)
-        zeros = lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device)  # noqa: E731
-        self._rdma_buffers = [zeros(self.rdma_layout.total_bytes) for _ in range(W)]
-        self._nvl_buffers = [zeros(self.nvl_layout.total_bytes) for _ in range(W)]  # rank r's: index r
-        record = lambda: torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)  # noqa: E731
-        nvl = [b.data_ptr() for b in self._nvl_buffers]
-        rdma = _RdmaEngine(
-            num_nodes,
-            ranks_per_node,
-            self.config,
-            slot_bytes,
-            [b.data_ptr() for b in self._rdma_buffers],
-            None,
-            nvl,
-            0,
-            record(),
-            None,
-            backend,
-            "loopback",
-            timeout,
-            cpu_options,
-            records=Records(W, self.device),
-        )
-        L = ranks_per_node
-        nodes = (
-            {
-                n: _Engine(
-                    L,
-                    self.config,
-                    slot_bytes,
-                    nvl[n * L : (n + 1) * L],
-                    record(),
-                    None,
-                    backend,
-                    timeout,
-                    cpu_options,
-                    records=Records(L, self.device),
-                    relay_nodes=num_nodes,
-                )
-                for n in range(num_nodes)
-            }
-            if self.config.internode_pipeline == "staged"
-            else {}
-        )
-        self.transport = _Transport(num_nodes, ranks_per_node, rdma, nodes)
-
-    @property
-    def timeout_s(self) -> float:
-        """Bound, in seconds, of every wait inside the launches (settable)."""
-        return self.transport.rdma.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self.transport.rdma.set_timeout(value)
-        for engine in self.transport.nodes.values():
-            engine.set_timeout(value)
-
-    @property
-    def buffer_bytes(self) -> tuple[int, int]:
-        """(RDMA, NVLink) bytes of each simulated rank's communication buffers."""
-        return self.rdma_layout.total_bytes, self.nvl_layout.total_bytes
-
-    def set_variant(self, name: str) -> None:
-        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
-        operation on, over the same buffers; handles of earlier dispatches stay valid. Raises
-        ValueError for an unknown name."""
-        self.config = self.transport.rdma.config = self.config.with_variant(name)
-        for engine in self.transport.nodes.values():
-            engine.config = self.config
-
-    def dispatch(
-        self,
-        xs: list,
-        topk_idxs: list[torch.Tensor] | None,
-        topk_weights: list[torch.Tensor] | None,
-        num_experts: int,
-        *,
-        num_sms: int | None = None,
-        handles: list | None = None,
-        num_worst_tokens: int | None = None,
-        dispatch_ids: list[int] | None = None,
-        status: dict[int, int] | None = None,
-        withhold_rank: int | None = None,
-        withhold_phase: str | None = None,
-        check: bool = True,
-        validate: bool = True,
-    ) -> list[InternodeDispatch]:
-        """Dispatch for all W ranks.
-
-        Args:
-            xs: per rank ``[T_r, H]`` bf16/fp16/fp32, or ``(x_fp8 [T_r, H], scales [T_r, H/128])``.
-            topk_idxs: per rank ``[T_r, K]`` int32/int64 global expert ids, -1 = none (None with
-                ``handles``: only x travels).
-            topk_weights: per rank ``[T_r, K]`` fp32, or None.
-            num_experts: E, divisible by W.
-            num_sms: SMs per simulated rank (default ``config.num_sms``; the fused pipeline runs
-                ``max(1, num_sms // 3)`` channels of three blocks).
-            handles: a previous result's handles: a cached dispatch (no notify, same routing).
-            num_worst_tokens: budget mode (fused pipeline): this many rows per rank, nothing
-                waits for the host, rows past it are dropped and ``handle.overflow`` is set.
-            dispatch_ids, status: as :meth:`moe_dispatch.transport.intranode.Loopback.dispatch`.
-            withhold_rank, withhold_phase: tests: that rank's blocks skip a launch: fused
-                "notify" or "dispatch" (default); staged "node_notify", "node_dispatch"
-                (default), "notify" or "dispatch" (stage 2).
-            check: raise :class:`InternodeTimeoutError` or
-                :class:`~moe_dispatch.transport.header.MismatchError` (synchronises).
-            validate: check topk_idx values (a host sync).
-
-        Returns:
-            per rank an :class:`InternodeDispatch`; rows by source rank, then source token.
-        """
-        W = self.world_size
-        topk_idxs = _check_world_args(W, xs, topk_idxs, num_experts)
-        if handles is not None and len(handles) != W:
-            raise ValueError(f"handles must be one handle per rank ({W}), got {len(handles)}")
-        if dispatch_ids is not None and len(dispatch_ids) != W:
-            raise ValueError(f"pass one dispatch id per rank ({W}), got {len(dispatch_ids)}")
-        inputs = _refusing(
-            _prepare_world(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles), status
-        )
-        return self._guard(
-            lambda: _dispatch(
-                self.transport,
-                inputs,
-                num_experts,
-                num_sms=num_sms or self.config.num_sms,
-                handles=handles,
-                num_worst_tokens=num_worst_tokens,
-                skip_rank=withhold_rank,
-                skip_phase=withhold_phase,
-                dispatch_ids=dispatch_ids,
-                statuses=status,
-                check=check,
-            ),
-            check,
-        )
-
-    def combine(
-        self,
-        ys: list[torch.Tensor],
-        handles: list,
-        row_scales: list[torch.Tensor | None] | None = None,
-        *,
-        status: dict[int, int] | None = None,
-        withhold_rank: int | None = None,
-        withhold_phase: str | None = None,
-        check: bool = True,
-    ) -> list[torch.Tensor]:
-        """Combine for all W ranks: ``out[s] [T_s, H]`` in y's dtype (see the module doc for the
-        summation order); ``withhold_phase``: fused "combine" (default); staged "combine"
-        (stage 2) or "node_combine" (default)."""
-        return self._guard(
-            lambda: _combine(self.transport, 0, ys, handles, row_scales, withhold_rank, withhold_phase, status, check),
-            check,
-        )
-
-    def check(self) -> None:
-        """Synchronises; raises a recorded timeout (resetting the buffers) or mismatch."""
-        self._guard(lambda: None, True)
-
-    def _guard(self, fn, check: bool):
-        try:
-            result = fn()
-            if check:
-                self.transport.check_timeouts()
-        except InternodeTimeoutError:
-            self.reset()
-            raise
-        if check:
-            self.transport.check_mismatches()
-        return result
-
-    def reset(self) -> None:
-        """Zeroes the control regions, error and mismatch records (after a timeout left them dirty)."""
-        for b in self._rdma_buffers:
-            b[: self.rdma_layout.recv_offset].zero_()
-        for b in self._nvl_buffers:
-            b[: self.nvl_layout.queue_offset].zero_()
-        for engine in (self.transport.rdma, *self.transport.nodes.values()):
-            engine.error.zero_()
-            engine.records.clear()
-
-
-def empty_handle(t: _Transport, rank: int) -> InternodeHandle | StagedInternodeHandle:
+def empty_handle(t: InternodeEngines, rank: int) -> InternodeHandle | StagedInternodeHandle:
     """A handle of no tokens and no rows for ``rank`` (a refusing rank's stand-in)."""
     N, L, W, device = t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.device
     C = t.rdma.config.num_channels
@@ -1370,7 +971,9 @@ def empty_handle(t: _Transport, rank: int) -> InternodeHandle | StagedInternodeH
             zeros(0, N, dtype=torch.bool),
             zeros(W * C + 1),
             zeros(C * N + 1),
+            zeros(L * (N * C + 1)),
             zeros(0),
+            zeros(L * C * N),
             zeros(2),
             zeros(1),
             zeros(N + L),
@@ -1400,17 +1003,3 @@ def empty_handle(t: _Transport, rank: int) -> InternodeHandle | StagedInternodeH
         0,
         0,
     )
-
-
-__all__ = [
-    "InternodeDispatch",
-    "InternodeHandle",
-    "InternodeLoopback",
-    "InternodeTimeoutError",
-    "RdmaLayout",
-    "StagedInternodeHandle",
-    "cross_node_bytes",
-    "describe_timeout",
-    "fused_channels",
-    "rdma_layout",
-]

@@ -56,31 +56,21 @@ import torch.distributed as dist
 from ..config import MAX_RANKS, MAX_TOPK, Config
 from ..errors import CommError
 from ..topology import Topology
+from . import internode, intranode
 from .base import Field, Steps, completed
-from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH
-from .internode import (
-    InternodeHandle,
-    InternodeTimeoutError,
-    StagedInternodeHandle,
-    _fused_launch,
-    _fused_notify,
-    check_rdma_config,
-)
-from .internode import _combine as _internode_combine
-from .internode import _dispatch as _internode_dispatch
-from .internode import describe_timeout as _describe_internode_timeout
-from .intranode import (
+from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
+from .internode import InternodeHandle, StagedInternodeHandle, check_rdma_config
+from .intranode import IntranodeHandle, IntranodeTransport
+from .launcher import (
     COMBINE_DTYPES,
-    IntranodeHandle,
+    InternodeTimeoutError,
     IntranodeTimeoutError,
-    IntranodeTransport,
-    _combine,
-    _dispatch_shape,
-    _Input,
-    _launch_dispatch,
-    _notify,
+    RankInput,
+    describe_internode_timeout,
+    describe_intranode_timeout,
+    dispatch_shape,
+    kernel_timeout_s,
 )
-from .intranode import describe_timeout as _describe_intranode_timeout
 from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
@@ -136,9 +126,8 @@ class KernelPlan:
 
     @property
     def overflow(self) -> torch.Tensor | None:
-        """``[1]`` int32 on the device: 1 when more than ``num_rows`` rows arrived (or, several
-        nodes, more than the forwarding capacity: the rest were dropped), for a budget-mode
-        plan; None where R is a host int."""
+        """``[1]`` int32 on the device: 1 when more than ``num_rows`` rows arrived (the rest were
+        dropped), for a budget-mode plan; None where R is a host int."""
         return self.handle.overflow if self.num_recv_tokens is None else None
 
     @property
@@ -155,13 +144,13 @@ class KernelPlan:
         """Rows this rank forwarded to the other ranks of its node in stage 2 (reads the
         routing: a host sync)."""
         topo, h = self.topology, self.handle
+        if isinstance(h, InternodeHandle):  # fused: the rows relayed to each local rank, its total last
+            relayed = h.relay_prefix.view(topo.ranks_per_node, -1)[:, -1]
+            return int(relayed.sum()) - int(relayed[topo.local_rank])
         if isinstance(h, IntranodeHandle):
             sent, me = h.is_token_in_rank, topo.rank
-        elif isinstance(h, StagedInternodeHandle):  # the rows it received in stage 1, by local destination
+        else:  # staged: the rows it received in stage 1, by local destination
             sent, me = h.forward_in_rank, topo.local_rank
-        else:  # fused: per forwarded row, bit l = local rank l holds it
-            bits = torch.arange(topo.ranks_per_node, dtype=torch.int32, device=h.forward_mask.device)
-            sent, me = (h.forward_mask.view(-1, 1) >> bits) & 1, topo.local_rank
         return int(sent.sum()) - int(sent[:, me].sum())
 
 
@@ -174,15 +163,16 @@ class KernelTransport:
             CUDA tensors of processes sharing a GPU).
         topology: this rank's place; one node takes the intranode kernels, several the
             hierarchical ones.
-        timeout_s: bound of every wait (kernels and the argument checks).
+        timeout_s: bound of every wait (the argument checks; the kernels' waits too, unless
+            ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` is set: :func:`kernel_timeout_s`).
         config: the kernels' launch shape and queue sizes (the Buffer checked it; several
             nodes need ``num_slots % chunk_tokens == 0``), or "auto": ``Config.auto`` at the
             first plan, from the agreed fields (``_auto_config``).
         device: the Buffer's device (CUDA, or CPU for the CPU backend).
 
     Raises:
-        ValueError: more ranks per node than the kernels serve (an NVLink domain), or a
-            Config the hierarchical kernels cannot use.
+        ValueError: more ranks per node than the kernels serve (an NVLink domain), a Config the
+            hierarchical kernels cannot use, or a bad ``MOE_DISPATCH_KERNEL_TIMEOUT_S``.
         RuntimeError: the extension is not built.
 
     Collective: every rank of ``group`` constructs it together.
@@ -203,6 +193,7 @@ class KernelTransport:
         self.check(topology, shape)
         self.config = config
         self.topology, self.timeout_s, self.device = topology, timeout_s, device
+        self.kernel_timeout_s = kernel_timeout_s(timeout_s)
         # one node, or the hierarchical pipeline of Config.internode_pipeline
         self.pipeline = "intranode" if topology.num_nodes == 1 else shape.internode_pipeline
         # The argument checks and progress records are the torch_dist transport's; its
@@ -286,14 +277,14 @@ class KernelTransport:
         yield from ()  # steps that wait for nothing: the launches are enqueued when driven
         if self.config == "auto":
             self.config = _auto_config(fields, self.topology)
-        kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"])
+        kernels = self._sized(_padded_width(fields["hidden"], 4), fields["top-k"], "dispatch")
         num_tokens, num_topk = topk_idx.shape
         num_experts = fields["num_experts"]
         experts_per_rank = num_experts // self.topology.world_size
         if self.pipeline == "staged":
             # The staged pipeline learns the routing by running it: a dispatch of 16-byte rows
             # (two host reads), whose handle the payload transfers replay.
-            result = _internode_dispatch(
+            result = internode.run_dispatch(
                 kernels.transport,
                 [self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank)],
                 num_experts,
@@ -326,7 +317,7 @@ class KernelTransport:
                 "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=self.device),
             }
         if self.pipeline == "intranode":
-            (handle,), _ = _notify(
+            (handle,), _ = intranode.run_notify(
                 kernels.engine,
                 [inp],
                 experts_per_rank,
@@ -337,7 +328,7 @@ class KernelTransport:
                 outs=[scratch] if scratch else None,
             )
         else:
-            (handle,), _ = _fused_notify(
+            (handle,), _ = internode.fused_notify(
                 kernels.transport,
                 [inp],
                 num_experts,
@@ -371,6 +362,7 @@ class KernelTransport:
         x, scales = tensors[0], (tensors[1] if k == 2 else None)
         topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
         local = self._move(
+            "dispatch",
             plan,
             x,
             scales,
@@ -396,6 +388,7 @@ class KernelTransport:
         for (x, *scales), (dst, *dst_scales) in groups:
             no_topk = torch.empty(x.shape[0], 0, dtype=torch.int64, device=self.device)
             self._move(
+                "cached dispatch",
                 plan,
                 _flat(x),
                 scales[0] if scales else None,
@@ -421,16 +414,28 @@ class KernelTransport:
         for y, scale, dst in zip(tensors, scales, out):
             if y.dtype not in COMBINE_DTYPES:
                 raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
+            row_bytes = math.prod(y.shape[1:]) * y.element_size()  # the header's: the caller's row
             if y.dtype == torch.float16 and self.device.type == "cpu":
                 y = y.float()  # the CPU backend sums fp16 as fp32 rows: the same fp32 sum, rounded once below
             y2d = _rows16(_flat(y))
-            kernels = self._sized(_row_elements(y2d), 0)
+            kernels = self._sized(_row_elements(y2d), 0, "combine")
             scale = scale.contiguous() if scale is not None else None
             if self.pipeline == "intranode":
-                summed = _combine(kernels.engine, self.topology.rank, [y2d], [plan.handle], [scale], None)[0]
+                (summed,) = intranode.run_combine(
+                    kernels.engine, self.topology.rank, [y2d], [plan.handle], [scale], None, row_bytes=row_bytes
+                )
             else:
-                summed = _internode_combine(
-                    kernels.transport, self.topology.rank, [y2d], [plan.handle], [scale], None, None, None, check=False
+                summed = internode.run_combine(
+                    kernels.transport,
+                    self.topology.rank,
+                    [y2d],
+                    [plan.handle],
+                    [scale],
+                    None,
+                    None,
+                    None,
+                    check=False,
+                    row_bytes=row_bytes,
                 )[0]
             self._after_launch()
             dst2d = _flat(dst)
@@ -447,18 +452,10 @@ class KernelTransport:
         Raises:
             ``err``, caused by a CommError: a peer did not take part either.
         """
-        kernels = self._kernels
-        if kernels is None:
+        if self._kernels is None:
             return
-        ops = [_OPS[operation]]
-        if self.pipeline == "staged" and operation == "dispatch":
-            ops.append(OP_CACHED_DISPATCH)  # the staged plan's metadata dispatch, then the payload's replay
         try:
-            for op in ops:
-                if self.pipeline == "intranode":
-                    kernels._refuse(op)
-                else:
-                    kernels._refuse(op, err)
+            self._join(operation, STATUS_INVALID_ARGUMENTS)
         except CommError as refusal:
             raise err from refusal
         # Its own verdicts name itself: not news to a rank that raises its own error now. Cleared
@@ -467,6 +464,16 @@ class KernelTransport:
             torch.cuda.current_stream(self.device).synchronize()
         for records in self._records():
             records.clear()
+
+    def _join(self, operation: str, status: int) -> None:
+        """Takes part in ``operation`` ("dispatch", "cached dispatch" or "combine") with no rows
+        and header ``status`` (collective, as the operation; CommError when a peer does not take
+        part either)."""
+        ops = [_OPS[operation]]
+        if self.pipeline == "staged" and operation == "dispatch":
+            ops.append(OP_CACHED_DISPATCH)  # the staged plan's metadata dispatch, then the payload's replay
+        for op in ops:
+            self._kernels.refuse(op, status)
 
     def check_errors(self) -> None:
         """Raises what the kernels recorded: an
@@ -495,7 +502,7 @@ class KernelTransport:
         if self.pipeline == "intranode":
             record = _recorded(kernels._error_host, kernels.engine.error)
             if record:
-                raise IntranodeTimeoutError(*_describe_intranode_timeout(record, kernels.engine.timeout_s))
+                raise IntranodeTimeoutError(*describe_intranode_timeout(record, kernels.engine.timeout_s))
             if mismatches:
                 kernels.engine.records.raise_if_set(synchronize=False)
             return
@@ -503,12 +510,12 @@ class KernelTransport:
         record = _recorded(kernels._error_host, rdma.error)
         if record:
             raise InternodeTimeoutError(
-                *_describe_internode_timeout(record, rdma.timeout_s, L, fused=self.pipeline == "fused")
+                *describe_internode_timeout(record, rdma.timeout_s, L, fused=self.pipeline == "fused")
             )
         record = _recorded(node._error_host, node.engine.error)
         if record:
             raise InternodeTimeoutError(
-                *_describe_internode_timeout(record, node.engine.timeout_s, L, node=self.topology.node)
+                *describe_internode_timeout(record, node.engine.timeout_s, L, node=self.topology.node)
             )
         if mismatches:
             kernels.transport.check_mismatches(synchronize=False)
@@ -521,8 +528,8 @@ class KernelTransport:
             self._check_errors(mismatches)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _input(self, x, scales, topk_idx, weights, is_token_in_rank) -> _Input:
-        return _Input(
+    def _input(self, x, scales, topk_idx, weights, is_token_in_rank, row_bytes: int | None = None) -> RankInput:
+        return RankInput(
             self.topology.rank,
             x,
             scales,
@@ -530,10 +537,12 @@ class KernelTransport:
             weights,
             is_token_in_rank.contiguous(),
             torch.int64,
+            row_bytes=row_bytes,
         )
 
     def _move(
         self,
+        operation: str,
         plan: KernelPlan,
         x: torch.Tensor,
         scales: torch.Tensor | None,
@@ -543,7 +552,7 @@ class KernelTransport:
         dst_scales: torch.Tensor | None,
         dst_weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One dispatch launch on ``plan`` (the fresh dispatch's own, or a replay): rows of
+        """One dispatch launch of ``operation`` ("dispatch" or "cached dispatch") on ``plan``: rows of
         ``x [T, W]`` (with fp8 ``scales``, ``topk_idx [T, K]``, ``weights``) into
         ``dst [num_rows, W]`` (and the others); returns the received local top-k ids
         ``[num_rows, K]`` int64 (-1 in rows not received)."""
@@ -551,13 +560,18 @@ class KernelTransport:
         # A cached dispatch may move wider rows than the plan's dispatch (every rank the same:
         # checked by the Buffer). fp8 scales are fp32: one 4-byte element each.
         row_elements = _row_elements(x2d) + (scales.shape[1] if scales is not None else 0)
-        kernels = self._sized(_padded_width(row_elements, 4), topk_idx.shape[1])
+        kernels = self._sized(_padded_width(row_elements, 4), topk_idx.shape[1], operation)
         inp = self._input(
-            x2d, scales.contiguous() if scales is not None else None, topk_idx, weights, plan.handle.is_token_in_rank
+            x2d,
+            scales.contiguous() if scales is not None else None,
+            topk_idx,
+            weights,
+            plan.handle.is_token_in_rank,
+            row_bytes=x.shape[1] * x.element_size(),  # the header's: before padding
         )
         recv_x = _landing(dst, x2d.shape[1])
         if self.pipeline == "staged":
-            got = _internode_dispatch(
+            got = internode.run_dispatch(
                 kernels.transport,
                 [inp],
                 plan.experts_per_rank * self.topology.world_size,
@@ -593,29 +607,42 @@ class KernelTransport:
             "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=self.device),
         }
         if self.pipeline == "intranode":
-            _launch_dispatch(kernels.engine, [inp], [plan.handle], [outputs], plan.experts_per_rank, skip_rank=None)
+            intranode.launch_dispatch(
+                kernels.engine, [inp], [plan.handle], [outputs], plan.experts_per_rank, skip_rank=None
+            )
         else:
             t = kernels.transport
-            _, _, x_bytes, scale_bytes = _dispatch_shape(
+            _, _, x_bytes, scale_bytes = dispatch_shape(
                 [inp], t.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
             )
             num_experts = plan.experts_per_rank * self.topology.world_size
-            _fused_launch(t, [inp], [plan.handle], [outputs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
+            internode.fused_launch(
+                t, [inp], [plan.handle], [outputs], num_experts, None, {}, x_bytes, scale_bytes, num_topk
+            )
         self._after_launch()
         _land(dst, recv_x)
         return local
 
-    def _sized(self, row_elements: int, num_topk: int):
-        """The kernels' buffers, (re)made when an operation needs wider rows or more top-k
-        (collective: every rank's plan sees the same, checked fields)."""
+    def _sized(self, row_elements: int, num_topk: int, operation: str):
+        """The kernels' buffers for ``operation``, (re)made when it needs wider rows or more
+        top-k. Growing is a collective set-up. Buffers that operations already ran on grow only
+        after a join with status STATUS_GROW (:meth:`_grow_join`): every rank grows, or every
+        rank raises MismatchError at once. The ranks make the largest capacity any of them asks
+        for, so their buffers' layouts agree even where their calls do not (the next launch's
+        headers then tell them apart before a row moves)."""
         held_rows, held_topk = self._capacity
         if self._kernels is not None and row_elements <= held_rows and num_topk <= held_topk:
             return self._kernels
         self._check_errors()  # before a resize could drop the record with the old buffers
-        # Grown in powers of two from 4 KiB rows and top-8: a resize is a collective set-up.
+        if self._kernels is not None:
+            self._grow_join(operation)
+        asked: list = [None] * self.topology.world_size
+        dist.all_gather_object(asked, (row_elements, num_topk), group=self._group)
+        row_elements, num_topk = max(a[0] for a in asked), max(a[1] for a in asked)
+        # Grown in powers of two from 4 KiB rows and top-8.
         capacity = (max(_next_pow2(row_elements), 1024, held_rows), min(max(num_topk, held_topk, 8), MAX_TOPK))
         topo = self.topology
-        options = {"config": self.config, "element_bytes": 4, "timeout_s": self.timeout_s, "device": self.device}
+        options = {"config": self.config, "element_bytes": 4, "timeout_s": self.kernel_timeout_s, "device": self.device}
         if topo.num_nodes > 1:
             from .nvshmem import InternodeTransport
 
@@ -632,6 +659,22 @@ class KernelTransport:
                 self._kernels.close()
         self._kernels, self._capacity = kernels, capacity
         return kernels
+
+    def _grow_join(self, operation: str) -> None:
+        """This rank's call needs larger buffers than the calls before it: it takes part in
+        ``operation`` with no rows and status STATUS_GROW, then reads what it recorded (a host
+        sync, as the resize's set-up is anyway). A peer that is not growing too is recorded, by
+        it and by this rank, so every rank raises at once; a clear record means every rank grows.
+
+        Raises:
+            MismatchError: a peer's call needs no larger buffers (the ranks' calls differ), or
+                it refused its own arguments.
+            CommError: a peer did not take part in ``operation``.
+        """
+        self._join(operation, STATUS_GROW)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._check_errors()
 
     def _release(self) -> None:
         """Frees the buffers (collective; the barrier first keeps a peer's last kernel from

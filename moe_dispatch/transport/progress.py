@@ -265,7 +265,8 @@ def _describe(states: dict[int, tuple], peers: list[int], seq: int, what: str, l
 
     def where(rank: int) -> str:
         mark = states[rank][0]
-        return "no operation of this Buffer yet" if mark is None else f"last at #{mark[0]} {mark[1]}"
+        # close() deletes a rank's marks with its other store keys: no mark is also a closed Buffer
+        return "no operation of this Buffer yet, or closed it" if mark is None else f"last at #{mark[0]} {mark[1]}"
 
     failed = _failed(states, seq)
     parts = []

@@ -1,0 +1,929 @@
+"""What the kernel transports share: the launcher, wait bounds and timeout records, pointer and
+alignment checks, the preparation of a rank's dispatch input and the assembly of its results,
+and the front end of the one-rank-per-process transports.
+
+:mod:`.intranode`, :mod:`.internode` and :mod:`.nvshmem` build their engines on :class:`Launcher`
+and run every dispatch through :func:`prepare_input` / :func:`dispatch_fields` /
+:func:`assemble_results`; the loopback harnesses (:mod:`moe_dispatch.testing.loopback`) too.
+:class:`RankTransport` is the dispatch / combine / refusal of ``IntranodeTransport`` and
+``nvshmem.InternodeTransport``. Importable without the extension (only the launches need it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from .._ext import require_extension
+from ..config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
+from ..errors import CommError
+from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records, header_words
+
+TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
+COOPERATIVE_ENV = "MOE_DISPATCH_COOPERATIVE"
+DEFAULT_TIMEOUT_S = 100.0
+# What a kernel time-out leaves and what a Buffer user does (the loopback test harnesses have reset()).
+AFTER_TIMEOUT = (
+    "the communication buffers are now in an undefined state: the Buffer is broken, close() it on every rank "
+    "and make a new Buffer"
+)
+FP8_BLOCK = 128
+COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+# ---------------------------------------------------------------------------------------------
+# Timeouts: the kernels' error record (int32[16], csrc/kernels/intranode.cuh ErrorRecord)
+# ---------------------------------------------------------------------------------------------
+
+_PHASES = {1: "notify", 2: "dispatch", 3: "combine"}
+_NODE_PHASES = {
+    1: "intranode notify",
+    2: "intranode dispatch",
+    3: "intranode combine",
+    4: "node notify",
+    5: "node dispatch",
+    6: "node combine",
+}
+_FUSED_PHASES = {
+    1: "notify",
+    2: "dispatch (NVLink)",
+    3: "combine (NVLink)",
+    4: "notify",
+    5: "dispatch (RDMA)",
+    6: "combine (RDMA)",
+}
+_ROLES = {1: "barrier", 2: "sender", 3: "receiver", 4: "coordinator"}
+_SIGNAL, _TAIL, _HEAD, _HEADER = 1, 2, 3, 4
+_COUNTERS = {1: "signal", 2: "tail", 3: "head", 4: "header", 5: "relayed header", 6: "forwarded tail"}
+
+
+class IntranodeTimeoutError(CommError):
+    """A wait inside an intranode kernel ran past ``timeout_s``.
+
+    Attributes (from the kernel's record): ``phase`` ("notify"/"dispatch"/"combine"),
+    ``role``, ``rank`` (the waiting rank), ``channel`` (-1 for the barrier), ``peer`` (the rank
+    whose store never came), ``counter`` ("signal"/"tail"/"head"), ``expected``, ``observed``.
+    """
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.__dict__.update(fields)
+
+
+def describe_intranode_timeout(record: list[int], timeout_s: float) -> tuple[str, dict]:
+    """The message and fields of a kernel error record (``int32[16]``, see ``ErrorRecord``)."""
+    _, phase, role, rank, channel, peer, counter, expected, observed = record[:9]
+    if phase == 0:  # the flag without a record: the offering wait could not take the record's lock
+        return (
+            f"moe_dispatch intranode operation timed out after timeout_s={timeout_s:g}, but the kernel's record "
+            f"of which wait it was is missing; {AFTER_TIMEOUT}",
+            {
+                "phase": None,
+                "role": None,
+                "rank": None,
+                "channel": None,
+                "peer": None,
+                "counter": None,
+                "expected": None,
+                "observed": None,
+            },
+        )
+    fields = {
+        "phase": _PHASES.get(phase, str(phase)),
+        "role": _ROLES.get(role, str(role)),
+        "rank": rank,
+        "channel": channel,
+        "peer": peer,
+        "counter": {_SIGNAL: "signal", _TAIL: "tail", _HEAD: "head", _HEADER: "header"}.get(counter, str(counter)),
+        "expected": expected,
+        "observed": observed,
+    }
+    where = f"rank {rank} ({fields['role']}, channel {channel})" if channel >= 0 else f"rank {rank}"
+    if counter == _SIGNAL:
+        what = (
+            f"waited at the notify barrier for rank {peer} to arrive (signal[{peer}] of rank {rank}); "
+            f"saw {observed} arrivals, needed {expected}"
+        )
+    elif counter == _TAIL:
+        what = (
+            f"waited for tokens from rank {peer}: tail of queue rank {peer} -> rank {rank}, channel {channel} "
+            f"should reach {expected} but stayed at {observed}"
+        )
+    elif counter == _HEADER:
+        what = f"waited for the header of rank {peer} (its operation never started)"
+    else:
+        what = (
+            f"waited for rank {peer} to free queue slots: head of queue rank {rank} -> rank {peer}, "
+            f"channel {channel} should reach {expected} but stayed at {observed}"
+        )
+    message = (
+        f"moe_dispatch intranode {fields['phase']} timed out after timeout_s={timeout_s:g}: {where} {what}. "
+        f"Rank {peer} did not take part (crashed, hung, or called another operation); {AFTER_TIMEOUT}."
+    )
+    return message, fields
+
+
+class InternodeTimeoutError(CommError):
+    """A wait inside an internode kernel ran past ``timeout_s``.
+
+    Attributes: ``stage`` (1 = RDMA, 2 = NVLink), ``phase``, ``role``, ``rank`` / ``node`` (the
+    waiting rank, global), ``channel`` (-1 for notify), ``peer`` / ``peer_node`` (the rank whose
+    store never came), ``counter`` ("signal"/"tail"/"head"/"header"/...), ``expected``,
+    ``observed``.
+    """
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.__dict__.update(fields)
+
+
+def describe_internode_timeout(
+    record: list[int], timeout_s: float, ranks_per_node: int, node: int | None = None, fused: bool = False
+) -> tuple[str, dict]:
+    """Message and fields of an error record (``int32[16]``). ``node``: the node whose intranode
+    engine wrote it (staged stage 2: its ranks and peers are local), None for the RDMA engine;
+    ``fused``: the record of a fused pipeline's launch (ranks are global)."""
+    _, phase, role, rank, channel, peer, counter, expected, observed = record[:9]
+    if phase == 0:
+        message = (
+            f"moe_dispatch internode operation timed out after timeout_s={timeout_s:g}, but the kernel's "
+            f"record of which wait it was is missing; {AFTER_TIMEOUT}"
+        )
+        return message, dict.fromkeys(
+            (
+                "stage",
+                "phase",
+                "role",
+                "rank",
+                "node",
+                "channel",
+                "peer",
+                "peer_node",
+                "counter",
+                "expected",
+                "observed",
+            )
+        )
+    if node is not None:  # an intranode engine: local ranks -> global
+        rank, peer = node * ranks_per_node + rank, node * ranks_per_node + peer
+    nvlink = node is not None or (fused and phase in (1, 2, 3))
+    fields = {
+        "stage": 2 if nvlink else 1,
+        "phase": (_FUSED_PHASES if fused else _NODE_PHASES).get(phase, str(phase)),
+        "role": _ROLES.get(role, str(role)),
+        "rank": rank,
+        "node": rank // ranks_per_node,
+        "channel": channel,
+        "peer": peer,
+        "peer_node": peer // ranks_per_node,
+        "counter": _COUNTERS.get(counter, str(counter)),
+        "expected": expected,
+        "observed": observed,
+    }
+    me = f"rank {rank} (node {rank // ranks_per_node}, local {rank % ranks_per_node})"
+    them = f"rank {peer} (node {peer // ranks_per_node}, local {peer % ranks_per_node})"
+    link = "NVLink" if nvlink else "RDMA"
+    counter_name = fields["counter"]
+    if counter_name == "signal":
+        what = f"waited at the {fields['phase']} for {them} to arrive; saw {observed}, needed {expected}"
+    elif counter_name in ("header", "relayed header"):
+        what = f"waited for the {counter_name} of {them} (its operation never started or stalled)"
+    elif counter_name in ("tail", "forwarded tail"):
+        what = (
+            f"{fields['role']} of channel {channel} waited for tokens from {them}: the tail of {link} queue "
+            f"{them} -> rank {rank}, channel {channel}, should reach {expected} but stayed at {observed}"
+        )
+    else:
+        what = (
+            f"{fields['role']} of channel {channel} waited for {them} to free slots: the head of {link} queue "
+            f"rank {rank} -> {them}, channel {channel}, should reach {expected} but stayed at {observed}"
+        )
+    message = (
+        f"moe_dispatch internode {fields['phase']} (stage {fields['stage']}, {link}) timed out after "
+        f"timeout_s={timeout_s:g}: {me} {what}. Rank {peer} did not take part (crashed, hung, or called another "
+        f"operation); {AFTER_TIMEOUT}."
+    )
+    return message, fields
+
+
+def default_timeout_s(timeout_s: float | None) -> float:
+    """``timeout_s``, or ``MOE_DISPATCH_KERNEL_TIMEOUT_S``, or 100: the bound of every wait of a
+    loopback harness or a transport made directly, in s.
+
+    Raises:
+        ValueError: ``timeout_s`` is None and the variable is set but is no positive number.
+    """
+    if timeout_s is not None:
+        return float(timeout_s)
+    return kernel_timeout_s(DEFAULT_TIMEOUT_S)
+
+
+def kernel_timeout_s(timeout_s: float) -> float:
+    """The bound of the kernels' waits under a Buffer, seconds (GPU kernels and the CPU backend
+    alike): ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` where set (e.g. 1, to see a hang's record at once
+    while the host-side checks keep ``timeout_s``), else the Buffer's ``timeout_s``.
+
+    Raises:
+        ValueError: the variable is set but is no positive number.
+    """
+    value = os.environ.get(TIMEOUT_ENV)
+    if not value:
+        return timeout_s
+    try:
+        bound = float(value)
+    except ValueError:
+        bound = math.nan
+    if not (bound > 0 and math.isfinite(bound)):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return bound
+
+
+def timeout_cycles(backend: str, device: torch.device, timeout_s: float) -> int:
+    """``timeout_s`` as the kernels' wait bound: clock64 cycles of ``device`` ("cuda"), or
+    nanoseconds (the CPU backend)."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if backend == "cuda":
+        clock_khz = require_extension().device_clock_khz(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+        return max(1, int(timeout_s * clock_khz * 1000))
+    return max(1, int(timeout_s * 1e9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, slots, pointers
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: torch.device | str) -> tuple[torch.device, str]:
+    """A loopback harness's device (a CUDA one with its index) and the backend that serves it."""
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or 'cpu' (the kernels' CPU backend), got {str(device)!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device={str(device)!r} but torch sees no CUDA GPU; pass device='cpu' for the kernels' CPU backend"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device, "cuda" if device.type == "cuda" else "cpu"
+
+
+def slot_bytes_for(hidden: int, num_topk: int, element_bytes: int, config: Config | None, *, min_topk: int = 0) -> int:
+    """The slot size of a buffer for rows up to ``hidden`` x ``element_bytes`` and ``num_topk``
+    (at least ``min_topk``); checks the constructor arguments the transports share."""
+    check_config(config)
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+        raise ValueError(f"hidden must be a positive int (the largest row to move, in elements), got {hidden!r}")
+    if not isinstance(num_topk, int) or isinstance(num_topk, bool) or not min_topk <= num_topk <= MAX_TOPK:
+        raise ValueError(f"num_topk must be an int in [{min_topk}, {MAX_TOPK}], got {num_topk!r}")
+    if element_bytes not in (2, 4):
+        raise ValueError(f"element_bytes must be 2 (bf16/fp16 rows) or 4 (fp32 rows), got {element_bytes!r}")
+    return max_slot_bytes(hidden, num_topk, element_bytes=element_bytes)
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A launch field's device address of ``t``: None (null) for None or an empty tensor."""
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def check_aligned(name: str, t: torch.Tensor | None, alignment: int) -> None:
+    """The kernels move rows in 16-byte vectors (fp8 scales in 4-byte words)."""
+    if t is not None and t.numel() and t.data_ptr() % alignment:
+        raise ValueError(
+            f"{name} must start on a {alignment}-byte boundary, but its data pointer is "
+            f"{t.data_ptr() % alignment} bytes past one (a view with a storage offset?); pass .clone()"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher and a rank's dispatch input
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RankInput:
+    """A source rank's dispatch input after validation."""
+
+    rank: int
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    topk_idx: torch.Tensor  # int64 ([T, 0] when no top-k travels)
+    topk_weights: torch.Tensor | None
+    is_token_in_rank: torch.Tensor
+    topk_dtype: torch.dtype | None  # the caller's; None: no topk_idx given
+    token_ids: torch.Tensor | None = None  # [T] int32: what receivers record as a row's source token (None: t)
+    row_bytes: int | None = None  # the header's row bytes: the caller's row before padding (None: x's)
+
+
+class Launcher:
+    """What every engine's launches share: device and backend, stream, cooperative launch, the
+    wait bound and the error record (``int32[16]`` on the launch device, ``error_host_ptr``: a
+    pinned mirror's device address, or None)."""
+
+    def __init__(
+        self,
+        error: torch.Tensor,
+        error_host_ptr: int | None,
+        backend: str,
+        timeout_s: float,
+        cpu_options: dict | None,
+        records: Records,
+        rank_begin: int = 0,
+    ):
+        self.error, self.error_host_ptr = error, error_host_ptr
+        self.backend, self.cpu_options = backend, dict(cpu_options or {})  # CpuOptions fields
+        self.device = error.device
+        self.cooperative = os.environ.get(COOPERATIVE_ENV, "1") != "0"
+        self.records, self.record_base = records, rank_begin  # records[r - rank_begin]: rank r's
+        self.launches = 0  # kernel launches so far (a refusal only happens before any)
+        self.next_dispatch_id = 1  # the default identity of the next fresh dispatch
+        self.set_timeout(timeout_s)
+
+    def check_fields(self, rank: int, header: list[int]) -> dict:
+        """A launched rank's ``check`` field: its ``_C.Check`` (header.Records.fields)."""
+        return {"check": require_extension().Check(**self.records.fields(rank - self.record_base, header))}
+
+    def combine_check(
+        self, rank: int, handle, y_bytes: int, dtype: torch.dtype, num_channels: int, status: int, slot_flags=False
+    ) -> dict:
+        """The ``check`` field of launched rank ``rank``'s combine of ``handle``'s dispatch
+        (``y_bytes`` rows of ``dtype``; header.py)."""
+        header = header_words(
+            OP_COMBINE,
+            handle.dispatch_id,
+            y_bytes,
+            dtype,
+            0,
+            handle.num_experts,
+            num_channels,
+            slot_flags=slot_flags,
+            status=status,
+        )
+        return self.check_fields(rank, header)
+
+    def dispatch_ids(self, given: list[int | None] | None, count: int) -> list[int]:
+        """The identities of a fresh dispatch's ``count`` launched ranks: ``given`` (per rank), or
+        the next of this engine's sequence (every rank counts the same) for all."""
+        if given is None:
+            self.next_dispatch_id += 1
+            return [self.next_dispatch_id - 1] * count
+        for dispatch_id in given:
+            if not isinstance(dispatch_id, int) or isinstance(dispatch_id, bool):
+                raise ValueError(
+                    f"dispatch_id must be an int (the same on every rank for the same dispatch), got {dispatch_id!r}"
+                )
+        return list(given)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound of every wait from the next launch on (clock64 cycles on the GPU, ns on CPU)."""
+        self.timeout_cycles = timeout_cycles(self.backend, self.device, timeout_s)
+        self.timeout_s = float(timeout_s)
+
+    def _common(self, struct: str, num_channels: int, rank_begin: int, skip_rank: int | None, **fields):
+        """The launch's ``_C.<struct>`` (``IntranodeCommon`` or ``InternodeCommon``): the engine's
+        own ``fields`` and those both carry."""
+        return getattr(require_extension(), struct)(
+            **fields,
+            num_channels=num_channels,
+            rank_begin=rank_begin,
+            skip_rank=-1 if skip_rank is None else skip_rank,
+            chunk_tokens=self.config.chunk_tokens,
+            l2_discard=int(self.config.l2_discard),
+            variant=require_extension().Variant(**self.config.variant_fields()),
+            timeout_cycles=self.timeout_cycles,
+            buffers=self.buffers,
+            error=self.error.data_ptr(),
+            error_host=self.error_host_ptr,
+        )
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.backend == "cuda" else 0
+
+    def _backend_args(self) -> tuple:
+        """What every ``_C`` launch takes after its own arguments, before the stream."""
+        return (self.backend,)
+
+    def _run(self, name: str, *args, cpu_options: bool = True) -> None:
+        """Calls ``_C.<name>`` with ``args`` and the launch settings (a notify takes no CPU options)."""
+        self.launches += 1
+        extra = (self._cpu_options(),) if cpu_options else ()
+        getattr(require_extension(), name)(*args, *self._backend_args(), self._stream(), self.cooperative, *extra)
+
+    def _cpu_options(self):
+        return require_extension().CpuOptions(**self.cpu_options)
+
+    def read_error(self) -> list[int] | None:
+        """The error record if a wait timed out (reads the device: a host sync)."""
+        record = self.error.tolist()
+        return record if record[0] or record[1] else None
+
+
+def check_num_sms(num_sms: int, config: Config) -> int:
+    """The channels of a call with ``num_sms`` SMs (even, at most ``config.num_sms``); ValueError otherwise."""
+    if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2 or num_sms > config.num_sms:
+        raise ValueError(
+            f"num_sms must be even and in [2, {config.num_sms}] (the Buffer's Config.num_sms), got {num_sms!r}"
+        )
+    return num_sms // 2
+
+
+def check_budget(num_worst_tokens) -> int:
+    """The kernels' row budget: -1 for none (None or 0, as in Buffer.dispatch), else the int."""
+    if num_worst_tokens is not None and (
+        not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool) or num_worst_tokens < 0
+    ):
+        raise ValueError(
+            f"num_worst_tokens must be None or an int >= 0 (None, or 0 as in Buffer.dispatch: no "
+            f"budget, the host reads the receive count), got {num_worst_tokens!r}"
+        )
+    return int(num_worst_tokens) if num_worst_tokens else -1
+
+
+def prepare_input(
+    rank: int,
+    x,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    num_experts: int,
+    world_size: int,
+    device: torch.device,
+    validate: bool = True,
+    handle=None,
+) -> RankInput:
+    """Rank ``rank``'s dispatch input, checked: ``x`` (``[T, H]`` rows or the fp8 pair ``(x
+    [T, H] e4m3, scales [T, H / 128] fp32)``, rows a multiple of 16 bytes on 16-byte addresses),
+    ``topk_idx`` (``[T, K]`` int32/int64, K <= 32; its values checked against ``num_experts``
+    when ``validate``, a host sync) and ``topk_weights`` (``[T, K]`` fp32 or None). With a
+    ``handle`` (any transport's: its ``is_token_in_rank`` is replayed) ``topk_idx`` may be None:
+    a cached dispatch of x alone. Raises ValueError / TypeError naming the argument."""
+    from ..ops.layout import get_dispatch_layout
+    from ..ops.quant import check_fp8_pair
+    from ..semantics.validation import check_hidden, check_topk_idx, check_topk_weights
+
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"rank {rank}: an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
+        check_fp8_pair(*x, block_size=FP8_BLOCK, device=device)
+        x, scales = x
+    else:
+        check_hidden(f"x (rank {rank})", x, device)
+        scales = None
+    if x.shape[1] * x.element_size() % 16:
+        raise ValueError(
+            f"rank {rank}: rows of x must be a multiple of 16 bytes, got {x.shape[1]} x "
+            f"{x.element_size()} bytes; pad the hidden size"
+        )
+    check_aligned(f"x (rank {rank})", x, 16)
+    check_aligned(f"scales (rank {rank})", scales, 4)
+    if topk_idx is None:  # a cached dispatch of x alone: no top-k fields travel
+        if handle is None:
+            raise ValueError(f"rank {rank}: topk_idx is required unless replaying a handle (cached dispatch)")
+        if topk_weights is not None:
+            raise ValueError(f"rank {rank}: topk_weights without topk_idx")
+        return RankInput(
+            rank,
+            x,
+            scales,
+            torch.empty(x.shape[0], 0, dtype=torch.int64, device=device),
+            None,
+            handle.is_token_in_rank,
+            None,
+        )
+    if validate:  # reads topk_idx on the host: skipped under CUDA-graph capture
+        check_topk_idx(topk_idx, num_experts, num_tokens=x.shape[0], device=device)
+    elif topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"rank {rank}: topk_idx has shape {list(topk_idx.shape)} but x has {x.shape[0]} tokens")
+    if topk_idx.shape[1] > MAX_TOPK:
+        raise ValueError(f"rank {rank}: top-k must be <= {MAX_TOPK}, got {topk_idx.shape[1]}")
+    if topk_weights is not None:
+        check_topk_weights(topk_weights, topk_idx, device=device)
+    if handle is not None:  # a cached dispatch replays the handle's routing
+        is_token_in_rank = handle.is_token_in_rank
+    else:
+        is_token_in_rank = get_dispatch_layout(topk_idx, num_experts, world_size, world_size, validate=False)[3]
+    return RankInput(
+        rank,
+        x,
+        scales,
+        topk_idx.to(torch.int64).contiguous(),
+        topk_weights,
+        is_token_in_rank.contiguous(),
+        topk_idx.dtype,
+    )
+
+
+def check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:
+    """A loopback call's per-rank lists and E; returns ``topk_idxs`` (one None per rank when None)."""
+    if topk_idxs is None:
+        topk_idxs = [None] * world_size
+    if len(xs) != world_size or len(topk_idxs) != world_size:
+        raise ValueError(f"pass one x and one topk_idx per rank ({world_size}), got {len(xs)} and {len(topk_idxs)}")
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size:
+        raise ValueError(f"num_experts must be a positive multiple of {world_size}, got {num_experts!r}")
+    return topk_idxs
+
+
+def prepare_inputs(
+    xs: list,
+    topk_idxs: list,
+    topk_weights: list | None,
+    num_experts: int,
+    device: torch.device,
+    validate: bool,
+    handles: list | None,
+) -> list[RankInput]:
+    """:func:`prepare_input` for every rank of a loopback call (lists already checked)."""
+    weights = topk_weights if topk_weights is not None else [None] * len(xs)
+    return [
+        prepare_input(
+            r,
+            xs[r],
+            topk_idxs[r],
+            weights[r],
+            num_experts,
+            len(xs),
+            device,
+            validate,
+            handles[r] if handles is not None else None,
+        )
+        for r in range(len(xs))
+    ]
+
+
+def refusing_inputs(inputs: list[RankInput], status: dict[int, int] | None) -> list[RankInput]:
+    """``inputs`` with no tokens on the ranks that refuse (a non-zero ``status``)."""
+    if not status:
+        return inputs
+    for code in status.values():
+        if not isinstance(code, int) or code == 0:
+            raise ValueError(f"status must map ranks to non-zero ints, got {status!r}")
+    return [empty_input(inp) if inp.rank in status else inp for inp in inputs]
+
+
+def empty_input(inp: RankInput) -> RankInput:
+    """``inp`` with no tokens (its shapes otherwise kept)."""
+    return dataclasses.replace(
+        inp,
+        x=inp.x[:0],
+        scales=inp.scales[:0] if inp.scales is not None else None,
+        topk_idx=inp.topk_idx[:0],
+        topk_weights=inp.topk_weights[:0] if inp.topk_weights is not None else None,
+        is_token_in_rank=inp.is_token_in_rank[:0],
+    )
+
+
+def dispatch_shape(
+    inputs: list[RankInput], slot_bytes: int, slots: str = "the buffer's slots", fix: str = "size the Buffer"
+) -> tuple[int, int, int, int]:
+    """``(hidden, num_topk, x_bytes, scale_bytes)`` of a dispatch launch: every rank must move the
+    same rows, and a slot (of ``slot_bytes``) must hold one."""
+    first = inputs[0]
+    hidden, dtype = first.x.shape[1], first.x.dtype
+    num_topk = first.topk_idx.shape[1]
+    for inp in inputs:
+        if (
+            inp.x.shape[1] != hidden
+            or inp.x.dtype != dtype
+            or inp.topk_idx.shape[1] != num_topk
+            or (inp.scales is None) != (first.scales is None)
+        ):
+            raise ValueError(
+                f"every rank must dispatch the same hidden size, dtype and top-k: rank {inp.rank} has "
+                f"[{inp.x.shape[1]}] {inp.x.dtype} top-{inp.topk_idx.shape[1]}, rank {first.rank} has "
+                f"[{hidden}] {dtype} top-{num_topk}"
+            )
+    x_bytes = hidden * first.x.element_size()
+    scale_bytes = 4 * (hidden // FP8_BLOCK) if first.scales is not None else 0
+    need = slot_layout(x_bytes, scale_bytes, num_topk).slot_bytes
+    if need > slot_bytes:
+        raise ValueError(
+            f"a dispatch slot for hidden {hidden} x {first.x.element_size()} bytes, top-{num_topk} needs "
+            f"{need} bytes but {slots} hold {slot_bytes}; {fix} for it"
+        )
+    return hidden, num_topk, x_bytes, scale_bytes
+
+
+def dispatch_header(
+    op: int,
+    identity: int,
+    inp: RankInput,
+    num_experts: int,
+    num_channels: int,
+    status: int,
+    slot_flags: bool = False,
+    budget: int = -1,
+) -> list[int]:
+    """The header words of a dispatch of ``inp`` (header.py); ``slot_flags``: the intranode
+    kernels' Config.slot_flags (the internode kernels have no ready flags); ``budget``: a fresh
+    dispatch's notify, its static receive size (-1: none)."""
+    return header_words(
+        op,
+        identity,
+        inp.row_bytes if inp.row_bytes is not None else inp.x.shape[1] * inp.x.element_size(),
+        inp.x.dtype,
+        inp.topk_idx.shape[1],
+        num_experts,
+        num_channels,
+        weights=inp.topk_weights is not None,
+        slot_flags=slot_flags,
+        status=status,
+        budget=max(budget, 0),
+    )
+
+
+def dispatch_fields(
+    engine: Launcher,
+    inp: RankInput,
+    handle,
+    out: dict,
+    num_experts: int,
+    statuses: dict[int, int],
+    slot_flags: bool = False,
+) -> tuple[bool, dict]:
+    """The fields every dispatch launch's rank struct shares (inputs, outputs, the header check),
+    and whether this is the handle's first launch after its notify: that one alone reuses the
+    notify's verdicts (the handle's ``notified`` flag is cleared). ``slot_flags``: the intranode
+    kernels' ready flags (in the header)."""
+    fresh, handle.notified = handle.notified, False
+    header = dispatch_header(
+        OP_DISPATCH if fresh else OP_CACHED_DISPATCH,
+        handle.dispatch_id,
+        inp,
+        num_experts,
+        handle.num_channels,
+        statuses.get(inp.rank, 0),
+        slot_flags,
+    )
+    return fresh, {
+        "x": ptr(inp.x),
+        "x_scales": ptr(inp.scales),
+        "topk_idx": ptr(inp.topk_idx),
+        "topk_weights": ptr(inp.topk_weights),
+        "recv_x": ptr(out["x"]),
+        "recv_scales": ptr(out["scales"]),
+        "recv_topk_idx": ptr(out["topk_idx"]),
+        "recv_topk_weights": ptr(out["topk_weights"]) if inp.topk_weights is not None else None,
+        "recv_src_idx": ptr(out["src_idx"]),
+        "num_recv_per_expert": out["per_expert"].data_ptr(),
+        "overflow": handle.overflow.data_ptr(),
+        "num_tokens": inp.x.shape[0],
+        "num_rows": handle.num_rows,
+        **engine.check_fields(inp.rank, header),
+    }
+
+
+def alloc_outputs(inp: RankInput, rows: int, experts_per_rank: int, device: torch.device) -> dict:
+    """A dispatch's receive tensors for ``rows`` rows of ``inp``'s shape: ``x`` ``[rows, H]`` (its
+    dtype), ``scales`` ``[rows, H / 128]`` fp32 (fp8) or None, ``topk_idx`` ``[rows, K]`` int64,
+    ``topk_weights`` ``[rows, K]`` fp32, ``src_idx`` ``[rows]`` int32, ``per_expert`` zeroed
+    ``[E / W]`` int64."""
+    hidden, num_topk = inp.x.shape[1], inp.topk_idx.shape[1]
+    return {
+        "x": torch.empty(rows, hidden, dtype=inp.x.dtype, device=device),
+        "scales": (
+            torch.empty(rows, hidden // FP8_BLOCK, dtype=torch.float32, device=device)
+            if inp.scales is not None
+            else None
+        ),
+        "topk_idx": torch.empty(rows, num_topk, dtype=torch.int64, device=device),
+        "topk_weights": torch.empty(rows, num_topk, dtype=torch.float32, device=device),
+        "src_idx": torch.empty(rows, dtype=torch.int32, device=device),
+        "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=device),
+    }
+
+
+def assemble_results(result_type: type, inputs: list[RankInput], handles: list, outs: list[dict]) -> list:
+    """Per rank a ``result_type`` (:class:`RankDispatch` or the internode one) from its outputs:
+    top-k ids back in the caller's dtype, None for what did not travel."""
+    results = []
+    for inp, h, o in zip(inputs, handles, outs):
+        recv_x = (o["x"], o["scales"]) if inp.scales is not None else o["x"]
+        if inp.topk_dtype is None:
+            topk = None
+        else:
+            topk = o["topk_idx"] if inp.topk_dtype == torch.int64 else o["topk_idx"].to(inp.topk_dtype)
+        results.append(
+            result_type(
+                recv_x,
+                topk,
+                o["topk_weights"] if inp.topk_weights is not None else None,
+                o["src_idx"],
+                o["per_expert"],
+                h,
+            )
+        )
+    return results
+
+
+def check_combine(
+    ys: list[torch.Tensor],
+    handles: list,
+    row_scales: list[torch.Tensor | None],
+    rank_begin: int,
+    device: torch.device,
+    slot_bytes: int,
+    slots: str = "the buffer's slots",
+) -> tuple[int, torch.dtype, int]:
+    """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
+    handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
+    from ..semantics.validation import check_hidden
+
+    if len(ys) != len(handles):
+        raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
+    hidden, dtype = ys[0].shape[1], ys[0].dtype
+    for i, (y, h, s) in enumerate(zip(ys, handles, row_scales)):
+        check_hidden(
+            f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows, rows_what="the handle (rows received)"
+        )
+        if y.shape[1] != hidden or y.dtype != dtype:
+            raise ValueError(
+                f"every rank must combine the same hidden size and dtype: rank {rank_begin + i} has "
+                f"[{y.shape[1]}] {y.dtype}, rank {rank_begin} has [{hidden}] {dtype}"
+            )
+        check_aligned(f"y (rank {rank_begin + i})", y, 16)  # the kernels read rows with 16-byte vectors
+        if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != (h.num_rows,) or s.device != device):
+            raise ValueError(
+                f"row_scale of rank {rank_begin + i} must be [{h.num_rows}] fp32 on {device}, got "
+                f"{list(s.shape)} {s.dtype} on {s.device}"
+            )
+    y_bytes = hidden * ys[0].element_size()
+    if y_bytes % 16:
+        raise ValueError(f"rows of y must be a multiple of 16 bytes, got {hidden} x {ys[0].element_size()} bytes")
+    if slot_layout(y_bytes).slot_bytes > slot_bytes:
+        raise ValueError(
+            f"a combine slot for hidden {hidden} x {ys[0].element_size()} bytes needs "
+            f"{slot_layout(y_bytes).slot_bytes} bytes but {slots} hold {slot_bytes}"
+        )
+    return hidden, dtype, y_bytes
+
+
+def combine_shape(
+    ys: list[torch.Tensor],
+    handles: list,
+    row_scales: list | None,
+    rank_begin: int,
+    device: torch.device,
+    slot_bytes: int,
+    handle_type: type,
+    slots: str = "the buffer's slots",
+) -> tuple[list, int, torch.dtype, int]:
+    """``(row_scales, hidden, dtype, y_bytes)`` of a combine whose handles must be ``handle_type``
+    (see :func:`check_combine`)."""
+    for i, h in enumerate(handles):
+        if not isinstance(h, handle_type):
+            raise ValueError(
+                f"rank {rank_begin + i}: the handle must be a {handle_type.__name__} (of a dispatch on "
+                f"this transport), got {type(h).__name__}"
+            )
+    row_scales = row_scales or [None] * len(ys)
+    return (row_scales, *check_combine(ys, handles, row_scales, rank_begin, device, slot_bytes, slots))
+
+
+def refusal_input(rank: int, world_size: int, device: torch.device) -> RankInput:
+    """The input of a rank that refuses its own arguments: no tokens (its peers skip it)."""
+    return RankInput(
+        rank,
+        torch.zeros(0, 8, dtype=torch.bfloat16, device=device),
+        None,
+        torch.zeros(0, 1, dtype=torch.int64, device=device),
+        None,
+        torch.zeros(0, world_size, dtype=torch.bool, device=device),
+        torch.int64,
+    )
+
+
+class RankTransport:
+    """Dispatch and combine of a transport that serves one rank per process
+    (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`,
+    :class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): the argument checks, the refusal
+    a rank runs instead of an operation whose arguments it cannot use (its peers finish at once
+    and record why, instead of waiting out their timeout), and the synchronisation after.
+
+    A subclass sets ``rank``, ``world_size``, ``device`` and ``config`` and provides
+    ``_launches()`` (kernel launches so far: a refusal only happens before any),
+    ``_dispatch_ranks`` (its topology's ``run_dispatch`` over its engines), ``_run_combine``
+    (this rank's combine, with the header statuses of the refusing ranks), ``_empty_handle()``
+    (a handle of no rows), ``_check_finished()`` (raise what the CPU backend's finished launches
+    recorded) and ``check_errors()``.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    config: Config
+
+    def dispatch(
+        self,
+        x,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_experts: int,
+        *,
+        num_sms: int | None = None,
+        handle=None,
+        num_worst_tokens: int | None = None,
+        dispatch_id: int | None = None,
+    ):
+        """This rank's dispatch (collective: every rank of the group calls it).
+
+        Args: as :meth:`moe_dispatch.testing.loopback.Loopback.dispatch` (one node) or
+        :meth:`~moe_dispatch.testing.loopback.InternodeLoopback.dispatch` (several) for one rank
+        (``x``, ``topk_idx``, ``topk_weights``, ``handle``, ``dispatch_id``). Returns this rank's
+        result (:class:`~moe_dispatch.transport.intranode.RankDispatch`,
+        :class:`~moe_dispatch.transport.internode.InternodeDispatch`). Raises ValueError /
+        TypeError for bad arguments (after taking part with a refusal, so the peers finish at
+        once and record it), :class:`~moe_dispatch.transport.header.MismatchError` when the
+        peers' calls differ, :class:`IntranodeTimeoutError` / :class:`InternodeTimeoutError` for
+        a wait that ran out."""
+        self.check_errors()
+
+        def run():
+            self._check_handle(handle, required=False)
+            inp = prepare_input(
+                self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device, handle=handle
+            )
+            return self._run_dispatch(
+                inp, num_experts, num_sms or self.config.num_sms, handle, num_worst_tokens, dispatch_id
+            )
+
+        result = self._refusing(OP_DISPATCH if handle is None else OP_CACHED_DISPATCH, run)
+        self._after(synchronized=handle is None and not num_worst_tokens)
+        return result
+
+    def combine(self, y: torch.Tensor, handle, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's combine (collective; never synchronises the host on a GPU): ``[T, H]`` in
+        y's dtype. Raises as :meth:`dispatch`."""
+        self.check_errors()
+
+        def run():
+            self._check_handle(handle, required=True)
+            return self._run_combine(y, handle, row_scale)
+
+        out = self._refusing(OP_COMBINE, run)
+        self._after(synchronized=False)
+        return out
+
+    def _run_dispatch(self, inp, num_experts, num_sms, handle, num_worst_tokens, dispatch_id, statuses=None):
+        """This rank's dispatch of ``inp`` (``statuses``: the refusing ranks' header statuses)."""
+        return self._dispatch_ranks(
+            [inp],
+            num_experts,
+            num_sms=num_sms,
+            handles=[handle] if handle is not None else None,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=None,
+            skip_phase=None,
+            dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
+            statuses=statuses,
+        )[0]
+
+    def check(self) -> None:
+        """Synchronises with this rank's kernels, then raises as :meth:`check_errors`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check_errors()
+
+    def _check_handle(self, handle, required: bool) -> None:
+        """Raises TypeError for a handle this transport cannot replay (default: the operation checks)."""
+
+    def _refusing(self, op: int, run):
+        """``run()``; if it raises ValueError / TypeError before any launch, this rank takes part
+        in ``op`` without rows first (if that fails too, the error is raised caused by why)."""
+        launches = self._launches()
+        try:
+            return run()
+        except (ValueError, TypeError) as err:
+            if self._launches() == launches:
+                try:
+                    self.refuse(op)
+                except CommError as refusal:
+                    raise err from refusal
+            raise
+
+    def refuse(self, op: int, status: int = STATUS_INVALID_ARGUMENTS) -> None:
+        """Runs operation ``op`` (header.py's OP_*) with no tokens and header ``status`` (default
+        STATUS_INVALID_ARGUMENTS): the peers skip this rank at once and record why (a fresh
+        dispatch runs its notify too). Collective, as the operation; raises a CommError when a
+        peer does not take part either."""
+        statuses = {self.rank: status}
+        inp = refusal_input(self.rank, self.world_size, self.device)
+        if op == OP_COMBINE:
+            self._run_combine(inp.x, self._empty_handle(), None, statuses)
+        else:
+            handle = None if op == OP_DISPATCH else self._empty_handle()
+            self._run_dispatch(inp, self.world_size, self.config.num_sms, handle, None, None, statuses)
+
+    def _after(self, synchronized: bool) -> None:
+        """The next synchronisation after an operation: at once on the CPU backend (it has
+        finished); on a GPU when the host just read the notify's count (``synchronized``), from
+        the pinned mirrors, which the notify wrote (reading the device would wait for the
+        dispatch kernel launched since)."""
+        if self.device.type == "cpu":
+            self._check_finished()
+        elif synchronized:
+            self.check_errors()
