@@ -23,6 +23,8 @@ void register_arg_types(py::module_& m);
 void register_intranode(py::module_& m);
 // csrc/kernels/internode_bindings.cpp: stage 1 of internode dispatch/combine, NVSHMEM host calls.
 void register_internode(py::module_& m);
+// csrc/kernels/sums_cpu.cpp: the ordered row sums of semantics/sums.py on the CPU, in one pass.
+void register_sums(py::module_& m);
 }  // namespace moe_dispatch
 
 namespace {
@@ -112,4 +114,5 @@ PYBIND11_MODULE(_C, m) {
   moe_dispatch::bind::register_arg_types(m);
   moe_dispatch::register_intranode(m);
   moe_dispatch::register_internode(m);
+  moe_dispatch::register_sums(m);
 }

@@ -4,6 +4,8 @@ against a loop that adds row by row in fp32 (the order ``moe_dispatch.reference`
 import pytest
 import torch
 
+from moe_dispatch import _ext
+from moe_dispatch.semantics import sums
 from moe_dispatch.semantics.sums import ordered_sum, plan_sum, plan_sum_by_output
 
 
@@ -39,7 +41,7 @@ def test_ordered_sum_equals_the_row_by_row_fp32_sum(dtype, max_terms):
     dropped = torch.full((5,), num_out)  # rows left out
     index = torch.cat([index, dropped])[torch.randperm(index.numel() + 5, generator=gen)]
     rows = tricky_rows(index.numel(), hidden, dtype, gen)
-    plan = plan_sum(index, num_out)
+    plan = plan_sum(index, num_out).torch_plan()  # the torch path's structures (also where _C sums in one pass)
     assert plan.max_terms == max_terms and plan.low_rows is not None  # the dropped rows are left out
     assert (plan.slot_outputs is None) == (max_terms <= 2)  # the fp32 path only for 3 terms or more
     if plan.slot_outputs is not None:
@@ -92,3 +94,44 @@ def test_plan_by_output_equals_plan_by_row(max_terms):
         want = ordered_sum(plan_sum(index, num_out, scaled=scaled), values, scale)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(want.view(torch.uint8), loop_sum(values, index, num_out, scale).view(torch.uint8))
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass CPU sum is in moe_dispatch._C")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_pass_cpu_sum_equals_the_torch_path(dtype):
+    """With the extension built, ordered_sum on CPU runs csrc/kernels/sums_cpu.cpp: the same bits
+    as the torch path (and the row-by-row definition) for plans by row and by output, with and
+    without scales, for row-strided rows and for values at fp16's edges (overflow to inf,
+    subnormals, ties)."""
+    gen = torch.Generator().manual_seed(77)
+    num_out, hidden = 50, 40
+    for max_terms in (1, 2, 3, 8):
+        terms = torch.randint(0, max_terms + 1, (num_out,), generator=gen)
+        index = torch.repeat_interleave(torch.arange(num_out), terms)
+        index = torch.cat([index, torch.full((4,), num_out)])  # rows left out
+        index = index[torch.randperm(index.numel(), generator=gen)]
+        values = tricky_rows(index.numel(), hidden, torch.float32, gen)
+        values[::9, :4] = torch.tensor([6.0e4, 3.0e-8, 2.0**-25, -5.96e-8])  # fp16: overflow, subnormal, tie
+        wide = torch.zeros(index.numel(), 2 * hidden, dtype=dtype)
+        rows = wide[:, :hidden]  # row-strided
+        rows.copy_(values.to(dtype))
+        for scaled in (False, True):
+            scale = torch.rand(index.numel(), generator=gen) * 4 - 2 if scaled else None
+            plan = plan_sum(index, num_out, scaled=scaled)
+            assert (plan.terms is not None) == (scaled or max_terms > 2), "one pass for plans with an fp32 path"
+            assert plan.terms is None or sums._native_sum(plan, rows, scale, None) is not None
+            native = ordered_sum(plan, rows, scale)
+            sums.native_sums = False
+            try:
+                torch_path = ordered_sum(plan, rows, scale)
+            finally:
+                sums.native_sums = True
+            assert torch.equal(native.view(torch.uint8), torch_path.view(torch.uint8)), (max_terms, scaled)
+            want = loop_sum(rows, index, num_out, scale)
+            assert torch.equal(native.view(torch.uint8), want.view(torch.uint8)), (max_terms, scaled)
+            by_output = torch.full((num_out, max_terms), -1, dtype=torch.int64)
+            for o in range(num_out):
+                mine = torch.nonzero(index == o).flatten()
+                by_output[o, : mine.numel()] = mine.flip(0)  # any order
+            got = ordered_sum(plan_sum_by_output(by_output, index.numel(), scaled=scaled), rows, scale)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (max_terms, scaled)
