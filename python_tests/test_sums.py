@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_dispatch import _ext
-from moe_dispatch.semantics import sums
+from moe_dispatch.ops import sums as one_pass
 from moe_dispatch.semantics.sums import ordered_sum, plan_sum, plan_sum_by_output
 
 
@@ -41,7 +41,7 @@ def test_ordered_sum_equals_the_row_by_row_fp32_sum(dtype, max_terms):
     dropped = torch.full((5,), num_out)  # rows left out
     index = torch.cat([index, dropped])[torch.randperm(index.numel() + 5, generator=gen)]
     rows = tricky_rows(index.numel(), hidden, dtype, gen)
-    plan = plan_sum(index, num_out).torch_plan()  # the torch path's structures (also where _C sums in one pass)
+    plan = plan_sum(index, num_out)
     assert plan.max_terms == max_terms and plan.low_rows is not None  # the dropped rows are left out
     assert (plan.slot_outputs is None) == (max_terms <= 2)  # the fp32 path only for 3 terms or more
     if plan.slot_outputs is not None:
@@ -98,11 +98,11 @@ def test_plan_by_output_equals_plan_by_row(max_terms):
 
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass CPU sum is in moe_dispatch._C")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_one_pass_cpu_sum_equals_the_torch_path(dtype):
-    """With the extension built, ordered_sum on CPU runs csrc/kernels/sums_cpu.cpp: the same bits
-    as the torch path (and the row-by-row definition) for plans by row and by output, with and
-    without scales, for row-strided rows and for values at fp16's edges (overflow to inf,
-    subnormals, ties)."""
+def test_one_pass_cpu_sum_equals_the_reference(dtype):
+    """moe_dispatch.ops.sums runs csrc/kernels/sums_cpu.cpp for sums with an fp32 path: the same
+    bits as the reference's torch path and the row-by-row definition, for plans by row and by
+    output, with and without scales, for row-strided rows and for values at fp16's edges
+    (overflow to inf, subnormals, ties); plans of at most two terms stay the reference's."""
     gen = torch.Generator().manual_seed(77)
     num_out, hidden = 50, 40
     for max_terms in (1, 2, 3, 8):
@@ -115,23 +115,26 @@ def test_one_pass_cpu_sum_equals_the_torch_path(dtype):
         wide = torch.zeros(index.numel(), 2 * hidden, dtype=dtype)
         rows = wide[:, :hidden]  # row-strided
         rows.copy_(values.to(dtype))
+        by_output = torch.full((num_out, max_terms), -1, dtype=torch.int64)
+        for o in range(num_out):
+            mine = torch.nonzero(index == o).flatten()
+            by_output[o, : mine.numel()] = mine.flip(0)  # any order
         for scaled in (False, True):
             scale = torch.rand(index.numel(), generator=gen) * 4 - 2 if scaled else None
-            plan = plan_sum(index, num_out, scaled=scaled)
-            assert (plan.terms is not None) == (scaled or max_terms > 2), "one pass for plans with an fp32 path"
-            assert plan.terms is None or sums._native_sum(plan, rows, scale, None) is not None
-            native = ordered_sum(plan, rows, scale)
-            sums.native_sums = False
-            try:
-                torch_path = ordered_sum(plan, rows, scale)
-            finally:
-                sums.native_sums = True
-            assert torch.equal(native.view(torch.uint8), torch_path.view(torch.uint8)), (max_terms, scaled)
             want = loop_sum(rows, index, num_out, scale)
-            assert torch.equal(native.view(torch.uint8), want.view(torch.uint8)), (max_terms, scaled)
-            by_output = torch.full((num_out, max_terms), -1, dtype=torch.int64)
-            for o in range(num_out):
-                mine = torch.nonzero(index == o).flatten()
-                by_output[o, : mine.numel()] = mine.flip(0)  # any order
-            got = ordered_sum(plan_sum_by_output(by_output, index.numel(), scaled=scaled), rows, scale)
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (max_terms, scaled)
+            reference = ordered_sum(plan_sum(index, num_out, scaled=scaled), rows, scale)
+            for plan in (
+                one_pass.plan_sum(index, num_out, scaled=scaled),
+                one_pass.plan_sum_by_output(by_output, index.numel(), scaled=scaled),
+            ):
+                one = isinstance(plan, one_pass.OnePassPlan)
+                assert one == (scaled or max_terms > 2), "one pass exactly for sums with an fp32 path"
+                assert not one or one_pass._run(plan, rows, scale, None) is not None, "the one pass must run"
+                got = one_pass.ordered_sum(plan, rows, scale)
+                assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8)), (max_terms, scaled)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (max_terms, scaled)
+                if one:  # a call the one pass cannot serve (float64 rows) takes the reference's plan
+                    wide64 = one_pass.ordered_sum(plan, rows.double(), scale)
+                    assert torch.equal(
+                        wide64, ordered_sum(plan_sum(index, num_out, scaled=scaled), rows.double(), scale)
+                    )

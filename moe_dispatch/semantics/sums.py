@@ -24,11 +24,6 @@ How, without an fp32 copy of whole blocks:
   output at most once and the slots run in order, so the result is the same on any device and any
   thread count (no atomics decide an order).
 
-On CPU, with the extension built (``moe_dispatch._C``), a plan with an fp32 path runs its additions
-in one pass that reads each row once (``csrc/kernels/sums_cpu.cpp``): each output's rows from the
-plan's ``offsets`` / ``terms`` lists, accumulated in fp32 and rounded once, which are the bits of
-the torch path above (``test_sums`` compares them).
-
 The plan (:func:`plan_sum`) depends only on the row -> output index, so a combine computes it once per
 dispatch and reuses it for every call and the backward pass.
 """
@@ -36,12 +31,10 @@ dispatch and reuses it for every call and the backward pass.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 
 import torch
 
-_ROW_DTYPE_TERMS = 2  # outputs with at most this many terms are added in the rows' dtype
+ROW_DTYPE_TERMS = 2  # outputs with at most this many terms are added in the rows' dtype
 # Outputs per block of the fp32 path on CPU: its accumulator stays in the cache (measured on rows of
 # 896 bf16: 128 outputs take a quarter of the time of one block for all); one block on GPU.
 _CPU_BLOCK_OUTPUTS = 128
@@ -62,13 +55,6 @@ class SumPlan:
             first ``n_j`` outputs of ``slot_outputs``; empty without one.
         slot_outputs: ``[m]`` int64 the outputs of the fp32 path, most terms first, or None.
         scaled: the plan is for rows with scales (every output on the fp32 path).
-        offsets, terms: a one-pass plan (CPU, the extension built, an fp32 path: the paths
-            above are then empty): every output's rows, ascending, output ``o``'s being
-            ``terms[offsets[o]:offsets[o + 1]]`` (int64 ``[num_out + 1]`` and ``[rows summed]``);
-            None otherwise (``index_add_`` reads a plan's rows in order without an fp32 path,
-            faster than any gather).
-        fallback: a one-pass plan's maker of the paths above, for calls the one pass cannot
-            serve (:meth:`torch_plan`).
     """
 
     num_out: int
@@ -78,26 +64,6 @@ class SumPlan:
     slot_rows: list[torch.Tensor]
     slot_outputs: torch.Tensor | None
     scaled: bool
-    offsets: torch.Tensor | None = None
-    terms: torch.Tensor | None = None
-    fallback: Callable[[], SumPlan] | None = dataclasses.field(default=None, repr=False)
-    _torch: SumPlan | None = dataclasses.field(default=None, repr=False)
-
-    def torch_plan(self) -> SumPlan:
-        """This plan with the torch path's structures (a one-pass plan makes them once, when first
-        asked)."""
-        if self.fallback is None:
-            return self
-        if self._torch is None:
-            self._torch = self.fallback()
-        return self._torch
-
-
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    """``[num_out + 1]`` int64: where each output's rows start in a plan's ``terms``."""
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return offsets
 
 
 def _row_dtype_path(index: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -122,20 +88,9 @@ def plan_sum(index: torch.Tensor, num_out: int, *, scaled: bool = False) -> SumP
     counts = torch.bincount(index, minlength=num_out + 1)
     kept = counts[:num_out]
     max_terms = int(kept.max()) if num_out else 0
-    fewest = 1 if scaled else _ROW_DTYPE_TERMS + 1  # the fewest terms an output of the fp32 path has
+    fewest = 1 if scaled else ROW_DTYPE_TERMS + 1  # the fewest terms an output of the fp32 path has
     if max_terms < fewest:
         return SumPlan(num_out, max_terms, *_row_dtype_path(index, index < num_out), [], None, scaled)
-    if device.type == "cpu" and _native_fn() is not None:  # each output's rows, ascending (a stable sort)
-        summed = torch.nonzero(index < num_out).flatten()
-        terms = summed[torch.argsort(index[summed], stable=True)]
-        slots = lambda: _slot_plan(index, num_out, kept, max_terms, fewest, scaled)  # noqa: E731
-        return SumPlan(num_out, max_terms, None, None, [], None, scaled, _offsets(kept), terms, slots)
-    return _slot_plan(index, num_out, kept, max_terms, fewest, scaled)
-
-
-def _slot_plan(index: torch.Tensor, num_out: int, kept: torch.Tensor, max_terms: int, fewest: int, scaled: bool):
-    """:func:`plan_sum`'s torch paths (``kept``: each output's term count)."""
-    device = index.device
     outputs = torch.nonzero(kept >= fewest).flatten()
     outputs = outputs[torch.argsort(kept[outputs], descending=True, stable=True)]
     rank = torch.full((num_out + 1,), -1, dtype=torch.int64, device=device)
@@ -167,19 +122,7 @@ def plan_sum_by_output(terms: torch.Tensor, num_rows: int, *, scaled: bool = Fal
     key = torch.sort(torch.where(listed, terms, num_rows), dim=1).values  # each output's rows ascending
     counts = listed.sum(1)
     max_terms = int(counts.max()) if num_out else 0
-    fewest = 1 if scaled else _ROW_DTYPE_TERMS + 1  # the fewest terms an output of the fp32 path has
-    if max_terms >= fewest and device.type == "cpu" and _native_fn() is not None:  # output by output
-        slots = lambda: _slot_plan_by_output(key, counts, num_rows, max_terms, fewest, scaled)  # noqa: E731
-        return SumPlan(num_out, max_terms, None, None, [], None, scaled, _offsets(counts), key[key < num_rows], slots)
-    return _slot_plan_by_output(key, counts, num_rows, max_terms, fewest, scaled)
-
-
-def _slot_plan_by_output(
-    key: torch.Tensor, counts: torch.Tensor, num_rows: int, max_terms: int, fewest: int, scaled: bool
-) -> SumPlan:
-    """:func:`plan_sum_by_output`'s torch paths (``key [num_out, K]``: each output's rows
-    ascending, then ``num_rows``; ``counts``: how many)."""
-    num_out, device = key.shape[0], key.device
+    fewest = 1 if scaled else ROW_DTYPE_TERMS + 1  # the fewest terms an output of the fp32 path has
     slot_rows: list[torch.Tensor] = []
     outputs = None
     low = counts < fewest
@@ -191,10 +134,10 @@ def _slot_plan_by_output(
         slot_rows = [by_slot[j, :n] for j, n in enumerate(per_slot)]
     index = low_rows = None
     if not scaled and bool(low.any()):
-        # A row-dtype output's rows are its first _ROW_DTYPE_TERMS keys (the others are num_rows);
+        # A row-dtype output's rows are its first ROW_DTYPE_TERMS keys (the others are num_rows);
         # a row belongs to one output at most, so the scatter has one writer per row (the
         # num_rows slot takes the rest and is dropped).
-        low_key = torch.where(low.unsqueeze(1), key[:, :_ROW_DTYPE_TERMS], num_rows)
+        low_key = torch.where(low.unsqueeze(1), key[:, :ROW_DTYPE_TERMS], num_rows)
         of_row = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
         owner = torch.arange(num_out, device=device).unsqueeze(1).expand_as(low_key)
         of_row.scatter_(0, low_key.flatten(), owner.flatten())
@@ -221,10 +164,6 @@ def ordered_sum(
     num_out, width = plan.num_out, rows.shape[1:]
     if (scale is not None) != plan.scaled:
         raise ValueError("ordered_sum: row scales need a plan made with scaled=True, and such a plan needs them")
-    if plan.terms is not None:
-        if (summed := _native_sum(plan, rows, scale, out)) is not None:
-            return summed
-        plan = plan.torch_plan()
     result = rows.new_zeros((num_out, *width)) if out is None else out.zero_()
     if plan.index is not None and rows.shape[0]:
         result.index_add_(0, plan.index, rows if plan.low_rows is None else rows.index_select(0, plan.low_rows))
@@ -247,52 +186,3 @@ def ordered_sum(
             sums[first : first + part_acc.shape[0]].copy_(part_acc)  # the one rounding
         result.index_copy_(0, outputs, sums)
     return result
-
-
-_NATIVE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_native = None  # _C.ordered_sum_cpu, False where the extension is not built (looked up once)
-native_sums = True  # the one-pass CPU sum where it can run; False: the torch path (A/B comparisons)
-
-
-def _native_fn():
-    """``_C.ordered_sum_cpu``, or None where the extension is not built or ``native_sums`` is off."""
-    global _native
-    if _native is None:
-        from .. import _ext
-
-        _native = getattr(_ext._C, "ordered_sum_cpu", False) if _ext.extension_status().built else False
-    return _native if (_native is not False and native_sums) else None
-
-
-def _native_sum(
-    plan: SumPlan, rows: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor | None
-) -> torch.Tensor | None:
-    """:func:`ordered_sum` in one pass (``csrc/kernels/sums_cpu.cpp``) where it can run: CPU
-    rows of a 16/32-bit float type whose elements are contiguous within a row, into a
-    contiguous ``out`` of their dtype (made when None). Returns ``out``, or None where it cannot
-    run (then the torch path does)."""
-    native = _native_fn()
-    if native is None or rows.device.type != "cpu" or rows.dtype not in _NATIVE_DTYPES:
-        return None
-    if out is not None and (not out.is_contiguous() or out.dtype != rows.dtype):
-        return None
-    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
-    if flat.shape[1] > 1 and flat.stride(1) != 1:
-        return None
-    if out is None:
-        out = rows.new_empty((plan.num_out, *rows.shape[1:]))
-    if scale is not None:
-        scale = scale.to(torch.float32).contiguous()
-    native(
-        rows=flat.data_ptr(),
-        row_stride=flat.stride(0),
-        width=flat.shape[1],
-        dtype=_NATIVE_DTYPES[rows.dtype],
-        offsets=plan.offsets.data_ptr(),
-        terms=plan.terms.data_ptr(),
-        scale=scale.data_ptr() if scale is not None else 0,
-        out=out.data_ptr(),
-        out_stride=flat.shape[1],
-        num_out=plan.num_out,
-    )
-    return out

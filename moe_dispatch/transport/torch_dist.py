@@ -28,7 +28,8 @@ contributions in fp32 (ascending local rank) and round to the payload dtype, so 
 node) and round. Exactly the order of ``moe_dispatch.reference.combine``; the flat route runs
 both sums at the source, the same sums in the same order. A fused permute's expert-major rows
 are summed per received row (ascending expert, fp32) straight into the send buffer. Every sum
-is :func:`moe_dispatch.semantics.sums.ordered_sum`, planned once per dispatch.
+is :func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`: in one pass on
+CPU), planned once per dispatch.
 
 Pipeline (two-stage). Each source splits its tokens into contiguous chunks; every stage runs
 once per chunk, and the inter-node and intra-node groups (separate process groups) carry
@@ -73,8 +74,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError
+from ..ops.sums import OnePassPlan, ordered_sum, plan_sum, plan_sum_by_output
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
-from ..semantics.sums import SumPlan, ordered_sum, plan_sum, plan_sum_by_output
+from ..semantics.sums import SumPlan
 from ..topology import Topology
 from . import agreement
 from .agreement import AGREE_WORDS
@@ -1111,7 +1113,9 @@ class TorchDistTransport:
         ordered_sum(level2, ordered_sum(level1, rows, scale), out=out)
 
 
-def _sum_plan(plan: TorchDistPlan, key, index: torch.Tensor, num_out: int, scaled: bool = False) -> SumPlan:
+def _sum_plan(
+    plan: TorchDistPlan, key, index: torch.Tensor, num_out: int, scaled: bool = False
+) -> SumPlan | OnePassPlan:
     """The plan's :class:`SumPlan` of rows onto ``num_out`` outputs by ``index``, made once per key."""
     return plan.cached((key, scaled), lambda: plan_sum(index, num_out, scaled=scaled))
 
