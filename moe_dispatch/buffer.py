@@ -369,17 +369,15 @@ def _resolve_arguments(
             "transport": transport,
             "ranks_per_node": ranks_per_node,
             "num_chunks": num_chunks,
-            **_posted_config(config if transport == "kernels" else None, transport == "kernels"),
+            **(_posted_config(config) if transport == "kernels" else {"config": None}),
         },
     )
     return args, None
 
 
-def _posted_config(config: Config | str | None, kernels: bool) -> dict:
-    """What the ranks compare of the kernels' Config: each field by name (a difference is named
-    as ``config.num_sms``, not as two whole reprs), or ``"auto"``; None off the kernels."""
-    if not kernels:
-        return {"config": None}
+def _posted_config(config: Config | str | None) -> dict:
+    """What the ranks compare of the kernels' Config (None: the default): each field by name (a
+    difference is named as ``config.num_sms``, not as two whole reprs), or ``"auto"``."""
     if config == "auto":
         return {"config": "auto"}
     config = config or Config()
