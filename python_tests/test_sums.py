@@ -138,3 +138,60 @@ def test_one_pass_cpu_sum_equals_the_reference(dtype):
                     assert torch.equal(
                         wide64, ordered_sum(plan_sum(index, num_out, scaled=scaled), rows.double(), scale)
                     )
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass CPU sums are in moe_dispatch._C")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_pass_row_dtype_sum_equals_zeros_and_index_add(dtype):
+    """Plans of at most two terms an output stay the reference's, and ops.sums adds them in one
+    pass (csrc/kernels/sums_cpu.cpp's index_sum_cpu): the bits of zeroed outputs and index_add_,
+    -0.0 made +0.0, outputs no row reaches +0.0, rows left out, row-strided rows, into `out`."""
+    gen = torch.Generator().manual_seed(5)
+    num_out, hidden = 60, 33
+    terms = torch.randint(0, 3, (num_out,), generator=gen)
+    index = torch.repeat_interleave(torch.arange(num_out), terms)
+    index = torch.cat([index, torch.full((6,), num_out)])
+    index = index[torch.randperm(index.numel(), generator=gen)]
+    values = tricky_rows(index.numel(), hidden, torch.float32, gen)
+    values[::9, :4] = torch.tensor([6.0e4, 3.0e-8, 2.0**-25, -5.96e-8])
+    rows = torch.zeros(index.numel(), 2 * hidden, dtype=dtype)[:, :hidden]
+    rows.copy_(values.to(dtype))
+    for plan in (plan_sum(index, num_out), one_pass.plan_sum(index, num_out)):
+        assert not isinstance(plan, one_pass.OnePassPlan) and plan.slot_outputs is None
+        assert one_pass._run_row_dtype(plan, rows, None) is not None, "the one pass must run"
+        want = torch.zeros(num_out, hidden, dtype=dtype).index_add_(0, plan.index, rows[plan.low_rows])
+        out = torch.full((num_out, hidden), 7.0, dtype=dtype)
+        assert one_pass.ordered_sum(plan, rows, out=out) is out
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(out.view(torch.uint8), loop_sum(rows, index, num_out).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("max_terms", [2, 5])
+def test_grouped_sum_equals_the_two_levels(dtype, max_terms):
+    """ops.sums.grouped_sum (a flat combine's node partials and their sum, in one pass on CPU)
+    gives the bits of the two ordered sums one after the other, and of the definition: each
+    group's fp32 sum rounded, then the groups' fp32 sum rounded; with and without scales."""
+    gen = torch.Generator().manual_seed(20 + max_terms)
+    num_out, hidden = 30, 20
+    groups_per_out = torch.randint(0, 4, (num_out,), generator=gen)
+    groups_per_out[0] = 3
+    output_of_group = torch.repeat_interleave(torch.arange(num_out), groups_per_out)
+    num_groups = output_of_group.numel()
+    rows_per_group = torch.randint(1, max_terms + 1, (num_groups,), generator=gen)
+    group_of_row = torch.repeat_interleave(torch.arange(num_groups), rows_per_group)
+    group_of_row = torch.cat([group_of_row, torch.full((3,), num_groups)])  # rows left out
+    group_of_row = group_of_row[torch.randperm(group_of_row.numel(), generator=gen)]
+    rows = tricky_rows(group_of_row.numel(), hidden, dtype, gen)
+    for scaled in (False, True):
+        scale = torch.rand(rows.shape[0], generator=gen) * 4 - 2 if scaled else None
+        partials = loop_sum(rows, group_of_row, num_groups, scale)
+        want = loop_sum(partials, output_of_group, num_out)
+        two = (plan_sum(group_of_row, num_groups, scaled=scaled), plan_sum(output_of_group, num_out))
+        plan = one_pass.plan_grouped(group_of_row, output_of_group, num_out, scaled=scaled)
+        assert isinstance(plan, one_pass.GroupedPlan) == _ext.extension_status().built
+        for p in (plan, two):
+            got = one_pass.grouped_sum(p, rows, scale)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (scaled, type(p))
+        with pytest.raises(ValueError, match="scaled=True"):
+            one_pass.grouped_sum(plan, rows, None if scaled else torch.ones(rows.shape[0]))

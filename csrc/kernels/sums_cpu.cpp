@@ -1,10 +1,13 @@
-// The ordered row sums of moe_dispatch/semantics/sums.py on the CPU, in one pass over the rows:
-// every output's rows, ascending as the plan lists them, added into an fp32 accumulator (each
-// row times its fp32 scale first, when given) and rounded once to the rows' dtype. These are the
-// additions of the torch path there, in its order, with its roundings (bf16 and fp16 round to
-// nearest even, as c10 does), so the bits are the same; the torch path gathers the rows of each
-// slot and copies the sums twice, this pass reads each row once. No fused multiply-add may join a
-// scale's product and its addition: CMakeLists.txt compiles this file with -ffp-contract=off.
+// The ordered row sums of moe_dispatch/semantics/sums.py on the CPU, each in one pass over the rows:
+// - ordered_sum_cpu: every output's rows, ascending as the plan lists them, added into an fp32
+//   accumulator (each row times its fp32 scale first, when given) and rounded once;
+// - grouped_sum_cpu: sums of such sums (a combine's node partials, each rounded, then their sum);
+// - index_sum_cpu: the reference's row-dtype path (zeroed outputs, then index_add_) without the
+//   zeroing pass.
+// These are the additions of the torch path, in its order, with its roundings (bf16 and fp16
+// round to nearest even, as c10 does), so the bits are the same; the torch path gathers the rows
+// of each slot and copies the sums twice. No fused multiply-add may join a scale's product and
+// its addition: CMakeLists.txt compiles this file with -ffp-contract=off.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -85,34 +88,171 @@ struct F32 {
   static T store(float f) { return f; }
 };
 
-// out[o] = round(+0 + rows[terms[offsets[o]]] (x scale) + ...) for o < num_out.
+// One term's value in fp32: the row's element, times the row's scale when there is one (a
+// separate rounding: no FMA, see the file comment).
 template <class E>
-void sum_rows(const typename E::T* rows, int64_t row_stride, int64_t width, const int64_t* offsets,
-              const int64_t* terms, const float* scale, typename E::T* out, int64_t out_stride, int64_t num_out) {
-  std::vector<float> acc(static_cast<size_t>(width));
+inline float term(const typename E::T* r, int64_t h, const float* s) {
+  return s != nullptr ? E::load(r[h]) * *s : E::load(r[h]);
+}
+
+// out[o] = round(+0 + rows[terms[offsets[o]]] (x scale) + ...) for o < num_out. The first term
+// starts the accumulator (from +0, so -0 becomes +0 as in the torch path) and the last is added
+// as the sum is rounded: an output of one term is a single converting copy.
+template <class E>
+inline __attribute__((always_inline)) void gather_rows(const typename E::T* rows, int64_t row_stride, int64_t width,
+                                                       const int64_t* offsets, const int64_t* terms, const float* scale,
+                                                       typename E::T* out, int64_t out_stride, int64_t num_out,
+                                                       float* acc) {
+  using T = typename E::T;
+  const int64_t num_terms = offsets[num_out];
   for (int64_t o = 0; o < num_out; ++o) {
-    float* a = acc.data();
-    for (int64_t h = 0; h < width; ++h) a[h] = 0.0f;
-    for (int64_t t = offsets[o]; t < offsets[o + 1]; ++t) {
-      const typename E::T* r = rows + terms[t] * row_stride;
-      if (t + 1 < offsets[num_out]) {  // the next row's lines while this one is added (rows come in any order)
+    T* dst = out + o * out_stride;
+    const int64_t first = offsets[o], last = offsets[o + 1] - 1;
+    if (last < first) {
+      std::memset(dst, 0, static_cast<size_t>(width) * sizeof(T));
+      continue;
+    }
+    for (int64_t t = first; t <= last; ++t) {
+      const T* r = rows + terms[t] * row_stride;
+      const float* s = scale != nullptr ? scale + terms[t] : nullptr;
+      if (t + 1 < num_terms) {  // the next row's lines while this one is added (rows come in any order)
         const char* next = reinterpret_cast<const char*>(rows + terms[t + 1] * row_stride);
-        for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(typename E::T)); b += 64)
-          __builtin_prefetch(next + b);
+        for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
       }
-      if (scale != nullptr) {
-        const float s = scale[terms[t]];
-        for (int64_t h = 0; h < width; ++h) {
-          const float product = E::load(r[h]) * s;
-          a[h] += product;
-        }
+      if (t == first && t == last) {
+        for (int64_t h = 0; h < width; ++h) dst[h] = E::store(0.0f + term<E>(r, h, s));
+      } else if (t == first) {
+        for (int64_t h = 0; h < width; ++h) acc[h] = 0.0f + term<E>(r, h, s);
+      } else if (t == last) {
+        for (int64_t h = 0; h < width; ++h) dst[h] = E::store(acc[h] + term<E>(r, h, s));
       } else {
-        for (int64_t h = 0; h < width; ++h) a[h] += E::load(r[h]);
+        for (int64_t h = 0; h < width; ++h) acc[h] += term<E>(r, h, s);
       }
     }
-    typename E::T* dst = out + o * out_stride;
-    for (int64_t h = 0; h < width; ++h) dst[h] = E::store(a[h]);
   }
+}
+
+// Sums of sums, in one pass: out[o] = round(+0 + g_1 + g_2 + ...) over o's groups
+// groups[group_offsets[o] .. group_offsets[o+1]), each g = round(+0 + its rows (x scale) + ...)
+// over terms[row_offsets[g] .. row_offsets[g+1]), every sum in fp32 in the listed order (a
+// combine's node partials, then their sum). acc: 2 x width floats.
+template <class E>
+inline __attribute__((always_inline)) void gather_groups(const typename E::T* rows, int64_t row_stride, int64_t width,
+                                                         const int64_t* group_offsets, const int64_t* row_offsets,
+                                                         const int64_t* terms, const float* scale, typename E::T* out,
+                                                         int64_t out_stride, int64_t num_out, float* acc) {
+  using T = typename E::T;
+  float* inner = acc;
+  float* outer = acc + width;
+  for (int64_t o = 0; o < num_out; ++o) {
+    for (int64_t h = 0; h < width; ++h) outer[h] = 0.0f;
+    for (int64_t g = group_offsets[o]; g < group_offsets[o + 1]; ++g) {
+      for (int64_t h = 0; h < width; ++h) inner[h] = 0.0f;
+      for (int64_t t = row_offsets[g]; t < row_offsets[g + 1]; ++t) {
+        const T* r = rows + terms[t] * row_stride;
+        const float* s = scale != nullptr ? scale + terms[t] : nullptr;
+        for (int64_t h = 0; h < width; ++h) inner[h] += term<E>(r, h, s);
+      }
+      for (int64_t h = 0; h < width; ++h) outer[h] += E::load(E::store(inner[h]));  // the group's rounding
+    }
+    T* dst = out + o * out_stride;
+    for (int64_t h = 0; h < width; ++h) dst[h] = E::store(outer[h]);
+  }
+}
+
+// What zeroed outputs and index_add_ make, in one pass: out[index[j]] += rows[row j] for j in
+// order, each addition in fp32 and rounded to the dtype (c10's 16-bit arithmetic), the first onto
+// +0; outputs no row reaches are +0. Rows left out have index num_out. row_ids: the row of each j,
+// or null for row j.
+template <class E>
+inline __attribute__((always_inline)) void scatter_rows(const typename E::T* rows, int64_t row_stride, int64_t width,
+                                                        const int64_t* index, const int64_t* row_ids, int64_t n,
+                                                        typename E::T* out, int64_t out_stride, int64_t num_out,
+                                                        uint8_t* seen) {
+  using T = typename E::T;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t o = index[j];
+    if (o < 0 || o >= num_out) continue;
+    const T* r = rows + (row_ids != nullptr ? row_ids[j] : j) * row_stride;
+    T* dst = out + o * out_stride;
+    if (!seen[o]) {
+      for (int64_t h = 0; h < width; ++h) dst[h] = E::store(0.0f + E::load(r[h]));
+      seen[o] = 1;
+    } else {
+      for (int64_t h = 0; h < width; ++h) dst[h] = E::store(E::load(dst[h]) + E::load(r[h]));
+    }
+  }
+  for (int64_t o = 0; o < num_out; ++o)
+    if (!seen[o]) std::memset(out + o * out_stride, 0, static_cast<size_t>(width) * sizeof(T));
+}
+
+// The entry points, compiled for AVX-512 and AVX2 beside the baseline where the compiler can
+// (the loader picks the clone the CPU runs; the arithmetic is the same IEEE fp32 in every clone).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOE_DISPATCH_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MOE_DISPATCH_CPU_CLONES
+#endif
+
+MOE_DISPATCH_CPU_CLONES
+void gather_sum(int dtype, const void* rows, int64_t row_stride, int64_t width, const int64_t* offsets,
+                const int64_t* terms, const float* scale, void* out, int64_t out_stride, int64_t num_out, float* acc) {
+  switch (dtype) {
+    case 0:
+      gather_rows<Bf16>(static_cast<const uint16_t*>(rows), row_stride, width, offsets, terms, scale,
+                        static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      break;
+    case 1:
+      gather_rows<F16>(static_cast<const uint16_t*>(rows), row_stride, width, offsets, terms, scale,
+                       static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      break;
+    default:
+      gather_rows<F32>(static_cast<const float*>(rows), row_stride, width, offsets, terms, scale,
+                       static_cast<float*>(out), out_stride, num_out, acc);
+  }
+}
+
+MOE_DISPATCH_CPU_CLONES
+void grouped_sum(int dtype, const void* rows, int64_t row_stride, int64_t width, const int64_t* group_offsets,
+                 const int64_t* row_offsets, const int64_t* terms, const float* scale, void* out, int64_t out_stride,
+                 int64_t num_out, float* acc) {
+  switch (dtype) {
+    case 0:
+      gather_groups<Bf16>(static_cast<const uint16_t*>(rows), row_stride, width, group_offsets, row_offsets, terms,
+                          scale, static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      break;
+    case 1:
+      gather_groups<F16>(static_cast<const uint16_t*>(rows), row_stride, width, group_offsets, row_offsets, terms,
+                         scale, static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      break;
+    default:
+      gather_groups<F32>(static_cast<const float*>(rows), row_stride, width, group_offsets, row_offsets, terms, scale,
+                         static_cast<float*>(out), out_stride, num_out, acc);
+  }
+}
+
+MOE_DISPATCH_CPU_CLONES
+void scatter_sum(int dtype, const void* rows, int64_t row_stride, int64_t width, const int64_t* index,
+                 const int64_t* row_ids, int64_t n, void* out, int64_t out_stride, int64_t num_out, uint8_t* seen) {
+  switch (dtype) {
+    case 0:
+      scatter_rows<Bf16>(static_cast<const uint16_t*>(rows), row_stride, width, index, row_ids, n,
+                         static_cast<uint16_t*>(out), out_stride, num_out, seen);
+      break;
+    case 1:
+      scatter_rows<F16>(static_cast<const uint16_t*>(rows), row_stride, width, index, row_ids, n,
+                        static_cast<uint16_t*>(out), out_stride, num_out, seen);
+      break;
+    default:
+      scatter_rows<F32>(static_cast<const float*>(rows), row_stride, width, index, row_ids, n, static_cast<float*>(out),
+                        out_stride, num_out, seen);
+  }
+}
+
+void check_dtype(const char* name, int dtype) {
+  if (dtype < 0 || dtype > 2)
+    throw std::invalid_argument(std::string(name) + ": dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32), got " +
+                                std::to_string(dtype));
 }
 
 }  // namespace
@@ -122,33 +262,54 @@ void register_sums(py::module_& m) {
       "ordered_sum_cpu",
       [](std::uintptr_t rows, int64_t row_stride, int64_t width, int dtype, std::uintptr_t offsets,
          std::uintptr_t terms, std::uintptr_t scale, std::uintptr_t out, int64_t out_stride, int64_t num_out) {
-        const auto* off = reinterpret_cast<const int64_t*>(offsets);
-        const auto* idx = reinterpret_cast<const int64_t*>(terms);
-        const auto* s = reinterpret_cast<const float*>(scale);  // 0: no scales
+        check_dtype("ordered_sum_cpu", dtype);
+        std::vector<float> acc(static_cast<size_t>(width));
         py::gil_scoped_release release;
-        switch (dtype) {
-          case 0:
-            sum_rows<Bf16>(reinterpret_cast<const uint16_t*>(rows), row_stride, width, off, idx, s,
-                           reinterpret_cast<uint16_t*>(out), out_stride, num_out);
-            break;
-          case 1:
-            sum_rows<F16>(reinterpret_cast<const uint16_t*>(rows), row_stride, width, off, idx, s,
-                          reinterpret_cast<uint16_t*>(out), out_stride, num_out);
-            break;
-          case 2:
-            sum_rows<F32>(reinterpret_cast<const float*>(rows), row_stride, width, off, idx, s,
-                          reinterpret_cast<float*>(out), out_stride, num_out);
-            break;
-          default:
-            throw std::invalid_argument("ordered_sum_cpu: dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32), got " +
-                                        std::to_string(dtype));
-        }
+        gather_sum(dtype, reinterpret_cast<const void*>(rows), row_stride, width,
+                   reinterpret_cast<const int64_t*>(offsets), reinterpret_cast<const int64_t*>(terms),
+                   reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(out), out_stride, num_out,
+                   acc.data());
       },
       py::arg("rows"), py::arg("row_stride"), py::arg("width"), py::arg("dtype"), py::arg("offsets"), py::arg("terms"),
       py::arg("scale"), py::arg("out"), py::arg("out_stride"), py::arg("num_out"),
       "Host memory only: out[o] (num_out rows of width elements, out_stride apart) = the fp32 sum of "
       "rows[terms[offsets[o] .. offsets[o+1])] (row_stride apart; each times scale[row] unless scale is 0), "
       "rounded once to dtype (0 bf16, 1 fp16, 2 fp32). moe_dispatch/semantics/sums.py's ordered_sum.");
+  m.def(
+      "grouped_sum_cpu",
+      [](std::uintptr_t rows, int64_t row_stride, int64_t width, int dtype, std::uintptr_t group_offsets,
+         std::uintptr_t row_offsets, std::uintptr_t terms, std::uintptr_t scale, std::uintptr_t out, int64_t out_stride,
+         int64_t num_out) {
+        check_dtype("grouped_sum_cpu", dtype);
+        std::vector<float> acc(2 * static_cast<size_t>(width));
+        py::gil_scoped_release release;
+        grouped_sum(dtype, reinterpret_cast<const void*>(rows), row_stride, width,
+                    reinterpret_cast<const int64_t*>(group_offsets), reinterpret_cast<const int64_t*>(row_offsets),
+                    reinterpret_cast<const int64_t*>(terms), reinterpret_cast<const float*>(scale),
+                    reinterpret_cast<void*>(out), out_stride, num_out, acc.data());
+      },
+      py::arg("rows"), py::arg("row_stride"), py::arg("width"), py::arg("dtype"), py::arg("group_offsets"),
+      py::arg("row_offsets"), py::arg("terms"), py::arg("scale"), py::arg("out"), py::arg("out_stride"),
+      py::arg("num_out"),
+      "Host memory only: out[o] = the fp32 sum, rounded once to dtype, of o's groups "
+      "[group_offsets[o], group_offsets[o+1]), each group g the fp32 sum of rows[terms[row_offsets[g] .. "
+      "row_offsets[g+1])] (each times scale[row] unless scale is 0) rounded to dtype. A two-level combine.");
+  m.def(
+      "index_sum_cpu",
+      [](std::uintptr_t rows, int64_t row_stride, int64_t width, int dtype, std::uintptr_t index,
+         std::uintptr_t row_ids, int64_t n, std::uintptr_t out, int64_t out_stride, int64_t num_out) {
+        check_dtype("index_sum_cpu", dtype);
+        std::vector<uint8_t> seen(static_cast<size_t>(num_out), 0);
+        py::gil_scoped_release release;
+        scatter_sum(dtype, reinterpret_cast<const void*>(rows), row_stride, width,
+                    reinterpret_cast<const int64_t*>(index), reinterpret_cast<const int64_t*>(row_ids), n,
+                    reinterpret_cast<void*>(out), out_stride, num_out, seen.data());
+      },
+      py::arg("rows"), py::arg("row_stride"), py::arg("width"), py::arg("dtype"), py::arg("index"), py::arg("row_ids"),
+      py::arg("n"), py::arg("out"), py::arg("out_stride"), py::arg("num_out"),
+      "Host memory only: what zeroing out (num_out rows of width elements, out_stride apart) and "
+      "index_add_ of rows[row_ids[j]] (row j when row_ids is 0) onto out[index[j]] for j < n make, in one "
+      "pass (index num_out: left out). moe_dispatch/semantics/sums.py's row-dtype path.");
 }
 
 }  // namespace moe_dispatch

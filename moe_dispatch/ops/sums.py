@@ -6,9 +6,10 @@ for sums with an fp32 path (an output of three terms or more, or row scales), a
 :class:`OnePassPlan`: each output's rows, ascending. :func:`ordered_sum` adds them in one pass
 that reads each row once into an fp32 accumulator and rounds once, as c10 rounds, which are the
 bits of the reference's torch path (``test_sums`` compares them); the reference gathers the rows
-of each slot and copies the sums twice. Every other plan, and a call the one pass cannot serve,
-is the reference's. Sums of at most two terms per output keep the reference's ``index_add_``,
-which reads their rows in order and is faster there than any gather.
+of each slot and copies the sums twice. Sums of at most two terms per output keep the
+reference's plan (no sort: the rows are read in order), and :func:`ordered_sum` adds them in one
+pass too (``index_sum_cpu``): the bits of the reference's zeroed outputs and ``index_add_``,
+without the zeroing pass. A call neither pass can serve is the reference's.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ class OnePassPlan:
 
 
 def _kernel():
-    """``_C.ordered_sum_cpu``, or None (the extension is not built, or :data:`enabled` is off)."""
+    """``moe_dispatch._C`` with its CPU sums, or None (not built, or :data:`enabled` is off)."""
     if not enabled or not _ext.extension_status().built:
         return None
-    return getattr(_ext._C, "ordered_sum_cpu", None)
+    return _ext._C if hasattr(_ext._C, "index_sum_cpu") else None
 
 
 def _has_fp32_path(counts: torch.Tensor, scaled: bool) -> bool:
@@ -120,42 +121,146 @@ def ordered_sum(
     Raises:
         ValueError: ``scale`` given for a plan made without ``scaled``, or the reverse.
     """
+    if (scale is not None) != plan.scaled:
+        raise ValueError("ordered_sum: row scales need a plan made with scaled=True, and such a plan needs them")
     if isinstance(plan, OnePassPlan):
-        if (scale is not None) != plan.scaled:
-            raise ValueError("ordered_sum: row scales need a plan made with scaled=True, and such a plan needs them")
         summed = _run(plan, rows, scale, out)
         if summed is not None:
             return summed
         plan = plan.torch_plan()
+    elif plan.slot_outputs is None and plan.index is not None:
+        summed = _run_row_dtype(plan, rows, out)
+        if summed is not None:
+            return summed
     return reference.ordered_sum(plan, rows, scale, out)
+
+
+def _flat_rows(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``rows`` as ``[n, width]`` with contiguous elements, where the CPU passes can read them
+    and write ``out``; None where they cannot."""
+    if rows.device.type != "cpu" or rows.dtype not in _DTYPES:
+        return None
+    if out is not None and (not out.is_contiguous() or out.dtype != rows.dtype):
+        return None
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
+    return None if flat.shape[1] > 1 and flat.stride(1) != 1 else flat
+
+
+def _run_row_dtype(plan: SumPlan, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """The reference's row-dtype path (zeroed outputs, then ``index_add_``) in one pass into
+    ``out`` (made when None); None where it cannot run."""
+    return _launch(
+        "index_sum_cpu", plan.num_out, rows, out, index=plan.index, row_ids=plan.low_rows, n=plan.index.numel()
+    )
 
 
 def _run(
     plan: OnePassPlan, rows: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The one pass into ``out`` (made when None); None where it cannot run."""
+    return _launch("ordered_sum_cpu", plan.num_out, rows, out, offsets=plan.offsets, terms=plan.terms, scale=scale)
+
+
+def _launch(name: str, num_out: int, rows: torch.Tensor, out: torch.Tensor | None, **plan) -> torch.Tensor | None:
+    """``_C.<name>`` over ``rows`` into ``out`` (made when None), with the plan's arguments (int64
+    tensors, a scale as fp32, None as a null pointer, ints as they are); None where the CPU passes
+    cannot run."""
     kernel = _kernel()
-    if kernel is None or rows.device.type != "cpu" or rows.dtype not in _DTYPES:
-        return None
-    if out is not None and (not out.is_contiguous() or out.dtype != rows.dtype):
-        return None
-    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
-    if flat.shape[1] > 1 and flat.stride(1) != 1:
+    flat = _flat_rows(rows, out) if kernel is not None else None
+    if flat is None:
         return None
     if out is None:
-        out = rows.new_empty((plan.num_out, *rows.shape[1:]))
-    if scale is not None:
-        scale = scale.to(torch.float32).contiguous()
-    kernel(
+        out = rows.new_empty((num_out, *rows.shape[1:]))
+    kept = {  # the tensors stay alive until the pass returns
+        k: (v.to(torch.float32) if k == "scale" else v).contiguous() if isinstance(v, torch.Tensor) else v
+        for k, v in plan.items()
+    }
+    getattr(kernel, name)(
         rows=flat.data_ptr(),
         row_stride=flat.stride(0),
         width=flat.shape[1],
         dtype=_DTYPES[rows.dtype],
-        offsets=plan.offsets.data_ptr(),
-        terms=plan.terms.data_ptr(),
-        scale=scale.data_ptr() if scale is not None else 0,
         out=out.data_ptr(),
         out_stride=flat.shape[1],
-        num_out=plan.num_out,
+        num_out=num_out,
+        **{k: 0 if v is None else v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in kept.items()},
     )
     return out
+
+
+@dataclasses.dataclass(eq=False)
+class GroupedPlan:
+    """How :func:`grouped_sum` adds rows onto groups and the groups onto ``num_out`` outputs in one
+    pass (from :func:`plan_grouped`).
+
+    Attributes:
+        num_out: outputs.
+        scaled: the plan is for rows with scales (applied in the groups' sums).
+        group_offsets: ``[num_out + 1]`` int64; output ``o``'s groups are ``group_offsets[o]:group_offsets[o + 1]``.
+        row_offsets: ``[groups + 1]`` int64; group ``g``'s rows are ``terms[row_offsets[g]:row_offsets[g + 1]]``.
+        terms: ``[rows summed]`` int64, each group's rows ascending.
+        levels: the two plans of the same sums, rows onto groups then groups onto outputs, for a
+            call the one pass cannot serve.
+    """
+
+    num_out: int
+    scaled: bool
+    group_offsets: torch.Tensor
+    row_offsets: torch.Tensor
+    terms: torch.Tensor
+    levels: Callable[[], tuple[SumPlan | OnePassPlan, SumPlan | OnePassPlan]] = dataclasses.field(repr=False)
+
+
+def plan_grouped(
+    group_of_row: torch.Tensor, output_of_group: torch.Tensor, num_out: int, *, scaled: bool = False
+) -> GroupedPlan | tuple[SumPlan | OnePassPlan, SumPlan | OnePassPlan]:
+    """The plan of a sum of sums: rows onto groups by ``group_of_row`` (:func:`plan_sum`'s index;
+    the number of groups leaves a row out), the groups' sums, rounded, onto outputs by
+    ``output_of_group [groups]`` (ascending: groups are listed output by output). A
+    :class:`GroupedPlan` on CPU with ``moe_dispatch._C`` built, else the two plans.
+    Synchronises the host once."""
+    num_groups = output_of_group.numel()
+    levels = lambda: (  # noqa: E731
+        plan_sum(group_of_row, num_groups, scaled=scaled),
+        plan_sum(output_of_group, num_out),
+    )
+    if group_of_row.device.type != "cpu" or _kernel() is None:
+        return levels()
+    summed = torch.nonzero(group_of_row < num_groups).flatten()
+    terms = summed[torch.argsort(group_of_row[summed], stable=True)]  # group by group, rows ascending
+    row_counts = torch.bincount(group_of_row, minlength=num_groups + 1)[:num_groups]
+    group_counts = torch.bincount(output_of_group, minlength=num_out)
+    return GroupedPlan(num_out, scaled, _offsets(group_counts), _offsets(row_counts), terms, levels)
+
+
+def grouped_sum(
+    plan: GroupedPlan | tuple[SumPlan | OnePassPlan, SumPlan | OnePassPlan],
+    rows: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``ordered_sum(output plan, ordered_sum(group plan, rows, scale), out=out)`` for a plan of
+    :func:`plan_grouped`, bit for bit: on CPU in one pass that keeps each group's sum in fp32
+    only until it is rounded and added to its output's.
+
+    Raises:
+        ValueError: ``scale`` given for a plan made without ``scaled``, or the reverse.
+    """
+    if isinstance(plan, GroupedPlan):
+        if (scale is not None) != plan.scaled:
+            raise ValueError("grouped_sum: row scales need a plan made with scaled=True, and such a plan needs them")
+        summed = _launch(
+            "grouped_sum_cpu",
+            plan.num_out,
+            rows,
+            out,
+            group_offsets=plan.group_offsets,
+            row_offsets=plan.row_offsets,
+            terms=plan.terms,
+            scale=scale,
+        )
+        if summed is not None:
+            return summed
+        plan = plan.levels()
+    groups, outputs = plan
+    return ordered_sum(outputs, ordered_sum(groups, rows, scale), out=out)

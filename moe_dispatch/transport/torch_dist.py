@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError
-from ..ops.sums import OnePassPlan, ordered_sum, plan_sum, plan_sum_by_output
+from ..ops.sums import OnePassPlan, grouped_sum, ordered_sum, plan_grouped, plan_sum, plan_sum_by_output
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
 from ..semantics.sums import SumPlan
 from ..topology import Topology
@@ -1095,22 +1095,18 @@ class TorchDistTransport:
             return
 
         def levels():
-            pairs = torch.nonzero(plan.counts.in_node.t())  # (node, token), node-major: the node partials
+            pairs = torch.nonzero(plan.counts.in_node)  # (token, node), token-major: the node partials
             where = torch.full((num_nodes, num_tokens), -1, dtype=torch.int64, device=rows.device)
-            where[pairs[:, 0], pairs[:, 1]] = torch.arange(pairs.shape[0], device=rows.device)
+            where[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], device=rows.device)
             holder_node = torch.repeat_interleave(
                 torch.arange(topo.world_size, device=rows.device) // local_ranks,
                 torch.tensor(plan.flat_send_splits, device=rows.device),
                 output_size=plan.flat_send_idx.numel(),
             )
             pair_of_row = where[holder_node, plan.flat_send_idx]
-            return (
-                plan_sum(pair_of_row, pairs.shape[0], scaled=scale is not None),
-                plan_sum(pairs[:, 1].contiguous(), num_tokens),
-            )
+            return plan_grouped(pair_of_row, pairs[:, 0].contiguous(), num_tokens, scaled=scale is not None)
 
-        level1, level2 = plan.cached(("flat levels", scale is not None), levels)
-        ordered_sum(level2, ordered_sum(level1, rows, scale), out=out)
+        grouped_sum(plan.cached(("flat levels", scale is not None), levels), rows, scale, out=out)
 
 
 def _sum_plan(
