@@ -22,10 +22,10 @@ from . import autograd
 from .config import Config, check_config, num_sms_error
 from .errors import BudgetOverflowError, CommError
 from .ops.layout import get_dispatch_layout
-from .ops.permute import check_permute_args, permute_map_triton
+from .ops.permute import check_permute_args, permute_map_cpu, permute_map_triton
 from .ops.quant import check_fp8_pair
 from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
-from .semantics.permute import PermuteHandle, gather_rows, permute_map_reference, permuted_sources, unpermute_plan
+from .semantics.permute import PermuteHandle, gather_rows, permuted_sources, unpermute_plan
 from .semantics.sums import ordered_sum
 from .semantics.validation import (
     check_hidden,
@@ -1608,7 +1608,7 @@ class Transfers:
             # The top-k ids arrived: the permute's index phase, then (dynamic P) its outputs.
             self._localize(routing, recv[0] if recv else None)
             # the ids are this rank's own (localized above): no second check on the host
-            handle = (permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_reference)(
+            handle = (permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_cpu)(
                 routing.recv_topk_idx,
                 layout.num_local_experts,
                 layout.pad_multiple,

@@ -9,12 +9,13 @@ with a tolerance (see ``assert_sum_close``).
 import pytest
 import torch
 
-from moe_dispatch import BudgetOverflowError
+from moe_dispatch import BudgetOverflowError, _ext
 from moe_dispatch.ops.permute import (
     PermuteOverflowError,
     check_permute_overflow,
     make_permute_handle,
     permute,
+    permute_map_cpu,
     permute_map_triton,
     permute_rows_triton,
     unpermute,
@@ -24,6 +25,7 @@ from moe_dispatch.semantics.permute import (
     PermuteHandle,
     permute_map_reference,
     permute_rows_reference,
+    permuted_sources,
     unpermute_rows_reference,
 )
 
@@ -466,3 +468,25 @@ def test_kernels_compile_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "compiled 8" in proc.stdout
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the CPU index phase is in moe_dispatch._C")
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_cpu_index_phase_equals_the_reference(gen, index_dtype):
+    """ops.permute.permute_map_cpu (csrc/kernels/permute_cpu.cpp) makes the reference's handle and
+    its permuted_sources: padding, a budget that cuts and one that does not, fixed blocks, ids
+    outside [0, E) counted as none, a repeated expert sharing its first slot's row, no tokens."""
+    cases = [(97, 4, 6, pad, None, None) for pad in (1, 16)]
+    cases += [(97, 4, 6, 1, budget, None) for budget in (50, 1000)]
+    cases += [(97, 4, 6, 8, None, cap) for cap in (8, 64)]
+    cases += [(0, 4, 6, 1, None, None), (40, 1, 3, 1, None, None)]
+    for num_tokens, num_topk, e, pad, budget, capacity in cases:
+        idx = random_local_topk(num_tokens, num_topk, e, gen).to(index_dtype)
+        if num_tokens:
+            idx[0, 0] = e + 3  # outside the local experts: none
+            idx[1, :2] = idx[1, 0].clamp(min=0)  # a repeated expert
+        want = permute_map_reference(idx, e, pad, budget, capacity)
+        got = permute_map_cpu(idx, e, pad, budget, capacity)
+        assert_handles_equal(got, want)
+        for g, w in zip(got.sources, permuted_sources(want)):
+            assert torch.equal(g[w >= 0], w[w >= 0]) and torch.equal(g < 0, w < 0)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _ext
 from ..errors import BudgetOverflowError
 from ..semantics.permute import (
     PermuteHandle,
@@ -384,6 +385,66 @@ def permute_map_triton(
     )
 
 
+def permute_map_cpu(
+    topk_idx: torch.Tensor,
+    num_local_experts: int,
+    pad_multiple: int = 1,
+    num_permuted_tokens: int | None = None,
+    expert_capacity: int | None = None,
+) -> PermuteHandle:
+    """The index phase on CPU in two passes over ``topk_idx`` (``csrc/kernels/permute_cpu.cpp``),
+    with :func:`~moe_dispatch.semantics.permute.permuted_sources` filled in: the handle of
+    :func:`~moe_dispatch.semantics.permute.permute_map_reference` (same arguments), which runs
+    where ``moe_dispatch._C`` is not built or ``topk_idx`` is not a CPU tensor."""
+    if topk_idx.device.type != "cpu" or not _ext.extension_status().built:
+        return permute_map_reference(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
+    topk_idx = topk_idx.contiguous()
+    num_tokens, num_topk = topk_idx.shape
+    e = num_local_experts
+    if expert_capacity is not None:
+        most = e * expert_capacity
+    elif num_permuted_tokens is not None:
+        most = num_permuted_tokens
+    else:  # every copy, each block padded
+        most = num_tokens * num_topk + e * (pad_multiple - 1)
+    row_id_map = torch.empty((num_tokens, num_topk), dtype=torch.int32)
+    counts, tokens_per_expert = torch.empty((2, e), dtype=torch.int64)
+    expert_offsets = torch.empty(e, dtype=torch.int32)
+    src, entry = torch.empty((2, most), dtype=torch.int64)
+    needed, num_rows = _ext._C.permute_map_cpu(
+        topk_idx=topk_idx.data_ptr(),
+        index_bytes=topk_idx.element_size(),
+        num_tokens=num_tokens,
+        num_topk=num_topk,
+        num_experts=e,
+        pad_multiple=pad_multiple,
+        num_permuted_tokens=-1 if num_permuted_tokens is None else num_permuted_tokens,
+        expert_capacity=-1 if expert_capacity is None else expert_capacity,
+        row_id_map=row_id_map.data_ptr(),
+        num_tokens_per_expert=counts.data_ptr(),
+        tokens_per_expert=tokens_per_expert.data_ptr(),
+        expert_offsets=expert_offsets.data_ptr(),
+        src=src.data_ptr(),
+        entry=entry.data_ptr(),
+        sources_size=most,
+    )
+    return PermuteHandle(
+        row_id_map=row_id_map,
+        tokens_per_expert=tokens_per_expert,
+        num_tokens_per_expert=counts,
+        expert_offsets=expert_offsets,
+        num_rows_needed=torch.tensor(needed, dtype=torch.int64),
+        overflow=torch.tensor(needed > num_rows),
+        num_tokens=num_tokens,
+        num_rows=num_rows,
+        num_local_experts=e,
+        pad_multiple=pad_multiple,
+        num_permuted_tokens=num_permuted_tokens,
+        expert_capacity=expert_capacity,
+        sources=(src[:num_rows], entry[:num_rows]),
+    )
+
+
 def _int_view(t: torch.Tensor) -> torch.Tensor:
     """Same bytes as an integer tensor: data movement then copies bits (NaN payloads, -0.0,
     fp8) and the interpreter needs no fp8/bf16 support."""
@@ -619,7 +680,7 @@ def make_permute_handle(
         validate = num_permuted_tokens is None and expert_capacity is None
     if validate or not use_triton:
         check_topk_idx(topk_idx, num_local_experts)
-    build = permute_map_triton if use_triton else permute_map_reference
+    build = permute_map_triton if use_triton else permute_map_cpu
     return build(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
 
 
