@@ -99,10 +99,10 @@ def test_plan_by_output_equals_plan_by_row(max_terms):
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass CPU sum is in moe_dispatch._C")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_one_pass_cpu_sum_equals_the_reference(dtype):
-    """moe_dispatch.ops.sums runs csrc/kernels/sums_cpu.cpp for sums with an fp32 path: the same
-    bits as the reference's torch path and the row-by-row definition, for plans by row and by
-    output, with and without scales, for row-strided rows and for values at fp16's edges
-    (overflow to inf, subnormals, ties); plans of at most two terms stay the reference's."""
+    """moe_dispatch.ops.sums plans and adds every sum in one pass (csrc/kernels/sums_cpu.cpp): the
+    same bits as the reference's torch path and the row-by-row definition, for plans by row and
+    by output, with and without scales, for row-strided rows and for values at fp16's edges
+    (overflow to inf, subnormals, ties)."""
     gen = torch.Generator().manual_seed(77)
     num_out, hidden = 50, 40
     for max_terms in (1, 2, 3, 8):
@@ -128,8 +128,8 @@ def test_one_pass_cpu_sum_equals_the_reference(dtype):
                 one_pass.plan_sum_by_output(by_output, index.numel(), scaled=scaled),
             ):
                 one = isinstance(plan, one_pass.OnePassPlan)
-                assert one == (scaled or max_terms > 2), "one pass exactly for sums with an fp32 path"
-                assert not one or one_pass._run(plan, rows, scale, None) is not None, "the one pass must run"
+                assert one, "every CPU plan is the one pass's"
+                assert one_pass._run(plan, rows, scale, None) is not None, "the one pass must run"
                 got = one_pass.ordered_sum(plan, rows, scale)
                 assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8)), (max_terms, scaled)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (max_terms, scaled)
@@ -142,10 +142,10 @@ def test_one_pass_cpu_sum_equals_the_reference(dtype):
 
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass CPU sums are in moe_dispatch._C")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_one_pass_row_dtype_sum_equals_zeros_and_index_add(dtype):
-    """Plans of at most two terms an output stay the reference's, and ops.sums adds them in one
-    pass (csrc/kernels/sums_cpu.cpp's index_sum_cpu): the bits of zeroed outputs and index_add_,
-    -0.0 made +0.0, outputs no row reaches +0.0, rows left out, row-strided rows, into `out`."""
+def test_one_pass_of_at_most_two_terms_equals_zeros_and_index_add(dtype):
+    """Where the reference adds in the rows' dtype (at most two terms an output: zeroed outputs,
+    then index_add_), the one pass's fp32 sum rounded once gives the same bits: -0.0 made +0.0,
+    outputs no row reaches +0.0, rows left out, row-strided rows, into `out`."""
     gen = torch.Generator().manual_seed(5)
     num_out, hidden = 60, 33
     terms = torch.randint(0, 3, (num_out,), generator=gen)
@@ -156,14 +156,13 @@ def test_one_pass_row_dtype_sum_equals_zeros_and_index_add(dtype):
     values[::9, :4] = torch.tensor([6.0e4, 3.0e-8, 2.0**-25, -5.96e-8])
     rows = torch.zeros(index.numel(), 2 * hidden, dtype=dtype)[:, :hidden]
     rows.copy_(values.to(dtype))
-    for plan in (plan_sum(index, num_out), one_pass.plan_sum(index, num_out)):
-        assert not isinstance(plan, one_pass.OnePassPlan) and plan.slot_outputs is None
-        assert one_pass._run_row_dtype(plan, rows, None) is not None, "the one pass must run"
-        want = torch.zeros(num_out, hidden, dtype=dtype).index_add_(0, plan.index, rows[plan.low_rows])
-        out = torch.full((num_out, hidden), 7.0, dtype=dtype)
-        assert one_pass.ordered_sum(plan, rows, out=out) is out
-        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-        assert torch.equal(out.view(torch.uint8), loop_sum(rows, index, num_out).view(torch.uint8))
+    kept = index < num_out
+    want = torch.zeros(num_out, hidden, dtype=dtype).index_add_(0, index[kept], rows[kept])
+    plan = one_pass.plan_sum(index, num_out)
+    assert isinstance(plan, one_pass.OnePassPlan)
+    out = torch.full((num_out, hidden), 7.0, dtype=dtype)
+    assert one_pass.ordered_sum(plan, rows, out=out) is out
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

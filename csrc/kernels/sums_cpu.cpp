@@ -2,14 +2,14 @@
 // - ordered_sum_cpu: every output's rows, ascending as the plan lists them, added into an fp32
 //   accumulator (each row times its fp32 scale first, when given) and rounded once;
 // - grouped_sum_cpu: sums of such sums (a combine's node partials, each rounded, then their sum);
-// - index_sum_cpu: the reference's row-dtype path (zeroed outputs, then index_add_) without the
-//   zeroing pass.
+// - plan_by_row_cpu / plan_by_output_cpu: their plans, each output's rows ascending, in one pass.
 // These are the additions of the torch path, in its order, with its roundings (bf16 and fp16
 // round to nearest even, as c10 does), so the bits are the same; the torch path gathers the rows
 // of each slot and copies the sums twice. No fused multiply-add may join a scale's product and
 // its addition: CMakeLists.txt compiles this file with -ffp-contract=off.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -160,32 +160,6 @@ inline __attribute__((always_inline)) void gather_groups(const typename E::T* ro
   }
 }
 
-// What zeroed outputs and index_add_ make, in one pass: out[index[j]] += rows[row j] for j in
-// order, each addition in fp32 and rounded to the dtype (c10's 16-bit arithmetic), the first onto
-// +0; outputs no row reaches are +0. Rows left out have index num_out. row_ids: the row of each j,
-// or null for row j.
-template <class E>
-inline __attribute__((always_inline)) void scatter_rows(const typename E::T* rows, int64_t row_stride, int64_t width,
-                                                        const int64_t* index, const int64_t* row_ids, int64_t n,
-                                                        typename E::T* out, int64_t out_stride, int64_t num_out,
-                                                        uint8_t* seen) {
-  using T = typename E::T;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t o = index[j];
-    if (o < 0 || o >= num_out) continue;
-    const T* r = rows + (row_ids != nullptr ? row_ids[j] : j) * row_stride;
-    T* dst = out + o * out_stride;
-    if (!seen[o]) {
-      for (int64_t h = 0; h < width; ++h) dst[h] = E::store(0.0f + E::load(r[h]));
-      seen[o] = 1;
-    } else {
-      for (int64_t h = 0; h < width; ++h) dst[h] = E::store(E::load(dst[h]) + E::load(r[h]));
-    }
-  }
-  for (int64_t o = 0; o < num_out; ++o)
-    if (!seen[o]) std::memset(out + o * out_stride, 0, static_cast<size_t>(width) * sizeof(T));
-}
-
 // The entry points, compiled for AVX-512 and AVX2 beside the baseline where the compiler can
 // (the loader picks the clone the CPU runs; the arithmetic is the same IEEE fp32 in every clone).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -231,22 +205,43 @@ void grouped_sum(int dtype, const void* rows, int64_t row_stride, int64_t width,
   }
 }
 
-MOE_DISPATCH_CPU_CLONES
-void scatter_sum(int dtype, const void* rows, int64_t row_stride, int64_t width, const int64_t* index,
-                 const int64_t* row_ids, int64_t n, void* out, int64_t out_stride, int64_t num_out, uint8_t* seen) {
-  switch (dtype) {
-    case 0:
-      scatter_rows<Bf16>(static_cast<const uint16_t*>(rows), row_stride, width, index, row_ids, n,
-                         static_cast<uint16_t*>(out), out_stride, num_out, seen);
-      break;
-    case 1:
-      scatter_rows<F16>(static_cast<const uint16_t*>(rows), row_stride, width, index, row_ids, n,
-                        static_cast<uint16_t*>(out), out_stride, num_out, seen);
-      break;
-    default:
-      scatter_rows<F32>(static_cast<const float*>(rows), row_stride, width, index, row_ids, n, static_cast<float*>(out),
-                        out_stride, num_out, seen);
+// The one pass's plan from each output's list of rows (a permute's row map): terms[o * K + k] is a
+// row of output o, or outside [0, num_rows) for none; writes offsets [num_out + 1] and each
+// output's rows ascending into sorted (num_out * K at most); returns the number of rows listed.
+template <class I>
+int64_t plan_by_output(const I* terms, int64_t num_out, int64_t num_topk, int64_t num_rows, int64_t* offsets,
+                       int64_t* sorted) {
+  int64_t n = 0;
+  offsets[0] = 0;
+  for (int64_t o = 0; o < num_out; ++o) {
+    const int64_t first = n;
+    for (int64_t k = 0; k < num_topk; ++k) {
+      const int64_t row = static_cast<int64_t>(terms[o * num_topk + k]);
+      if (row < 0 || row >= num_rows) continue;
+      int64_t at = n++;  // insertion sort: K is small
+      while (at > first && sorted[at - 1] > row) {
+        sorted[at] = sorted[at - 1];
+        --at;
+      }
+      sorted[at] = row;
+    }
+    offsets[o + 1] = n;
   }
+  return n;
+}
+
+// The one pass's plan from each row's output (index[i] in [0, num_out], num_out: left out): a
+// counting sort, stable, so each output's rows come ascending. offsets [num_out + 1], sorted
+// [n] at most; returns the number of rows summed.
+int64_t plan_by_row(const int64_t* index, int64_t n, int64_t num_out, int64_t* offsets, int64_t* sorted) {
+  std::fill(offsets, offsets + num_out + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (index[i] >= 0 && index[i] < num_out) ++offsets[index[i] + 1];
+  for (int64_t o = 0; o < num_out; ++o) offsets[o + 1] += offsets[o];
+  std::vector<int64_t> next(offsets, offsets + num_out);
+  for (int64_t i = 0; i < n; ++i)
+    if (index[i] >= 0 && index[i] < num_out) sorted[next[index[i]]++] = i;
+  return offsets[num_out];
 }
 
 void check_dtype(const char* name, int dtype) {
@@ -295,21 +290,33 @@ void register_sums(py::module_& m) {
       "[group_offsets[o], group_offsets[o+1]), each group g the fp32 sum of rows[terms[row_offsets[g] .. "
       "row_offsets[g+1])] (each times scale[row] unless scale is 0) rounded to dtype. A two-level combine.");
   m.def(
-      "index_sum_cpu",
-      [](std::uintptr_t rows, int64_t row_stride, int64_t width, int dtype, std::uintptr_t index,
-         std::uintptr_t row_ids, int64_t n, std::uintptr_t out, int64_t out_stride, int64_t num_out) {
-        check_dtype("index_sum_cpu", dtype);
-        std::vector<uint8_t> seen(static_cast<size_t>(num_out), 0);
-        py::gil_scoped_release release;
-        scatter_sum(dtype, reinterpret_cast<const void*>(rows), row_stride, width,
-                    reinterpret_cast<const int64_t*>(index), reinterpret_cast<const int64_t*>(row_ids), n,
-                    reinterpret_cast<void*>(out), out_stride, num_out, seen.data());
+      "plan_by_row_cpu",
+      [](std::uintptr_t index, int64_t n, int64_t num_out, std::uintptr_t offsets, std::uintptr_t sorted) {
+        return plan_by_row(reinterpret_cast<const int64_t*>(index), n, num_out, reinterpret_cast<int64_t*>(offsets),
+                           reinterpret_cast<int64_t*>(sorted));
       },
-      py::arg("rows"), py::arg("row_stride"), py::arg("width"), py::arg("dtype"), py::arg("index"), py::arg("row_ids"),
-      py::arg("n"), py::arg("out"), py::arg("out_stride"), py::arg("num_out"),
-      "Host memory only: what zeroing out (num_out rows of width elements, out_stride apart) and "
-      "index_add_ of rows[row_ids[j]] (row j when row_ids is 0) onto out[index[j]] for j < n make, in one "
-      "pass (index num_out: left out). moe_dispatch/semantics/sums.py's row-dtype path.");
+      py::arg("index"), py::arg("n"), py::arg("num_out"), py::arg("offsets"), py::arg("sorted"),
+      "Host memory only: from index [n] int64 (each row's output; num_out leaves it out), offsets [num_out + 1] "
+      "int64 and each output's rows ascending in sorted (int64, n at most): ordered_sum_cpu's plan. Returns the "
+      "number of rows summed.");
+  m.def(
+      "plan_by_output_cpu",
+      [](std::uintptr_t terms, int index_bytes, int64_t num_out, int64_t num_topk, int64_t num_rows,
+         std::uintptr_t offsets, std::uintptr_t sorted) {
+        auto* off = reinterpret_cast<int64_t*>(offsets);
+        auto* out = reinterpret_cast<int64_t*>(sorted);
+        if (index_bytes == 4)
+          return plan_by_output(reinterpret_cast<const int32_t*>(terms), num_out, num_topk, num_rows, off, out);
+        if (index_bytes == 8)
+          return plan_by_output(reinterpret_cast<const int64_t*>(terms), num_out, num_topk, num_rows, off, out);
+        throw std::invalid_argument("plan_by_output_cpu: index_bytes must be 4 or 8, got " +
+                                    std::to_string(index_bytes));
+      },
+      py::arg("terms"), py::arg("index_bytes"), py::arg("num_out"), py::arg("num_topk"), py::arg("num_rows"),
+      py::arg("offsets"), py::arg("sorted"),
+      "Host memory only: from terms [num_out, num_topk] (int32 or int64 rows, outside [0, num_rows) for none), "
+      "offsets [num_out + 1] int64 and each output's rows ascending in sorted (int64, num_out * num_topk at "
+      "most): ordered_sum_cpu's plan. Returns the number of rows listed.");
 }
 
 }  // namespace moe_dispatch

@@ -1,15 +1,14 @@
 """The transports' row sums: :func:`moe_dispatch.semantics.sums.ordered_sum`, in one pass on the
 CPU (``csrc/kernels/sums_cpu.cpp``) where it can run, its torch reference elsewhere.
 
-:func:`plan_sum` and :func:`plan_sum_by_output` return, on CPU with ``moe_dispatch._C`` built and
-for sums with an fp32 path (an output of three terms or more, or row scales), a
-:class:`OnePassPlan`: each output's rows, ascending. :func:`ordered_sum` adds them in one pass
-that reads each row once into an fp32 accumulator and rounds once, as c10 rounds, which are the
-bits of the reference's torch path (``test_sums`` compares them); the reference gathers the rows
-of each slot and copies the sums twice. Sums of at most two terms per output keep the
-reference's plan (no sort: the rows are read in order), and :func:`ordered_sum` adds them in one
-pass too (``index_sum_cpu``): the bits of the reference's zeroed outputs and ``index_add_``,
-without the zeroing pass. A call neither pass can serve is the reference's.
+On CPU with ``moe_dispatch._C`` built, :func:`plan_sum` and :func:`plan_sum_by_output` return a
+:class:`OnePassPlan` (each output's rows, ascending, made in one pass: a counting sort) and
+:func:`plan_grouped` a :class:`GroupedPlan`. :func:`ordered_sum` and :func:`grouped_sum` add the
+rows in one pass that reads each row once into an fp32 accumulator and rounds once, as c10
+rounds: the bits of the reference's torch path (``test_sums`` compares them), which adds outputs
+of at most two terms with ``index_add_`` into zeroed outputs (two terms commute, so the fp32 sum
+rounded once is the same) and gathers the rows of each slot of the others, copying the sums
+twice. A call the one pass cannot serve takes the reference's plan of the same sums.
 """
 
 from __future__ import annotations
@@ -59,52 +58,55 @@ def _kernel():
     """``moe_dispatch._C`` with its CPU sums, or None (not built, or :data:`enabled` is off)."""
     if not enabled or not _ext.extension_status().built:
         return None
-    return _ext._C if hasattr(_ext._C, "index_sum_cpu") else None
+    return _ext._C if hasattr(_ext._C, "plan_by_row_cpu") else None
 
 
-def _has_fp32_path(counts: torch.Tensor, scaled: bool) -> bool:
-    """Whether sums with these term counts per output have an fp32 path (the one pass pays there)."""
-    fewest = 1 if scaled else reference.ROW_DTYPE_TERMS + 1
-    return counts.numel() > 0 and int(counts.max()) >= fewest
-
-
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return offsets
+def _plan_by_row(kernel, index: torch.Tensor, num_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets [num_out + 1], terms)`` int64 of rows onto outputs by ``index`` (num_out: left out)."""
+    index = index.to(torch.int64).contiguous()
+    offsets = torch.empty(num_out + 1, dtype=torch.int64)
+    terms = torch.empty(index.numel(), dtype=torch.int64)
+    summed = kernel.plan_by_row_cpu(
+        index=index.data_ptr(), n=index.numel(), num_out=num_out, offsets=offsets.data_ptr(), sorted=terms.data_ptr()
+    )
+    return offsets, terms[:summed]
 
 
 def plan_sum(index: torch.Tensor, num_out: int, *, scaled: bool = False) -> SumPlan | OnePassPlan:
     """:func:`moe_dispatch.semantics.sums.plan_sum` (same arguments), or its :class:`OnePassPlan`
-    (module docstring). Synchronises the host once."""
-    if index.device.type != "cpu" or _kernel() is None:
+    (module docstring)."""
+    kernel = _kernel()
+    if index.device.type != "cpu" or kernel is None:
         return reference.plan_sum(index, num_out, scaled=scaled)
-    kept = torch.bincount(index, minlength=num_out + 1)[:num_out]
-    if not _has_fp32_path(kept, scaled):
-        return reference.plan_sum(index, num_out, scaled=scaled)
-    summed = torch.nonzero(index < num_out).flatten()
-    terms = summed[torch.argsort(index[summed], stable=True)]  # output by output, rows ascending
-    return OnePassPlan(
-        num_out, scaled, _offsets(kept), terms, lambda: reference.plan_sum(index, num_out, scaled=scaled)
-    )
+    offsets, terms = _plan_by_row(kernel, index, num_out)
+    return OnePassPlan(num_out, scaled, offsets, terms, lambda: reference.plan_sum(index, num_out, scaled=scaled))
 
 
 def plan_sum_by_output(terms: torch.Tensor, num_rows: int, *, scaled: bool = False) -> SumPlan | OnePassPlan:
-    """:func:`moe_dispatch.semantics.sums.plan_sum_by_output` (same arguments), or its
-    :class:`OnePassPlan` (module docstring). Synchronises the host once."""
-    if terms.device.type != "cpu" or _kernel() is None:
-        return reference.plan_sum_by_output(terms, num_rows, scaled=scaled)
-    listed = terms >= 0
-    counts = listed.sum(1)
-    if not _has_fp32_path(counts, scaled):
-        return reference.plan_sum_by_output(terms, num_rows, scaled=scaled)
-    key = torch.sort(torch.where(listed, terms, num_rows), dim=1).values  # each output's rows ascending
+    """:func:`moe_dispatch.semantics.sums.plan_sum_by_output` (same arguments; int32 ``terms``
+    too), or its :class:`OnePassPlan` (module docstring)."""
+    kernel = _kernel()
+    if terms.device.type != "cpu" or kernel is None:
+        return reference.plan_sum_by_output(terms.long(), num_rows, scaled=scaled)
+    terms = terms.contiguous()
+    num_out, num_topk = terms.shape
+    offsets = torch.empty(num_out + 1, dtype=torch.int64)
+    rows = torch.empty(terms.numel(), dtype=torch.int64)
+    listed = kernel.plan_by_output_cpu(
+        terms=terms.data_ptr(),
+        index_bytes=terms.element_size(),
+        num_out=num_out,
+        num_topk=num_topk,
+        num_rows=num_rows,
+        offsets=offsets.data_ptr(),
+        sorted=rows.data_ptr(),
+    )
     return OnePassPlan(
-        terms.shape[0],
+        num_out,
         scaled,
-        _offsets(counts),
-        key[key < num_rows],  # row-major: output by output
-        lambda: reference.plan_sum_by_output(terms, num_rows, scaled=scaled),
+        offsets,
+        rows[:listed],
+        lambda: reference.plan_sum_by_output(terms.long(), num_rows, scaled=scaled),
     )
 
 
@@ -128,10 +130,6 @@ def ordered_sum(
         if summed is not None:
             return summed
         plan = plan.torch_plan()
-    elif plan.slot_outputs is None and plan.index is not None:
-        summed = _run_row_dtype(plan, rows, out)
-        if summed is not None:
-            return summed
     return reference.ordered_sum(plan, rows, scale, out)
 
 
@@ -144,14 +142,6 @@ def _flat_rows(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | N
         return None
     flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
     return None if flat.shape[1] > 1 and flat.stride(1) != 1 else flat
-
-
-def _run_row_dtype(plan: SumPlan, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
-    """The reference's row-dtype path (zeroed outputs, then ``index_add_``) in one pass into
-    ``out`` (made when None); None where it cannot run."""
-    return _launch(
-        "index_sum_cpu", plan.num_out, rows, out, index=plan.index, row_ids=plan.low_rows, n=plan.index.numel()
-    )
 
 
 def _run(
@@ -224,13 +214,12 @@ def plan_grouped(
         plan_sum(group_of_row, num_groups, scaled=scaled),
         plan_sum(output_of_group, num_out),
     )
-    if group_of_row.device.type != "cpu" or _kernel() is None:
+    kernel = _kernel()
+    if group_of_row.device.type != "cpu" or kernel is None:
         return levels()
-    summed = torch.nonzero(group_of_row < num_groups).flatten()
-    terms = summed[torch.argsort(group_of_row[summed], stable=True)]  # group by group, rows ascending
-    row_counts = torch.bincount(group_of_row, minlength=num_groups + 1)[:num_groups]
-    group_counts = torch.bincount(output_of_group, minlength=num_out)
-    return GroupedPlan(num_out, scaled, _offsets(group_counts), _offsets(row_counts), terms, levels)
+    row_offsets, terms = _plan_by_row(kernel, group_of_row, num_groups)  # group by group, rows ascending
+    group_offsets, _ = _plan_by_row(kernel, output_of_group, num_out)
+    return GroupedPlan(num_out, scaled, group_offsets, row_offsets, terms, levels)
 
 
 def grouped_sum(

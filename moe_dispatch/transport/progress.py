@@ -116,6 +116,7 @@ class Progress:
         self._unsent: dict[str, str] = {}  # key -> latest value, for the writer thread
         self._written: set[str] = set()  # this rank's keys in the store, removed by close()
         self._wake = threading.Condition()
+        self._idle = False  # the writer waits for a first mark (a mark during its flush interval waits for that)
         self._writer: threading.Thread | None = None
         self._closing = False
 
@@ -137,7 +138,8 @@ class Progress:
             if self._closing:
                 return
             self._unsent[self._key(self._rank, thread)] = f"{seq} {what}"
-            self._wake.notify()
+            if self._idle:  # else the writer takes it at the end of its interval: no wake-up per call
+                self._wake.notify()
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write, name="moe_dispatch-progress", daemon=True)
                 self._writer.start()
@@ -146,7 +148,9 @@ class Progress:
         while True:
             with self._wake:
                 while not self._unsent and not self._closing:
+                    self._idle = True
                     self._wake.wait()
+                self._idle = False
                 batch, self._unsent, closing = self._unsent, {}, self._closing
             try:
                 for key, value in batch.items():

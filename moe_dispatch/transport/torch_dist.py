@@ -1070,7 +1070,7 @@ class TorchDistTransport:
 
         def make():
             final_of_arrival = self._final_of_arrival(plan)
-            terms = permute.row_id_map.long()
+            terms = permute.row_id_map
             terms = terms if final_of_arrival is None else terms[final_of_arrival]  # outputs in arrival order
             return permute, plan_sum_by_output(terms, permute.num_rows)
 
