@@ -24,6 +24,7 @@ void register_intranode(py::module_& m);
 // csrc/kernels/internode_bindings.cpp: stage 1 of internode dispatch/combine, NVSHMEM host calls.
 void register_internode(py::module_& m);
 // csrc/kernels/sums_cpu.cpp: the ordered row sums of semantics/sums.py on the CPU, in one pass.
+void register_pack(py::module_& m);
 void register_permute(py::module_& m);
 void register_sums(py::module_& m);
 }  // namespace moe_dispatch
@@ -115,6 +116,7 @@ PYBIND11_MODULE(_C, m) {
   moe_dispatch::bind::register_arg_types(m);
   moe_dispatch::register_intranode(m);
   moe_dispatch::register_internode(m);
+  moe_dispatch::register_pack(m);
   moe_dispatch::register_permute(m);
   moe_dispatch::register_sums(m);
 }

@@ -8,12 +8,13 @@ reductions are compared bit for bit: no tolerances.
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from moe_dispatch import Buffer
+from moe_dispatch import Buffer, _ext
 from moe_dispatch.config import Config
 from moe_dispatch.ops.permute import permute, unpermute
 from moe_dispatch.semantics import reference
@@ -591,3 +592,33 @@ KERNEL_CASES = {
 
 # KERNEL_CASES run in the kernels' two-rank world of test_kernel_path.py, and every case above in
 # its worlds of every topology.
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass packing is in moe_dispatch._C")
+def test_blocks_packed_in_one_pass_equal_torch_packing(monkeypatch):
+    """torch_dist's blocks (header, then each destination's rows: the fields side by side, padded
+    to 8 bytes) written by _C.pack_blocks_cpu hold what _pack and a copy per destination write:
+    gathered and in-order rows, a field needing padding, an empty destination, strided sources."""
+    from moe_dispatch.transport import torch_dist
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 6, generator=gen).to(torch.bfloat16)  # 12 bytes: padded to 16
+    weights = torch.rand(20, 2, 3, generator=gen)[:, 1]  # strided rows of 12 bytes
+    idx = torch.randint(-1, 5, (20, 3), generator=gen)
+    head = torch.randint(0, 99, (4, 5), generator=gen)
+    splits = [3, 0, 5, 2]
+    for fields in ([(x, torch.randperm(20, generator=gen)[:10]), (weights, None), (idx, None)], [(x, None)]):
+        if fields[0][1] is not None:  # one index for every field
+            fields = [(t, fields[0][1]) for t, _ in fields]
+        got, want = (torch.zeros(4, 40 + 56 * 5, dtype=torch.uint8) for _ in range(2))
+        torch_dist._pack_blocks(got, head, fields, splits)
+        monkeypatch.setattr(_ext, "extension_status", lambda: types.SimpleNamespace(built=False))
+        torch_dist._pack_blocks(want, head, fields, splits)
+        monkeypatch.undo()
+        row_bytes = torch_dist._pack(fields).shape[1]
+        specs = torch_dist._specs([t for t, _ in fields])
+        for d, n in enumerate(splits):  # the header and each row's fields (torch leaves the padding as it was)
+            assert torch.equal(got[d, :40], want[d, :40]), d
+            rows = [b[d, 40 : 40 + n * row_bytes].view(n, row_bytes) for b in (got, want)]
+            for a, b in zip(*(torch_dist._fields(r, specs) for r in rows)):
+                assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), d

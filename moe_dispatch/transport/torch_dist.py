@@ -73,6 +73,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import _ext
 from ..errors import CommError
 from ..ops.sums import OnePassPlan, grouped_sum, ordered_sum, plan_grouped, plan_sum, plan_sum_by_output
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
@@ -235,6 +236,38 @@ def _pack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
             torch.index_select(src, 0, index, out=dst)
         offset += width
     return buf
+
+
+def _pack_blocks(send: torch.Tensor, head: torch.Tensor, fields: list, splits: list[int]) -> None:
+    """Writes block ``d`` of ``send [W, block bytes]``: header ``head[d]`` (int64 words), then
+    the next ``splits[d]`` rows of ``fields`` (as :func:`_pack` takes them) packed. On CPU in one
+    pass (``_C.pack_blocks_cpu``), else :func:`_pack` and a copy per destination."""
+    head, head_bytes = head.contiguous(), head.shape[1] * 8
+    widths = [_row_bytes(t.dtype, tuple(t.shape[1:])) for t, _ in fields]
+    row_bytes = sum(_padded(w) for w in widths)
+    if send.device.type == "cpu" and _ext.extension_status().built:
+        index = {i.data_ptr(): i for _, i in fields if i is not None}  # one index for every field
+        assert len(index) <= 1, "_pack_blocks: the fields share one index"
+        sources = [_as_bytes(t) if t.numel() else None for t, _ in fields]
+        offsets = itertools.accumulate([0] + [_padded(w) for w in widths[:-1]])
+        _ext._C.pack_blocks_cpu(
+            out=send.data_ptr(),
+            block_bytes=send.shape[1],
+            head=head.data_ptr(),
+            head_bytes=head_bytes,
+            row_bytes=row_bytes,
+            fields=[
+                (src.data_ptr(), src.stride(0), w, o) for src, w, o in zip(sources, widths, offsets) if src is not None
+            ],
+            index=next(iter(index.values())).contiguous().data_ptr() if index else 0,
+            splits=list(splits),
+        )
+        return
+    packed, offset = _pack(fields), 0
+    for d, n in enumerate(splits):
+        send[d, head_bytes : head_bytes + n * row_bytes] = packed[offset : offset + n].view(-1)
+        offset += n
+    send[:, :head_bytes].view(torch.int64).copy_(head)
 
 
 def _fields(buf: torch.Tensor, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -498,21 +531,19 @@ class TorchDistTransport:
         """Steps of one equal-split exchange of blocks ``[header | payload]`` on the ``kind`` group
         (every rank's blocks have the same size: the header's, plus :attr:`_capacity` bytes when
         ``kind`` is the payloads' group); returns ``(headers [W, header words] int64, blocks [W,
-        block bytes] uint8)`` by source. ``rows = (send [F, wb] uint8, send_splits)``: packed rows
-        by destination, written into the blocks (the caller checked they fit); their count per
-        destination goes in the header."""
+        block bytes] uint8)`` by source. ``rows = (fields, send_splits)``: the rows by
+        destination, ``fields`` as :func:`_pack` takes them, packed straight into the blocks (the
+        caller checked they fit); their count per destination goes in the header."""
         world = self.topology.world_size
         head_bytes = self._header_words * 8
         capacity = self._capacity if kind == ALL_COMM else 0
         send = torch.empty((world, head_bytes + capacity), dtype=torch.uint8, device=head.device)
         if rows is not None:
-            packed, splits = rows
+            fields, splits = rows
             head[:, AGREE_WORDS] = torch.tensor(splits, dtype=torch.int64)
-            offset = 0
-            for d, n in enumerate(splits):
-                send[d, head_bytes : head_bytes + n * packed.shape[1]] = packed[offset : offset + n].view(-1)
-                offset += n
-        send[:, :head_bytes].view(torch.int64).copy_(head)
+            _pack_blocks(send, head, fields, splits)
+        else:
+            send[:, :head_bytes].view(torch.int64).copy_(head)
         recv, pending = self._all_to_all(send.view(-1), None, None, kind, what)
         yield pending
         recv = recv.view(world, -1)
@@ -541,7 +572,7 @@ class TorchDistTransport:
         if rows is not None and kind == ALL_COMM and rows[0].device.type == "cpu":
             send, send_splits = rows[0], rows[1]
             if max(send_splits) * send.shape[1] <= self._capacity:
-                fused = (send, send_splits)
+                fused = ([(send, None)], send_splits)
         head = self._headers(check.fields, check.status, torch.device("cpu"))
         headers, blocks = yield from self._exchange_blocks(head, f"{check.what} argument check", kind, fused)
         self._check(headers[:, :AGREE_WORDS].tolist(), check.fields, check.what)
@@ -634,11 +665,11 @@ class TorchDistTransport:
             send_splits = to_rank.sum(0).tolist()
             if max(send_splits) * width <= self._capacity:
                 send_idx = torch.nonzero(is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
-                fused = (_pack([(t, send_idx) for t in rows]), send_splits)
+                fused = ([(t, send_idx) for t in rows], send_splits, width)
         if self.groups[ALL_COMM] is None:
             got, blocks = head, None
         else:
-            got, blocks = yield from self._exchange_blocks(head, f"{what} metadata", ALL_COMM, fused)
+            got, blocks = yield from self._exchange_blocks(head, f"{what} metadata", ALL_COMM, fused and fused[:2])
         self._check(got[:, :AGREE_WORDS].tolist(), checked, what)
         head = AGREE_WORDS + 1 + _NUM_SIZES
         counts = got[:, head:].reshape(world, subs, local_ranks + 1)
@@ -696,9 +727,9 @@ class TorchDistTransport:
         )
         carried = got[:, AGREE_WORDS].tolist()
         if blocks is not None and all(n >= 0 for n in carried):  # every rank's rows came along
-            self._route(plan, fused[0].shape[1])
+            self._route(plan, fused[2])
             if plan.flat:
-                plan.arrived = self._carried_rows(blocks, carried, from_rank, fused[0].shape[1], what)
+                plan.arrived = self._carried_rows(blocks, carried, from_rank, fused[2], what)
         return plan
 
     @property
