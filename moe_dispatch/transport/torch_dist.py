@@ -522,10 +522,8 @@ class TorchDistTransport:
     def _headers(self, fields: dict[str, Field], status: int, device) -> torch.Tensor:
         """``[W, header words]`` int64, a row per destination: this rank's agreement row, no
         payload, zero sizes and counts (what a check sends; a fresh dispatch fills the rest)."""
-        head = torch.zeros((self.topology.world_size, self._header_words), dtype=torch.int64, device=device)
-        head[:, :AGREE_WORDS] = torch.tensor(agreement.row(fields, status, AGREE_WORDS), dtype=torch.int64)
-        head[:, AGREE_WORDS] = -1
-        return head
+        row = [*agreement.row(fields, status, AGREE_WORDS), -1] + [0] * (self._header_words - AGREE_WORDS - 1)
+        return torch.tensor([row] * self.topology.world_size, dtype=torch.int64, device=device)
 
     def _exchange_blocks(self, head: torch.Tensor, what: str, kind: str, rows: tuple | None = None) -> Steps:
         """Steps of one equal-split exchange of blocks ``[header | payload]`` on the ``kind`` group
