@@ -33,12 +33,14 @@ void register_pack(py::module_& m) {
          const std::vector<std::tuple<std::uintptr_t, int64_t, int64_t, int64_t>>& fields, std::uintptr_t index,
          const std::vector<int64_t>& splits) {
         std::vector<Field> f;
+        int64_t end = 0;  // of the previous field: fields come in order and do not overlap
         for (const auto& [src, stride, bytes, offset] : fields) {
-          if (offset < 0 || bytes < 0 || offset + bytes > row_bytes)
+          if (offset < end || bytes < 0 || offset + bytes > row_bytes)
             throw std::invalid_argument("pack_blocks_cpu: a field of " + std::to_string(bytes) + " bytes at " +
-                                        std::to_string(offset) + " does not fit rows of " + std::to_string(row_bytes) +
-                                        " bytes");
+                                        std::to_string(offset) + " overlaps the previous one or does not fit rows of " +
+                                        std::to_string(row_bytes) + " bytes");
           f.push_back({reinterpret_cast<const uint8_t*>(src), stride, bytes, offset});
+          end = offset + bytes;
         }
         for (int64_t n : splits)
           if (n < 0 || head_bytes + n * row_bytes > block_bytes)

@@ -246,7 +246,7 @@ def _pack_blocks(send: torch.Tensor, head: torch.Tensor, fields: list, splits: l
     widths = [_row_bytes(t.dtype, tuple(t.shape[1:])) for t, _ in fields]
     row_bytes = sum(_padded(w) for w in widths)
     if send.device.type == "cpu" and _ext.extension_status().built:
-        index = {i.data_ptr(): i for _, i in fields if i is not None}  # one index for every field
+        index = {i.data_ptr(): i.contiguous() for _, i in fields if i is not None}  # one index for every field
         assert len(index) <= 1, "_pack_blocks: the fields share one index"
         sources = [_as_bytes(t) if t.numel() else None for t, _ in fields]
         offsets = itertools.accumulate([0] + [_padded(w) for w in widths[:-1]])
@@ -259,7 +259,7 @@ def _pack_blocks(send: torch.Tensor, head: torch.Tensor, fields: list, splits: l
             fields=[
                 (src.data_ptr(), src.stride(0), w, o) for src, w, o in zip(sources, widths, offsets) if src is not None
             ],
-            index=next(iter(index.values())).contiguous().data_ptr() if index else 0,
+            index=next(iter(index.values())).data_ptr() if index else 0,
             splits=list(splits),
         )
         return
@@ -663,11 +663,11 @@ class TorchDistTransport:
             send_splits = to_rank.sum(0).tolist()
             if max(send_splits) * width <= self._capacity:
                 send_idx = torch.nonzero(is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
-                fused = ([(t, send_idx) for t in rows], send_splits, width)
+                fused = ([(t, send_idx) for t in rows], send_splits)
         if self.groups[ALL_COMM] is None:
             got, blocks = head, None
         else:
-            got, blocks = yield from self._exchange_blocks(head, f"{what} metadata", ALL_COMM, fused and fused[:2])
+            got, blocks = yield from self._exchange_blocks(head, f"{what} metadata", ALL_COMM, fused)
         self._check(got[:, :AGREE_WORDS].tolist(), checked, what)
         head = AGREE_WORDS + 1 + _NUM_SIZES
         counts = got[:, head:].reshape(world, subs, local_ranks + 1)
@@ -725,9 +725,9 @@ class TorchDistTransport:
         )
         carried = got[:, AGREE_WORDS].tolist()
         if blocks is not None and all(n >= 0 for n in carried):  # every rank's rows came along
-            self._route(plan, fused[2])
+            self._route(plan, width)  # the packed rows' width: set where the rows were fused
             if plan.flat:
-                plan.arrived = self._carried_rows(blocks, carried, from_rank, fused[2], what)
+                plan.arrived = self._carried_rows(blocks, carried, from_rank, width, what)
         return plan
 
     @property
