@@ -23,7 +23,8 @@ void register_arg_types(py::module_& m);
 void register_intranode(py::module_& m);
 // csrc/kernels/internode_bindings.cpp: stage 1 of internode dispatch/combine, NVSHMEM host calls.
 void register_internode(py::module_& m);
-// csrc/kernels/sums_cpu.cpp: the ordered row sums of semantics/sums.py on the CPU, in one pass.
+// csrc/kernels/{layout,pack,permute,sums}_cpu.cpp: the CPU host passes of the torch_dist path.
+void register_layout(py::module_& m);
 void register_pack(py::module_& m);
 void register_permute(py::module_& m);
 void register_sums(py::module_& m);
@@ -116,6 +117,7 @@ PYBIND11_MODULE(_C, m) {
   moe_dispatch::bind::register_arg_types(m);
   moe_dispatch::register_intranode(m);
   moe_dispatch::register_internode(m);
+  moe_dispatch::register_layout(m);
   moe_dispatch::register_pack(m);
   moe_dispatch::register_permute(m);
   moe_dispatch::register_sums(m);

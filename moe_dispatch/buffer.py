@@ -21,17 +21,16 @@ import torch.distributed as dist
 from . import autograd
 from .config import Config, check_config, num_sms_error
 from .errors import BudgetOverflowError, CommError
-from .ops.layout import get_dispatch_layout
+from .ops.layout import check_topk_idx_cpu, get_dispatch_layout, is_token_in_rank_cpu, localize_topk_idx_cpu
 from .ops.permute import check_permute_args, permute_map_cpu, permute_map_triton
 from .ops.quant import check_fp8_pair
-from .semantics.layout import get_dispatch_layout_torch, is_token_in_rank_torch
+from .semantics.layout import get_dispatch_layout_torch
 from .semantics.permute import PermuteHandle, gather_rows, permuted_sources, unpermute_plan
 from .semantics.sums import ordered_sum
 from .semantics.validation import (
     check_hidden,
     check_num_experts,
     check_timeout_s,
-    check_topk_idx,
     check_topk_weights,
     dense,
     is_int,
@@ -593,7 +592,7 @@ class Buffer:
         Raises:
             ValueError/TypeError: bad topk_idx (shape, dtype, range, duplicates, device) or E.
         """
-        check_topk_idx(topk_idx, num_experts, device=self.device)
+        check_topk_idx_cpu(topk_idx, num_experts, device=self.device)
         check_num_experts(num_experts, self.world_size)
         return self._layout(topk_idx, num_experts)
 
@@ -612,7 +611,7 @@ class Buffer:
         the counts would cost as much again)."""
         if topk_idx.is_cuda:
             return self._layout(topk_idx, num_experts)[3]
-        return is_token_in_rank_torch(topk_idx, num_experts, self.world_size)
+        return is_token_in_rank_cpu(topk_idx, num_experts, self.world_size)
 
     # -- dispatch / combine -----------------------------------------------------------------
     def dispatch(
@@ -909,7 +908,7 @@ class Buffer:
         num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
         sync_free = bool(num_worst_tokens) and self._transfers.sync_free
         check_num_experts(num_experts, self.world_size)  # first: topk_idx's range check assumes a valid E
-        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
+        check_topk_idx_cpu(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx, device=self.device)
         if sync_free:
@@ -1566,6 +1565,8 @@ class Transfers:
         """The received top-k ids (``routing.recv_topk_idx``, global) in local numbering, -1 for
         other ranks' experts (their weights zeroed), and ``num_recv_tokens_per_expert``."""
         experts_per_rank = routing.num_experts // self.topology.world_size
+        if localize_topk_idx_cpu(routing, experts_per_rank * self.topology.rank, experts_per_rank, recv_weights):
+            return
         local = routing.recv_topk_idx.sub_(self.topology.rank * experts_per_rank)  # in place
         other = (local < 0) | (local >= experts_per_rank)
         local.masked_fill_(other, -1)

@@ -622,3 +622,34 @@ def test_blocks_packed_in_one_pass_equal_torch_packing(monkeypatch):
             rows = [b[d, 40 : 40 + n * row_bytes].view(n, row_bytes) for b in (got, want)]
             for a, b in zip(*(torch_dist._fields(r, specs) for r in rows)):
                 assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), d
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass counts are in moe_dispatch._C")
+def test_dispatch_counts_in_one_pass_equal_torch_counts(monkeypatch):
+    """torch_dist's dispatch counts made by _C.dispatch_counts_cpu (per sub-range counts, in_node,
+    the header words, the flat send order) equal the torch version's, for one and several
+    sub-ranges, one and several nodes, and tokens that go nowhere."""
+    from moe_dispatch.topology import Topology
+    from moe_dispatch.transport import torch_dist
+
+    gen = torch.Generator().manual_seed(5)
+    for world, local_ranks, num_tokens, subs in (
+        (4, 2, 37, 4),
+        (4, 4, 20, 1),
+        (8, 2, 3, 4),
+        (6, 3, 0, 2),
+        (1, 1, 9, 1),
+    ):
+        in_rank = torch.rand(num_tokens, world, generator=gen) < 0.4
+        bounds = [c * num_tokens // subs for c in range(subs + 1)]
+        for rank in range(world):
+            topo = Topology(rank=rank, world_size=world, ranks_per_node=local_ranks)
+            words = 3 + torch_dist._NUM_SIZES + subs * (local_ranks + 1)
+            heads = [torch.full((world, words), -7, dtype=torch.int64) for _ in range(2)]
+            got = torch_dist._dispatch_counts(in_rank, bounds, topo, heads[0], 3)
+            monkeypatch.setattr(_ext, "extension_status", lambda: types.SimpleNamespace(built=False))
+            want = torch_dist._dispatch_counts(in_rank, bounds, topo, heads[1], 3)
+            monkeypatch.undo()
+            assert torch.equal(heads[0], heads[1]), (world, local_ranks, rank)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (world, local_ranks, rank)
+            assert want[2] is None and torch.equal(got[2], torch_dist._flat_send_idx(in_rank)), (world, rank)

@@ -9,15 +9,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moe_dispatch import _ext
 from moe_dispatch.ops.layout import (
     DispatchLayout,
+    check_topk_idx_cpu,
     get_dispatch_layout,
     get_dispatch_layout_triton,
+    is_token_in_rank_cpu,
     resolve_backend,
     routing_map_to_topk,
     topk_to_routing_map,
 )
-from moe_dispatch.semantics.layout import get_dispatch_layout_reference, get_send_offsets_reference
+from moe_dispatch.semantics.layout import (
+    get_dispatch_layout_reference,
+    get_send_offsets_reference,
+    is_token_in_rank_torch,
+)
+from moe_dispatch.semantics.validation import check_topk_idx
 
 from .conftest import KERNEL_DEVICE as DEVICE
 
@@ -223,3 +231,115 @@ def test_routing_map_edge_cases():
         routing_map_to_topk(rm, torch.ones(3, 3), 2)
     with pytest.raises(ValueError, match="topk_weights must be a floating tensor"):
         topk_to_routing_map(torch.zeros(2, 2, dtype=torch.long) - 1, torch.ones(2, 3), 4)
+
+
+# -- the CPU passes of moe_dispatch._C (csrc/kernels/layout_cpu.cpp) against the torch reference --
+
+
+def _error_of(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        return type(err), str(err)
+    return None
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass checks are in moe_dispatch._C")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_native_topk_idx_check_and_layout_equal_the_reference(gen, dtype):
+    """check_topk_idx_cpu raises what check_topk_idx raises (range below and above, an expert twice,
+    which error comes first, empty input) and is_token_in_rank_cpu equals the torch version, ids
+    outside [0, E) counting as none."""
+    cases = [random_topk(0, 4, 16, gen, dtype=dtype), random_topk(1, 1, 1, gen, dtype=dtype)]
+    for num_tokens, num_topk, num_experts in ((37, 4, 16), (200, 8, 64), (64, 1, 8)):
+        idx = random_topk(num_tokens, num_topk, num_experts, gen, dtype=dtype)
+        cases.append(idx)
+        for row, slot, value in ((5, 0, num_experts), (3, 0, -2), (num_tokens - 1, 0, num_experts + 7)):
+            bad = idx.clone()
+            bad[row, slot] = value
+            cases.append(bad)
+        if num_topk > 1:
+            for row in (0, 9, num_tokens - 1):
+                bad = idx.clone()
+                bad[row, 1] = bad[row, 0] = 3  # an expert twice
+                cases.append(bad)
+                worse = bad.clone()
+                worse[row + 1 if row + 1 < num_tokens else 0, 0] = -3  # a range error elsewhere wins
+                cases.append(worse)
+    for idx in cases:
+        num_experts = max(16, int(idx.max()) + 1) if idx.numel() else 16
+        for e in (num_experts, 16 if num_experts > 16 else 8):
+            assert _error_of(check_topk_idx_cpu, idx, e) == _error_of(check_topk_idx, idx, e), idx
+        for num_ranks in (1, 2, 4):
+            assert torch.equal(is_token_in_rank_cpu(idx, 16, num_ranks), is_token_in_rank_torch(idx, 16, num_ranks)), (
+                num_ranks
+            )
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass conversion is in moe_dispatch._C")
+def test_native_routing_map_to_topk_equals_torch(gen, monkeypatch):
+    """routing_map_to_topk's pass over a one-byte CPU map gives the torch version's ids, weights
+    (fp32, bf16, fp16 incl. subnormals, fp64 probs) and errors, also unvalidated rows with too many
+    experts (the highest ids dropped) and more columns than experts."""
+    import moe_dispatch.ops.layout as layout_ops
+
+    def both(*args, **kwargs):
+        got = _error_of(routing_map_to_topk, *args, **kwargs) or routing_map_to_topk(*args, **kwargs)
+        monkeypatch.setattr(layout_ops, "_native", lambda t: False)
+        want = _error_of(routing_map_to_topk, *args, **kwargs) or routing_map_to_topk(*args, **kwargs)
+        monkeypatch.undo()
+        return got, want
+
+    for num_tokens, num_experts, num_topk in ((0, 8, 2), (50, 16, 4), (33, 3, 5), (64, 128, 8)):
+        rm = torch.rand(num_tokens, num_experts, generator=gen) < 0.2
+        probs = torch.rand(num_tokens, num_experts, generator=gen) * 2 - 1
+        probs[::3, ::2] *= 1e-6  # subnormal in fp16
+        for m in (rm, rm.to(torch.uint8)):
+            for p in (None, probs, probs.bfloat16(), probs.half(), probs.double()):
+                for validate in (True, False):
+                    got, want = both(m, p, num_topk, validate=validate)
+                    if isinstance(want, tuple) and isinstance(want[0], type):
+                        assert got == want
+                        continue
+                    assert torch.equal(got[0], want[0]), (m.dtype, validate)
+                    assert (got[1] is None) == (want[1] is None)
+                    if want[1] is not None:
+                        assert got[1].dtype == want[1].dtype and torch.equal(got[1], want[1]), p.dtype
+    # Router probs that need a gradient keep it: the weights' backward reaches probs as torch's does.
+    probs = torch.rand(50, 16, generator=gen, requires_grad=True)
+    rm = torch.rand(50, 16, generator=gen) < 0.2
+    grads = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(layout_ops, "_native", lambda t: False)
+        probs.grad = None
+        idx, w = routing_map_to_topk(rm, probs, 16)
+        (w * torch.arange(16.0)).sum().backward()
+        grads.append(probs.grad.clone())
+    monkeypatch.undo()
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass localize is in moe_dispatch._C")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_native_localize_equals_torch(gen, dtype):
+    """The received ids made local in one pass: the ids, per-expert counts and zeroed weights of
+    Buffer._localize's torch version."""
+    import types
+
+    from moe_dispatch.ops.layout import localize_topk_idx_cpu
+
+    ids = torch.randint(-1, 32, (40, 6), generator=gen).to(dtype)
+    weights = torch.rand(40, 6, generator=gen)
+    for first, local in ((8, 8), (0, 4), (28, 4)):
+        routing = types.SimpleNamespace(
+            recv_topk_idx=ids.clone(), num_recv_tokens_per_expert=torch.empty(local, dtype=torch.int64)
+        )
+        w = weights.clone()
+        assert localize_topk_idx_cpu(routing, first, local, w)
+        want = ids - first
+        other = (want < 0) | (want >= local)
+        want = want.masked_fill(other, -1)
+        assert torch.equal(routing.recv_topk_idx, want)
+        assert torch.equal(routing.num_recv_tokens_per_expert, torch.bincount(want[~other].long(), minlength=local))
+        assert torch.equal(w, weights.masked_fill(other, 0.0))

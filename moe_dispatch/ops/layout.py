@@ -17,8 +17,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..semantics.layout import check_layout_sizes, get_dispatch_layout_torch, get_send_offsets_reference
-from ..semantics.validation import INDEX_DTYPES, check_num_experts, check_tensor, check_topk_idx
+from .. import _ext
+from ..semantics.layout import (
+    check_layout_sizes,
+    get_dispatch_layout_torch,
+    get_send_offsets_reference,
+    is_token_in_rank_torch,
+)
+from ..semantics.validation import (
+    INDEX_DTYPES,
+    check_num_experts,
+    check_tensor,
+    check_topk_idx,
+    raise_on_topk_idx_values,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Backend choice shared by layout / permute / quant
@@ -390,6 +402,71 @@ def get_dispatch_layout(
     return DispatchLayout(*base, *get_send_offsets_reference(base[3], ranks_per_node))
 
 
+def _native(topk_idx: torch.Tensor) -> bool:
+    """Whether the CPU passes of ``_C`` take ``topk_idx``: on CPU, built, and not while
+    torch.compile traces (Megatron compiles its dispatch_preprocess; the torch version traces)."""
+    return topk_idx.device.type == "cpu" and _ext.extension_status().built and not torch.compiler.is_compiling()
+
+
+def _topk_args(topk_idx: torch.Tensor) -> dict[str, int]:
+    """A contiguous ``topk_idx [T, K]``'s arguments to the passes of ``csrc/kernels/layout_cpu.cpp``."""
+    return dict(
+        topk_idx=topk_idx.data_ptr(),
+        index_bytes=topk_idx.element_size(),
+        num_tokens=topk_idx.shape[0],
+        num_topk=topk_idx.shape[1],
+    )
+
+
+def check_topk_idx_cpu(topk_idx, num_experts: int, **kwargs) -> None:
+    """:func:`~moe_dispatch.semantics.validation.check_topk_idx` (same arguments, same errors)
+    with the value check in one pass over a CPU ``topk_idx`` (``csrc/kernels/layout_cpu.cpp``)
+    instead of a min, a max and a row sort; the reference runs on other devices or where
+    ``moe_dispatch._C`` is not built."""
+    values = kwargs.pop("values", True)
+    native = values and isinstance(topk_idx, torch.Tensor) and _native(topk_idx)
+    check_topk_idx(topk_idx, num_experts, values=values and not native, **kwargs)
+    if native and topk_idx.numel():
+        lo, hi, dup_row = _ext._C.check_topk_idx_cpu(**_topk_args(topk_idx))
+        raise_on_topk_idx_values(topk_idx, num_experts, lo, hi, dup_row)
+
+
+def is_token_in_rank_cpu(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """:func:`~moe_dispatch.semantics.layout.is_token_in_rank_torch` (``[T, W]`` bool, unchecked
+    inputs: ids outside ``[0, E)`` count as none) in one pass over a contiguous CPU ``topk_idx``;
+    the reference elsewhere."""
+    if not (_native(topk_idx) and topk_idx.is_contiguous()):
+        return is_token_in_rank_torch(topk_idx, num_experts, num_ranks)
+    out = torch.empty((topk_idx.shape[0], num_ranks), dtype=torch.bool)
+    _ext._C.is_token_in_rank_cpu(
+        **_topk_args(topk_idx),
+        num_experts=num_experts,
+        num_ranks=num_ranks,
+        out=out.data_ptr(),
+    )
+    return out
+
+
+def localize_topk_idx_cpu(routing, first_expert: int, num_local_experts: int, weights: torch.Tensor | None) -> bool:
+    """In one pass over CPU ids (``csrc/kernels/layout_cpu.cpp``): ``routing.recv_topk_idx [R,
+    K]`` in place in local numbering (ids of ``[first_expert, first_expert + num_local_experts)``
+    less ``first_expert``, the others -1, their ``weights [R, K]`` fp32 zeroed in place) and
+    ``routing.num_recv_tokens_per_expert`` (each local id's occurrences). Returns False, having
+    done nothing, where the pass cannot run (not CPU, not contiguous, ``_C`` not built)."""
+    topk_idx, counts = routing.recv_topk_idx, routing.num_recv_tokens_per_expert
+    usable = weights is None or (weights.dtype == torch.float32 and weights.is_contiguous())
+    if not (_native(topk_idx) and usable and topk_idx.is_contiguous() and counts.is_contiguous()):
+        return False
+    _ext._C.localize_topk_idx_cpu(
+        **_topk_args(topk_idx),
+        first_expert=first_expert,
+        num_local_experts=num_local_experts,
+        counts=counts.data_ptr(),
+        weights=0 if weights is None else weights.data_ptr(),
+    )
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Megatron's routing_map / probs  <->  top-k form
 # ---------------------------------------------------------------------------------------------
@@ -431,6 +508,8 @@ def routing_map_to_topk(
                 f"{list(routing_map.shape)}, got {_describe(probs)}"
             )
     num_tokens, num_experts = routing_map.shape
+    if _native(routing_map) and routing_map.element_size() == 1 and (probs is None or probs.dtype in _PROBS_DTYPES):
+        return _routing_map_to_topk_cpu(routing_map, probs, num_topk, validate)
     selected = routing_map.bool()
     if validate and num_tokens > 0:
         counts = selected.sum(1)
@@ -457,6 +536,37 @@ def routing_map_to_topk(
         if topk_weights is not None:
             topk_weights = torch.nn.functional.pad(topk_weights, (0, pad), value=0.0)
     return topk_idx.contiguous(), (None if topk_weights is None else topk_weights.contiguous())
+
+
+_PROBS_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def _routing_map_to_topk_cpu(routing_map, probs, num_topk: int, validate: bool):
+    """:func:`routing_map_to_topk` of a one-byte CPU map in one pass (``csrc/kernels/layout_cpu.cpp``);
+    weights that need a gradient (Megatron's router probs) are gathered by torch, for autograd."""
+    routing_map = routing_map.contiguous()
+    differentiable = probs is not None and probs.requires_grad and torch.is_grad_enabled()
+    gathered, probs = (probs, None) if differentiable else (None, None if probs is None else probs.contiguous())
+    num_tokens, num_experts = routing_map.shape
+    topk_idx = torch.empty((num_tokens, num_topk), dtype=torch.int64)
+    topk_weights = None if probs is None else torch.empty((num_tokens, num_topk), dtype=torch.float32)
+    worst, row = _ext._C.routing_map_to_topk_cpu(
+        routing_map=routing_map.data_ptr(),
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        num_topk=num_topk,
+        probs=0 if probs is None else probs.data_ptr(),
+        probs_dtype=0 if probs is None else _PROBS_DTYPES[probs.dtype],
+        topk_idx=topk_idx.data_ptr(),
+        topk_weights=0 if topk_weights is None else topk_weights.data_ptr(),
+    )
+    if validate and worst > num_topk:
+        raise ValueError(f"routing_map row {row} selects {worst} experts but num_topk is {num_topk}")
+    if gathered is not None:
+        chosen = topk_idx >= 0
+        w = torch.gather(gathered, 1, topk_idx.clamp(min=0)).float()
+        topk_weights = torch.where(chosen, w, torch.zeros_like(w))
+    return topk_idx, topk_weights
 
 
 def topk_to_routing_map(

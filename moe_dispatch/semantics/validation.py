@@ -89,15 +89,23 @@ def check_topk_idx(
     if topk_idx.numel() == 0 or not values:
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
-    if lo < -1 or hi >= num_experts:
-        bad = lo if lo < -1 else hi
-        raise ValueError(f"topk_idx entries must be in [-1, {num_experts}) (-1 = no expert), got {bad}")
-    if topk_idx.shape[1] > 1:
+    dup_row = -1
+    if lo >= -1 and hi < num_experts and topk_idx.shape[1] > 1:
         s = topk_idx.sort(dim=1).values
         dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
         if bool(dup.any()):
-            row = int(dup.any(1).nonzero()[0, 0])
-            raise ValueError(f"topk_idx row {row} selects an expert more than once: {topk_idx[row].tolist()}")
+            dup_row = int(dup.any(1).nonzero()[0, 0])
+    raise_on_topk_idx_values(topk_idx, num_experts, lo, hi, dup_row)
+
+
+def raise_on_topk_idx_values(topk_idx: torch.Tensor, num_experts: int, lo: int, hi: int, dup_row: int) -> None:
+    """The errors of :func:`check_topk_idx`'s value check, given the smallest and largest id and
+    the first row that names an expert twice (-1: none), however they were found."""
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"topk_idx entries must be in [-1, {num_experts}) (-1 = no expert), got {bad}")
+    if dup_row >= 0:
+        raise ValueError(f"topk_idx row {dup_row} selects an expert more than once: {topk_idx[dup_row].tolist()}")
 
 
 def check_topk_weights(topk_weights, topk_idx: torch.Tensor, device: torch.device | None = None) -> None:

@@ -132,13 +132,14 @@ class _Counts:
     from_rank: list[int]  # [W] each source's tokens for me (the flat receive splits)
     s1_recv: list[list[int]]  # [S][N] rows the sources (m, my l) forward through me
     s2_send: list[list[int]]  # [S][L] rows I forward to each rank of my node
-    arrivals: torch.Tensor  # [S, L, N] rows of source (m, l') reaching me through forwarder (n, l')
+    arrivals: list[list[list[int]]]  # [S][L][N] rows of source (m, l') reaching me through forwarder (n, l')
     max_flat_rows: int  # the largest flat payload of any rank, in rows
     max_stage1_rows: int  # the largest stage-1 payload of any rank, in rows
     max_pair_rows: int  # the most flat rows any rank sends one rank
     total_flat_rows: int  # the flat rows of all ranks
     flat_cross_rows: int  # rows all ranks would send to other nodes by the flat route
     stage1_cross_rows: int  # ... and by the two stages (one copy per token and node)
+    send_idx: torch.Tensor | None  # [F] the flat route's send rows (token of each, by rank), once made
 
 
 @dataclasses.dataclass(eq=False)
@@ -300,6 +301,74 @@ def _unpack_rows(buf: torch.Tensor, index: torch.Tensor | None, out: list[torch.
 
 def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return [(t.dtype, tuple(t.shape[1:])) for t in tensors]
+
+
+def _flat_send_idx(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """``[F]``: the token of each flat send row, rank-major, tokens ascending."""
+    return torch.nonzero(is_token_in_rank.t())[:, 1]
+
+
+def _dispatch_counts(
+    is_token_in_rank: torch.Tensor, bounds: list[int], topo: Topology, head: torch.Tensor, at: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A dispatch's counts from its layout ``[T, W]``: returns ``(per_sub [S, W + N] int64, in_node
+    [T, N] bool, send_idx)``, each sub-range ``[bounds[s], bounds[s + 1])``'s tokens for each rank,
+    then for each node; ``send_idx`` is :func:`_flat_send_idx`'s, or None where not made yet.
+    Writes header words ``at ...`` of every row ``d`` of ``head [W, words]`` int64: the
+    ``_NUM_SIZES`` sizes (my flat and stage-1 rows, the rows of each that cross nodes, the most
+    flat rows I send one rank), then per sub-range my tokens for the ranks of ``d``'s node and for
+    ``d``'s node. On CPU in one pass (``_C.dispatch_counts_cpu``)."""
+    world, local_ranks, num_nodes = topo.world_size, topo.ranks_per_node, topo.num_nodes
+    num_tokens, subs, device = is_token_in_rank.shape[0], len(bounds) - 1, is_token_in_rank.device
+    if device.type == "cpu" and _ext.extension_status().built and head.is_contiguous():
+        is_token_in_rank = is_token_in_rank.contiguous()
+        per_sub = torch.empty((subs, world + num_nodes), dtype=torch.int64)
+        in_node = torch.empty((num_tokens, num_nodes), dtype=torch.bool)
+        send_idx = torch.empty(num_tokens * world, dtype=torch.int64)
+        num_send = _ext._C.dispatch_counts_cpu(
+            is_token_in_rank=is_token_in_rank.data_ptr(),
+            num_tokens=num_tokens,
+            num_ranks=world,
+            ranks_per_node=local_ranks,
+            node=topo.node,
+            bounds=bounds,
+            head=head.data_ptr(),
+            head_words=head.shape[1],
+            head_offset=at,
+            per_sub=per_sub.data_ptr(),
+            in_node=in_node.data_ptr(),
+            send_idx=send_idx.data_ptr(),
+        )
+        return per_sub, in_node, send_idx[:num_send]
+    # My tokens per sub-range for each rank and each node: running counts at the bounds.
+    in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
+    if subs == 1:
+        per_sub = torch.cat([is_token_in_rank.sum(0), in_node.sum(0)]).unsqueeze(0)  # [1, W + N]
+    else:
+        running = torch.zeros((num_tokens + 1, world + num_nodes), dtype=torch.int64, device=device)
+        torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
+        per_sub = running[bounds[1:]] - running[bounds[:-1]]  # [S, W + N]
+    to_rank, to_node = per_sub[:, :world], per_sub[:, world:]
+    own_ranks = slice(topo.node * local_ranks, (topo.node + 1) * local_ranks)
+    flat_rows, stage1_rows = to_rank.sum(), to_node.sum()
+    sizes = torch.stack(
+        [
+            flat_rows,
+            stage1_rows,
+            flat_rows - to_rank[:, own_ranks].sum(),
+            stage1_rows - to_node[:, topo.node].sum(),
+            to_rank.sum(0).max(),
+        ]
+    )
+    dest_node = torch.arange(world, device=device) // local_ranks
+    sub_counts = torch.cat(
+        [to_rank.view(subs, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
+    )  # [S, W, L + 1]
+    head[:, at : at + _NUM_SIZES] = sizes
+    head[:, at + _NUM_SIZES : at + _NUM_SIZES + subs * (local_ranks + 1)] = sub_counts.transpose(0, 1).reshape(
+        world, -1
+    )
+    return per_sub, in_node, None
 
 
 INTER, INTRA = "inter-node", "intra-node"
@@ -573,11 +642,12 @@ class TorchDistTransport:
                 fused = ([(send, None)], send_splits)
         head = self._headers(check.fields, check.status, torch.device("cpu"))
         headers, blocks = yield from self._exchange_blocks(head, f"{check.what} argument check", kind, fused)
-        self._check(headers[:, :AGREE_WORDS].tolist(), check.fields, check.what)
+        got = headers[:, : AGREE_WORDS + 1].tolist()  # the agreement rows, then the rows carried
+        self._check([r[:AGREE_WORDS] for r in got], check.fields, check.what)
         if rows is None:
             return None
         send, send_splits, recv_splits, what = rows
-        carried = headers[:, AGREE_WORDS].tolist()
+        carried = [r[AGREE_WORDS] for r in got]
         if all(n >= 0 for n in carried):  # every rank's rows came with its header
             return self._carried_rows(blocks, carried, recv_splits, send.shape[1], what)
         recv, pending = self._all_to_all(send, send_splits, recv_splits, ALL_COMM, what)
@@ -625,109 +695,71 @@ class TorchDistTransport:
         device, num_tokens = is_token_in_rank.device, is_token_in_rank.shape[0]
         subs = self._subs
         bounds = [c * num_tokens // subs for c in range(subs + 1)]
-        # My tokens per sub-range for each rank and each node: running counts at the bounds.
-        in_node = is_token_in_rank.view(num_tokens, num_nodes, local_ranks).any(2)
-        if subs == 1:
-            per_sub = torch.cat([is_token_in_rank.sum(0), in_node.sum(0)]).unsqueeze(0)  # [1, W + N]
-        else:
-            running = torch.zeros((num_tokens + 1, world + num_nodes), dtype=torch.int64, device=device)
-            torch.cumsum(torch.cat([is_token_in_rank, in_node], 1), 0, out=running[1:])
-            per_sub = running[bounds[1:]] - running[bounds[:-1]]  # [S, W + N]
-        to_rank, to_node = per_sub[:, :world], per_sub[:, world:]
-        own_ranks = slice(topo.node * local_ranks, (topo.node + 1) * local_ranks)
-        flat_rows, stage1_rows = to_rank.sum(), to_node.sum()
-        # my flat and stage-1 payload, in rows, the rows of each that cross nodes, and the most
-        # flat rows I send one rank
-        sizes = torch.stack(
-            [
-                flat_rows,
-                stage1_rows,
-                flat_rows - to_rank[:, own_ranks].sum(),
-                stage1_rows - to_node[:, topo.node].sum(),
-                to_rank.sum(0).max(),
-            ]
-        )
-        # Header for destination d = (n_d, l_d): my agreement row, my sizes, then per sub-range my
-        # counts for d's node's ranks and d's node.
-        dest_node = torch.arange(world, device=device) // local_ranks
-        sub_counts = torch.cat(
-            [to_rank.view(subs, num_nodes, local_ranks)[:, dest_node], to_node[:, dest_node].unsqueeze(2)], 2
-        )  # [S, W, L + 1]
         checked = {"operation": "dispatch (metadata)", **fields}
         head = self._headers(checked, status, device)
-        head[:, AGREE_WORDS + 1 : AGREE_WORDS + 1 + _NUM_SIZES] = sizes
-        head[:, AGREE_WORDS + 1 + _NUM_SIZES :] = sub_counts.transpose(0, 1).reshape(world, -1)
+        sizes_at = AGREE_WORDS + 1  # header words: agreement row, carried rows, sizes, counts
+        per_sub, in_node, send_idx = _dispatch_counts(is_token_in_rank, bounds, topo, head, sizes_at)
         fused = None
         if rows is not None and self._capacity and device.type == "cpu":
             width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in rows)
-            send_splits = to_rank.sum(0).tolist()
+            send_splits = [sum(col) for col in zip(*per_sub.tolist())][:world]
             if max(send_splits) * width <= self._capacity:
-                send_idx = torch.nonzero(is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
+                send_idx = _flat_send_idx(is_token_in_rank) if send_idx is None else send_idx
                 fused = ([(t, send_idx) for t in rows], send_splits)
         if self.groups[ALL_COMM] is None:
             got, blocks = head, None
         else:
             got, blocks = yield from self._exchange_blocks(head, f"{what} metadata", ALL_COMM, fused)
-        self._check(got[:, :AGREE_WORDS].tolist(), checked, what)
-        head = AGREE_WORDS + 1 + _NUM_SIZES
-        counts = got[:, head:].reshape(world, subs, local_ranks + 1)
-        peers = counts[topo.local_rank :: local_ranks]  # [N, S, L + 1]: my inter-node peers, one per node
-        mine = counts[:, :, topo.local_rank]  # [W, S]: each source's tokens for me
-        sizes_of = got[:, AGREE_WORDS + 1 : head]
-        # Every split as host ints in one transfer (one host sync on GPU).
-        host = iter(
-            torch.cat(
-                [
-                    to_rank.flatten(),
-                    to_node.flatten(),
-                    mine.sum(1),
-                    peers[:, :, -1].t().flatten(),
-                    peers[:, :, :-1].sum(0).flatten(),
-                    sizes_of[:, :2].max(0).values,
-                    sizes_of[:, 2:4].sum(0),
-                    sizes_of[:, 4:].max(0).values,
-                    sizes_of[:, :1].sum(0),
-                ]
-            ).tolist()
-        )
-
-        def take(n: int, times: int) -> list[list[int]]:
-            return [[next(host) for _ in range(n)] for _ in range(times)]
-
-        to_rank_l, to_node_l = take(world, subs), take(num_nodes, subs)
-        (from_rank,) = take(world, 1)
-        s1_recv, s2_send = take(num_nodes, subs), take(local_ranks, subs)
-        ((max_flat, max_stage1, flat_cross, stage1_cross, max_pair, total_flat),) = take(6, 1)
+        # Every header and my counts as host ints in one transfer (one host sync on GPU).
+        host = torch.cat([got.flatten(), per_sub.flatten()]).tolist()
+        words = got.shape[1]
+        rows_of = [host[w * words : (w + 1) * words] for w in range(world)]
+        mine = host[world * words :]
+        self._check([r[:AGREE_WORDS] for r in rows_of], checked, what)
+        to_rank_l = [mine[c * (world + num_nodes) : c * (world + num_nodes) + world] for c in range(subs)]
+        to_node_l = [mine[c * (world + num_nodes) + world : (c + 1) * (world + num_nodes)] for c in range(subs)]
+        # Source w's counts for my node, per sub-range: its tokens for each of my node's ranks, then
+        # for my node. Sources (m, my local rank) forward through me; every source sends me rows.
+        counts_at = sizes_at + _NUM_SIZES
+        of = [
+            [r[counts_at + c * (local_ranks + 1) : counts_at + (c + 1) * (local_ranks + 1)] for c in range(subs)]
+            for r in rows_of
+        ]  # [W][S][L + 1]
+        peers = [of[m * local_ranks + topo.local_rank] for m in range(num_nodes)]  # [N][S][L + 1]
+        sizes_of = [r[sizes_at:counts_at] for r in rows_of]
         counts_of = _Counts(
             is_token_in_rank=is_token_in_rank,
             in_node=in_node,
             bounds=bounds,
             to_rank=to_rank_l,
             to_node=to_node_l,
-            from_rank=from_rank,
-            s1_recv=s1_recv,
-            s2_send=s2_send,
-            # [c, l', m]: tokens of source (m, l') in sub-range c for me, in stage-2 arrival order
-            arrivals=mine.reshape(num_nodes, local_ranks, subs).permute(2, 1, 0),
-            max_flat_rows=max_flat,
-            max_stage1_rows=max_stage1,
-            max_pair_rows=max_pair,
-            total_flat_rows=total_flat,
-            flat_cross_rows=flat_cross,
-            stage1_cross_rows=stage1_cross,
+            from_rank=[sum(sub[topo.local_rank] for sub in src) for src in of],
+            s1_recv=[[peers[m][c][-1] for m in range(num_nodes)] for c in range(subs)],
+            s2_send=[[sum(peers[m][c][j] for m in range(num_nodes)) for j in range(local_ranks)] for c in range(subs)],
+            arrivals=[
+                [[of[m * local_ranks + j][c][topo.local_rank] for m in range(num_nodes)] for j in range(local_ranks)]
+                for c in range(subs)
+            ],
+            max_flat_rows=max(z[0] for z in sizes_of),
+            max_stage1_rows=max(z[1] for z in sizes_of),
+            max_pair_rows=max(z[4] for z in sizes_of),
+            total_flat_rows=sum(z[0] for z in sizes_of),
+            flat_cross_rows=sum(z[2] for z in sizes_of),
+            stage1_cross_rows=sum(z[3] for z in sizes_of),
+            send_idx=send_idx,
         )
         plan = TorchDistPlan(
             num_tokens=num_tokens,
-            num_recv_tokens=sum(from_rank),
+            num_recv_tokens=sum(counts_of.from_rank),
             counts=counts_of,
             internode_rows=sum(sum(s) - s[topo.node] for s in to_node_l),
-            intranode_rows=sum(sum(s) - s[topo.local_rank] for s in s2_send),
+            intranode_rows=sum(sum(s) - s[topo.local_rank] for s in counts_of.s2_send),
         )
-        carried = got[:, AGREE_WORDS].tolist()
+        carried = [r[AGREE_WORDS] for r in rows_of]
         if blocks is not None and all(n >= 0 for n in carried):  # every rank's rows came along
             self._route(plan, width)  # the packed rows' width: set where the rows were fused
             if plan.flat:
-                plan.arrived = self._carried_rows(blocks, carried, from_rank, width, what)
+                plan.arrived = self._carried_rows(blocks, carried, counts_of.from_rank, width, what)
         return plan
 
     @property
@@ -749,7 +781,9 @@ class TorchDistTransport:
             or counts.stage1_cross_rows > (1 - MIN_DEDUP) * counts.flat_cross_rows
         ):
             plan.flat = True
-            plan.flat_send_idx = torch.nonzero(counts.is_token_in_rank.t())[:, 1]  # rank-major, tokens ascending
+            plan.flat_send_idx = (
+                counts.send_idx if counts.send_idx is not None else _flat_send_idx(counts.is_token_in_rank)
+            )
             plan.flat_send_splits = [sum(col) for col in zip(*counts.to_rank)]
             plan.flat_recv_splits = counts.from_rank
             plan.internode_rows = sum(n for d, n in enumerate(plan.flat_send_splits) if d // local_ranks != topo.node)
@@ -764,7 +798,8 @@ class TorchDistTransport:
         def merged(per_sub: list[list[int]], a: int, b: int) -> list[int]:
             return [sum(col) for col in zip(*per_sub[a:b])]
 
-        arrivals = torch.stack([counts.arrivals[a:b].sum(0) for a, b in spans])  # [C, L, N]
+        arrivals = torch.tensor(counts.arrivals, dtype=torch.int64, device=counts.in_node.device)
+        arrivals = torch.stack([arrivals[a:b].sum(0) for a, b in spans])  # [C, L, N]
         s2_recv = arrivals.sum(2).tolist()
         for c, (a, b) in enumerate(spans):
             begin, end = counts.bounds[a], counts.bounds[b]
@@ -1124,6 +1159,21 @@ class TorchDistTransport:
             return
 
         def levels():
+            if rows.device.type == "cpu" and _ext.extension_status().built:
+                in_node, send_idx = plan.counts.in_node.contiguous(), plan.flat_send_idx.contiguous()
+                pair_of_row = torch.empty(send_idx.numel(), dtype=torch.int64)
+                pair_token = torch.empty(in_node.numel(), dtype=torch.int64)
+                num_pairs = _ext._C.flat_pairs_cpu(
+                    in_node=in_node.data_ptr(),
+                    num_tokens=num_tokens,
+                    num_nodes=num_nodes,
+                    ranks_per_node=local_ranks,
+                    send_idx=send_idx.data_ptr(),
+                    splits=plan.flat_send_splits,
+                    pair_of_row=pair_of_row.data_ptr(),
+                    pair_token=pair_token.data_ptr(),
+                )
+                return plan_grouped(pair_of_row, pair_token[:num_pairs], num_tokens, scaled=scale is not None)
             pairs = torch.nonzero(plan.counts.in_node)  # (token, node), token-major: the node partials
             where = torch.full((num_nodes, num_tokens), -1, dtype=torch.int64, device=rows.device)
             where[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], device=rows.device)
