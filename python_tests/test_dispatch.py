@@ -79,7 +79,13 @@ def check_roundtrip(
 ) -> None:
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed, zipf=zipf, drop=drop)
     idxs = [i.to(index_dtype) for i in idxs]
-    xs = make_x(num_tokens, hidden, dtype, seed)
+    check_routing(buf, rank, ranks_per_node, make_x(num_tokens, hidden, dtype, seed), idxs, ws, num_experts)
+
+
+def check_routing(buf: Buffer, rank: int, ranks_per_node: int, xs, idxs, ws, num_experts: int):
+    """Dispatch and combine (unweighted, weighted) of every rank's ``xs``/``idxs``/``ws`` equal the
+    oracle's on this rank; returns the handle."""
+    index_dtype = idxs[rank].dtype
     recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
     refs = reference.dispatch(xs, idxs, ws, num_experts, ranks_per_node)
     ref = refs[rank]
@@ -97,6 +103,7 @@ def check_roundtrip(
     assert torch.equal(out_w, reference.combine(ys, idxs, num_experts, ranks_per_node, scales, ranks=[rank])[0]), (
         "weighted combine differs"
     )
+    return handle
 
 
 def _cases(ranks_per_node: int) -> dict:
@@ -413,7 +420,57 @@ def _small_calls_one_collective(rank, world_size, buf):
     assert torch.equal(cached, tripled.recv_x)
 
 
-TORCH_DIST_CASES = {"every-pipeline-depth": _pipeline_depths, "small-calls-one-collective": _small_calls_one_collective}
+def _links_choose_the_route(rank, world_size, buf):
+    """On gloo the automatic route follows the links: the first call big enough measures them
+    (every rank gets the same figures; a later Buffer on the same ranks uses them); links where the
+    cross-node bytes dominate take the two stages, links where a collective's latency does the flat
+    route; each with the oracle's bits."""
+    from moe_dispatch.transport import torch_dist
+
+    L = buf.topology.ranks_per_node
+    fresh = Buffer(buf.group, ranks_per_node=L, timeout_s=buf.timeout_s)
+    key = fresh.transport._links_key
+    torch_dist._measured_links.pop(key, None)  # not measured yet
+    try:
+        transport = fresh.transport
+        if not transport._two_stage_world:
+            return  # one route only
+        # Every token to one expert of every rank: the two stages send a node one copy, not L.
+        num_tokens, hidden = [300 + 3 * r for r in range(world_size)], 512
+        num_experts = EXPERTS_PER_RANK * world_size
+        idxs = [
+            torch.arange(world_size) * EXPERTS_PER_RANK + (torch.arange(t).view(-1, 1) + r) % EXPERTS_PER_RANK
+            for r, t in enumerate(num_tokens)
+        ]
+        gen = torch.Generator().manual_seed(41)
+        ws = [torch.rand(t, world_size, generator=gen) for t in num_tokens]
+        xs = make_x(num_tokens, hidden, torch.float32, seed=41)
+        assert num_tokens[0] * world_size * hidden * 4 > torch_dist.LINK_PROBE_BYTES  # big enough to ask
+        check_routing(fresh, rank, L, xs, idxs, ws, num_experts)
+        measured = torch_dist._measured_links[key]
+        assert measured[0] > 0 and min(measured) >= 0, measured
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, measured, group=buf.group)
+        assert all(m == measured for m in everyone), everyone
+        for costs, flat in (((0.0, 0.0, 1.0, 0.0), False), ((1.0, 2.0, 0.0, 0.0), True)):
+            torch_dist._measured_links[key] = costs
+            handle = check_routing(fresh, rank, L, xs, idxs, ws, num_experts)
+            assert handle.slot.plan.flat is flat, (costs, handle.slot.plan.flat)
+        other = Buffer(buf.group, ranks_per_node=L, timeout_s=buf.timeout_s)  # the same links: not measured again
+        try:
+            assert check_routing(other, rank, L, xs, idxs, ws, num_experts).slot.plan.flat
+        finally:
+            other.close()
+    finally:
+        torch_dist._measured_links.pop(key, None)
+        fresh.close()
+
+
+TORCH_DIST_CASES = {
+    "every-pipeline-depth": _pipeline_depths,
+    "small-calls-one-collective": _small_calls_one_collective,
+    "links-choose-the-route": _links_choose_the_route,
+}
 
 
 def _world_entry(rank, world_size, ranks_per_node, transport="auto"):
@@ -611,14 +668,14 @@ def test_blocks_packed_in_one_pass_equal_torch_packing(monkeypatch):
         if fields[0][1] is not None:  # one index for every field
             fields = [(t, fields[0][1]) for t, _ in fields]
         got, want = (torch.zeros(4, 40 + 56 * 5, dtype=torch.uint8) for _ in range(2))
-        torch_dist._pack_blocks(got, head, fields, splits)
+        torch_dist._pack_blocks(got, head, fields, splits, 2)
         monkeypatch.setattr(_ext, "extension_status", lambda: types.SimpleNamespace(built=False))
-        torch_dist._pack_blocks(want, head, fields, splits)
+        torch_dist._pack_blocks(want, head, fields, splits, 2)
         monkeypatch.undo()
         row_bytes = torch_dist._pack(fields).shape[1]
         specs = torch_dist._specs([t for t, _ in fields])
         for d, n in enumerate(splits):  # the header and each row's fields (torch leaves the padding as it was)
-            assert torch.equal(got[d, :40], want[d, :40]), d
+            assert torch.equal(got[d, :40], want[d, :40]) and got[d, 16:24].view(torch.int64).item() == n, d
             rows = [b[d, 40 : 40 + n * row_bytes].view(n, row_bytes) for b in (got, want)]
             for a, b in zip(*(torch_dist._fields(r, specs) for r in rows)):
                 assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), d
@@ -653,3 +710,65 @@ def test_dispatch_counts_in_one_pass_equal_torch_counts(monkeypatch):
             assert torch.equal(heads[0], heads[1]), (world, local_ranks, rank)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (world, local_ranks, rank)
             assert want[2] is None and torch.equal(got[2], torch_dist._flat_send_idx(in_rank)), (world, rank)
+
+
+def test_route_choice_weighs_the_measured_links():
+    """torch_dist's automatic route on gloo: the flat route where the links are alike (a loopback:
+    the forwarded rows cost what the saved cross-node rows did, plus a collective) or the call is
+    small, the two stages where the cross-node link is 9x slower and the routing de-duplicates;
+    on NCCL the GPU-link rule (FLAT_BYTES, MIN_DEDUP), and no measurement."""
+    from moe_dispatch.topology import Topology
+    from moe_dispatch.transport import torch_dist
+
+    def counts(max_flat, flat_cross, stage1_cross, total):
+        return types.SimpleNamespace(
+            max_flat_rows=max_flat, flat_cross_rows=flat_cross, stage1_cross_rows=stage1_cross, total_flat_rows=total
+        )
+
+    def pays(kind, links, c, row_bytes=1024):
+        def measured():
+            assert links is not None, "measured links where the rule needs none"
+            return links
+
+        fake = types.SimpleNamespace(
+            _agree_kind=kind, _links=measured, topology=Topology(rank=0, world_size=8, ranks_per_node=4)
+        )
+        return torch_dist.TorchDistTransport._two_stages_pay(fake, c, row_bytes)
+
+    # 8 ranks, 2 nodes of 4; every token of a rank to ~6 ranks (3 per node): 4x de-duplication.
+    dedup = counts(6000, 8 * 3000, 8 * 1000, 8 * 6000)
+    gloo, nccl = torch_dist.ALL_COMM, torch_dist.HOST
+    loopback, cluster = (2e-3, 4e-3, 2e-9, 2e-9), (2e-3, 4e-3, 18e-9, 2e-9)
+    assert not pays(gloo, loopback, dedup)
+    assert pays(gloo, cluster, dedup)
+    assert not pays(gloo, cluster, counts(6000, 8 * 3000, 8 * 3000, 8 * 6000))  # nothing de-duplicated
+    assert not pays(gloo, None, counts(200, 8 * 100, 8 * 30, 8 * 200))  # small: no measurement
+    assert pays(nccl, None, dedup, row_bytes=7168 * 2) and not pays(nccl, None, dedup, row_bytes=512)  # FLAT_BYTES
+    assert not pays(nccl, None, counts(6000, 8 * 3000, 8 * 2500, 8 * 6000), row_bytes=7168 * 2)  # MIN_DEDUP
+
+
+@pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass landing is in moe_dispatch._C")
+def test_rows_landed_from_the_blocks_equal_the_torch_landing():
+    """_C.land_blocks_cpu writes each field of the rows the blocks carried (an empty block too)
+    into its output in arrival order, or gathered by an index with zero rows at -1: what the
+    blocks' concatenation, a column slice and gather_rows write."""
+    from moe_dispatch.semantics.permute import gather_rows
+    from moe_dispatch.transport import torch_dist
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(20, 6, generator=gen).to(torch.bfloat16)  # 12 bytes: padded to 16
+    idx = torch.randint(-1, 5, (20, 3), generator=gen)
+    send_idx, splits = torch.randperm(20, generator=gen)[:11], [4, 0, 5, 2]
+    fields = [(x, send_idx), (idx, send_idx)]
+    head_bytes, width = 40, torch_dist._pack(fields).shape[1]
+    blocks = torch.zeros(4, head_bytes + 5 * width, dtype=torch.uint8)
+    torch_dist._pack_blocks(blocks, torch.zeros(4, 5, dtype=torch.int64), fields, splits, 0)
+    carried = torch_dist._Carried(blocks, splits, head_bytes, width)
+    rows = torch.cat([blocks[s, head_bytes : head_bytes + n * width].view(n, width) for s, n in enumerate(splits)])
+    src = torch.tensor([3, -1, 0, 10, 10, -1, 7])
+    got_x, got_idx = torch.full((7, 6), 9.0, dtype=torch.bfloat16), torch.empty(11, 3, dtype=torch.int64)
+    carried.land([(0, 12, got_x, src), (16, 24, got_idx, None)])
+    assert torch.equal(got_x.view(torch.uint8), gather_rows(rows[:, :12], src).view(torch.uint8).view(7, 12))
+    assert torch.equal(got_idx, idx[send_idx])
+    with pytest.raises(ValueError, match="takes arrival row 11 of 11"):
+        carried.land([(0, 12, got_x[:1], torch.tensor([11]))])

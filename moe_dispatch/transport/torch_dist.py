@@ -45,11 +45,15 @@ A token lives in exactly one chunk, so every sum above runs over the same rows i
 order as without chunks: results are bit-identical for any chunk count and either route.
 Stage 2 of all chunks lands in one buffer that a single gather puts in final order (a
 per-chunk scatter would be many times slower on CPU). The depth follows the size: one chunk
-per :data:`CHUNK_BYTES` of the largest stage-1 payload, at most :data:`NUM_CHUNKS`; calls whose
-largest flat payload is at most :data:`FLAT_BYTES`, or whose routing the two stages would
-de-duplicate by less than :data:`MIN_DEDUP` of the cross-node rows, take the flat route (one
-collective instead of two; the combine order is the semantics', not the route's). An explicit
-``num_chunks`` fixes the two-stage route at that depth.
+per :data:`CHUNK_BYTES` of the largest stage-1 payload, at most :data:`NUM_CHUNKS`. Calls where
+the cross-node bytes the two stages save would not pay for their second collective and the
+forwarded rows take the flat route (one collective instead of two; the combine order is the
+semantics', not the route's): on NCCL (GPU links) calls whose largest flat payload is at most
+:data:`FLAT_BYTES`, or whose routing the two stages would de-duplicate by less than
+:data:`MIN_DEDUP` of the cross-node rows; on gloo, where links range from a loopback to a shaped
+or real network, as the links measured once per transport predict
+(:meth:`TorchDistTransport._links`). An explicit ``num_chunks`` fixes the two-stage route at that
+depth.
 
 Every stage moves all row tensors of one call as a single packed uint8 buffer, so a stage is
 one collective per chunk whatever the number of tensors. Operations are written as generators
@@ -68,6 +72,7 @@ import datetime
 import functools
 import itertools
 import math
+import time
 from typing import Callable
 
 import torch
@@ -86,14 +91,20 @@ from .progress import Progress
 
 NUM_CHUNKS = 4  # deepest automatic pipeline: enough to hide stage 2 behind stage 1, few collectives
 CHUNK_BYTES = 16 << 20  # automatic depth: one chunk per this many stage-1 bytes of the largest sender
-# Automatic route: flat when no rank sends more payload bytes than this (the sizes where a second
-# collective's latency costs more than the de-duplicated bytes save: a few MB at 50 GB/s and tens
-# of microseconds per collective) ...
+# Automatic route on NCCL: flat when no rank sends more payload bytes than this (the sizes where a
+# second collective's latency costs more than the de-duplicated bytes save: a few MB at 50 GB/s
+# and tens of microseconds per collective) ...
 FLAT_BYTES = 4 << 20
 # ... or when the two stages would cut the rows crossing nodes by less than this fraction (routing
 # that reaches few ranks per node, e.g. top-2: the second stage's latency and forwarding copy then
 # cost more than they save).
 MIN_DEDUP = 0.25
+# On gloo the links are measured instead (TorchDistTransport._links), the first time a call's
+# largest flat payload exceeds LINK_PROBE_BYTES (below it a second collective never pays): an
+# exchange of a few bytes and of LINK_PROBE_BYTES per peer, on the inter-node and the intra-node
+# groups at once. Megabytes: smaller exchanges fit a shaped link's burst or a switch's buffers and
+# see the link faster than it is.
+LINK_PROBE_BYTES = 2 << 20
 # The flat route: a dispatch's rows travel in its counts' blocks, a combine's or cached dispatch's
 # in its argument check's, where no rank sends a peer more than the block holds; blocks hold the
 # previous dispatch's largest flat payload to one peer, if at most this many bytes (one collective
@@ -143,6 +154,44 @@ class _Counts:
 
 
 @dataclasses.dataclass(eq=False)
+class _Carried:
+    """Rows that came in the blocks of an exchange, still there: ``blocks [W, block bytes]``
+    uint8, block ``s`` its header (``head_bytes``), then ``carried[s]`` packed rows of ``width``
+    bytes (arrival rows counted across the blocks)."""
+
+    blocks: torch.Tensor
+    carried: list[int]
+    head_bytes: int
+    width: int
+
+    def land(self, fields: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]) -> None:
+        """For each ``(offset, bytes, out, index)``: row ``i`` of the contiguous ``out [n, ...]``
+        gets the field at ``offset`` of arrival row ``index[i]`` (``i`` when None; a zero row where
+        -1), in one pass (``_C.land_blocks_cpu``)."""
+        kept, args = [], []
+        for offset, nbytes, out, index in fields:
+            assert out.is_contiguous(), "_Carried.land writes through a byte view: out tensors must be contiguous"
+            if out.numel() == 0:
+                continue
+            dst = _as_bytes(out)
+            assert index is None or index.numel() == dst.shape[0], "_Carried.land: an index entry per output row"
+            index = None if index is None else index.to(torch.int64).contiguous()
+            kept.append((dst, index))  # alive until the pass returns
+            args.append(
+                (offset, nbytes, dst.data_ptr(), dst.stride(0), 0 if index is None else index.data_ptr(), dst.shape[0])
+            )
+        if args:
+            _ext._C.land_blocks_cpu(
+                blocks=self.blocks.data_ptr(),
+                block_bytes=self.blocks.shape[1],
+                head_bytes=self.head_bytes,
+                row_bytes=self.width,
+                carried=self.carried,
+                fields=args,
+            )
+
+
+@dataclasses.dataclass(eq=False)
 class TorchDistPlan:
     """The index plan of one dispatch (a rank's share of the handle); its combine replays it
     backwards. A :class:`~moe_dispatch.transport.base.Plan`.
@@ -162,7 +211,7 @@ class TorchDistPlan:
     flat_send_idx: torch.Tensor | None = None  # [F] token of each flat send row, by destination rank
     flat_send_splits: list[int] = dataclasses.field(default_factory=list)  # [W]
     flat_recv_splits: list[int] = dataclasses.field(default_factory=list)  # [W]
-    arrived: torch.Tensor | None = None  # [R, wb] the flat rows that came with the counts, until landed
+    arrived: "_Carried | torch.Tensor | None" = None  # the flat rows that came with the counts, until landed
     internode_rows: int = 0  # rows this rank sends to other nodes per dispatch (and receives back in combine)
     intranode_rows: int = 0  # rows this rank sends to other local ranks per dispatch
     # Derived on first use and kept for every later call (combine, backward): sum plans, indices
@@ -239,10 +288,11 @@ def _pack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
     return buf
 
 
-def _pack_blocks(send: torch.Tensor, head: torch.Tensor, fields: list, splits: list[int]) -> None:
-    """Writes block ``d`` of ``send [W, block bytes]``: header ``head[d]`` (int64 words), then
-    the next ``splits[d]`` rows of ``fields`` (as :func:`_pack` takes them) packed. On CPU in one
-    pass (``_C.pack_blocks_cpu``), else :func:`_pack` and a copy per destination."""
+def _pack_blocks(send: torch.Tensor, head: torch.Tensor, fields: list, splits: list[int], count_word: int) -> None:
+    """Writes block ``d`` of ``send [W, block bytes]``: header ``head[d]`` (int64 words) with
+    word ``count_word`` set to ``splits[d]``, then the next ``splits[d]`` rows of ``fields`` (as
+    :func:`_pack` takes them) packed. On CPU in one pass (``_C.pack_blocks_cpu``), else
+    :func:`_pack` and a copy per destination."""
     head, head_bytes = head.contiguous(), head.shape[1] * 8
     widths = [_row_bytes(t.dtype, tuple(t.shape[1:])) for t, _ in fields]
     row_bytes = sum(_padded(w) for w in widths)
@@ -262,8 +312,11 @@ def _pack_blocks(send: torch.Tensor, head: torch.Tensor, fields: list, splits: l
             ],
             index=next(iter(index.values())).data_ptr() if index else 0,
             splits=list(splits),
+            count_word=count_word,
         )
         return
+    head = head.clone()
+    head[:, count_word] = torch.tensor(splits, dtype=torch.int64, device=head.device)
     packed, offset = _pack(fields), 0
     for d, n in enumerate(splits):
         send[d, head_bytes : head_bytes + n * row_bytes] = packed[offset : offset + n].view(-1)
@@ -384,6 +437,8 @@ HOST = "all-ranks (host, gloo)"  # the argument checks of an NCCL EP group: host
 # dropped without close() keeps its groups (its peers may still be using theirs).
 _NAMES_REUSED = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14)
 _spare_groups: dict[tuple, list[dist.ProcessGroup]] = {}
+# The links measured by TorchDistTransport._links, by (EP group's global ranks, ranks per node).
+_measured_links: dict[tuple, tuple[float, float, float, float]] = {}
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta, backend: str) -> dist.ProcessGroup:
@@ -443,6 +498,7 @@ class TorchDistTransport:
         # have the same size whatever its arguments are.
         self._capacity = 0
         group_ranks = dist.get_process_group_ranks(group)
+        self._links_key = (tuple(group_ranks), topology.ranks_per_node)  # see _links
         self.progress = Progress(group_ranks, topology.rank)
         backend = dist.get_backend(group)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -607,8 +663,7 @@ class TorchDistTransport:
         send = torch.empty((world, head_bytes + capacity), dtype=torch.uint8, device=head.device)
         if rows is not None:
             fields, splits = rows
-            head[:, AGREE_WORDS] = torch.tensor(splits, dtype=torch.int64)
-            _pack_blocks(send, head, fields, splits)
+            _pack_blocks(send, head, fields, splits, AGREE_WORDS)
         else:
             send[:, :head_bytes].view(torch.int64).copy_(head)
         recv, pending = self._all_to_all(send.view(-1), None, None, kind, what)
@@ -616,13 +671,23 @@ class TorchDistTransport:
         recv = recv.view(world, -1)
         return recv[:, :head_bytes].view(torch.int64), recv
 
-    def _carried_rows(self, blocks: torch.Tensor, carried: list[int], expected: list[int], width: int, what: str):
-        """``[R, width]`` uint8: the rows each source's block carried (``carried`` of them; the
-        plan's ``expected``), by source."""
+    def _carried(self, blocks: torch.Tensor, carried: list[int], expected: list[int], width: int, what: str):
+        """The rows of ``width`` bytes each source's block carried (``carried`` of them; the plan's
+        ``expected``), by source: left in the blocks (a :class:`_Carried`) where ``_C`` lands
+        them from there, else ``[R, width]`` uint8 (:meth:`_carried_rows`)."""
+        self._expect(carried, expected, what)
+        if blocks.device.type == "cpu" and _ext.extension_status().built:
+            return _Carried(blocks, carried, self._header_words * 8, width)
+        return self._carried_rows(blocks, carried, width)
+
+    def _expect(self, carried: list[int], expected: list[int], what: str) -> None:
         if carried != expected:
             raise RuntimeError(
                 f"EP rank {self.topology.rank}: {what}: the peers sent {carried} rows, the plan expects {expected}"
             )
+
+    def _carried_rows(self, blocks: torch.Tensor, carried: list[int], width: int) -> torch.Tensor:
+        """``[R, width]`` uint8: the rows each source's block carried, by source."""
         head_bytes = self._header_words * 8
         return torch.cat([blocks[s, head_bytes : head_bytes + n * width].view(n, width) for s, n in enumerate(carried)])
 
@@ -649,7 +714,8 @@ class TorchDistTransport:
         send, send_splits, recv_splits, what = rows
         carried = [r[AGREE_WORDS] for r in got]
         if all(n >= 0 for n in carried):  # every rank's rows came with its header
-            return self._carried_rows(blocks, carried, recv_splits, send.shape[1], what)
+            self._expect(carried, recv_splits, what)
+            return self._carried_rows(blocks, carried, send.shape[1])  # the sums read rows of one stride
         recv, pending = self._all_to_all(send, send_splits, recv_splits, ALL_COMM, what)
         yield pending
         return recv
@@ -759,7 +825,7 @@ class TorchDistTransport:
         if blocks is not None and all(n >= 0 for n in carried):  # every rank's rows came along
             self._route(plan, width)  # the packed rows' width: set where the rows were fused
             if plan.flat:
-                plan.arrived = self._carried_rows(blocks, carried, counts_of.from_rank, width, what)
+                plan.arrived = self._carried(blocks, carried, counts_of.from_rank, width, what)
         return plan
 
     @property
@@ -775,11 +841,7 @@ class TorchDistTransport:
             return
         topo = self.topology
         local_ranks, num_nodes = topo.ranks_per_node, topo.num_nodes
-        if self.num_chunks is None and (
-            not self._two_stage_world
-            or counts.max_flat_rows * row_bytes <= FLAT_BYTES
-            or counts.stage1_cross_rows > (1 - MIN_DEDUP) * counts.flat_cross_rows
-        ):
+        if self.num_chunks is None and (not self._two_stage_world or not self._two_stages_pay(counts, row_bytes)):
             plan.flat = True
             plan.flat_send_idx = (
                 counts.send_idx if counts.send_idx is not None else _flat_send_idx(counts.is_token_in_rank)
@@ -821,6 +883,63 @@ class TorchDistTransport:
         if not (depth == 1 and (local_ranks == 1 or num_nodes == 1)):
             plan.recv_perm = _reorder_blocks(arrivals, (2, 1, 0), plan.num_recv_tokens)
 
+    def _two_stages_pay(self, counts: _Counts, row_bytes: int) -> bool:
+        """Whether the two stages would be faster than the flat route for rows of ``row_bytes``
+        (from agreed sizes and links: every rank decides the same). Per rank, on average: the flat
+        route sends its cross-node rows and, to the other ranks of its node, its in-node rows; the
+        two stages send one copy per token and node across, then every row once more inside the
+        destination's node, one collective more."""
+        largest = counts.max_flat_rows * row_bytes
+        if self._agree_kind != ALL_COMM:  # NCCL: GPU links
+            return largest > FLAT_BYTES and counts.stage1_cross_rows <= (1 - MIN_DEDUP) * counts.flat_cross_rows
+        if largest <= LINK_PROBE_BYTES or counts.stage1_cross_rows >= counts.flat_cross_rows:
+            return False
+        flat_collective, two_collectives, per_inter_byte, per_intra_byte = self._links()
+        world, local_ranks = self.topology.world_size, self.topology.ranks_per_node
+        others = (local_ranks - 1) / local_ranks  # of the rows for my node, those for its other ranks
+        cross, stage1 = counts.flat_cross_rows * row_bytes / world, counts.stage1_cross_rows * row_bytes / world
+        rows = counts.total_flat_rows * row_bytes / world
+        flat = flat_collective + cross * per_inter_byte + (rows - cross) * others * per_intra_byte
+        two = two_collectives + stage1 * per_inter_byte + rows * others * per_intra_byte
+        return two < flat
+
+    def _links(self) -> tuple[float, float, float, float]:
+        """``(seconds of the flat route's collective, of the two stages' collectives, per byte a rank
+        receives from other nodes, per byte from the other ranks of its node)``, measured the first
+        time a gloo call asks: on its all-ranks group (a few bytes), and on its inter-node and its
+        intra-node group (a few bytes, then :data:`LINK_PROBE_BYTES` per peer), every rank at once
+        as the routes run, each rank times three exchanges back to back after one untimed exchange
+        that lines the ranks up (so a late rank's start is not timed as the link's). Each figure is
+        the largest over the ranks, so every rank decides alike. Kept for every later transport
+        over the same ranks and nodes in this process (they share the links, and so decide alike)."""
+        if self._links_key not in _measured_links:
+            times = []
+            for kind, sizes in (
+                (ALL_COMM, (_ALIGN,)),
+                (INTER, (_ALIGN, LINK_PROBE_BYTES)),
+                (INTRA, (_ALIGN, LINK_PROBE_BYTES)),
+            ):
+                for nbytes in sizes:
+                    send = torch.zeros(len(self.peers[kind]) * nbytes, dtype=torch.uint8)
+                    for timed in (False, True):
+                        start = time.perf_counter()
+                        for _ in range(3 if timed else 1):
+                            _, pending = self._all_to_all(send, None, None, kind, "link probe")
+                            pending.wait()
+                    times.append((time.perf_counter() - start) / 3)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            work = dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.groups[ALL_COMM], async_op=True)
+            Pending(work, lambda err: self._describe(ALL_COMM, "link probe (all_reduce)", err)).wait()
+            small_all, small_inter, big_inter, small_intra, big_intra = slowest.tolist()
+            topo = self.topology
+            _measured_links[self._links_key] = (
+                small_all,
+                small_inter + small_intra,
+                max(big_inter - small_inter, 0.0) / ((topo.num_nodes - 1) * LINK_PROBE_BYTES),
+                max(big_intra - small_intra, 0.0) / ((topo.ranks_per_node - 1) * LINK_PROBE_BYTES),
+            )
+        return _measured_links[self._links_key]
+
     def _final_of_arrival(self, plan: TorchDistPlan) -> torch.Tensor | None:
         """``[R]``: the final row of each arrival row, the gather index from final order into
         arrival order (None when they coincide); the inverse of ``plan.recv_perm``."""
@@ -836,19 +955,27 @@ class TorchDistTransport:
 
     def _land(
         self,
-        recv: torch.Tensor,
+        recv: "torch.Tensor | _Carried",
         plan: TorchDistPlan,
         specs: list[tuple[torch.dtype, tuple[int, ...]]],
         out: list[torch.Tensor],
         permute: tuple[int, Callable[[], PermuteHandle]] | None,
         permuted: PermuteHandle | None = None,
     ) -> None:
-        """Writes the packed arrivals ``recv`` into ``out``: in final order; or, for the first ``k``
-        tensors of ``permute = (k, layout)``, expert-major as the permute handle ``layout()`` lays
-        the received rows out (zero padding rows; ``layout`` is called once the other tensors
-        landed). With ``permuted`` every tensor lands in that handle's layout. One gather per tensor."""
+        """Writes the packed arrivals ``recv`` (or the blocks they came in) into ``out``: in final
+        order; or, for the first ``k`` tensors of ``permute = (k, layout)``, expert-major as the
+        permute handle ``layout()`` lays the received rows out (zero padding rows; ``layout`` is
+        called once the other tensors landed). With ``permuted`` every tensor lands in that
+        handle's layout. One gather per tensor."""
         k, layout = permute if permute is not None else (len(out) if permuted is not None else 0, None)
         offsets = list(itertools.accumulate([0, *(_padded(_row_bytes(*spec)) for spec in specs)]))
+        if isinstance(recv, _Carried):  # still in the blocks they came in: one pass each way
+            assert plan.recv_perm is None, "rows come with the counts on the flat route only (final order)"
+            recv.land([(offsets[j], _row_bytes(*specs[j]), out[j], None) for j in range(k, len(out))])
+            if k:
+                src, _ = permuted_sources(permuted if permuted is not None else layout())
+                recv.land([(offsets[j], _row_bytes(*specs[j]), out[j], src) for j in range(k)])
+            return
         fields = [recv[:, offsets[j] : offsets[j] + _row_bytes(*spec)] for j, spec in enumerate(specs)]
         for field, dst in zip(fields[k:], out[k:]):
             _unpack_rows(field, plan.recv_perm, [dst])
