@@ -462,7 +462,8 @@ class Buffer:
             into this many chunks, so stage 1 (inter-node) of one chunk overlaps stage 2
             (intra-node) of the previous (``moe_dispatch.transport.torch_dist``). Results are the
             same bits for any depth. None (default): the route and depth follow each dispatch's
-            size (one flat exchange for small calls, one chunk per ``torch_dist.CHUNK_BYTES``). A
+            size and, on gloo, the links measured once per EP group (one flat exchange for small
+            calls and alike links, one chunk per ``torch_dist.CHUNK_BYTES``). A
             positive int, the same on every rank, keeps two stages; checked on every transport,
             used by ``"torch_dist"`` only.
         device: where the tensors live: None (NCCL groups: the current CUDA device; others:
