@@ -1566,20 +1566,15 @@ class Transfers:
         """The received top-k ids (``routing.recv_topk_idx``, global) in local numbering, -1 for
         other ranks' experts (their weights zeroed), and ``num_recv_tokens_per_expert``."""
         experts_per_rank = routing.num_experts // self.topology.world_size
-        if localize_topk_idx_cpu(routing, experts_per_rank * self.topology.rank, experts_per_rank, recv_weights):
-            return
-        local = routing.recv_topk_idx.sub_(self.topology.rank * experts_per_rank)  # in place
-        other = (local < 0) | (local >= experts_per_rank)
-        local.masked_fill_(other, -1)
-        # Counted from the rows that arrived (-1 counts in bin 0): the metadata carries no
-        # per-expert counts, so its size is the same on every rank whatever num_experts each
-        # one passed. A static-size add (bincount would read the largest id on the host).
-        bins = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=local.device)
-        flat = local.view(-1).to(torch.int64) + 1
-        bins.index_add_(0, flat, torch.ones_like(flat))
-        routing.num_recv_tokens_per_expert.copy_(bins[1:])
-        if recv_weights is not None:
-            recv_weights.masked_fill_(other, 0.0)
+        # Counted from the rows that arrived: the metadata carries no per-expert counts, so its
+        # size is the same on every rank whatever num_experts each one passed.
+        localize_topk_idx_cpu(
+            routing.recv_topk_idx,
+            routing.num_recv_tokens_per_expert,
+            experts_per_rank * self.topology.rank,
+            experts_per_rank,
+            recv_weights,
+        )
 
     def _dispatch_permuted(self, call: Call, tensors: list[torch.Tensor], k: int) -> list[torch.Tensor | None]:
         """A fresh dispatch of ``tensors`` (k x tensors, topk_idx, then the weights if given) whose

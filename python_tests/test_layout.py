@@ -322,24 +322,23 @@ def test_native_routing_map_to_topk_equals_torch(gen, monkeypatch):
 
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass localize is in moe_dispatch._C")
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_native_localize_equals_torch(gen, dtype):
-    """The received ids made local in one pass: the ids, per-expert counts and zeroed weights of
-    Buffer._localize's torch version."""
-    import types
-
-    from moe_dispatch.ops.layout import localize_topk_idx_cpu
+def test_native_localize_equals_torch(gen, dtype, monkeypatch):
+    """The received ids made local in one pass and in torch ops (Buffer._localize's two paths):
+    the same ids, per-expert counts and zeroed weights."""
+    import moe_dispatch.ops.layout as layout_ops
 
     ids = torch.randint(-1, 32, (40, 6), generator=gen).to(dtype)
     weights = torch.rand(40, 6, generator=gen)
     for first, local in ((8, 8), (0, 4), (28, 4)):
-        routing = types.SimpleNamespace(
-            recv_topk_idx=ids.clone(), num_recv_tokens_per_expert=torch.empty(local, dtype=torch.int64)
-        )
-        w = weights.clone()
-        assert localize_topk_idx_cpu(routing, first, local, w)
         want = ids - first
         other = (want < 0) | (want >= local)
         want = want.masked_fill(other, -1)
-        assert torch.equal(routing.recv_topk_idx, want)
-        assert torch.equal(routing.num_recv_tokens_per_expert, torch.bincount(want[~other].long(), minlength=local))
-        assert torch.equal(w, weights.masked_fill(other, 0.0))
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(layout_ops, "_native", lambda t: False)
+            got, counts, w = ids.clone(), torch.empty(local, dtype=torch.int64), weights.clone()
+            layout_ops.localize_topk_idx_cpu(got, counts, first, local, w)
+            monkeypatch.undo()
+            assert torch.equal(got, want), native
+            assert torch.equal(counts, torch.bincount(want[~other].long(), minlength=local)), native
+            assert torch.equal(w, weights.masked_fill(other, 0.0)), native

@@ -447,24 +447,37 @@ def is_token_in_rank_cpu(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     return out
 
 
-def localize_topk_idx_cpu(routing, first_expert: int, num_local_experts: int, weights: torch.Tensor | None) -> bool:
-    """In one pass over CPU ids (``csrc/kernels/layout_cpu.cpp``): ``routing.recv_topk_idx [R,
-    K]`` in place in local numbering (ids of ``[first_expert, first_expert + num_local_experts)``
-    less ``first_expert``, the others -1, their ``weights [R, K]`` fp32 zeroed in place) and
-    ``routing.num_recv_tokens_per_expert`` (each local id's occurrences). Returns False, having
-    done nothing, where the pass cannot run (not CPU, not contiguous, ``_C`` not built)."""
-    topk_idx, counts = routing.recv_topk_idx, routing.num_recv_tokens_per_expert
+def localize_topk_idx_cpu(
+    topk_idx: torch.Tensor,
+    counts: torch.Tensor,
+    first_expert: int,
+    num_local_experts: int,
+    weights: torch.Tensor | None = None,
+) -> None:
+    """Received top-k ids in local numbering, in place: ``topk_idx [R, K]`` ids of ``[first_expert,
+    first_expert + num_local_experts)`` less ``first_expert``, the others -1 (their ``weights [R,
+    K]`` zeroed in place); ``counts [num_local_experts]`` int64 gets each local id's occurrences.
+    In one pass over contiguous CPU ids (``csrc/kernels/layout_cpu.cpp``), else in torch ops."""
     usable = weights is None or (weights.dtype == torch.float32 and weights.is_contiguous())
-    if not (_native(topk_idx) and usable and topk_idx.is_contiguous() and counts.is_contiguous()):
-        return False
-    _ext._C.localize_topk_idx_cpu(
-        **_topk_args(topk_idx),
-        first_expert=first_expert,
-        num_local_experts=num_local_experts,
-        counts=counts.data_ptr(),
-        weights=0 if weights is None else weights.data_ptr(),
-    )
-    return True
+    if _native(topk_idx) and usable and topk_idx.is_contiguous() and counts.is_contiguous():
+        _ext._C.localize_topk_idx_cpu(
+            **_topk_args(topk_idx),
+            first_expert=first_expert,
+            num_local_experts=num_local_experts,
+            counts=counts.data_ptr(),
+            weights=0 if weights is None else weights.data_ptr(),
+        )
+        return
+    local = topk_idx.sub_(first_expert)
+    other = (local < 0) | (local >= num_local_experts)
+    local.masked_fill_(other, -1)
+    # -1 counts in bin 0. A static-size add: bincount would read the largest id on the host.
+    bins = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=local.device)
+    flat = local.view(-1).to(torch.int64) + 1
+    bins.index_add_(0, flat, torch.ones_like(flat))
+    counts.copy_(bins[1:])
+    if weights is not None:
+        weights.masked_fill_(other, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
