@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 READ_TIMEOUT_S = 2.0
 FLUSH_INTERVAL_S = 0.05
+IDLE_INTERVALS = 20  # flush intervals without a mark after which the writer sleeps until the next one
 # How long a diagnosis after a lost connection waits for the live peers' notes and marks: many times
 # FLUSH_INTERVAL_S plus a store round trip, so that it holds with a loaded machine's late threads;
 # it ends as soon as at most one peer is unaccounted for (the usual case: one rank died).
@@ -113,10 +114,11 @@ class Progress:
         self._rank, self._world_size = rank, len(group_ranks)
         self._store_host = group_ranks.index(0) if 0 in group_ranks else None  # EP rank of global rank 0
         self._current = threading.local()  # per thread: the operation it is in
-        self._unsent: dict[str, str] = {}  # key -> latest value, for the writer thread
+        self._latest: dict[str, str] = {}  # key -> latest mark, set by the marking threads without a lock
+        self._sent: dict[str, str] = {}  # key -> what the writer last stored
         self._written: set[str] = set()  # this rank's keys in the store, removed by close()
         self._wake = threading.Condition()
-        self._idle = False  # the writer waits for a first mark (a mark during its flush interval waits for that)
+        self._idle = False  # the writer sleeps until a mark wakes it (after IDLE_INTERVALS without one)
         self._writer: threading.Thread | None = None
         self._closing = False
 
@@ -134,27 +136,39 @@ class Progress:
         self._current.op = (seq, what)
         if self._store is None or self._store_error is not None:
             return
-        with self._wake:
-            if self._closing:
-                return
-            self._unsent[self._key(self._rank, thread)] = f"{seq} {what}"
-            if self._idle:  # else the writer takes it at the end of its interval: no wake-up per call
+        # One dict item set (atomic under the GIL), no lock: the writer stores the latest value
+        # at its next interval. Only a writer gone idle is woken (it re-checks after going idle).
+        self._latest[self._key(self._rank, thread)] = f"{seq} {what}"
+        if self._idle or self._writer is None:
+            with self._wake:
+                if self._closing:
+                    return
                 self._wake.notify()
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write, name="moe_dispatch-progress", daemon=True)
-                self._writer.start()
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write, name="moe_dispatch-progress", daemon=True)
+                    self._writer.start()
+
+    def _changed(self) -> dict[str, str]:
+        return {key: value for key, value in list(self._latest.items()) if self._sent.get(key) != value}
 
     def _write(self) -> None:
+        quiet = 0  # intervals in a row without a new mark
         while True:
             with self._wake:
-                while not self._unsent and not self._closing:
+                if quiet >= IDLE_INTERVALS:
                     self._idle = True
-                    self._wake.wait()
-                self._idle = False
-                batch, self._unsent, closing = self._unsent, {}, self._closing
+                    while not self._closing and not self._changed():
+                        self._wake.wait()
+                    self._idle, quiet = False, 0
+                else:  # marks meanwhile coalesce into one write per key
+                    self._wake.wait_for(lambda: self._closing, FLUSH_INTERVAL_S)
+                closing = self._closing
+            batch = self._changed()
+            quiet = 0 if batch else quiet + 1
             try:
                 for key, value in batch.items():
                     self._store.set(key, value)
+                    self._sent[key] = value
                     self._written.add(key)
             except Exception as err:  # noqa: BLE001 - a lost store only costs the diagnostic
                 self._store_error = err
@@ -162,8 +176,6 @@ class Progress:
             if closing:
                 self._remove_keys()
                 return
-            with self._wake:  # later marks meanwhile coalesce into one write per key
-                self._wake.wait_for(lambda: self._closing, FLUSH_INTERVAL_S)
 
     def _post(self, name: str, seq: int, text: str) -> None:
         """Stores ``"<seq> <text>"`` under this rank's key ``name`` now (bounded)."""
