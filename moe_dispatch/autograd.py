@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from .semantics.permute import permuted_sources
 from .transport.base import Call
 
 
@@ -37,15 +36,16 @@ class DispatchFn(torch.autograd.Function):
         routing = ctx.call.dispatch
         permute = routing.slot.permute
         tensors = [grad_recv_x.contiguous()]
-        if grad_recv_weights is not None:
-            if permute is not None:  # [P] per row -> [R, K] per entry (0 where no row holds it)
-                entries = torch.zeros(
-                    routing.recv_topk_idx.numel(), dtype=grad_recv_weights.dtype, device=grad_recv_weights.device
-                )
-                _, entry = permuted_sources(permute)
-                kept = entry >= 0
-                entries[entry[kept]] = grad_recv_weights[kept]
-                grad_recv_weights = entries.view(routing.recv_topk_idx.shape)
+        if grad_recv_weights is not None and permute is not None:
+            # [P] per row -> [R, K] per entry: each entry's row (row_id_map), 0 where no row holds
+            # it (another rank's expert, or dropped)
+            rows = permute.row_id_map.reshape(-1)
+            if grad_recv_weights.shape[0]:
+                entries = grad_recv_weights.index_select(0, rows.clamp(min=0)).masked_fill_(rows < 0, 0.0)
+            else:  # no row at all
+                entries = grad_recv_weights.new_zeros(rows.shape)
+            tensors.append(entries.view(routing.recv_topk_idx.shape))
+        elif grad_recv_weights is not None:
             mine = routing.recv_topk_idx >= 0
             tensors.append(torch.where(mine, grad_recv_weights, torch.zeros_like(grad_recv_weights)))
         store = ctx.call.wgrad_store

@@ -305,19 +305,23 @@ def test_native_routing_map_to_topk_equals_torch(gen, monkeypatch):
                     assert (got[1] is None) == (want[1] is None)
                     if want[1] is not None:
                         assert got[1].dtype == want[1].dtype and torch.equal(got[1], want[1]), p.dtype
-    # Router probs that need a gradient keep it: the weights' backward reaches probs as torch's does.
+    # Router probs that need a gradient keep it: the weights' backward reaches probs as torch's does,
+    # with free slots (-1) and with every slot an expert (Megatron's router: exactly K per token).
     probs = torch.rand(50, 16, generator=gen, requires_grad=True)
-    rm = torch.rand(50, 16, generator=gen) < 0.2
-    grads = []
-    for native in (True, False):
-        if not native:
-            monkeypatch.setattr(layout_ops, "_native", lambda t: False)
-        probs.grad = None
-        idx, w = routing_map_to_topk(rm, probs, 16)
-        (w * torch.arange(16.0)).sum().backward()
-        grads.append(probs.grad.clone())
-    monkeypatch.undo()
-    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    sparse = torch.rand(50, 16, generator=gen) < 0.2
+    exact = torch.zeros(50, 16, dtype=torch.bool).scatter_(1, torch.rand(50, 16, generator=gen).topk(4).indices, True)
+    for rm, num_topk in ((sparse, 16), (exact, 4)):
+        grads, weights = [], []
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(layout_ops, "_native", lambda t: False)
+            probs.grad = None
+            idx, w = routing_map_to_topk(rm, probs, num_topk)
+            (w * torch.arange(float(num_topk))).sum().backward()
+            grads.append(probs.grad.clone())
+            weights.append(w.detach())
+        monkeypatch.undo()
+        assert torch.equal(weights[0], weights[1]) and torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
 
 
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass localize is in moe_dispatch._C")

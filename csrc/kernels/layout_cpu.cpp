@@ -81,7 +81,7 @@ void register_layout(py::module_& m) {
         const auto* selected = reinterpret_cast<const uint8_t*>(routing_map);
         auto* idx = reinterpret_cast<int64_t*>(topk_idx);
         auto* weights = reinterpret_cast<float*>(topk_weights);
-        int64_t worst = 0, worst_row = 0;
+        int64_t worst = 0, worst_row = 0, fewest = num_tokens ? num_experts : 0;
         {
           py::gil_scoped_release release;
           for (int64_t t = 0; t < num_tokens; ++t) {
@@ -95,20 +95,21 @@ void register_layout(py::module_& m) {
               ++k;
             }
             if (k > worst) worst = k, worst_row = t;
+            fewest = std::min(fewest, k);
             for (int64_t j = k; j < num_topk; ++j) {
               idx[t * num_topk + j] = -1;
               if (weights != nullptr) weights[t * num_topk + j] = 0.0f;
             }
           }
         }
-        return py::make_tuple(worst, worst_row);
+        return py::make_tuple(worst, worst_row, fewest);
       },
       py::arg("routing_map"), py::arg("num_tokens"), py::arg("num_experts"), py::arg("num_topk"), py::arg("probs"),
       py::arg("probs_dtype"), py::arg("topk_idx"), py::arg("topk_weights"),
       "Host memory only: topk_idx [T, K] int64 (each row's selected experts of routing_map [T, E] (one byte "
       "each, nonzero = selected) in ascending id, then -1) and, when probs is not 0, topk_weights [T, K] fp32 "
       "(probs [T, E] of dtype 0 fp32, 1 bf16, 2 fp16, 3 fp64 at those experts, then 0). Returns (the most "
-      "experts a row selects, the first such row).");
+      "experts a row selects, the first such row, the fewest a row selects).");
 
   m.def(
       "localize_topk_idx_cpu",

@@ -563,7 +563,7 @@ def _routing_map_to_topk_cpu(routing_map, probs, num_topk: int, validate: bool):
     num_tokens, num_experts = routing_map.shape
     topk_idx = torch.empty((num_tokens, num_topk), dtype=torch.int64)
     topk_weights = None if probs is None else torch.empty((num_tokens, num_topk), dtype=torch.float32)
-    worst, row = _ext._C.routing_map_to_topk_cpu(
+    worst, row, fewest = _ext._C.routing_map_to_topk_cpu(
         routing_map=routing_map.data_ptr(),
         num_tokens=num_tokens,
         num_experts=num_experts,
@@ -575,10 +575,11 @@ def _routing_map_to_topk_cpu(routing_map, probs, num_topk: int, validate: bool):
     )
     if validate and worst > num_topk:
         raise ValueError(f"routing_map row {row} selects {worst} experts but num_topk is {num_topk}")
-    if gathered is not None:
-        chosen = topk_idx >= 0
+    if gathered is not None and fewest >= num_topk:  # every slot holds an expert (Megatron's top-k)
+        topk_weights = torch.gather(gathered, 1, topk_idx).float()
+    elif gathered is not None:
         w = torch.gather(gathered, 1, topk_idx.clamp(min=0)).float()
-        topk_weights = torch.where(chosen, w, torch.zeros_like(w))
+        topk_weights = w.masked_fill(topk_idx < 0, 0.0)
     return topk_idx, topk_weights
 
 
