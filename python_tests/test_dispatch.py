@@ -7,6 +7,7 @@ reductions are compared bit for bit: no tolerances.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 
@@ -448,11 +449,18 @@ def _links_choose_the_route(rank, world_size, buf):
         assert num_tokens[0] * world_size * hidden * 4 > torch_dist.LINK_PROBE_BYTES  # big enough to ask
         check_routing(fresh, rank, L, xs, idxs, ws, num_experts)
         measured = torch_dist._measured_links[key]
-        assert measured[0] > 0 and min(measured) >= 0, measured
+        figures = dataclasses.astuple(measured)
+        assert measured.collective_s > 0 and measured.two_collectives_s > 0 and min(figures) >= 0, measured
         everyone = [None] * world_size
-        dist.all_gather_object(everyone, measured, group=buf.group)
-        assert all(m == measured for m in everyone), everyone
-        for costs, flat in (((0.0, 0.0, 1.0, 0.0), False), ((1.0, 2.0, 0.0, 0.0), True)):
+        dist.all_gather_object(everyone, figures, group=buf.group)
+        assert all(m == figures for m in everyone), everyone
+        slow_inter = torch_dist.Links(
+            collective_s=0.0, per_byte=0.0, two_collectives_s=0.0, per_inter_byte=1.0, per_intra_byte=0.0
+        )
+        slow_collectives = torch_dist.Links(
+            collective_s=1.0, per_byte=0.0, two_collectives_s=2.0, per_inter_byte=0.0, per_intra_byte=0.0
+        )
+        for costs, flat in ((slow_inter, False), (slow_collectives, True)):
             torch_dist._measured_links[key] = costs
             handle = check_routing(fresh, rank, L, xs, idxs, ws, num_experts)
             assert handle.slot.plan.flat is flat, (costs, handle.slot.plan.flat)
@@ -738,13 +746,46 @@ def test_route_choice_weighs_the_measured_links():
     # 8 ranks, 2 nodes of 4; every token of a rank to ~6 ranks (3 per node): 4x de-duplication.
     dedup = counts(6000, 8 * 3000, 8 * 1000, 8 * 6000)
     gloo, nccl = torch_dist.ALL_COMM, torch_dist.HOST
-    loopback, cluster = (2e-3, 4e-3, 2e-9, 2e-9), (2e-3, 4e-3, 18e-9, 2e-9)
+
+    def links(per_inter_byte):
+        return torch_dist.Links(
+            collective_s=2e-3, per_byte=2e-9, two_collectives_s=4e-3, per_inter_byte=per_inter_byte, per_intra_byte=2e-9
+        )
+
+    loopback, cluster = links(2e-9), links(18e-9)
     assert not pays(gloo, loopback, dedup)
     assert pays(gloo, cluster, dedup)
     assert not pays(gloo, cluster, counts(6000, 8 * 3000, 8 * 3000, 8 * 6000))  # nothing de-duplicated
     assert not pays(gloo, None, counts(200, 8 * 100, 8 * 30, 8 * 200))  # small: no measurement
     assert pays(nccl, None, dedup, row_bytes=7168 * 2) and not pays(nccl, None, dedup, row_bytes=512)  # FLAT_BYTES
     assert not pays(nccl, None, counts(6000, 8 * 3000, 8 * 2500, 8 * 6000), row_bytes=7168 * 2)  # MIN_DEDUP
+
+
+def test_fused_blocks_weigh_their_padding_by_the_measured_links():
+    """A check's blocks carry the flat rows where padding every block to the largest pair adds at
+    most FUSED_PADDING to the bytes (no measurement), else where the measured links move the
+    slowest rank's extra bytes in less time than the collective saved takes."""
+    from moe_dispatch.topology import Topology
+    from moe_dispatch.transport import torch_dist
+
+    def pays(links, max_pair, max_flat, total, row_bytes=1024):
+        def measured():
+            assert links is not None, "measured links where the rule needs none"
+            return links
+
+        fake = types.SimpleNamespace(_links=measured, topology=Topology(rank=0, world_size=4, ranks_per_node=2))
+        c = types.SimpleNamespace(max_pair_rows=max_pair, max_flat_rows=max_flat, total_flat_rows=total)
+        return torch_dist.TorchDistTransport._padding_pays(fake, c, row_bytes)
+
+    def links(collective_s, per_byte):
+        return torch_dist.Links(
+            collective_s=collective_s, per_byte=per_byte, two_collectives_s=0.0, per_inter_byte=0.0, per_intra_byte=0.0
+        )
+
+    assert pays(None, 100, 400, 16 * 90)  # 16 blocks of 100 rows for 1440: 1.11x, no measurement
+    # 16 blocks of 200 rows for 1600 (2x); the slowest rank sends 500: 300 rows (300 KiB) of padding
+    assert pays(links(1e-3, 1e-9), 200, 500, 1600)  # 0.3 ms of padding < 1 ms a collective
+    assert not pays(links(1e-4, 1e-9), 200, 500, 1600)  # ... > 0.1 ms
 
 
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass landing is in moe_dispatch._C")

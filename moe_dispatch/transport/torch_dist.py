@@ -67,6 +67,7 @@ packs its first payload meanwhile, and completes the check before that payload m
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import datetime
 import functools
@@ -100,9 +101,10 @@ FLAT_BYTES = 4 << 20
 # cost more than they save).
 MIN_DEDUP = 0.25
 # On gloo the links are measured instead (TorchDistTransport._links), the first time a call's
-# largest flat payload exceeds LINK_PROBE_BYTES (below it a second collective never pays): an
-# exchange of a few bytes and of LINK_PROBE_BYTES per peer, on the inter-node and the intra-node
-# groups at once. Megabytes: smaller exchanges fit a shaped link's burst or a switch's buffers and
+# largest flat payload exceeds LINK_PROBE_BYTES (below it a second collective never pays) or the
+# fused blocks' padding exceeds FUSED_PADDING (below): an exchange of a few bytes and of
+# LINK_PROBE_BYTES per peer on each of the transport's groups (all ranks, inter-node,
+# intra-node). Megabytes: smaller exchanges fit a shaped link's burst or a switch's buffers and
 # see the link faster than it is.
 LINK_PROBE_BYTES = 2 << 20
 # The flat route: a dispatch's rows travel in its counts' blocks, a combine's or cached dispatch's
@@ -110,7 +112,9 @@ LINK_PROBE_BYTES = 2 << 20
 # previous dispatch's largest flat payload to one peer, if at most this many bytes (one collective
 # instead of two: at these sizes the round trip costs more than the padding up to the block size).
 FUSED_BYTES = 1 << 20
-FUSED_PADDING = 1.25  # ... and the padding adds at most a quarter to the bytes (links may be slow)
+# ... and the padding adds at most a quarter to the bytes; or, on gloo, the measured links move the
+# padding in less time than the collective saved takes (TorchDistTransport._padding_pays).
+FUSED_PADDING = 1.25
 
 
 @dataclasses.dataclass(eq=False)
@@ -437,8 +441,22 @@ HOST = "all-ranks (host, gloo)"  # the argument checks of an NCCL EP group: host
 # dropped without close() keeps its groups (its peers may still be using theirs).
 _NAMES_REUSED = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14)
 _spare_groups: dict[tuple, list[dist.ProcessGroup]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """What :meth:`TorchDistTransport._links` measured, in seconds: the collectives' latencies (a
+    few bytes), and per byte a rank receives beyond them from its peers, each group measured alone."""
+
+    collective_s: float  # one all-ranks exchange: the flat route, or an argument check
+    per_byte: float  # ... per byte from the other ranks
+    two_collectives_s: float  # an inter-node then an intra-node exchange: the two stages
+    per_inter_byte: float  # per byte from other nodes (the inter-node group alone)
+    per_intra_byte: float  # per byte from the other ranks of this node (the intra-node group alone)
+
+
 # The links measured by TorchDistTransport._links, by (EP group's global ranks, ranks per node).
-_measured_links: dict[tuple, tuple[float, float, float, float]] = {}
+_measured_links: dict[tuple, Links] = {}
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta, backend: str) -> dist.ProcessGroup:
@@ -648,7 +666,9 @@ class TorchDistTransport:
         """``[W, header words]`` int64, a row per destination: this rank's agreement row, no
         payload, zero sizes and counts (what a check sends; a fresh dispatch fills the rest)."""
         row = [*agreement.row(fields, status, AGREE_WORDS), -1] + [0] * (self._header_words - AGREE_WORDS - 1)
-        return torch.tensor([row] * self.topology.world_size, dtype=torch.int64, device=device)
+        # from an array's buffer: a third of torch.tensor's time on a nested list
+        head = torch.frombuffer(array.array("q", row * self.topology.world_size), dtype=torch.int64)
+        return head.view(self.topology.world_size, -1).to(device)
 
     def _exchange_blocks(self, head: torch.Tensor, what: str, kind: str, rows: tuple | None = None) -> Steps:
         """Steps of one equal-split exchange of blocks ``[header | payload]`` on the ``kind`` group
@@ -894,32 +914,41 @@ class TorchDistTransport:
             return largest > FLAT_BYTES and counts.stage1_cross_rows <= (1 - MIN_DEDUP) * counts.flat_cross_rows
         if largest <= LINK_PROBE_BYTES or counts.stage1_cross_rows >= counts.flat_cross_rows:
             return False
-        flat_collective, two_collectives, per_inter_byte, per_intra_byte = self._links()
+        links = self._links()
         world, local_ranks = self.topology.world_size, self.topology.ranks_per_node
         others = (local_ranks - 1) / local_ranks  # of the rows for my node, those for its other ranks
         cross, stage1 = counts.flat_cross_rows * row_bytes / world, counts.stage1_cross_rows * row_bytes / world
         rows = counts.total_flat_rows * row_bytes / world
-        flat = flat_collective + cross * per_inter_byte + (rows - cross) * others * per_intra_byte
-        two = two_collectives + stage1 * per_inter_byte + rows * others * per_intra_byte
+        flat = links.collective_s + cross * links.per_inter_byte + (rows - cross) * others * links.per_intra_byte
+        two = links.two_collectives_s + stage1 * links.per_inter_byte + rows * others * links.per_intra_byte
         return two < flat
 
-    def _links(self) -> tuple[float, float, float, float]:
-        """``(seconds of the flat route's collective, of the two stages' collectives, per byte a rank
-        receives from other nodes, per byte from the other ranks of its node)``, measured the first
-        time a gloo call asks: on its all-ranks group (a few bytes), and on its inter-node and its
-        intra-node group (a few bytes, then :data:`LINK_PROBE_BYTES` per peer), every rank at once
-        as the routes run, each rank times three exchanges back to back after one untimed exchange
-        that lines the ranks up (so a late rank's start is not timed as the link's). Each figure is
-        the largest over the ranks, so every rank decides alike. Kept for every later transport
-        over the same ranks and nodes in this process (they share the links, and so decide alike)."""
+    def _padding_pays(self, counts: _Counts, row_bytes: int) -> bool:
+        """Whether a check's blocks should carry the flat rows (every block padded to the largest
+        pair's rows: one collective) rather than the check and the rows going apart (two): yes
+        where the padding adds at most FUSED_PADDING to the bytes moved; else where the measured
+        links move the slowest rank's extra bytes in less time than a collective takes (from
+        agreed sizes: every rank decides the same)."""
+        world = self.topology.world_size
+        if counts.max_pair_rows * world * world <= FUSED_PADDING * counts.total_flat_rows:
+            return True
+        links = self._links()
+        extra = (counts.max_pair_rows * world - counts.max_flat_rows) * row_bytes
+        return extra * links.per_byte < links.collective_s
+
+    def _links(self) -> "Links":
+        """The links of this transport's ranks (:class:`Links`), measured the first time a gloo call
+        asks: on each of its groups (all ranks, inter-node, intra-node, those it has), a few bytes,
+        then :data:`LINK_PROBE_BYTES` per peer, every rank at once as the routes run; each rank times
+        three exchanges back to back after one untimed exchange that lines the ranks up (so a late
+        rank's start is not timed as the link's). Each figure is the largest over the ranks, so
+        every rank decides alike. Kept for every later transport over the same ranks and nodes in
+        this process (they share the links, and so decide alike)."""
         if self._links_key not in _measured_links:
+            kinds = [kind for kind in (ALL_COMM, INTER, INTRA) if self.groups[kind] is not None]
             times = []
-            for kind, sizes in (
-                (ALL_COMM, (_ALIGN,)),
-                (INTER, (_ALIGN, LINK_PROBE_BYTES)),
-                (INTRA, (_ALIGN, LINK_PROBE_BYTES)),
-            ):
-                for nbytes in sizes:
+            for kind in kinds:
+                for nbytes in (_ALIGN, LINK_PROBE_BYTES):
                     send = torch.zeros(len(self.peers[kind]) * nbytes, dtype=torch.uint8)
                     for timed in (False, True):
                         start = time.perf_counter()
@@ -930,13 +959,18 @@ class TorchDistTransport:
             slowest = torch.tensor(times, dtype=torch.float64)
             work = dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.groups[ALL_COMM], async_op=True)
             Pending(work, lambda err: self._describe(ALL_COMM, "link probe (all_reduce)", err)).wait()
-            small_all, small_inter, big_inter, small_intra, big_intra = slowest.tolist()
-            topo = self.topology
-            _measured_links[self._links_key] = (
-                small_all,
-                small_inter + small_intra,
-                max(big_inter - small_inter, 0.0) / ((topo.num_nodes - 1) * LINK_PROBE_BYTES),
-                max(big_intra - small_intra, 0.0) / ((topo.ranks_per_node - 1) * LINK_PROBE_BYTES),
+            slowest = slowest.tolist()
+            small = {kind: slowest[2 * i] for i, kind in enumerate(kinds)}
+            per_byte = {
+                kind: max(slowest[2 * i + 1] - slowest[2 * i], 0.0) / ((len(self.peers[kind]) - 1) * LINK_PROBE_BYTES)
+                for i, kind in enumerate(kinds)
+            }
+            _measured_links[self._links_key] = Links(
+                collective_s=small[ALL_COMM],
+                per_byte=per_byte[ALL_COMM],
+                two_collectives_s=small.get(INTER, 0.0) + small.get(INTRA, 0.0),
+                per_inter_byte=per_byte.get(INTER, 0.0),
+                per_intra_byte=per_byte.get(INTRA, 0.0),
             )
         return _measured_links[self._links_key]
 
@@ -1007,12 +1041,10 @@ class TorchDistTransport:
         width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors)
         self._route(plan, width)
         # The blocks of the following checks carry this dispatch's flat rows (combine's are at most
-        # as wide): from agreed sizes, at the same point of the queue on every rank; not where
-        # padding every pair to the largest would add more than FUSED_PADDING to the bytes moved.
-        counts, world = plan.counts, self.topology.world_size
-        fused = counts.max_pair_rows * width if plan.flat and counts is not None else 0
-        even = fused and counts.max_pair_rows * world * world <= FUSED_PADDING * counts.total_flat_rows
-        self._capacity = fused if even and fused <= FUSED_BYTES and self._agree_kind == ALL_COMM else 0
+        # as wide): from agreed sizes, at the same point of the queue on every rank.
+        fused = plan.counts.max_pair_rows * width if plan.flat and plan.counts is not None else 0
+        fits = 0 < fused <= FUSED_BYTES and self._agree_kind == ALL_COMM
+        self._capacity = fused if fits and self._padding_pays(plan.counts, width) else 0
         if plan.arrived is not None:  # the rows came with the counts
             recv, plan.arrived = plan.arrived, None
             self._land(recv, plan, _specs(tensors), out, permute)
