@@ -1,5 +1,6 @@
 """Train a small GPT whose MoE layers are Megatron-Core ``MoELayer``s, once with the alltoall
-dispatcher and once with moe_dispatch's flex backend "custom", from the same seed and data.
+dispatcher and once with moe_dispatch's flex backend "custom", from the same seed and data, the
+two runs interleaved step by step in one world (their seconds per step side by side).
 
 Real client, real input: Megatron-Core's ``GPTModel`` (local, non-Transformer-Engine spec; every
 layer an MoE layer with a learned top-k router and load-balancing loss) reads byte-level tokens
@@ -210,64 +211,83 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(cfg: RunConfig, dispatcher: str, corpus: torch.Tensor, device: torch.device, console, label: str):
-    """One training run; returns (per-step mean loss over ranks, wall seconds) on every rank."""
+def train_both(cfg: RunConfig, corpus: torch.Tensor, device: torch.device, console) -> dict:
+    """Both training runs in one world, interleaved: each step runs once per dispatcher on the same
+    batch, which of them goes first alternating, every rank lined up (a barrier) before each timed
+    step, so machine noise falls on both alike. Returns, per dispatcher, the per-step mean losses
+    over ranks and rank 0's seconds per step (a step ends with an all-reduce, so they are the
+    slowest rank's)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     import moe_dispatch.megatron as mdm
 
     mdm.clear_buffers()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    model = build_model(cfg, dispatcher, device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    runs = {}
+    for dispatcher in DISPATCHERS:
+        model = build_model(cfg, dispatcher, device)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        runs[dispatcher] = (model, opt)
     rank, world = dist.get_rank(), dist.get_world_size()
     positions = torch.arange(cfg.seq_len, device=device).unsqueeze(0).expand(cfg.micro_batch_size, -1)
     causal = torch.triu(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool, device=device), 1)[None, None]
-    losses: list[float] = []
+    results = {d: {"losses": [], "step_s": []} for d in DISPATCHERS}
     progress = task = None
     if console is not None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(
-            TextColumn(f"[bold]{label:>8}"),
+            TextColumn("[bold]steps"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"),
+            TextColumn(" ".join(f"{d} {{task.fields[{d}]:.4f}}" for d in DISPATCHERS)),
             TimeElapsedColumn(),
             console=console,
         )
         progress.start()
-        task = progress.add_task(label, total=cfg.steps, loss=float("nan"))
-    dist.barrier()
-    start = time.perf_counter()
+        task = progress.add_task("steps", total=cfg.steps, **{d: float("nan") for d in DISPATCHERS})
+
+    def one_step(step: int, dispatcher: str) -> tuple[float, float]:
+        model, opt = runs[dispatcher]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = sample_batch(corpus, cfg, step, rank).to(device)
+        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        per_token = model(tokens, positions, causal, labels=labels)
+        loss = per_token.float().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = reduce_gradients(model, cfg)
+        opt.step()
+        mean_loss = loss.detach().reshape(1).double()
+        dist.all_reduce(mean_loss)
+        return float(mean_loss) / world, grad_norm
+
     try:
         for step in range(cfg.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            batch = sample_batch(corpus, cfg, step, rank).to(device)
-            tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-            per_token = model(tokens, positions, causal, labels=labels)
-            loss = per_token.float().mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = reduce_gradients(model, cfg)
-            opt.step()
-            mean_loss = loss.detach().reshape(1).double()
-            dist.all_reduce(mean_loss)
-            losses.append(float(mean_loss) / world)
+            order = DISPATCHERS if step % 2 == 0 else DISPATCHERS[::-1]
+            norms = {}
+            for dispatcher in order:
+                dist.barrier()
+                start = time.perf_counter()
+                loss, norms[dispatcher] = one_step(step, dispatcher)
+                results[dispatcher]["step_s"].append(time.perf_counter() - start)
+                results[dispatcher]["losses"].append(loss)
             if progress is not None:
-                progress.update(task, advance=1, loss=losses[-1])
+                progress.update(task, advance=1, **{d: results[d]["losses"][-1] for d in DISPATCHERS})
                 if (step + 1) % cfg.log_every == 0 or step == 0:
-                    progress.console.print(
-                        f"{label:>8} step {step + 1:4d}  loss {losses[-1]:.4f}  "
-                        f"grad-norm {grad_norm:.3f}  lr {lr_at(step, cfg):.2e}"
-                    )
+                    for d in DISPATCHERS:
+                        progress.console.print(
+                            f"{d:>8} step {step + 1:4d}  loss {results[d]['losses'][-1]:.4f}  "
+                            f"grad-norm {norms[d]:.3f}  lr {lr_at(step, cfg):.2e}  "
+                            f"{results[d]['step_s'][-1] * 1e3:.0f} ms"
+                        )
     finally:
         if progress is not None:
             progress.stop()
     dist.barrier()
-    return losses, time.perf_counter() - start
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +304,17 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
+def step_ratio(custom: list[float], alltoall: list[float]) -> dict:
+    """Custom's seconds per step over alltoall's: of the means, and the median with p10-p90 of the
+    per-step ratios (the two ran back to back on each step, so they shared its noise)."""
+    ratios = sorted(c / a for c, a in zip(custom, alltoall))
+
+    def at(q: float) -> float:
+        return ratios[min(len(ratios) - 1, int(q * len(ratios)))]
+
+    return {"of_means": sum(custom) / sum(alltoall), "median": at(0.5), "p10": at(0.1), "p90": at(0.9)}
+
+
 def summarize(cfg: RunConfig, results: dict, tolerance: float, min_drop: float, smooth: int, meta: dict) -> dict:
     """The figures of both runs and the two checks (curves agree, loss falls)."""
     a, c = results["alltoall"]["losses"], results["custom"]["losses"]
@@ -296,8 +327,9 @@ def summarize(cfg: RunConfig, results: dict, tolerance: float, min_drop: float, 
         "final_loss": {k: sum(v["losses"][-window:]) / window for k, v in results.items()},
         "initial_loss": {k: sum(v["losses"][:window]) / window for k, v in results.items()},
         "last_step_loss": {k: v["losses"][-1] for k, v in results.items()},
-        "wall_s": {k: v["wall_s"] for k, v in results.items()},
-        "s_per_step": {k: v["wall_s"] / len(v["losses"]) for k, v in results.items()},
+        "train_s": {k: sum(v["step_s"]) for k, v in results.items()},
+        "s_per_step": {k: sum(v["step_s"]) / len(v["step_s"]) for k, v in results.items()},
+        "step_ratio": step_ratio(results["custom"]["step_s"], results["alltoall"]["step_s"]),
         "max_abs_loss_diff": max(diffs),
         "max_abs_loss_diff_step": diffs.index(max(diffs)) + 1,
         "mean_abs_loss_diff": sum(diffs) / len(diffs),
@@ -393,10 +425,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig, args_dict: dict) -> dic
             f"{world_size} ranks, EP {cfg.ep}, {world_size // cfg.ranks_per_node} node(s) x "
             f"{cfg.ranks_per_node}, device {device.type}"
         )
-    results = {}
-    for dispatcher in DISPATCHERS:
-        losses, wall = train(cfg, dispatcher, corpus, device, console, dispatcher)
-        results[dispatcher] = {"losses": losses, "wall_s": wall}
+    results = train_both(cfg, corpus, device, console)
     ps.destroy_model_parallel()
     return results if rank == 0 else None
 
@@ -526,10 +555,13 @@ def main(argv=None) -> int:
         f"{summary['max_abs_smoothed_diff']:.3e} (tolerance {args.tolerance}); bitwise-equal curves: "
         f"{summary['bitwise_equal_curves']}"
     )
+    per_step, ratio = summary["s_per_step"], summary["step_ratio"]
     print(
-        f"wall: alltoall {summary['wall_s']['alltoall']:.1f} s, custom {summary['wall_s']['custom']:.1f} s, "
-        f"total {total:.1f} s; outputs in {out}/ (loss_curves.png, losses.csv, summary.json)"
+        f"seconds per step (interleaved, rank 0): alltoall {per_step['alltoall']:.3f}, custom "
+        f"{per_step['custom']:.3f}; custom / alltoall {ratio['of_means']:.3f} of the means, per step "
+        f"{ratio['median']:.3f} ({ratio['p10']:.3f}-{ratio['p90']:.3f}, median and p10-p90)"
     )
+    print(f"wall: total {total:.1f} s; outputs in {out}/ (loss_curves.png, losses.csv, summary.json)")
     print(f"{verdict}: curves agree {summary['curves_agree']}, loss falls {summary['loss_falls']}")
     return 0 if verdict == "PASS" else 1
 

@@ -52,5 +52,8 @@ def test_training_script_runs_and_curves_agree(tmp_path):
     assert summary["bitwise_equal_curves"] and summary["max_abs_loss_diff"] == 0.0  # CPU, no padding
     assert summary["max_abs_smoothed_diff"] == 0.0
     assert summary["config"]["ep"] == 4 and summary["ranks"] == 4
+    ratio = summary["step_ratio"]  # the two runs interleaved: seconds per step side by side
+    assert set(summary["s_per_step"]) == {"alltoall", "custom"} and min(summary["s_per_step"].values()) > 0
+    assert 0 < ratio["p10"] <= ratio["median"] <= ratio["p90"], ratio
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
     assert len((tmp_path / "losses.csv").read_text().splitlines()) == 5  # header + 4 steps
