@@ -774,8 +774,8 @@ def test_fused_blocks_weigh_their_padding_by_the_measured_links():
             return links
 
         fake = types.SimpleNamespace(_links=measured, topology=Topology(rank=0, world_size=4, ranks_per_node=2))
-        c = types.SimpleNamespace(max_pair_rows=max_pair, max_flat_rows=max_flat, total_flat_rows=total)
-        return torch_dist.TorchDistTransport._padding_pays(fake, c, row_bytes)
+        c = types.SimpleNamespace(max_flat_rows=max_flat, total_flat_rows=total)
+        return torch_dist.TorchDistTransport._padding_pays(fake, c, row_bytes, max_pair)
 
     def links(collective_s, per_byte):
         return torch_dist.Links(

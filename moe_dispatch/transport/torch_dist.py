@@ -68,6 +68,7 @@ packs its first payload meanwhile, and completes the check before that payload m
 from __future__ import annotations
 
 import array
+import collections
 import dataclasses
 import datetime
 import functools
@@ -109,12 +110,15 @@ MIN_DEDUP = 0.25
 LINK_PROBE_BYTES = 2 << 20
 # The flat route: a dispatch's rows travel in its counts' blocks, a combine's or cached dispatch's
 # in its argument check's, where no rank sends a peer more than the block holds; blocks hold the
-# previous dispatch's largest flat payload to one peer, if at most this many bytes (one collective
+# previous dispatch's largest flat payload to one peer (or more, below), if at most this many bytes (one collective
 # instead of two: at these sizes the round trip costs more than the padding up to the block size).
 FUSED_BYTES = 1 << 20
 # ... and the padding adds at most a quarter to the bytes; or, on gloo, the measured links move the
 # padding in less time than the collective saved takes (TorchDistTransport._padding_pays).
 FUSED_PADDING = 1.25
+# ... the blocks hold the largest pair of this many recent dispatches where that padding pays too
+# (a step's MoE layers: each routes differently, and the next one's rows then fit more often).
+RECENT_DISPATCHES = 8
 
 
 @dataclasses.dataclass(eq=False)
@@ -515,6 +519,7 @@ class TorchDistTransport:
         # from its agreed sizes (the same on every rank, in queue order), so every rank's blocks
         # have the same size whatever its arguments are.
         self._capacity = 0
+        self._recent_pairs = collections.deque(maxlen=RECENT_DISPATCHES)  # their largest pair's bytes
         group_ranks = dist.get_process_group_ranks(group)
         self._links_key = (tuple(group_ranks), topology.ranks_per_node)  # see _links
         self.progress = Progress(group_ranks, topology.rank)
@@ -923,17 +928,17 @@ class TorchDistTransport:
         two = links.two_collectives_s + stage1 * links.per_inter_byte + rows * others * links.per_intra_byte
         return two < flat
 
-    def _padding_pays(self, counts: _Counts, row_bytes: int) -> bool:
-        """Whether a check's blocks should carry the flat rows (every block padded to the largest
-        pair's rows: one collective) rather than the check and the rows going apart (two): yes
-        where the padding adds at most FUSED_PADDING to the bytes moved; else where the measured
-        links move the slowest rank's extra bytes in less time than a collective takes (from
-        agreed sizes: every rank decides the same)."""
+    def _padding_pays(self, counts: _Counts, row_bytes: int, block_rows: int) -> bool:
+        """Whether a check's blocks should carry the flat rows (every block padded to
+        ``block_rows`` rows, at least the largest pair's: one collective) rather than the check and
+        the rows going apart (two): yes where the padding adds at most FUSED_PADDING to the bytes
+        moved; else where the measured links move the slowest rank's extra bytes in less time
+        than a collective takes (from agreed sizes: every rank decides the same)."""
         world = self.topology.world_size
-        if counts.max_pair_rows * world * world <= FUSED_PADDING * counts.total_flat_rows:
+        if block_rows * world * world <= FUSED_PADDING * counts.total_flat_rows:
             return True
         links = self._links()
-        extra = (counts.max_pair_rows * world - counts.max_flat_rows) * row_bytes
+        extra = (block_rows * world - counts.max_flat_rows) * row_bytes
         return extra * links.per_byte < links.collective_s
 
     def _links(self) -> "Links":
@@ -944,6 +949,8 @@ class TorchDistTransport:
         rank's start is not timed as the link's). Each figure is the largest over the ranks, so
         every rank decides alike. Kept for every later transport over the same ranks and nodes in
         this process (they share the links, and so decide alike)."""
+        if self.groups[ALL_COMM] is None:  # a group of one: nothing moves, nothing to measure
+            return Links(collective_s=0.0, per_byte=0.0, two_collectives_s=0.0, per_inter_byte=0.0, per_intra_byte=0.0)
         if self._links_key not in _measured_links:
             kinds = [kind for kind in (ALL_COMM, INTER, INTRA) if self.groups[kind] is not None]
             times = []
@@ -1042,9 +1049,16 @@ class TorchDistTransport:
         self._route(plan, width)
         # The blocks of the following checks carry this dispatch's flat rows (combine's are at most
         # as wide): from agreed sizes, at the same point of the queue on every rank.
+        # Blocks sized for the largest of the recent dispatches also carry the next dispatch's rows
+        # with its counts more often (a model's layers route differently), where that padding pays.
         fused = plan.counts.max_pair_rows * width if plan.flat and plan.counts is not None else 0
-        fits = 0 < fused <= FUSED_BYTES and self._agree_kind == ALL_COMM
-        self._capacity = fused if fits and self._padding_pays(plan.counts, width) else 0
+        self._recent_pairs.append(fused)
+        self._capacity = 0
+        if 0 < fused and self._agree_kind == ALL_COMM:
+            for capacity in dict.fromkeys((max(self._recent_pairs), fused)):
+                if capacity <= FUSED_BYTES and self._padding_pays(plan.counts, width, capacity // width):
+                    self._capacity = capacity
+                    break
         if plan.arrived is not None:  # the rows came with the counts
             recv, plan.arrived = plan.arrived, None
             self._land(recv, plan, _specs(tensors), out, permute)
