@@ -171,6 +171,8 @@ def check(rows: list[list[int]], fields: dict[str, Field], *, rank: int, what: s
             ..."``; or ``"EP rank 0: combine arguments differ across ranks: handle is dispatch #3
             here but dispatch #5 on EP rank 1; ..."``.
     """
+    if 0 <= rank < len(rows) and rows[rank][0] == 0 and all(words == rows[rank] for words in rows):
+        return  # every rank sent this rank's row: no refusal, no difference (the usual case)
     refusing = [r for r, words in enumerate(rows) if words[0] != 0]
     if refusing:
         texts = refusals(refusing)

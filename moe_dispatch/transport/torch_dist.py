@@ -717,31 +717,37 @@ class TorchDistTransport:
         return torch.cat([blocks[s, head_bytes : head_bytes + n * width].view(n, width) for s, n in enumerate(carried)])
 
     def _agreed(self, check: "Agreement", rows: tuple | None = None) -> Steps:
-        """Steps of ``check`` (see :meth:`agree`); with ``rows = (send [F, wb] uint8, send_splits,
-        recv_splits, what)`` also the flat exchange of those packed rows, returned as ``[R, wb]``
-        by source: inside the check's blocks where every rank's fit (one collective), else after
-        it."""
+        """Steps of ``check`` (see :meth:`agree`); with ``rows = (fields, send_splits, recv_splits,
+        what, in_blocks)`` also the flat exchange of the rows of ``fields`` (as :func:`_pack` takes
+        them), returned packed as ``[R, wb]`` by source: inside the check's blocks where every
+        rank's fit (one collective; with ``in_blocks`` they may stay there, a :class:`_Carried`),
+        else after it."""
         kind = self._agree_kind
         if self.groups[kind] is None:  # a group of one: nothing to compare, the rows are this rank's
             self._check([agreement.row(check.fields, check.status, AGREE_WORDS)], check.fields, check.what)
-            return None if rows is None else rows[0]
-        fused = None
-        if rows is not None and kind == ALL_COMM and rows[0].device.type == "cpu":
-            send, send_splits = rows[0], rows[1]
-            if max(send_splits) * send.shape[1] <= self._capacity:
-                fused = ([(send, None)], send_splits)
+            return None if rows is None else _pack(rows[0])
+        fused = width = None
+        if rows is not None:
+            fields, send_splits = rows[0], rows[1]
+            width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t, _ in fields)
+            if kind == ALL_COMM and fields[0][0].device.type == "cpu" and max(send_splits) * width <= self._capacity:
+                # packed straight into the blocks (one index for every field), else packed first
+                shared = all(i is fields[0][1] for _, i in fields)
+                fused = (fields if shared else [(_pack(fields), None)], send_splits)
         head = self._headers(check.fields, check.status, torch.device("cpu"))
         headers, blocks = yield from self._exchange_blocks(head, f"{check.what} argument check", kind, fused)
         got = headers[:, : AGREE_WORDS + 1].tolist()  # the agreement rows, then the rows carried
         self._check([r[:AGREE_WORDS] for r in got], check.fields, check.what)
         if rows is None:
             return None
-        send, send_splits, recv_splits, what = rows
+        fields, send_splits, recv_splits, what, in_blocks = rows
         carried = [r[AGREE_WORDS] for r in got]
         if all(n >= 0 for n in carried):  # every rank's rows came with its header
+            if in_blocks:
+                return self._carried(blocks, carried, recv_splits, width, what)
             self._expect(carried, recv_splits, what)
-            return self._carried_rows(blocks, carried, send.shape[1])  # the sums read rows of one stride
-        recv, pending = self._all_to_all(send, send_splits, recv_splits, ALL_COMM, what)
+            return self._carried_rows(blocks, carried, width)  # the sums read rows of one stride
+        recv, pending = self._all_to_all(_pack(fields), send_splits, recv_splits, ALL_COMM, what)
         yield pending
         return recv
 
@@ -1101,19 +1107,20 @@ class TorchDistTransport:
 
     def _flat_dispatch(self, tensors, plan, out, what, permute=None, permuted=None, check=None) -> Steps:
         """The flat route: one exchange, rows arrive in final order; a replay's (``check``: its
-        argument check) travel inside the check's blocks where they fit."""
-        send = _pack([(t, plan.flat_send_idx) for t in tensors])
-        recv = yield from self._flat_exchange(send, plan.flat_send_splits, plan.flat_recv_splits, what, check)
+        argument check) travel inside the check's blocks where they fit, and land from there."""
+        fields = [(t, plan.flat_send_idx) for t in tensors]
+        recv = yield from self._flat_exchange(fields, plan.flat_send_splits, plan.flat_recv_splits, what, check, True)
         self._land(recv, plan, _specs(tensors), out, permute, permuted)
 
-    def _flat_exchange(self, send, send_splits, recv_splits, what, check=None) -> Steps:
-        """Steps moving packed rows ``send [F, wb]`` (by destination) on the flat route; returns
-        ``[R, wb]`` by source. With ``check`` (an :class:`Agreement`) the check runs first, or
-        carries the rows (:meth:`_agreed`)."""
+    def _flat_exchange(self, fields, send_splits, recv_splits, what, check=None, in_blocks=False) -> Steps:
+        """Steps moving the rows of ``fields`` (as :func:`_pack` takes them, by destination) on
+        the flat route; returns them packed, ``[R, wb]`` by source, or, with ``in_blocks``, maybe
+        still in the blocks they came in (a :class:`_Carried`, for :meth:`_land`). With ``check``
+        (an :class:`Agreement`) the check runs first, or carries the rows (:meth:`_agreed`)."""
         what = f"{what} (flat exchange)"
         if check is not None:
-            return (yield from self._agreed(check, (send, send_splits, recv_splits, what)))
-        recv, pending = self._all_to_all(send, send_splits, recv_splits, ALL_COMM, what)
+            return (yield from self._agreed(check, (fields, send_splits, recv_splits, what, in_blocks)))
+        recv, pending = self._all_to_all(_pack(fields), send_splits, recv_splits, ALL_COMM, what)
         yield pending
         return recv
 
@@ -1233,8 +1240,8 @@ class TorchDistTransport:
         payload_index = [*index_of, *[arrival for s in scales if s is not None]]
         specs = _specs(payload)
         if plan.flat:
-            send = _pack(list(zip(payload, payload_index)))
-            back = yield from self._flat_exchange(send, plan.flat_recv_splits, plan.flat_send_splits, what, check)
+            fields = list(zip(payload, payload_index))
+            back = yield from self._flat_exchange(fields, plan.flat_recv_splits, plan.flat_send_splits, what, check)
             fields = _fields(back, specs)
             row_scales = self._row_scales(fields, scales, len(tensors))
             for dst, rows, sc in zip(out, fields[: len(tensors)], row_scales):
