@@ -110,8 +110,9 @@ MIN_DEDUP = 0.25
 LINK_PROBE_BYTES = 2 << 20
 # The flat route: a dispatch's rows travel in its counts' blocks, a combine's or cached dispatch's
 # in its argument check's, where no rank sends a peer more than the block holds; blocks hold the
-# previous dispatch's largest flat payload to one peer (or more, below), if at most this many bytes (one collective
-# instead of two: at these sizes the round trip costs more than the padding up to the block size).
+# previous dispatch's largest flat payload to one peer (or more, below), if at most this many
+# bytes (one collective instead of two: at these sizes the round trip costs more than the padding
+# up to the block size).
 FUSED_BYTES = 1 << 20
 # ... and the padding adds at most a quarter to the bytes; or, on gloo, the measured links move the
 # padding in less time than the collective saved takes (TorchDistTransport._padding_pays).
