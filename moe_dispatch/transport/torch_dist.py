@@ -717,6 +717,11 @@ class TorchDistTransport:
         head_bytes = self._header_words * 8
         return torch.cat([blocks[s, head_bytes : head_bytes + n * width].view(n, width) for s, n in enumerate(carried)])
 
+    def _carries(self, send_splits: list[int], width: int, device: torch.device) -> bool:
+        """Whether an argument check's blocks carry flat rows of ``width`` bytes sent by
+        ``send_splits`` (the same answer on every rank: the block holds every rank's largest)."""
+        return self._agree_kind == ALL_COMM and device.type == "cpu" and max(send_splits) * width <= self._capacity
+
     def _agreed(self, check: "Agreement", rows: tuple | None = None) -> Steps:
         """Steps of ``check`` (see :meth:`agree`); with ``rows = (fields, send_splits, recv_splits,
         what, in_blocks)`` also the flat exchange of the rows of ``fields`` (as :func:`_pack` takes
@@ -731,7 +736,7 @@ class TorchDistTransport:
         if rows is not None:
             fields, send_splits = rows[0], rows[1]
             width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t, _ in fields)
-            if kind == ALL_COMM and fields[0][0].device.type == "cpu" and max(send_splits) * width <= self._capacity:
+            if self._carries(send_splits, width, fields[0][0].device):
                 # packed straight into the blocks (one index for every field), else packed first
                 shared = all(i is fields[0][1] for _, i in fields)
                 fused = (fields if shared else [(_pack(fields), None)], send_splits)
@@ -1110,6 +1115,12 @@ class TorchDistTransport:
         """The flat route: one exchange, rows arrive in final order; a replay's (``check``: its
         argument check) travel inside the check's blocks where they fit, and land from there."""
         fields = [(t, plan.flat_send_idx) for t in tensors]
+        width = sum(_padded(_row_bytes(*spec)) for spec in _specs(tensors))
+        if check is not None and not self._carries(plan.flat_send_splits, width, tensors[0].device):
+            begun = _begin(check)  # the rows go after the check: pack them while it is in flight
+            fields = [(_pack(fields), None)]
+            yield from _complete(check, begun)
+            check = None
         recv = yield from self._flat_exchange(fields, plan.flat_send_splits, plan.flat_recv_splits, what, check, True)
         self._land(recv, plan, _specs(tensors), out, permute, permuted)
 
@@ -1233,7 +1244,12 @@ class TorchDistTransport:
         arrival = None if plan.flat else self._final_of_arrival(plan)
         # Each tensor's received rows in arrival order: the expert-major ones summed straight there
         # (one pass), the others gathered there as they are packed (index None: in order already).
-        begun = None if plan.flat else _begin(check)  # the flat route's rows travel with the check
+        # The flat route's rows travel in the check's blocks where they fit; else the check starts
+        # first and the rows are made while it is in flight.
+        width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors)
+        width += sum(_padded(_row_bytes(torch.float32, (1,))) for s in scales if s is not None)
+        in_blocks = plan.flat and tensors and self._carries(plan.flat_recv_splits, width, tensors[0].device)
+        begun = None if in_blocks else _begin(check)
         rows_of = [t if h is None else self._unpermute(plan, t, h) for t, h in zip(tensors, permuted)]
         index_of = [arrival if h is None else None for h in permuted]
         # Scales travel as extra fp32 columns so whoever sums multiplies in fp32.
@@ -1242,6 +1258,9 @@ class TorchDistTransport:
         specs = _specs(payload)
         if plan.flat:
             fields = list(zip(payload, payload_index))
+            if not in_blocks:
+                yield from _complete(check, begun)
+                check = None
             back = yield from self._flat_exchange(fields, plan.flat_recv_splits, plan.flat_send_splits, what, check)
             fields = _fields(back, specs)
             row_scales = self._row_scales(fields, scales, len(tensors))
