@@ -964,25 +964,38 @@ class TorchDistTransport:
         if self.groups[ALL_COMM] is None:  # a group of one: nothing moves, nothing to measure
             return Links(collective_s=0.0, per_byte=0.0, two_collectives_s=0.0, per_inter_byte=0.0, per_intra_byte=0.0)
         if self._links_key not in _measured_links:
-            kinds = [kind for kind in (ALL_COMM, INTER, INTRA) if self.groups[kind] is not None]
+            # The all-ranks group's large exchange goes last: it drains shaped links' bursts, which
+            # the inter-node figure the routes weigh would then not see.
+            probes = [
+                (kind, nbytes)
+                for kind, nbytes in (
+                    (ALL_COMM, _ALIGN),
+                    (INTER, _ALIGN),
+                    (INTER, LINK_PROBE_BYTES),
+                    (INTRA, _ALIGN),
+                    (INTRA, LINK_PROBE_BYTES),
+                    (ALL_COMM, LINK_PROBE_BYTES),
+                )
+                if self.groups[kind] is not None
+            ]
             times = []
-            for kind in kinds:
-                for nbytes in (_ALIGN, LINK_PROBE_BYTES):
-                    send = torch.zeros(len(self.peers[kind]) * nbytes, dtype=torch.uint8)
-                    for timed in (False, True):
-                        start = time.perf_counter()
-                        for _ in range(3 if timed else 1):
-                            _, pending = self._all_to_all(send, None, None, kind, "link probe")
-                            pending.wait()
-                    times.append((time.perf_counter() - start) / 3)
+            for kind, nbytes in probes:
+                send = torch.zeros(len(self.peers[kind]) * nbytes, dtype=torch.uint8)
+                for timed in (False, True):
+                    start = time.perf_counter()
+                    for _ in range(3 if timed else 1):
+                        _, pending = self._all_to_all(send, None, None, kind, "link probe")
+                        pending.wait()
+                times.append((time.perf_counter() - start) / 3)
             slowest = torch.tensor(times, dtype=torch.float64)
             work = dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.groups[ALL_COMM], async_op=True)
             Pending(work, lambda err: self._describe(ALL_COMM, "link probe (all_reduce)", err)).wait()
-            slowest = slowest.tolist()
-            small = {kind: slowest[2 * i] for i, kind in enumerate(kinds)}
+            took = dict(zip(probes, slowest.tolist()))
+            small = {kind: t for (kind, nbytes), t in took.items() if nbytes == _ALIGN}
             per_byte = {
-                kind: max(slowest[2 * i + 1] - slowest[2 * i], 0.0) / ((len(self.peers[kind]) - 1) * LINK_PROBE_BYTES)
-                for i, kind in enumerate(kinds)
+                kind: max(t - small[kind], 0.0) / ((len(self.peers[kind]) - 1) * LINK_PROBE_BYTES)
+                for (kind, nbytes), t in took.items()
+                if nbytes == LINK_PROBE_BYTES
             }
             _measured_links[self._links_key] = Links(
                 collective_s=small[ALL_COMM],
