@@ -258,6 +258,11 @@ def _padded(width: int) -> int:
     return -(-width // _ALIGN) * _ALIGN
 
 
+def _packed_width(tensors: list[torch.Tensor]) -> int:
+    """Bytes of one row of ``tensors`` packed side by side (:func:`_pack`: each field padded)."""
+    return sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors)
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``[rows, ...]`` -> ``[rows, bytes]`` uint8 (a view when ``t`` is contiguous)."""
     width = math.prod(t.shape[1:])
@@ -735,7 +740,7 @@ class TorchDistTransport:
         fused = width = None
         if rows is not None:
             fields, send_splits = rows[0], rows[1]
-            width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t, _ in fields)
+            width = _packed_width([t for t, _ in fields])
             if self._carries(send_splits, width, fields[0][0].device):
                 # packed straight into the blocks (one index for every field), else packed first
                 shared = all(i is fields[0][1] for _, i in fields)
@@ -804,7 +809,7 @@ class TorchDistTransport:
         per_sub, in_node, send_idx = _dispatch_counts(is_token_in_rank, bounds, topo, head, sizes_at)
         fused = None
         if rows is not None and self._capacity and device.type == "cpu":
-            width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in rows)
+            width = _packed_width(rows)
             send_splits = [sum(col) for col in zip(*per_sub.tolist())][:world]
             if max(send_splits) * width <= self._capacity:
                 send_idx = _flat_send_idx(is_token_in_rank) if send_idx is None else send_idx
@@ -1070,7 +1075,7 @@ class TorchDistTransport:
         ``out[:k]`` (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
         ``layout()`` lays the received rows out (zero padding rows); ``layout`` is called once
         ``out[k:]`` hold their rows (it reads the received top-k ids)."""
-        width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors)
+        width = _packed_width(tensors)
         self._route(plan, width)
         # The blocks of the following checks carry this dispatch's flat rows (combine's are at most
         # as wide): from agreed sizes, at the same point of the queue on every rank.
@@ -1128,7 +1133,7 @@ class TorchDistTransport:
         """The flat route: one exchange, rows arrive in final order; a replay's (``check``: its
         argument check) travel inside the check's blocks where they fit, and land from there."""
         fields = [(t, plan.flat_send_idx) for t in tensors]
-        width = sum(_padded(_row_bytes(*spec)) for spec in _specs(tensors))
+        width = _packed_width(tensors)
         if check is not None and not self._carries(plan.flat_send_splits, width, tensors[0].device):
             begun = _begin(check)  # the rows go after the check: pack them while it is in flight
             fields = [(_pack(fields), None)]
@@ -1259,8 +1264,7 @@ class TorchDistTransport:
         # (one pass), the others gathered there as they are packed (index None: in order already).
         # The flat route's rows travel in the check's blocks where they fit; else the check starts
         # first and the rows are made while it is in flight.
-        width = sum(_padded(_row_bytes(t.dtype, tuple(t.shape[1:]))) for t in tensors)
-        width += sum(_padded(_row_bytes(torch.float32, (1,))) for s in scales if s is not None)
+        width = _packed_width([*tensors, *[s.view(-1, 1) for s in scales if s is not None]])
         in_blocks = plan.flat and tensors and self._carries(plan.flat_recv_splits, width, tensors[0].device)
         begun = None if in_blocks else _begin(check)
         rows_of = [t if h is None else self._unpermute(plan, t, h) for t, h in zip(tensors, permuted)]
