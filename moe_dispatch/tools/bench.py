@@ -55,6 +55,8 @@ from ..semantics import reference
 from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
+from ..transport import torch_dist
+from ..transport.torch_dist import TorchDistTransport
 from .env import source_commit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -619,6 +621,13 @@ def _bench_case(
         }
         for j, side in enumerate(sides)
     }
+    # The links torch_dist measured for its route choice on these ranks (gloo, large calls only).
+    links = (
+        torch_dist._measured_links.get(buf.transport._links_key)
+        if isinstance(buf.transport, TorchDistTransport)
+        else None
+    )
+    figures["measured_links"] = dataclasses.asdict(links) if links else None
     figures["ratios"] = {"buffer_over_two_stage_floor": _ratio(totals["buffer"], totals["two_stage_floor"])}
     figures["ratios"]["two_stage_floor_over_flat_floor"] = _ratio(totals["two_stage_floor"], totals["flat_floor"])
     if calls:
@@ -692,6 +701,19 @@ def _run_rank(config: BenchConfig) -> tuple[list[dict], list[str]]:
                 start = time.perf_counter()
                 figures = _bench_case(buffers[ranks_per_node], megatron, groups, preset, num_tokens, config, sync)
                 state = figures.get("skipped") or f"oracle check {figures['oracle_check']}"
+                if links := figures.get("measured_links"):
+                    state += (
+                        f"; links measured: collective {links['collective_s'] * 1e3:.2f} ms, two stages' "
+                        f"{links['two_collectives_s'] * 1e3:.2f} ms; MB/s per rank: "
+                        + ", ".join(
+                            f"{name} {1 / links[key] / 1e6:.0f}" if links[key] else f"{name} -"
+                            for name, key in (
+                                ("all", "per_byte"),
+                                ("inter", "per_inter_byte"),
+                                ("intra", "per_intra_byte"),
+                            )
+                        )
+                    )
                 _note(
                     config,
                     f"case {name}, {num_tokens} tokens, {world // ranks_per_node} x {ranks_per_node}: {state} "

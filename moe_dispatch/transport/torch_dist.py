@@ -73,7 +73,9 @@ import dataclasses
 import datetime
 import functools
 import itertools
+import logging
 import math
+import statistics
 import time
 from typing import Callable
 
@@ -90,6 +92,8 @@ from . import agreement
 from .agreement import AGREE_WORDS
 from .base import Field, Steps
 from .progress import Progress
+
+logger = logging.getLogger(__name__)
 
 NUM_CHUNKS = 4  # deepest automatic pipeline: enough to hide stage 2 behind stage 1, few collectives
 CHUNK_BYTES = 16 << 20  # automatic depth: one chunk per this many stage-1 bytes of the largest sender
@@ -108,6 +112,13 @@ MIN_DEDUP = 0.25
 # intra-node). Megabytes: smaller exchanges fit a shaped link's burst or a switch's buffers and
 # see the link faster than it is.
 LINK_PROBE_BYTES = 2 << 20
+# Each probe is timed this many times after one untimed exchange; a rank keeps the median (a
+# descheduled rank or a shaped link's refilled burst moves one sample, not the figure).
+LINK_PROBE_SAMPLES = 5
+# The two stages are taken on gloo where the links say they take at most this fraction of the flat
+# route's time: they do host work the links do not see (a second route, a reorder), and a choice
+# on a near tie flips with the measurement's noise between runs.
+TWO_STAGE_GAIN = 0.85
 # The flat route: a dispatch's rows travel in its counts' blocks, a combine's or cached dispatch's
 # in its argument check's, where no rank sends a peer more than the block holds; blocks hold the
 # previous dispatch's largest flat payload to one peer (or more, below), if at most this many
@@ -930,7 +941,9 @@ class TorchDistTransport:
         (from agreed sizes and links: every rank decides the same). Per rank, on average: the flat
         route sends its cross-node rows and, to the other ranks of its node, its in-node rows; the
         two stages send one copy per token and node across, then every row once more inside the
-        destination's node, one collective more."""
+        destination's node, one collective more. A flat collective moves its cross-node and
+        in-node rows at once (every peer's transfer is posted before any is waited for), so it
+        lasts as long as the slower of the two; the stages run one after the other."""
         largest = counts.max_flat_rows * row_bytes
         if self._agree_kind != ALL_COMM:  # NCCL: GPU links
             return largest > FLAT_BYTES and counts.stage1_cross_rows <= (1 - MIN_DEDUP) * counts.flat_cross_rows
@@ -941,9 +954,9 @@ class TorchDistTransport:
         others = (local_ranks - 1) / local_ranks  # of the rows for my node, those for its other ranks
         cross, stage1 = counts.flat_cross_rows * row_bytes / world, counts.stage1_cross_rows * row_bytes / world
         rows = counts.total_flat_rows * row_bytes / world
-        flat = links.collective_s + cross * links.per_inter_byte + (rows - cross) * others * links.per_intra_byte
+        flat = links.collective_s + max(cross * links.per_inter_byte, (rows - cross) * others * links.per_intra_byte)
         two = links.two_collectives_s + stage1 * links.per_inter_byte + rows * others * links.per_intra_byte
-        return two < flat
+        return two < TWO_STAGE_GAIN * flat
 
     def _padding_pays(self, counts: _Counts, row_bytes: int, block_rows: int) -> bool:
         """Whether a check's blocks should carry the flat rows (every block padded to
@@ -962,10 +975,12 @@ class TorchDistTransport:
         """The links of this transport's ranks (:class:`Links`), measured the first time a gloo call
         asks: on each of its groups (all ranks, inter-node, intra-node, those it has), a few bytes,
         then :data:`LINK_PROBE_BYTES` per peer, every rank at once as the routes run; each rank times
-        three exchanges back to back after one untimed exchange that lines the ranks up (so a late
-        rank's start is not timed as the link's). Each figure is the largest over the ranks, so
-        every rank decides alike. Kept for every later transport over the same ranks and nodes in
-        this process (they share the links, and so decide alike)."""
+        :data:`LINK_PROBE_SAMPLES` exchanges after one untimed one, every rank of the transport
+        starting each together (so a late rank's start is not timed as the link's), and keeps
+        their median.
+        Each figure is the largest over the ranks, so every rank decides alike. Kept for every
+        later transport over the same ranks and nodes in this process (they share the links, and
+        so decide alike)."""
         if self.groups[ALL_COMM] is None:  # a group of one: nothing moves, nothing to measure
             return Links(collective_s=0.0, per_byte=0.0, two_collectives_s=0.0, per_inter_byte=0.0, per_intra_byte=0.0)
         if self._links_key not in _measured_links:
@@ -984,14 +999,19 @@ class TorchDistTransport:
                 if self.groups[kind] is not None
             ]
             times = []
+            line_up = torch.zeros(self.topology.world_size * _ALIGN, dtype=torch.uint8)
             for kind, nbytes in probes:
                 send = torch.zeros(len(self.peers[kind]) * nbytes, dtype=torch.uint8)
-                for timed in (False, True):
+                recv = torch.empty_like(send)  # one buffer: a fresh one's page faults are not the link's
+                samples = []
+                for _ in range(1 + LINK_PROBE_SAMPLES):
+                    # Every rank of every group starts the sample together (one all-ranks exchange
+                    # of a few bytes, untimed): groups out of step would time each other's traffic.
+                    self._all_to_all(line_up, None, None, ALL_COMM, "link probe")[1].wait()
                     start = time.perf_counter()
-                    for _ in range(3 if timed else 1):
-                        _, pending = self._all_to_all(send, None, None, kind, "link probe")
-                        pending.wait()
-                times.append((time.perf_counter() - start) / 3)
+                    self._all_to_all(send, None, None, kind, "link probe", recv=recv)[1].wait()
+                    samples.append(time.perf_counter() - start)
+                times.append(statistics.median(samples[1:]))
             slowest = torch.tensor(times, dtype=torch.float64)
             work = dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.groups[ALL_COMM], async_op=True)
             Pending(work, lambda err: self._describe(ALL_COMM, "link probe (all_reduce)", err)).wait()
@@ -1009,6 +1029,8 @@ class TorchDistTransport:
                 per_inter_byte=per_byte.get(INTER, 0.0),
                 per_intra_byte=per_byte.get(INTRA, 0.0),
             )
+            if self.topology.rank == 0:
+                logger.info("links of EP ranks %s: %s", self._links_key[0], _measured_links[self._links_key])
         return _measured_links[self._links_key]
 
     def _final_of_arrival(self, plan: TorchDistPlan) -> torch.Tensor | None:
