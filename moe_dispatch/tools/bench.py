@@ -55,7 +55,6 @@ from ..semantics import reference
 from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
-from ..transport import torch_dist
 from ..transport.torch_dist import TorchDistTransport
 from .env import source_commit
 
@@ -622,11 +621,7 @@ def _bench_case(
         for j, side in enumerate(sides)
     }
     # The links torch_dist measured for its route choice on these ranks (gloo, large calls only).
-    links = (
-        torch_dist._measured_links.get(buf.transport._links_key)
-        if isinstance(buf.transport, TorchDistTransport)
-        else None
-    )
+    links = buf.transport.measured_links if isinstance(buf.transport, TorchDistTransport) else None
     figures["measured_links"] = dataclasses.asdict(links) if links else None
     figures["ratios"] = {"buffer_over_two_stage_floor": _ratio(totals["buffer"], totals["two_stage_floor"])}
     figures["ratios"]["two_stage_floor_over_flat_floor"] = _ratio(totals["two_stage_floor"], totals["flat_floor"])

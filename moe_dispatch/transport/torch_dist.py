@@ -977,10 +977,9 @@ class TorchDistTransport:
         then :data:`LINK_PROBE_BYTES` per peer, every rank at once as the routes run; each rank times
         :data:`LINK_PROBE_SAMPLES` exchanges after one untimed one, every rank of the transport
         starting each together (so a late rank's start is not timed as the link's), and keeps
-        their median.
-        Each figure is the largest over the ranks, so every rank decides alike. Kept for every
-        later transport over the same ranks and nodes in this process (they share the links, and
-        so decide alike)."""
+        their median. Each figure is the largest over the ranks, so every rank decides alike.
+        Kept for every later transport over the same ranks and nodes in this process (they share
+        the links, and so decide alike)."""
         if self.groups[ALL_COMM] is None:  # a group of one: nothing moves, nothing to measure
             return Links(collective_s=0.0, per_byte=0.0, two_collectives_s=0.0, per_inter_byte=0.0, per_intra_byte=0.0)
         if self._links_key not in _measured_links:
@@ -1032,6 +1031,12 @@ class TorchDistTransport:
             if self.topology.rank == 0:
                 logger.info("links of EP ranks %s: %s", self._links_key[0], _measured_links[self._links_key])
         return _measured_links[self._links_key]
+
+    @property
+    def measured_links(self) -> "Links | None":
+        """The links :meth:`_links` measured for these ranks and nodes in this process, or None
+        where no call has needed them yet (small calls, NCCL)."""
+        return _measured_links.get(self._links_key)
 
     def _final_of_arrival(self, plan: TorchDistPlan) -> torch.Tensor | None:
         """``[R]``: the final row of each arrival row, the gather index from final order into
