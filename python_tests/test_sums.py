@@ -194,3 +194,47 @@ def test_grouped_sum_equals_the_two_levels(dtype, max_terms):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (scaled, type(p))
         with pytest.raises(ValueError, match="scaled=True"):
             one_pass.grouped_sum(plan, rows, None if scaled else torch.ones(rows.shape[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sums_read_rows_in_the_blocks_that_carried_them(dtype):
+    """ops.sums.BlockedRows (a combine's rows left in the blocks of the exchange: a header, then
+    each block's rows, the field after another and before padding, the last row ending at the
+    block's end, empty blocks too) gives the bits of the same rows
+    as a tensor, for ordered_sum and grouped_sum, with and without scales, in one pass and where
+    the pass cannot run (the reference on the rows copied out)."""
+    gen = torch.Generator().manual_seed(3)
+    counts, hidden, num_out = [7, 0, 12, 5], 24, 12
+    num_rows, size = sum(counts), dtype.itemsize
+    # bytes: a header, then rows of an 8-byte field, this one, and 8 bytes of padding
+    head, row_bytes = 40, 8 + hidden * size + 8
+    offset = head + 8
+    block_bytes = head + max(counts) * row_bytes
+    rows = tricky_rows(num_rows, hidden, dtype, gen)
+    blocks = torch.randint(0, 256, (len(counts), block_bytes), dtype=torch.uint8, generator=gen)
+    r = 0
+    for b, n in enumerate(counts):
+        for i in range(n):
+            at = offset + i * row_bytes
+            blocks[b, at : at + hidden * size] = rows[r].view(torch.uint8)
+            r += 1
+    blocked = one_pass.BlockedRows(blocks, offset, row_bytes, counts, dtype, (hidden,))
+    assert torch.equal(blocked.gathered(), rows)
+    assert blocked.strides() == (row_bytes // size, block_bytes // size)
+    index = torch.randint(0, num_out + 1, (num_rows,), generator=gen)  # num_out: left out
+    output_of_group = torch.arange(num_out) // 3
+    for scaled in (False, True):
+        scale = torch.rand(num_rows, generator=gen) * 4 - 2 if scaled else None
+        plans = [
+            (one_pass.ordered_sum, one_pass.plan_sum(index, num_out, scaled=scaled)),
+            (one_pass.grouped_sum, one_pass.plan_grouped(index, output_of_group, num_out // 3, scaled=scaled)),
+        ]
+        for run, plan in plans:
+            want = run(plan, rows, scale)
+            for enabled in (True, False):
+                one_pass.enabled = enabled
+                try:
+                    got = run(plan, blocked, scale)
+                finally:
+                    one_pass.enabled = True
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (run.__name__, scaled, enabled)

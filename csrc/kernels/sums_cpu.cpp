@@ -2,6 +2,8 @@
 // - ordered_sum_cpu: every output's rows, ascending as the plan lists them, added into an fp32
 //   accumulator (each row times its fp32 scale first, when given) and rounded once;
 // - grouped_sum_cpu: sums of such sums (a combine's node partials, each rounded, then their sum);
+//   both read the rows where they are: row-strided, or left in the blocks of the exchange that
+//   carried them (no copy out first);
 // - plan_by_row_cpu / plan_by_output_cpu: their plans, each output's rows ascending, in one pass.
 // These are the additions of the torch path, in its order, with its roundings (bf16 and fp16
 // round to nearest even, as c10 does), so the bits are the same; the torch path gathers the rows
@@ -88,6 +90,25 @@ struct F32 {
   static T store(float f) { return f; }
 };
 
+// Where the rows are: row r at base + r * row_stride, or, for rows left in the blocks of the
+// exchange that carried them (num_blocks > 0), block b holding rows first[b] .. first[b + 1] - 1,
+// the first at base + b * block_stride, row_stride apart. Strides in elements.
+struct Rows {
+  const void* base;
+  int64_t row_stride;
+  int64_t block_stride = 0;
+  int64_t num_blocks = 0;
+  const int64_t* first = nullptr;
+
+  template <class T>
+  const T* at(int64_t r) const {
+    const T* p = static_cast<const T*>(base);
+    if (num_blocks == 0) return p + r * row_stride;
+    const int64_t b = std::upper_bound(first + 1, first + num_blocks + 1, r) - (first + 1);
+    return p + b * block_stride + (r - first[b]) * row_stride;
+  }
+};
+
 // One term's value in fp32: the row's element, times the row's scale when there is one (a
 // separate rounding: no FMA, see the file comment).
 template <class E>
@@ -99,10 +120,9 @@ inline float term(const typename E::T* r, int64_t h, const float* s) {
 // starts the accumulator (from +0, so -0 becomes +0 as in the torch path) and the last is added
 // as the sum is rounded: an output of one term is a single converting copy.
 template <class E>
-inline __attribute__((always_inline)) void gather_rows(const typename E::T* rows, int64_t row_stride, int64_t width,
-                                                       const int64_t* offsets, const int64_t* terms, const float* scale,
-                                                       typename E::T* out, int64_t out_stride, int64_t num_out,
-                                                       float* acc) {
+inline __attribute__((always_inline)) void gather_rows(const Rows& rows, int64_t width, const int64_t* offsets,
+                                                       const int64_t* terms, const float* scale, typename E::T* out,
+                                                       int64_t out_stride, int64_t num_out, float* acc) {
   using T = typename E::T;
   const int64_t num_terms = offsets[num_out];
   for (int64_t o = 0; o < num_out; ++o) {
@@ -113,10 +133,10 @@ inline __attribute__((always_inline)) void gather_rows(const typename E::T* rows
       continue;
     }
     for (int64_t t = first; t <= last; ++t) {
-      const T* r = rows + terms[t] * row_stride;
+      const T* r = rows.at<T>(terms[t]);
       const float* s = scale != nullptr ? scale + terms[t] : nullptr;
       if (t + 1 < num_terms) {  // the next row's lines while this one is added (rows come in any order)
-        const char* next = reinterpret_cast<const char*>(rows + terms[t + 1] * row_stride);
+        const char* next = reinterpret_cast<const char*>(rows.at<T>(terms[t + 1]));
         for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
       }
       if (t == first && t == last) {
@@ -137,10 +157,10 @@ inline __attribute__((always_inline)) void gather_rows(const typename E::T* rows
 // over terms[row_offsets[g] .. row_offsets[g+1]), every sum in fp32 in the listed order (a
 // combine's node partials, then their sum). acc: 2 x width floats.
 template <class E>
-inline __attribute__((always_inline)) void gather_groups(const typename E::T* rows, int64_t row_stride, int64_t width,
-                                                         const int64_t* group_offsets, const int64_t* row_offsets,
-                                                         const int64_t* terms, const float* scale, typename E::T* out,
-                                                         int64_t out_stride, int64_t num_out, float* acc) {
+inline __attribute__((always_inline)) void gather_groups(const Rows& rows, int64_t width, const int64_t* group_offsets,
+                                                         const int64_t* row_offsets, const int64_t* terms,
+                                                         const float* scale, typename E::T* out, int64_t out_stride,
+                                                         int64_t num_out, float* acc) {
   using T = typename E::T;
   float* inner = acc;
   float* outer = acc + width;
@@ -149,7 +169,7 @@ inline __attribute__((always_inline)) void gather_groups(const typename E::T* ro
     for (int64_t g = group_offsets[o]; g < group_offsets[o + 1]; ++g) {
       for (int64_t h = 0; h < width; ++h) inner[h] = 0.0f;
       for (int64_t t = row_offsets[g]; t < row_offsets[g + 1]; ++t) {
-        const T* r = rows + terms[t] * row_stride;
+        const T* r = rows.at<T>(terms[t]);
         const float* s = scale != nullptr ? scale + terms[t] : nullptr;
         for (int64_t h = 0; h < width; ++h) inner[h] += term<E>(r, h, s);
       }
@@ -169,39 +189,35 @@ inline __attribute__((always_inline)) void gather_groups(const typename E::T* ro
 #endif
 
 MOE_DISPATCH_CPU_CLONES
-void gather_sum(int dtype, const void* rows, int64_t row_stride, int64_t width, const int64_t* offsets,
-                const int64_t* terms, const float* scale, void* out, int64_t out_stride, int64_t num_out, float* acc) {
+void gather_sum(int dtype, const Rows& rows, int64_t width, const int64_t* offsets, const int64_t* terms,
+                const float* scale, void* out, int64_t out_stride, int64_t num_out, float* acc) {
   switch (dtype) {
     case 0:
-      gather_rows<Bf16>(static_cast<const uint16_t*>(rows), row_stride, width, offsets, terms, scale,
-                        static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      gather_rows<Bf16>(rows, width, offsets, terms, scale, static_cast<uint16_t*>(out), out_stride, num_out, acc);
       break;
     case 1:
-      gather_rows<F16>(static_cast<const uint16_t*>(rows), row_stride, width, offsets, terms, scale,
-                       static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      gather_rows<F16>(rows, width, offsets, terms, scale, static_cast<uint16_t*>(out), out_stride, num_out, acc);
       break;
     default:
-      gather_rows<F32>(static_cast<const float*>(rows), row_stride, width, offsets, terms, scale,
-                       static_cast<float*>(out), out_stride, num_out, acc);
+      gather_rows<F32>(rows, width, offsets, terms, scale, static_cast<float*>(out), out_stride, num_out, acc);
   }
 }
 
 MOE_DISPATCH_CPU_CLONES
-void grouped_sum(int dtype, const void* rows, int64_t row_stride, int64_t width, const int64_t* group_offsets,
-                 const int64_t* row_offsets, const int64_t* terms, const float* scale, void* out, int64_t out_stride,
-                 int64_t num_out, float* acc) {
+void grouped_sum(int dtype, const Rows& rows, int64_t width, const int64_t* group_offsets, const int64_t* row_offsets,
+                 const int64_t* terms, const float* scale, void* out, int64_t out_stride, int64_t num_out, float* acc) {
   switch (dtype) {
     case 0:
-      gather_groups<Bf16>(static_cast<const uint16_t*>(rows), row_stride, width, group_offsets, row_offsets, terms,
-                          scale, static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      gather_groups<Bf16>(rows, width, group_offsets, row_offsets, terms, scale, static_cast<uint16_t*>(out),
+                          out_stride, num_out, acc);
       break;
     case 1:
-      gather_groups<F16>(static_cast<const uint16_t*>(rows), row_stride, width, group_offsets, row_offsets, terms,
-                         scale, static_cast<uint16_t*>(out), out_stride, num_out, acc);
+      gather_groups<F16>(rows, width, group_offsets, row_offsets, terms, scale, static_cast<uint16_t*>(out), out_stride,
+                         num_out, acc);
       break;
     default:
-      gather_groups<F32>(static_cast<const float*>(rows), row_stride, width, group_offsets, row_offsets, terms, scale,
-                         static_cast<float*>(out), out_stride, num_out, acc);
+      gather_groups<F32>(rows, width, group_offsets, row_offsets, terms, scale, static_cast<float*>(out), out_stride,
+                         num_out, acc);
   }
 }
 
@@ -244,6 +260,14 @@ int64_t plan_by_row(const int64_t* index, int64_t n, int64_t num_out, int64_t* o
   return offsets[num_out];
 }
 
+Rows rows_of(std::uintptr_t rows, int64_t row_stride, int64_t block_stride, int64_t num_blocks,
+             std::uintptr_t block_first) {
+  if (num_blocks < 0 || (num_blocks > 0 && block_first == 0))
+    throw std::invalid_argument("the sums' rows in blocks need num_blocks >= 0 and, with blocks, block_first");
+  return Rows{reinterpret_cast<const void*>(rows), row_stride, block_stride, num_blocks,
+              reinterpret_cast<const int64_t*>(block_first)};
+}
+
 void check_dtype(const char* name, int dtype) {
   if (dtype < 0 || dtype > 2)
     throw std::invalid_argument(std::string(name) + ": dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32), got " +
@@ -256,39 +280,43 @@ void register_sums(py::module_& m) {
   m.def(
       "ordered_sum_cpu",
       [](std::uintptr_t rows, int64_t row_stride, int64_t width, int dtype, std::uintptr_t offsets,
-         std::uintptr_t terms, std::uintptr_t scale, std::uintptr_t out, int64_t out_stride, int64_t num_out) {
+         std::uintptr_t terms, std::uintptr_t scale, std::uintptr_t out, int64_t out_stride, int64_t num_out,
+         int64_t block_stride, int64_t num_blocks, std::uintptr_t block_first) {
         check_dtype("ordered_sum_cpu", dtype);
         std::vector<float> acc(static_cast<size_t>(width));
         py::gil_scoped_release release;
-        gather_sum(dtype, reinterpret_cast<const void*>(rows), row_stride, width,
+        gather_sum(dtype, rows_of(rows, row_stride, block_stride, num_blocks, block_first), width,
                    reinterpret_cast<const int64_t*>(offsets), reinterpret_cast<const int64_t*>(terms),
                    reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(out), out_stride, num_out,
                    acc.data());
       },
       py::arg("rows"), py::arg("row_stride"), py::arg("width"), py::arg("dtype"), py::arg("offsets"), py::arg("terms"),
-      py::arg("scale"), py::arg("out"), py::arg("out_stride"), py::arg("num_out"),
+      py::arg("scale"), py::arg("out"), py::arg("out_stride"), py::arg("num_out"), py::arg("block_stride") = 0,
+      py::arg("num_blocks") = 0, py::arg("block_first") = 0,
       "Host memory only: out[o] (num_out rows of width elements, out_stride apart) = the fp32 sum of "
-      "rows[terms[offsets[o] .. offsets[o+1])] (row_stride apart; each times scale[row] unless scale is 0), "
+      "rows[terms[offsets[o] .. offsets[o+1])] (row_stride apart, or, with num_blocks, in blocks block_stride "
+      "apart, block b's first row block_first[b]; each times scale[row] unless scale is 0), "
       "rounded once to dtype (0 bf16, 1 fp16, 2 fp32). moe_dispatch/semantics/sums.py's ordered_sum.");
   m.def(
       "grouped_sum_cpu",
       [](std::uintptr_t rows, int64_t row_stride, int64_t width, int dtype, std::uintptr_t group_offsets,
          std::uintptr_t row_offsets, std::uintptr_t terms, std::uintptr_t scale, std::uintptr_t out, int64_t out_stride,
-         int64_t num_out) {
+         int64_t num_out, int64_t block_stride, int64_t num_blocks, std::uintptr_t block_first) {
         check_dtype("grouped_sum_cpu", dtype);
         std::vector<float> acc(2 * static_cast<size_t>(width));
         py::gil_scoped_release release;
-        grouped_sum(dtype, reinterpret_cast<const void*>(rows), row_stride, width,
+        grouped_sum(dtype, rows_of(rows, row_stride, block_stride, num_blocks, block_first), width,
                     reinterpret_cast<const int64_t*>(group_offsets), reinterpret_cast<const int64_t*>(row_offsets),
                     reinterpret_cast<const int64_t*>(terms), reinterpret_cast<const float*>(scale),
                     reinterpret_cast<void*>(out), out_stride, num_out, acc.data());
       },
       py::arg("rows"), py::arg("row_stride"), py::arg("width"), py::arg("dtype"), py::arg("group_offsets"),
       py::arg("row_offsets"), py::arg("terms"), py::arg("scale"), py::arg("out"), py::arg("out_stride"),
-      py::arg("num_out"),
+      py::arg("num_out"), py::arg("block_stride") = 0, py::arg("num_blocks") = 0, py::arg("block_first") = 0,
       "Host memory only: out[o] = the fp32 sum, rounded once to dtype, of o's groups "
       "[group_offsets[o], group_offsets[o+1]), each group g the fp32 sum of rows[terms[row_offsets[g] .. "
-      "row_offsets[g+1])] (each times scale[row] unless scale is 0) rounded to dtype. A two-level combine.");
+      "row_offsets[g+1])] (rows as ordered_sum_cpu reads them; each times scale[row] unless scale is 0) rounded "
+      "to dtype. A two-level combine.");
   m.def(
       "plan_by_row_cpu",
       [](std::uintptr_t index, int64_t n, int64_t num_out, std::uintptr_t offsets, std::uintptr_t sorted) {

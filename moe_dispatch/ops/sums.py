@@ -14,6 +14,7 @@ twice. A call the one pass cannot serve takes the reference's plan of the same s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 
@@ -112,13 +113,14 @@ def plan_sum_by_output(terms: torch.Tensor, num_rows: int, *, scaled: bool = Fal
 
 def ordered_sum(
     plan: SumPlan | OnePassPlan,
-    rows: torch.Tensor,
+    rows: torch.Tensor | BlockedRows,
     scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`moe_dispatch.semantics.sums.ordered_sum` (same arguments and result, bit for bit),
     in one pass for a :class:`OnePassPlan` where the rows allow it: CPU rows of bf16, fp16 or
     fp32 whose elements are contiguous within a row, into a contiguous ``out`` of their dtype.
+    ``rows`` may be :class:`BlockedRows` (read in place; copied out where the one pass cannot run).
 
     Raises:
         ValueError: ``scale`` given for a plan made without ``scaled``, or the reverse.
@@ -130,7 +132,49 @@ def ordered_sum(
         if summed is not None:
             return summed
         plan = plan.torch_plan()
-    return reference.ordered_sum(plan, rows, scale, out)
+    return reference.ordered_sum(plan, _tensor(rows), scale, out)
+
+
+def _tensor(rows: torch.Tensor | BlockedRows) -> torch.Tensor:
+    return rows.gathered() if isinstance(rows, BlockedRows) else rows
+
+
+@dataclasses.dataclass(eq=False)
+class BlockedRows:
+    """Rows left in the blocks of the exchange that carried them (a combine's rows, by source),
+    for :func:`ordered_sum` and :func:`grouped_sum` to read in place.
+
+    Attributes:
+        blocks: ``[B, block bytes]`` contiguous uint8.
+        offset: bytes from a block's start to its first row's field.
+        row_bytes: bytes from one row to the next in a block.
+        counts: rows per block; the rows are numbered block after block.
+        dtype: the field's dtype.
+        shape: one row's field shape.
+    """
+
+    blocks: torch.Tensor
+    offset: int
+    row_bytes: int
+    counts: list[int]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def gathered(self) -> torch.Tensor:
+        """``[R, *shape]``: the rows copied out (for the sums the one pass cannot run)."""
+        width, start = self.dtype.itemsize * math.prod(self.shape), self.blocks.storage_offset() + self.offset
+        parts = [
+            self.blocks.as_strided((n, width), (self.row_bytes, 1), start + b * self.blocks.shape[1])
+            for b, n in enumerate(self.counts)
+        ]
+        return torch.cat(parts).view(self.dtype).view(sum(self.counts), *self.shape)
+
+    def strides(self) -> tuple[int, int] | None:
+        """``(row stride, block stride)`` in elements, or None where the bytes do not divide."""
+        size, block_bytes = self.dtype.itemsize, self.blocks.shape[1]
+        if self.offset % size or self.row_bytes % size or block_bytes % size:
+            return None
+        return self.row_bytes // size, block_bytes // size
 
 
 def _flat_rows(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
@@ -151,27 +195,45 @@ def _run(
     return _launch("ordered_sum_cpu", plan.num_out, rows, out, offsets=plan.offsets, terms=plan.terms, scale=scale)
 
 
-def _launch(name: str, num_out: int, rows: torch.Tensor, out: torch.Tensor | None, **plan) -> torch.Tensor | None:
+def _launch(
+    name: str, num_out: int, rows: torch.Tensor | BlockedRows, out: torch.Tensor | None, **plan
+) -> torch.Tensor | None:
     """``_C.<name>`` over ``rows`` into ``out`` (made when None), with the plan's arguments (int64
     tensors, a scale as fp32, None as a null pointer, ints as they are); None where the CPU passes
     cannot run."""
     kernel = _kernel()
-    flat = _flat_rows(rows, out) if kernel is not None else None
-    if flat is None:
+    if kernel is None:
         return None
+    blocked = {}
+    if isinstance(rows, BlockedRows):
+        strides = rows.strides()
+        if strides is None or rows.dtype not in _DTYPES or rows.blocks.device.type != "cpu":
+            return None
+        if out is not None and (not out.is_contiguous() or out.dtype != rows.dtype):
+            return None
+        ptr, row_stride, width = rows.blocks.data_ptr() + rows.offset, strides[0], math.prod(rows.shape)
+        first = torch.tensor([0, *itertools.accumulate(rows.counts)], dtype=torch.int64)
+        blocked = {"block_stride": strides[1], "num_blocks": len(rows.counts), "block_first": first}
+        shape, dtype = rows.shape, rows.dtype
+    else:
+        flat = _flat_rows(rows, out)
+        if flat is None:
+            return None
+        ptr, row_stride, width = flat.data_ptr(), flat.stride(0), flat.shape[1]
+        shape, dtype = tuple(rows.shape[1:]), rows.dtype
     if out is None:
-        out = rows.new_empty((num_out, *rows.shape[1:]))
+        out = torch.empty((num_out, *shape), dtype=dtype)
     kept = {  # the tensors stay alive until the pass returns
         k: (v.to(torch.float32) if k == "scale" else v).contiguous() if isinstance(v, torch.Tensor) else v
-        for k, v in plan.items()
+        for k, v in {**plan, **blocked}.items()
     }
     getattr(kernel, name)(
-        rows=flat.data_ptr(),
-        row_stride=flat.stride(0),
-        width=flat.shape[1],
-        dtype=_DTYPES[rows.dtype],
+        rows=ptr,
+        row_stride=row_stride,
+        width=width,
+        dtype=_DTYPES[dtype],
         out=out.data_ptr(),
-        out_stride=flat.shape[1],
+        out_stride=width,
         num_out=num_out,
         **{k: 0 if v is None else v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in kept.items()},
     )
@@ -224,13 +286,13 @@ def plan_grouped(
 
 def grouped_sum(
     plan: GroupedPlan | tuple[SumPlan | OnePassPlan, SumPlan | OnePassPlan],
-    rows: torch.Tensor,
+    rows: torch.Tensor | BlockedRows,
     scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``ordered_sum(output plan, ordered_sum(group plan, rows, scale), out=out)`` for a plan of
     :func:`plan_grouped`, bit for bit: on CPU in one pass that keeps each group's sum in fp32
-    only until it is rounded and added to its output's.
+    only until it is rounded and added to its output's. ``rows``: as :func:`ordered_sum` takes them.
 
     Raises:
         ValueError: ``scale`` given for a plan made without ``scaled``, or the reverse.
@@ -252,4 +314,4 @@ def grouped_sum(
             return summed
         plan = plan.levels()
     groups, outputs = plan
-    return ordered_sum(outputs, ordered_sum(groups, rows, scale), out=out)
+    return ordered_sum(outputs, ordered_sum(groups, _tensor(rows), scale), out=out)

@@ -84,7 +84,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..errors import CommError
-from ..ops.sums import OnePassPlan, grouped_sum, ordered_sum, plan_grouped, plan_sum, plan_sum_by_output
+from ..ops.sums import BlockedRows, OnePassPlan, grouped_sum, ordered_sum, plan_grouped, plan_sum, plan_sum_by_output
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
 from ..semantics.sums import SumPlan
 from ..topology import Topology
@@ -183,6 +183,15 @@ class _Carried:
     carried: list[int]
     head_bytes: int
     width: int
+
+    def fields(self, like: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[BlockedRows]:
+        """The packed fields of every carried row (:func:`_fields`' order), left in the blocks
+        for the sums to read in place."""
+        out, offset = [], self.head_bytes
+        for dtype, shape in like:
+            out.append(BlockedRows(self.blocks, offset, self.width, self.carried, dtype, shape))
+            offset += _padded(_row_bytes(dtype, shape))
+        return out
 
     def land(self, fields: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]) -> None:
         """For each ``(offset, bytes, out, index)``: row ``i`` of the contiguous ``out [n, ...]``
@@ -1172,8 +1181,9 @@ class TorchDistTransport:
     def _flat_exchange(self, fields, send_splits, recv_splits, what, check=None, in_blocks=False) -> Steps:
         """Steps moving the rows of ``fields`` (as :func:`_pack` takes them, by destination) on
         the flat route; returns them packed, ``[R, wb]`` by source, or, with ``in_blocks``, maybe
-        still in the blocks they came in (a :class:`_Carried`, for :meth:`_land`). With ``check``
-        (an :class:`Agreement`) the check runs first, or carries the rows (:meth:`_agreed`)."""
+        still in the blocks they came in (a :class:`_Carried`, for :meth:`_land` or the sums).
+        With ``check`` (an :class:`Agreement`) the check runs first, or carries the rows
+        (:meth:`_agreed`)."""
         what = f"{what} (flat exchange)"
         if check is not None:
             return (yield from self._agreed(check, (fields, send_splits, recv_splits, what, in_blocks)))
@@ -1305,8 +1315,11 @@ class TorchDistTransport:
             if not in_blocks:
                 yield from _complete(check, begun)
                 check = None
-            back = yield from self._flat_exchange(fields, plan.flat_recv_splits, plan.flat_send_splits, what, check)
-            fields = _fields(back, specs)
+            # the sums read the rows in the blocks they came in, where they came in the check's
+            back = yield from self._flat_exchange(
+                fields, plan.flat_recv_splits, plan.flat_send_splits, what, check, in_blocks=True
+            )
+            fields = back.fields(specs) if isinstance(back, _Carried) else _fields(back, specs)
             row_scales = self._row_scales(fields, scales, len(tensors))
             for dst, rows, sc in zip(out, fields[: len(tensors)], row_scales):
                 self._flat_sums(plan, rows, sc, dst)
@@ -1364,12 +1377,16 @@ class TorchDistTransport:
         land(*in_flight[:2])
 
     @staticmethod
-    def _row_scales(fields: list[torch.Tensor], scales: list[torch.Tensor | None], num_tensors: int) -> list:
+    def _row_scales(fields: list, scales: list[torch.Tensor | None], num_tensors: int) -> list:
         """Per tensor its scale column among the packed ``fields`` (``[rows]`` fp32), or None."""
         out, k = [], num_tensors
         for s in scales:
-            out.append(None if s is None else fields[k].view(-1))
-            k += s is not None
+            if s is None:
+                out.append(None)
+                continue
+            column = fields[k].gathered() if isinstance(fields[k], BlockedRows) else fields[k]
+            out.append(column.view(-1))
+            k += 1
         return out
 
     def _unpermute(self, plan: TorchDistPlan, rows: torch.Tensor, permute: PermuteHandle) -> torch.Tensor:
@@ -1388,7 +1405,7 @@ class TorchDistTransport:
         return ordered_sum(sum_plan, rows)
 
     def _flat_sums(
-        self, plan: TorchDistPlan, rows: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor
+        self, plan: TorchDistPlan, rows: torch.Tensor | BlockedRows, scale: torch.Tensor | None, out: torch.Tensor
     ) -> None:
         """The flat route's combine at the source: ``rows`` come back from every holder in rank
         order (each holder's in token order); inside each node they are summed in fp32 over its
@@ -1402,8 +1419,10 @@ class TorchDistTransport:
             ordered_sum(sum_plan, rows, scale, out=out)
             return
 
+        device = plan.flat_send_idx.device
+
         def levels():
-            if rows.device.type == "cpu" and _ext.extension_status().built:
+            if device.type == "cpu" and _ext.extension_status().built:
                 in_node, send_idx = plan.counts.in_node.contiguous(), plan.flat_send_idx.contiguous()
                 pair_of_row = torch.empty(send_idx.numel(), dtype=torch.int64)
                 pair_token = torch.empty(in_node.numel(), dtype=torch.int64)
@@ -1419,11 +1438,11 @@ class TorchDistTransport:
                 )
                 return plan_grouped(pair_of_row, pair_token[:num_pairs], num_tokens, scaled=scale is not None)
             pairs = torch.nonzero(plan.counts.in_node)  # (token, node), token-major: the node partials
-            where = torch.full((num_nodes, num_tokens), -1, dtype=torch.int64, device=rows.device)
-            where[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], device=rows.device)
+            where = torch.full((num_nodes, num_tokens), -1, dtype=torch.int64, device=device)
+            where[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], device=device)
             holder_node = torch.repeat_interleave(
-                torch.arange(topo.world_size, device=rows.device) // local_ranks,
-                torch.tensor(plan.flat_send_splits, device=rows.device),
+                torch.arange(topo.world_size, device=device) // local_ranks,
+                torch.tensor(plan.flat_send_splits, device=device),
                 output_size=plan.flat_send_idx.numel(),
             )
             pair_of_row = where[holder_node, plan.flat_send_idx]
