@@ -17,7 +17,7 @@ COMPAT_DIR  := build/compat
 # What test-compat runs from the installed wheel: every Megatron test, the install guard and a core
 # subset (oracle, Buffer dispatch/combine in gloo worlds, Triton kernels under the interpreter, errors);
 # COMPAT_K leaves out the 8-rank dispatch worlds (the Megatron worlds and the 2- and 4-rank ones cover it).
-COMPAT_TESTS ?= test_installed_wheel.py test_megatron.py test_megatron_config.py test_megatron_overlap.py \
+COMPAT_TESTS ?= test_installed_wheel.py test_autoload.py test_megatron.py test_megatron_config.py test_megatron_overlap.py \
                 test_megatron_matrix.py test_megatron_bridge.py \
                 test_reference.py test_dispatch.py test_permute.py test_layout.py test_errors.py test_env.py
 COMPAT_K    ?= not w8

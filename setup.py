@@ -15,6 +15,10 @@ so; with it the wheel is a platform wheel holding ``moe_dispatch/_C*.so``. Envir
 Every non-editable build writes ``moe_dispatch/_build_info.py`` into the wheel (never into the
 source tree): the git commit, nvcc version, CUDA architectures and NVSHMEM version it was built
 with, which ``python -m moe_dispatch.env`` reports.
+
+Every build, editable ones too, puts ``moe_dispatch-autoload.pth`` at the top of the wheel (so in
+site-packages): Python runs it at start-up, and it installs the import hook that makes the
+Megatron flex backend "custom" work without an explicit import (``moe_dispatch/_autoload.py``).
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
 # Hopper always; Blackwell (sm_100 code also runs on sm_103) where the nvcc knows it.
 DEFAULT_CUDA_ARCHS = ("90", "100")
 BUILD_INFO_MODULE = "_build_info.py"
+AUTOLOAD_PTH = "moe_dispatch-autoload.pth"
+# site.py executes a .pth line that starts with "import"
+AUTOLOAD_LINE = "import moe_dispatch._autoload; moe_dispatch._autoload.install_at_startup()\n"
 TOOL_TIMEOUT_S = 30
 _ARCH = re.compile(r"\d+[af]?(-real|-virtual)?")
 
@@ -267,10 +275,21 @@ class BuildPy(build_py):
         super().run()
         if self.editable_mode:
             return
+        Path(self.build_lib, AUTOLOAD_PTH).write_text(AUTOLOAD_LINE)
         nvshmem_root = find_nvshmem(os.environ) if self.plan.nvcc else None
         commit, dirty = git_commit(ROOT)
         text = build_info_source(self.plan, commit, dirty, nvshmem_version(nvshmem_root) if nvshmem_root else None)
         Path(self.build_lib, "moe_dispatch", BUILD_INFO_MODULE).write_text(text)
+
+
+class EditableWheel(editable_wheel):
+    """An editable install with :data:`AUTOLOAD_PTH` beside setuptools' own ``.pth`` (an
+    editable wheel holds no build tree: the file goes into the unpacked wheel's top level)."""
+
+    def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
+        result = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+        Path(unpacked_wheel, AUTOLOAD_PTH).write_text(AUTOLOAD_LINE)
+        return result
 
 
 class CMakeBuild(build_ext):
@@ -340,5 +359,5 @@ if __name__ == "__main__":
     setup(
         # No extension at all when skipped: the distribution is then pure and its wheel py3-none-any.
         ext_modules=[Extension("moe_dispatch._C", sources=[])] if plan.nvcc else [],
-        cmdclass={"build_py": BuildPy, "build_ext": CMakeBuild},
+        cmdclass={"build_py": BuildPy, "build_ext": CMakeBuild, "editable_wheel": EditableWheel},
     )

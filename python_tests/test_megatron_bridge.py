@@ -76,10 +76,28 @@ def _config(dispatcher: str = "alltoall", **fields):
     return TransformerConfig(**{**base, **fields})
 
 
+def _bridge_without_explicit_import(rank, world_size):
+    """A recipe that names "custom" only through Bridge (no ``import moe_dispatch.megatron`` anywhere):
+    the start-up hook (``moe_dispatch._autoload``) wraps Bridge's helpers as their module loads, so
+    "custom" is applied and checked rather than skipped with a log line."""
+    import sys
+
+    assert "moe_dispatch.megatron" not in sys.modules, "this case must run before anything imports the backend"
+    flex = import_bridge_flex_module()
+    cfg = _config(moe_shared_expert_overlap=False)
+    flex.apply_flex_dispatcher_backend(cfg, "custom")
+    assert (cfg.moe_token_dispatcher_type, cfg.moe_flex_dispatcher_backend) == ("flex", "custom")
+    assert "moe_dispatch.megatron" in sys.modules  # the hook installed the backend for this call
+    flex.validate_flex_dispatcher_backend(cfg)  # ours: passes
+    cfg.expert_model_parallel_size = 1
+    with pytest.raises(ValueError, match="nothing to dispatch"):
+        flex.validate_flex_dispatcher_backend(cfg)
+
+
 def _patched_helpers(rank, world_size):
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher  # noqa: F401
 
-    import moe_dispatch.megatron as mdm  # noqa: F401 - installs the import hook before Bridge is imported
+    import moe_dispatch.megatron as mdm  # noqa: F401 - the backend (the start-up hook wrapped Bridge's helpers)
 
     flex = import_bridge_flex_module()
     assert flex.__file__.endswith("megatron/bridge/training/flex_dispatcher_backend.py"), flex.__file__
@@ -142,23 +160,25 @@ def _bridge_config_builds_our_layer(rank, world_size):
         flex.validate_flex_dispatcher_backend(bad)
 
 
+FIRST_CASES = {"bridge_without_explicit_import": _bridge_without_explicit_import}  # before the CPU shims
 CASES = {"patched_helpers": _patched_helpers, "bridge_config_builds_our_layer": _bridge_config_builds_our_layer}
 
 
 def world_entry(rank: int, world_size: int):
     import torch._dynamo
 
-    import moe_dispatch.megatron.cpu as mcpu
-
     torch._dynamo.config.disable = True
+    first = run_cases(rank, world_size, FIRST_CASES)
+    import moe_dispatch.megatron.cpu as mcpu  # imports the backend
+
     mcpu.enable()
-    return run_cases(rank, world_size, CASES)
+    return {**first, **run_cases(rank, world_size, CASES)}
 
 
 def test_bridge_version():
     assert BRIDGE_VERSION == "0.6.2", f"requirements/bridge.txt pins megatron-bridge 0.6.2, found {BRIDGE_VERSION}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*FIRST_CASES, *CASES])
 def test_megatron_bridge(case):
     assert_case(world_results(world_entry, WORLD_SIZE), case)

@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
 import moe_dispatch.megatron as mdm  # noqa: E402
+from moe_dispatch import _autoload  # noqa: E402
 from moe_dispatch.config import Config  # noqa: E402
 from moe_dispatch.megatron import compat  # noqa: E402
 from moe_dispatch.megatron.config import (  # noqa: E402
@@ -519,9 +520,9 @@ def fake_bridge(monkeypatch):
     def validate_flex_dispatcher_backend(model_config):
         calls.append(("validate", model_config.moe_flex_dispatcher_backend))
 
-    names = ["megatron.bridge", "megatron.bridge.training", compat._BRIDGE_MODULE, "megatron.bridge.recipes_stub"]
+    names = ["megatron.bridge", "megatron.bridge.training", _autoload.BRIDGE_MODULE, "megatron.bridge.recipes_stub"]
     modules = {name: types.ModuleType(name) for name in names}
-    flex = modules[compat._BRIDGE_MODULE]
+    flex = modules[_autoload.BRIDGE_MODULE]
     flex.apply_flex_dispatcher_backend = apply_flex_dispatcher_backend
     flex.validate_flex_dispatcher_backend = validate_flex_dispatcher_backend
     modules["megatron.bridge.recipes_stub"].apply_flex_dispatcher_backend = apply_flex_dispatcher_backend
@@ -533,7 +534,7 @@ def fake_bridge(monkeypatch):
 def test_bridge_helper_accepts_custom(fake_bridge):
     modules, calls = fake_bridge
     assert mdm.patch_bridge()
-    flex = modules[compat._BRIDGE_MODULE]
+    flex = modules[_autoload.BRIDGE_MODULE]
     assert modules["megatron.bridge.recipes_stub"].apply_flex_dispatcher_backend is flex.apply_flex_dispatcher_backend
 
     cfg = _config(moe_shared_expert_overlap=False)
@@ -583,7 +584,7 @@ def test_bridge_module_is_patched_when_imported(tmp_path, monkeypatch):
         "    model_config.validated_by_bridge = True\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("megatron.bridge", "megatron.bridge.training", compat._BRIDGE_MODULE):
+    for name in ("megatron.bridge", "megatron.bridge.training", _autoload.BRIDGE_MODULE):
         monkeypatch.delitem(sys.modules, name, raising=False)  # and removed again at teardown
     from megatron.bridge.training.flex_dispatcher_backend import (
         apply_flex_dispatcher_backend,
@@ -644,3 +645,17 @@ def test_configure_rejects_what_would_fail_later():
         mdm.configure(_config(), moe_flex_dispatcher_backend="deepep")
     with pytest.raises(TypeError, match=r"configure\(\) takes a megatron.core.transformer.TransformerConfig, got dict"):
         mdm.configure({"a": 1})
+
+
+def test_delay_wgrad_owner_of_each_expert_type():
+    """Who defers under delay_wgrad_compute=True: TE where its experts are used, ours for the local
+    SequentialMLP (test_megatron_overlap.py runs that), nobody for other experts (said at set-up)."""
+    from moe_dispatch.megatron.delayed_wgrad import defer_built_layer, expert_wgrad_owner
+
+    te_grouped = type("TEGroupedMLP", (torch.nn.Module,), {})()
+    assert expert_wgrad_owner(te_grouped) == "transformer_engine"
+    assert defer_built_layer(types.SimpleNamespace(experts=te_grouped)) is None
+    other = torch.nn.Linear(2, 2)
+    assert expert_wgrad_owner(other) == "none"
+    with pytest.warns(UserWarning, match="defers nothing for experts of type Linear: their weight gradients run in"):
+        assert defer_built_layer(types.SimpleNamespace(experts=other)) is None

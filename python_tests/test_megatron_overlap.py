@@ -62,7 +62,7 @@ def _layer_pair(ep: int, seed: int, run_wgrad: str | None, **knobs):
 
     spec = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
     torch.manual_seed(seed)
-    ref = spec(config=_config(ep, "custom", **knobs))
+    ref = spec(config=_config(ep, "custom", **{**knobs, "delay_wgrad_compute": False}))
     layer = spec(config=_config(ep, "custom", **knobs))
     layer.load_state_dict(ref.state_dict())
     stores = mdm.enable_delayed_wgrad(layer, run_wgrad=run_wgrad) if run_wgrad else {}
@@ -168,13 +168,15 @@ def _check_errors(rank, world_size):
 
     _, layer, store = _layer_pair(4, 31, "backward_dw")
     assert mdm.enable_delayed_wgrad(layer) == {"MoELayer": store}  # idempotent
-    with pytest.raises(ValueError, match="already defers its expert wgrads"):
-        mdm.enable_delayed_wgrad(layer, run_wgrad="dispatch_backward")
+    assert mdm.enable_delayed_wgrad(layer, run_wgrad="dispatch_backward") == {"MoELayer": store}  # empty: switches
+    assert mdm.enable_delayed_wgrad(layer)["MoELayer"].run_wgrad == "backward_dw"
     # wgrads deferred by an experts-only backward and never run: the next forward refuses
     x = torch.randn(5, 2, HIDDEN, requires_grad=True)
     out, _, _ = _split_forward(layer, x)
     out.sum().backward()
     assert len(store) > 0
+    with pytest.raises(RuntimeError, match="holds .* deferred expert weight gradients .* before switching"):
+        mdm.enable_delayed_wgrad(layer, run_wgrad="dispatch_backward")
     with pytest.raises(RuntimeError, match="were never run"):
         layer(x)
     with pytest.raises(RuntimeError, match="run layer.backward_dw"):
@@ -248,6 +250,48 @@ def _check_schedule(seed: int, **knobs):
     return case
 
 
+def _check_auto_deferral(seed: int, **knobs):
+    """ "custom" + delay_wgrad_compute=True and no enable_delayed_wgrad call: the backend defers the
+    local experts' wgrads as the layers are built, so each of Megatron's MoELayer.backward_dw()
+    calls in the combined-1F1B schedule produces expert weight gradients (it would change none if
+    they had run in the normal backward, as with the alltoall dispatcher), and losses and
+    gradients equal the plain schedule's bitwise."""
+
+    def case(rank, world_size):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        losses, grads, _ = _train_step(False, seed, **knobs)
+        calls = []
+        original = MoELayer.backward_dw
+
+        def spy(self, routed_experts=True, shared_experts=False):
+            if not routed_experts:  # the schedule's second call, for the shared experts
+                return original(self, routed_experts, shared_experts)
+            weights = _expert_weights(self)
+            before = [None if w.grad is None else w.grad.clone() for w in weights]
+            result = original(self, routed_experts, shared_experts)
+            changed = [
+                w.grad is not None and (b is None or not torch.equal(b, w.grad)) for b, w in zip(before, weights)
+            ]
+            calls.append((any(changed), all(b is not None or c for b, c in zip(before, changed))))
+            return result
+
+        MoELayer.backward_dw = spy
+        try:
+            got_losses, got_grads, _ = _train_step(True, seed, **knobs)
+        finally:
+            MoELayer.backward_dw = original
+        assert len(calls) == NUM_LAYERS * NUM_MICROBATCHES, calls
+        assert all(any_changed and none_missed for any_changed, none_missed in calls), (
+            f"MoELayer.backward_dw() changed no expert weight gradient in some calls: {calls}"
+        )
+        assert all(torch.equal(a, b) for a, b in zip(losses, got_losses)), (losses, got_losses)
+        for name, g in grads.items():
+            assert g is not None and torch.equal(got_grads[name], g), f"gradient of {name} differs"
+
+    return case
+
+
 CPU_CASES = {
     **_phase(
         4,
@@ -258,6 +302,7 @@ CPU_CASES = {
             "errors_ep4": _check_errors,
             "main_grad_ep4": _check_main_grad,
             "schedule_ep4_2nodes": _check_schedule(44, ranks_per_node=2),
+            "auto_deferral_ep4_2nodes": _check_auto_deferral(47, ranks_per_node=2),
         },
     ),
     **_phase(

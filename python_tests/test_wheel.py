@@ -184,6 +184,8 @@ def test_metadata_entry_point_and_build_commit(kind, request):
         metadata = wheel.read(f"{dist_info}/METADATA").decode()
         entry_points = wheel.read(f"{dist_info}/entry_points.txt").decode()
         build_info = wheel.read("moe_dispatch/_build_info.py").decode()
+        autoload = wheel.read(setup_py.AUTOLOAD_PTH).decode()  # top level: site-packages
+    assert autoload == setup_py.AUTOLOAD_LINE
     assert re.search(r"^Name: moe-dispatch$", metadata, re.MULTILINE)
     assert re.search(rf"^Version: {re.escape(moe_dispatch.__version__)}$", metadata, re.MULTILINE), metadata[:500]
     assert re.search(r"^moe-dispatch-bench = moe_dispatch\.tools\.bench:main$", entry_points, re.MULTILINE), (

@@ -7,19 +7,21 @@ Usage::
     mdm.configure(config, ranks_per_node=8)      # flex + "custom" + checks with fixes
     # or by hand: moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="custom"
 
+The import is optional: the start-up hook ``moe_dispatch._autoload`` (run from the installed
+``moe_dispatch-autoload.pth``) imports this package when the first ``MoELayer`` naming "custom" is
+built or Megatron-Bridge's flex-backend helpers are given "custom".
+
 Every ``MoELayer`` built from such a config gets a ``MoEFlexTokenDispatcher`` whose
 ``_comm_manager`` is a :class:`CustomDispatchManager` over ``moe_dispatch.Buffer`` (the
 hierarchical dispatch/combine), with the permute fused into dispatch when padding or a static
-budget is configured. EP overlap (``overlap_moe_expert_parallel_comm``) and
-``delay_wgrad_compute`` are wired as for Megatron's own deepep/hybridep backends. With
-Megatron-Bridge, ``apply_flex_dispatcher_backend(model_config, "custom")`` works too (patched
-when Bridge's module is imported). Megatron's expert-input knobs work as its alltoall
-dispatcher defines them: any expert TP x EP group > 1, capacity factors, drop-and-pad
-(``moe_pad_expert_input_to_capacity``) and router padding for quantization.
-
-``enable_delayed_wgrad(model)`` (explicit opt-in, ``moe_dispatch.megatron.delayed_wgrad``) defers
-the weight gradients of Megatron's local (non-TE) experts, so ``delay_wgrad_compute`` works
-without Transformer Engine.
+budget is configured. EP overlap (``overlap_moe_expert_parallel_comm``) is wired as for
+Megatron's own deepep/hybridep backends; with ``delay_wgrad_compute=True`` the layer's local
+(non-Transformer-Engine) experts defer their weight gradients to ``MoELayer.backward_dw()`` as the
+layer is built (``moe_dispatch.megatron.delayed_wgrad``; TE's experts defer through TE).
+Megatron-Bridge's ``apply_flex_dispatcher_backend(model_config, "custom")`` works too. Megatron's
+expert-input knobs work as its alltoall dispatcher defines them: any expert TP x EP group > 1,
+capacity factors, drop-and-pad (``moe_pad_expert_input_to_capacity``) and router padding for
+quantization.
 
 ``moe_dispatch.megatron.cpu`` (explicit opt-in) lets Megatron's MoELayer run under gloo on a
 machine without a GPU, for tests and debugging; it is not a training path.

@@ -15,11 +15,13 @@ Megatron-Core has no backend registry, so :func:`install` wraps, for the install
   ``_comm_manager.token_probs`` and its expert node ``_comm_manager.dispatched_probs`` to
   the detached node inputs, and keeps ``tokens_per_expert`` referenced, as Megatron hard-codes
   for deepep/hybridep/ncclep.
-- Megatron-Bridge: ``apply_flex_dispatcher_backend(model_config, "custom")`` and
-  ``validate_flex_dispatcher_backend`` (``megatron/bridge/training/flex_dispatcher_backend.py``),
-  when that module is imported: at once if it already is, else by an import hook the moment it
-  is (importing ``moe_dispatch.megatron`` never imports Bridge, whose package imports every
-  model conversion bridge).
+- ``MoELayer.__init__`` and Megatron-Bridge's ``apply_flex_dispatcher_backend(model_config,
+  "custom")`` / ``validate_flex_dispatcher_backend``, through the import hook of
+  ``moe_dispatch._autoload`` (which also runs at interpreter start-up, so neither needs an
+  explicit import of this package): a "custom" layer is built by :func:`build_moe_layer`
+  (config checks, delayed expert wgrads), Bridge's helpers run :func:`bridge_apply` /
+  :func:`bridge_validate` for "custom". Importing ``moe_dispatch.megatron`` never imports
+  Bridge, whose package imports every model conversion bridge.
 
 Supported: megatron-core 0.16.x (tested 0.16.1, the newest release for Python 3.11) and 0.19.x
 (tested 0.19.2). What 0.16 does differently, each handled by one field of its
@@ -59,17 +61,14 @@ those functions live there (0.16-0.18 keep ``should_free_input`` in
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import importlib.abc
-import importlib.machinery
 import inspect
 import logging
 import sys
 
-logger = logging.getLogger(__name__)
+from .. import _autoload
 
-_PATCHED_FLAG = "_moe_dispatch_patched"
+logger = logging.getLogger(__name__)
 
 
 class UnsupportedMegatronVersionError(RuntimeError):
@@ -164,8 +163,6 @@ _PATCH_POINTS: dict[tuple[int, int], PatchPoints] = {
 
 TESTED_VERSIONS = "0.16.1, 0.19.2"
 
-_BRIDGE_MODULE = "megatron.bridge.training.flex_dispatcher_backend"
-
 
 def megatron_core_version() -> tuple[int, int, int]:
     """``(major, minor, patch)`` of the installed megatron-core."""
@@ -223,18 +220,6 @@ def quantization_align_size(config) -> int:
     return int(get_align_size_for_quantization(config))
 
 
-def _wrap(owner, name: str, make_wrapper) -> None:
-    """Replaces ``owner.name`` by ``make_wrapper(original)`` once (idempotent)."""
-    original = getattr(owner, name)
-    if getattr(original, _PATCHED_FLAG, False):
-        return
-    wrapper = make_wrapper(original)
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, _PATCHED_FLAG, True)
-    wrapper.__wrapped_original__ = original
-    setattr(owner, name, wrapper)
-
-
 def _missing(version, what: str) -> UnsupportedMegatronVersionError:
     return UnsupportedMegatronVersionError(
         f"megatron-core {'.'.join(map(str, version))} has no {what}, which moe_dispatch.megatron patches for the "
@@ -276,7 +261,7 @@ def _patch_dispatcher(points: PatchPoints, version) -> None:
 
         return __init__
 
-    _wrap(flex, "__init__", make)
+    _autoload.wrap(flex, "__init__", make)
     if not points.dispatcher_has_over_budget:
         _add_over_budget_api(flex)
 
@@ -293,7 +278,7 @@ def _patch_row_parallel_backward_dw(points: PatchPoints) -> None:
         """Weight gradients deferred by ``delay_wgrad_compute``: none here (this linear computes
         them in its backward), so nothing to do (added by moe_dispatch.megatron, as 0.19 has it)."""
 
-    setattr(backward_dw, _PATCHED_FLAG, True)
+    setattr(backward_dw, _autoload.PATCHED_FLAG, True)
     backward_dw.__qualname__ = "RowParallelLinear.backward_dw"
     layers.RowParallelLinear.backward_dw = backward_dw
 
@@ -315,7 +300,7 @@ def _add_over_budget_api(flex) -> None:
 
     for fn in (check_over_budget, reset_over_budget):
         if not hasattr(flex, fn.__name__):
-            setattr(fn, _PATCHED_FLAG, True)
+            setattr(fn, _autoload.PATCHED_FLAG, True)
             fn.__qualname__ = f"{flex.__name__}.{fn.__name__}"
             setattr(flex, fn.__name__, fn)
 
@@ -347,7 +332,7 @@ def _patch_free_input(points: PatchPoints, version) -> None:
 
         return should_free_input
 
-    _wrap(module, "should_free_input", make)
+    _autoload.wrap(module, "should_free_input", make)
 
 
 def _patch_callables(points: PatchPoints, version) -> None:
@@ -383,7 +368,7 @@ def _patch_callables(points: PatchPoints, version) -> None:
 
         return build_transformer_layer_callables
 
-    _wrap(module, "build_transformer_layer_callables", make)
+    _autoload.wrap(module, "build_transformer_layer_callables", make)
     patched = module.build_transformer_layer_callables
     for name in points.callables_importers:
         importer = importlib.import_module(name)
@@ -391,118 +376,72 @@ def _patch_callables(points: PatchPoints, version) -> None:
             importer.build_transformer_layer_callables = patched
 
 
-def patch_bridge() -> bool:
-    """Teaches Megatron-Bridge's flex-backend helpers the name "custom", if Bridge's module
-    ``megatron.bridge.training.flex_dispatcher_backend`` is imported (``install()`` also
-    arranges for this to happen when it is imported later).
+def build_moe_layer(original_init, layer, args: tuple, kwargs: dict) -> None:
+    """Builds a ``MoELayer`` whose config names the "custom" backend (called by the wrapped
+    ``MoELayer.__init__``, see ``moe_dispatch._autoload``): checks the config (a "custom" backend
+    with another dispatcher type raises here, where Megatron would silently build that one), runs
+    Megatron's constructor, then, with ``delay_wgrad_compute=True``, makes the experts defer their
+    weight gradients to ``MoELayer.backward_dw()``
+    (:func:`moe_dispatch.megatron.delayed_wgrad.defer_built_layer`).
 
-    ``apply_flex_dispatcher_backend(model_config, "custom")`` sets flex + custom +
-    ``moe_shared_expert_overlap=False`` (no GPU-architecture gate: the backend runs anywhere
-    torch.distributed does; a config without experts is left alone with a warning, as Bridge
-    does); ``validate_flex_dispatcher_backend`` runs ``validate_config`` for "custom". Other
-    backend names reach Bridge's own functions. Modules that imported the helpers by name
-    before this call are re-bound. Idempotent.
+    Raises:
+        ValueError: from ``validate_config``.
+    """
+    from .config import validate_config
+    from .delayed_wgrad import defer_built_layer
+
+    validate_config(layer_config(args, kwargs))
+    original_init(layer, *args, **kwargs)
+    if getattr(layer.config, "delay_wgrad_compute", False):
+        defer_built_layer(layer)
+
+
+def layer_config(args: tuple, kwargs: dict):
+    """The ``config`` argument of a ``MoELayer.__init__(config, ...)`` call."""
+    return kwargs["config"] if "config" in kwargs else args[0]
+
+
+def bridge_apply(model_config) -> None:
+    """Megatron-Bridge's ``apply_flex_dispatcher_backend(model_config, "custom")``: flex + "custom"
+    + ``moe_shared_expert_overlap=False`` (as Bridge does for its backends; no GPU-architecture
+    gate: the backend runs anywhere torch.distributed does). A config without experts is left
+    alone with a warning, as Bridge does."""
+    from .config import BACKEND_NAME, OPTIONS_ATTR, CustomBackendOptions
+
+    if not getattr(model_config, "num_moe_experts", None):
+        logger.warning(
+            "the 'custom' flex dispatcher backend applies only to MoE models: num_moe_experts is not set; leaving "
+            "the dispatcher unchanged"
+        )
+        return
+    model_config.moe_token_dispatcher_type = "flex"
+    model_config.moe_flex_dispatcher_backend = BACKEND_NAME
+    model_config.moe_shared_expert_overlap = False
+    if getattr(model_config, OPTIONS_ATTR, None) is None:
+        setattr(model_config, OPTIONS_ATTR, CustomBackendOptions())
+
+
+def bridge_validate(model_config) -> None:
+    """Megatron-Bridge's ``validate_flex_dispatcher_backend`` for "custom": ``validate_config``.
+
+    Raises:
+        ValueError: from ``validate_config``.
+    """
+    from .config import validate_config
+
+    validate_config(model_config)
+
+
+def patch_bridge() -> bool:
+    """Wraps Megatron-Bridge's flex-backend helpers for "custom" now, if Bridge's module
+    ``megatron.bridge.training.flex_dispatcher_backend`` is imported (the import hook of
+    ``moe_dispatch._autoload`` does it by itself when the module is imported). Idempotent.
 
     Returns:
-        True when Bridge's module is imported (and now patched), False when it is not.
+        True when Bridge's module is imported (and patched), False when it is not.
     """
-    module = sys.modules.get(_BRIDGE_MODULE)
-    if module is None:
-        return False
-    from .config import BACKEND_NAME, OPTIONS_ATTR, CustomBackendOptions, validate_config
-
-    def make_apply(original):
-        def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None, *args, **kwargs):
-            if moe_flex_dispatcher_backend != BACKEND_NAME:
-                return original(model_config, moe_flex_dispatcher_backend, *args, **kwargs)
-            if not getattr(model_config, "num_moe_experts", None):
-                logger.warning(
-                    "the 'custom' flex dispatcher backend applies only to MoE models: num_moe_experts is "
-                    "not set; leaving the dispatcher unchanged"
-                )
-                return None
-            model_config.moe_token_dispatcher_type = "flex"
-            model_config.moe_flex_dispatcher_backend = BACKEND_NAME
-            model_config.moe_shared_expert_overlap = False
-            if getattr(model_config, OPTIONS_ATTR, None) is None:
-                setattr(model_config, OPTIONS_ATTR, CustomBackendOptions())
-            return None
-
-        return apply_flex_dispatcher_backend
-
-    def make_validate(original):
-        def validate_flex_dispatcher_backend(model_config, *args, **kwargs):
-            if getattr(model_config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME:
-                return validate_config(model_config)
-            return original(model_config, *args, **kwargs)
-
-        return validate_flex_dispatcher_backend
-
-    for name, make in (
-        ("apply_flex_dispatcher_backend", make_apply),
-        ("validate_flex_dispatcher_backend", make_validate),
-    ):
-        if callable(getattr(module, name, None)):
-            original = getattr(module, name)
-            _wrap(module, name, make)
-            _rebind(original, getattr(module, name), prefix="megatron.bridge")
-    return True
-
-
-def _patch_bridge_or_warn() -> None:
-    try:
-        patch_bridge()
-    except Exception as err:  # noqa: BLE001 - Bridge is optional: never block its import or the backend
-        logger.warning(
-            "Megatron-Bridge's %s could not be patched for the 'custom' backend (%s: %s); use "
-            "moe_dispatch.megatron.configure(config) instead of apply_flex_dispatcher_backend",
-            _BRIDGE_MODULE,
-            type(err).__name__,
-            err,
-        )
-
-
-class _PatchAfterExec(importlib.abc.Loader):
-    """Runs a module's own loader, then :func:`patch_bridge` (the module is in sys.modules)."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the module's own loader
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _patch_bridge_or_warn()
-
-
-class _BridgeImportHook(importlib.abc.MetaPathFinder):
-    """Finds Bridge's flex-backend module as the path finder does, with a loader that patches
-    it right after it runs (before any importer binds its functions)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _BRIDGE_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchAfterExec(spec.loader)
-        return spec
-
-
-_BRIDGE_HOOK = _BridgeImportHook()
-
-
-def _rebind(old, new, *, prefix: str) -> None:
-    """Points every already-imported ``prefix*`` module attribute bound to ``old`` at ``new``."""
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(prefix):
-            continue
-        for attr, value in list(vars(mod).items()):
-            if value is old:
-                setattr(mod, attr, new)
+    _autoload.install()
+    return sys.modules.get(_autoload.BRIDGE_MODULE) is not None
 
 
 _INSTALLED = False
@@ -511,28 +450,30 @@ _INSTALLED = False
 def install() -> None:
     """Makes ``moe_flex_dispatcher_backend="custom"`` build this package's manager (idempotent).
 
-    Run by ``import moe_dispatch.megatron``. Patches, for the installed megatron-core (see the
-    module docstring): the flex dispatcher's constructor, the EP-overlap schedule's
-    ``should_free_input`` and layer callables, and Megatron-Bridge's helpers (now if their
-    module is imported, else when it is); on versions that lack them, adds the flex
-    dispatcher's over-budget methods and ``RowParallelLinear.backward_dw`` (0.19's behaviour).
+    Run by ``import moe_dispatch.megatron`` (and so, through ``moe_dispatch._autoload``, by the
+    first ``MoELayer`` or Bridge helper call that names "custom"). Patches, for the installed
+    megatron-core (see the module docstring): the flex dispatcher's constructor, the EP-overlap
+    schedule's ``should_free_input`` and layer callables, ``MoELayer.__init__`` and
+    Megatron-Bridge's helpers (through ``moe_dispatch._autoload``: now if their modules are
+    imported, else when they are); on versions that lack them, adds the flex dispatcher's
+    over-budget methods and ``RowParallelLinear.backward_dw`` (0.19's behaviour).
 
     Raises:
         UnsupportedMegatronVersionError: a megatron-core version without patch points here, or
             one whose patched functions moved (the message names the function).
     """
     global _INSTALLED
-    if not _INSTALLED:
-        version = megatron_core_version()
-        points = patch_points(version)
-        _patch_dispatcher(points, version)
-        _patch_free_input(points, version)
-        _patch_callables(points, version)
-        _patch_row_parallel_backward_dw(points)
-        if _BRIDGE_HOOK not in sys.meta_path:
-            sys.meta_path.insert(0, _BRIDGE_HOOK)
-        _INSTALLED = True
-    _patch_bridge_or_warn()  # Bridge's module may have been imported before this package
+    _autoload.install()
+    if _INSTALLED:
+        return
+    version = megatron_core_version()
+    points = patch_points(version)
+    _patch_dispatcher(points, version)
+    _patch_free_input(points, version)
+    _patch_callables(points, version)
+    _patch_row_parallel_backward_dw(points)
+    importlib.import_module(_autoload.MOE_LAYER_MODULE)  # the hook wraps MoELayer.__init__ as it loads
+    _INSTALLED = True
 
 
 def installed() -> bool:

@@ -38,11 +38,11 @@ import os
 import warnings
 from typing import Any
 
+from .._autoload import BACKEND_NAME
 from ..config import Config, num_sms_error
 from ..semantics.validation import check_timeout_s
 from . import compat
 
-BACKEND_NAME = "custom"
 OPTIONS_ATTR = "moe_dispatch_options"
 FP8_BLOCK = 128  # elements per fp32 scale of the fp8 dispatch format
 

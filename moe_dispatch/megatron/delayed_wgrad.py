@@ -5,13 +5,18 @@ out of the backward pass so its combined-1F1B EP-overlap schedule can run them n
 dispatch backward. Only Transformer Engine's ``GroupedLinear`` can defer; Megatron's own
 linear layers (the experts of the local, non-TE spec: ``SequentialMLP`` over
 ``ColumnParallelLinear`` / ``RowParallelLinear``) compute them at once and their
-``backward_dw()`` does nothing. :func:`enable_delayed_wgrad` (explicit opt-in) gives those
-experts the same behaviour through :class:`moe_dispatch.overlap.DelayedWgrad`::
+``backward_dw()`` does nothing. This module gives those experts the same behaviour through
+:class:`moe_dispatch.overlap.DelayedWgrad`. With the "custom" backend it needs no call: a
+``MoELayer`` built from a config with ``delay_wgrad_compute=True`` defers at once
+(:func:`defer_built_layer`, run by the backend as the layer is built)::
 
     import moe_dispatch.megatron as mdm
     mdm.configure(config, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=E), ...)
-    stores = mdm.enable_delayed_wgrad(model)        # before the first forward
+    # every MoE layer's local experts now defer their wgrads to MoELayer.backward_dw()
+
+:func:`enable_delayed_wgrad` (explicit) does the same for a model built otherwise, or switches
+the layers to ``run_wgrad="dispatch_backward"``.
 
 Who runs the deferred wgrads (``run_wgrad``):
 
@@ -66,6 +71,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -77,6 +83,7 @@ STORE_ATTR = "moe_dispatch_wgrad_store"
 _HOOKS_ATTR = "_moe_dispatch_wgrad_hooks"
 _PRE_HOOK_ATTR = "_moe_dispatch_wgrad_pre_hook"
 _LINEARS = ("linear_fc1", "linear_fc2")
+_TE_EXTENSIONS = "megatron.core.extensions.transformer_engine"
 
 
 class ExpertWgradStore(DelayedWgrad):
@@ -275,11 +282,15 @@ def _custom_manager(layer):
 
 
 def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, ExpertWgradStore]:
-    """Defers the weight gradients of every MoE layer's experts in ``model`` (explicit opt-in).
+    """Defers the weight gradients of every MoE layer's experts in ``model``.
 
-    Call on every rank after building the model and before its first forward (and before
-    wrapping it in Megatron's DDP, so DDP sees ``skip_backward_post_hook``). Idempotent: a
-    layer already enabled keeps its store (its mode must match).
+    Not needed with the "custom" backend and ``delay_wgrad_compute=True``: such layers defer
+    from the moment they are built (:func:`defer_built_layer`). Call it for
+    ``run_wgrad="dispatch_backward"``, or for the "custom" backend without
+    ``delay_wgrad_compute``, on every rank after building the model and before its first
+    forward (and before wrapping it in Megatron's DDP, so DDP sees ``skip_backward_post_hook``).
+    Idempotent: a layer already deferring keeps its store, whose mode changes to ``run_wgrad``
+    while it holds no deferred wgrads.
 
     Args:
         model: a Megatron model, a ``MoELayer``, or a list of model chunks (``torch.nn.Module``).
@@ -298,8 +309,8 @@ def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, 
         ValueError: unknown ``run_wgrad``; no MoE layer in ``model``; ``"dispatch_backward"``
             on a layer whose dispatcher is not the "custom" backend; ``"backward_dw"`` on a
             layer that nobody would run the wgrads for (neither the "custom" backend nor
-            ``delay_wgrad_compute=True`` with ``overlap_moe_expert_parallel_comm=True``); a
-            layer enabled before with the other mode.
+            ``delay_wgrad_compute=True`` with ``overlap_moe_expert_parallel_comm=True``).
+        RuntimeError: a layer changing mode still holds deferred wgrads.
 
     At run time: ``RuntimeError`` from an expert forward when wgrads deferred by an earlier
     backward were never run, or when an expert linear is called with tensor-parallel
@@ -319,10 +330,10 @@ def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, 
         manager = _custom_manager(layer)
         config = layer.config
         existing = getattr(layer, STORE_ATTR, None)
-        if existing is not None and existing.run_wgrad != run_wgrad:
-            raise ValueError(
-                f"{name} already defers its expert wgrads with run_wgrad={existing.run_wgrad!r}: call "
-                "disable_delayed_wgrad(model) first to change the mode"
+        if existing is not None and existing.run_wgrad != run_wgrad and len(existing):
+            raise RuntimeError(
+                f"{name} holds {len(existing)} deferred expert weight gradients (run_wgrad={existing.run_wgrad!r}): "
+                f"run layer.backward_dw() before switching to run_wgrad={run_wgrad!r}"
             )
         if run_wgrad == "dispatch_backward" and manager is None:
             raise ValueError(
@@ -345,32 +356,90 @@ def enable_delayed_wgrad(model, *, run_wgrad: str = "backward_dw") -> dict[str, 
     stores = {}
     for name, layer, linears, manager, existing in plans:
         if existing is not None:
+            existing.run_wgrad = run_wgrad
             stores[name] = existing
-            continue
-        store = ExpertWgradStore(name, run_wgrad)
-        for linear in linears:
-            linear._forward_impl = functools.partial(_delayed_forward_impl, linear, store, linear._forward_impl)
-            setattr(linear, _HOOKS_ATTR, [])
-            linear.register_wgrad_accumulation_and_reduce_hooks = functools.partial(_register_wgrad_hooks, linear)
-            linear.weight.skip_backward_post_hook = True
-        layer.experts.backward_dw = store.run_for_megatron
-
-        def check_nothing_left(module, args, store=store):
-            if len(store) and torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"{store.layer_name}: {len(store)} expert weight gradients deferred by an earlier backward were "
-                    f"never run (run_wgrad={store.run_wgrad!r}); they would be lost. Megatron runs them through "
-                    "MoELayer.backward_dw() (combined-1F1B schedule with delay_wgrad_compute=True); the 'custom' "
-                    "dispatch backward runs them when the dispatch input requires grad. Call "
-                    "layer.backward_dw() after a hand-written backward"
-                )
-
-        setattr(layer.experts, _PRE_HOOK_ATTR, layer.experts.register_forward_pre_hook(check_nothing_left))
-        if manager is not None:
-            manager.wgrad_store = store
-        setattr(layer, STORE_ATTR, store)
-        stores[name] = store
+        else:
+            stores[name] = _defer(name, layer, linears, manager, run_wgrad)
     return stores
+
+
+def _defer(name: str, layer, linears: list, manager, run_wgrad: str) -> ExpertWgradStore:
+    """Patches one MoE layer's local expert linears to defer into a new store (see the module
+    docstring for what is patched) and returns the store."""
+    store = ExpertWgradStore(name, run_wgrad)
+    for linear in linears:
+        linear._forward_impl = functools.partial(_delayed_forward_impl, linear, store, linear._forward_impl)
+        setattr(linear, _HOOKS_ATTR, [])
+        linear.register_wgrad_accumulation_and_reduce_hooks = functools.partial(_register_wgrad_hooks, linear)
+        linear.weight.skip_backward_post_hook = True
+    layer.experts.backward_dw = store.run_for_megatron
+
+    def check_nothing_left(module, args, store=store):
+        if len(store) and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{store.layer_name}: {len(store)} expert weight gradients deferred by an earlier backward were "
+                f"never run (run_wgrad={store.run_wgrad!r}); they would be lost. Megatron runs them through "
+                "MoELayer.backward_dw() (combined-1F1B schedule with delay_wgrad_compute=True); the 'custom' "
+                "dispatch backward runs them when the dispatch input requires grad. Call "
+                "layer.backward_dw() after a hand-written backward"
+            )
+
+    setattr(layer.experts, _PRE_HOOK_ATTR, layer.experts.register_forward_pre_hook(check_nothing_left))
+    if manager is not None:
+        manager.wgrad_store = store
+    setattr(layer, STORE_ATTR, store)
+    return store
+
+
+def expert_wgrad_owner(experts) -> str:
+    """Who defers the weight gradients of a ``MoELayer``'s ``experts`` under
+    ``delay_wgrad_compute=True``: ``"transformer_engine"`` (``TEGroupedMLP``, or a
+    ``SequentialMLP`` of Transformer Engine linears: TE's own deferral, run by their
+    ``backward_dw``), ``"moe_dispatch"`` (a ``SequentialMLP`` of Megatron's local
+    ``ColumnParallelLinear``/``RowParallelLinear``, which compute wgrads at once: this module's
+    deferral) or ``"none"`` (anything else, e.g. 0.16's legacy ``GroupedMLP``: wgrads run in the
+    normal backward)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if type(experts).__name__ == "TEGroupedMLP":
+        return "transformer_engine"
+    if not isinstance(experts, SequentialMLP):
+        return "none"
+    linears = [getattr(e, attr, None) for e in experts.local_experts for attr in _LINEARS]
+    if all(isinstance(lin, (ColumnParallelLinear, RowParallelLinear)) for lin in linears):
+        return "moe_dispatch"
+    if all(type(lin).__module__.startswith(_TE_EXTENSIONS) for lin in linears):
+        return "transformer_engine"
+    return "none"
+
+
+def defer_built_layer(layer) -> ExpertWgradStore | None:
+    """Makes a just-built ``MoELayer`` with ``delay_wgrad_compute=True`` defer its expert weight
+    gradients to ``MoELayer.backward_dw()`` (run by ``moe_dispatch.megatron.compat.build_moe_layer``
+    for the "custom" backend): this module's deferral for Megatron's local experts, nothing where
+    Transformer Engine defers (see :func:`expert_wgrad_owner`).
+
+    Returns:
+        the layer's store, or None where TE defers.
+
+    Warns:
+        UserWarning: experts that nothing defers (their wgrads run in the normal backward).
+    """
+    owner = expert_wgrad_owner(layer.experts)
+    if owner == "transformer_engine":
+        return None
+    if owner == "none":
+        warnings.warn(
+            f"delay_wgrad_compute=True defers nothing for experts of type {type(layer.experts).__name__}: their "
+            "weight gradients run in the normal backward. Deferring experts are Transformer Engine's (TEGroupedMLP, "
+            "or SequentialMLP of TE linears) and Megatron's local SequentialMLP (deferred by moe_dispatch)",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    name = type(layer).__name__
+    return _defer(name, layer, _expert_linears(name, layer), _custom_manager(layer), "backward_dw")
 
 
 def disable_delayed_wgrad(model) -> int:
