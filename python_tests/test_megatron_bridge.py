@@ -2,8 +2,9 @@
 without its dependencies; see requirements/bridge.txt) with backend "custom", on CPU.
 
 In a 2-rank gloo world (EP 2): Bridge's own ``apply_flex_dispatcher_backend(cfg, "custom")``
-and ``validate_flex_dispatcher_backend(cfg)``, patched by ``moe_dispatch.megatron`` when the
-module is imported, select and check the backend; other names still reach Bridge's code; the
+and ``validate_flex_dispatcher_backend(cfg)``, wrapped as their module loads by the start-up hook
+(``moe_dispatch._autoload``; first without any import of ``moe_dispatch.megatron``), select and
+check the backend; other names still reach Bridge's code; the
 same config then builds a ``MoELayer`` whose dispatcher runs our manager, and its forward and
 backward equal the alltoall dispatcher's on the same weights and inputs.
 
@@ -16,11 +17,32 @@ CUDA and torch), and they also need transformers (with its own dependencies), om
 einops. ``flex_dispatcher_backend`` itself needs only megatron-core and torch. Every module
 under ``megatron.bridge`` that its import reaches (``training``, ``utils.common_utils``,
 ``utils.slurm_utils``, ``training.utils.packed_seq_utils``) runs as shipped.
+
+Without a world: Bridge's ``CommOverlapConfig`` (``training/comm_overlap.py``, its MoE EP-overlap
+validation and what it sets for pipelining) on a ``GPTModelProvider`` with "custom", against our
+``validate_config``: the guidance's settings pass both (and Megatron-Core's own
+``TransformerConfig.__post_init__``, run by the provider's ``finalize()``); each wrong setting is
+refused by both, Bridge with its bare ``AssertionError``, ours with a ``ValueError`` naming the knob.
+STUB, said plainly: besides ``megatron.bridge``, the package ``megatron.bridge.models`` is made bare
+too (its ``__init__`` imports every model bridge: transformers and Transformer Engine, as above);
+comm_overlap takes two names from it, ``GPTModelProvider`` and ``T5ModelProvider`` (used only in
+annotations), which are set on the bare package from Bridge's own ``models.gpt_provider`` and
+``models.t5_provider``, as its ``__init__`` would. Nothing is stubbed below that: comm_overlap,
+the providers, ``models.gpt.gpt_builder``, ``models.hybrid.hybrid_builder`` and
+``utils.cuda_graph`` run as shipped; the providers need omegaconf and PyYAML, which
+requirements/bridge.txt pins. No Transformer Engine stub: comm_overlap imports it under
+``try`` (``HAVE_TE=False`` here), and its TE-version checks (delayed wgrad with
+``overlap_grad_reduce``, ``gradient_accumulation_fusion`` or CUDA graphs) are not reached by
+these configs (Bridge turns ``gradient_accumulation_fusion`` off without TE or Apex).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import importlib.util
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,22 +59,26 @@ except importlib.metadata.PackageNotFoundError:
 
 from .worlds import assert_case, run_cases, world_results  # noqa: E402
 
-pytestmark = [pytest.mark.megatron, pytest.mark.world]
+pytestmark = pytest.mark.megatron
 
 WORLD_SIZE = 2
 BRIDGE_MODULE = "megatron.bridge.training.flex_dispatcher_backend"
 
 
+def _bare_package(name: str):
+    """The installed package ``name`` in ``sys.modules`` with its ``__path__`` only: its
+    ``__init__`` does not run, its submodules import as shipped (the module docstring says why)."""
+    if name not in sys.modules:
+        spec = importlib.util.find_spec(name)  # finds the package, runs nothing
+        assert spec is not None and spec.submodule_search_locations, f"megatron-bridge's {name} is not importable"
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+    return sys.modules[name]
+
+
 def import_bridge_flex_module():
     """Bridge's ``flex_dispatcher_backend`` from the installed wheel, its package ``__init__``
-    not run (the module docstring says why)."""
-    import importlib.util
-    import sys
-
-    if "megatron.bridge" not in sys.modules:
-        spec = importlib.util.find_spec("megatron.bridge")  # finds the package, runs nothing
-        assert spec is not None and spec.submodule_search_locations, "megatron-bridge's package is not importable"
-        sys.modules["megatron.bridge"] = importlib.util.module_from_spec(spec)
+    not run."""
+    _bare_package("megatron.bridge")
     return importlib.import_module(BRIDGE_MODULE)
 
 
@@ -179,6 +205,188 @@ def test_bridge_version():
     assert BRIDGE_VERSION == "0.6.2", f"requirements/bridge.txt pins megatron-bridge 0.6.2, found {BRIDGE_VERSION}"
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("case", [*FIRST_CASES, *CASES])
 def test_megatron_bridge(case):
     assert_case(world_results(world_entry, WORLD_SIZE), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bridge's CommOverlapConfig against validate_config, in this process (no world)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    """Bridge's ``comm_overlap`` and (patched) ``flex_dispatcher_backend`` modules and its
+    ``GPTModelProvider`` (see the module docstring for what is bare). The ``megatron.bridge``
+    modules imported here leave ``sys.modules`` again afterwards: test_megatron_config.py checks
+    that nothing in the package imports Bridge."""
+    before = set(sys.modules)
+    import moe_dispatch.megatron  # noqa: F401 - patches Bridge's flex module when it is imported
+
+    flex = import_bridge_flex_module()
+    models = _bare_package("megatron.bridge.models")
+    try:
+        from megatron.bridge.models.gpt_provider import GPTModelProvider
+        from megatron.bridge.models.t5_provider import T5ModelProvider
+    except ModuleNotFoundError as err:
+        pytest.fail(f"{err}: requirements/bridge.txt pins what Bridge's model providers import; run make venv")
+    models.GPTModelProvider, models.T5ModelProvider = GPTModelProvider, T5ModelProvider  # as its __init__ does
+    comm_overlap = importlib.import_module("megatron.bridge.training.comm_overlap")
+    assert "site-packages" in comm_overlap.__file__, comm_overlap.__file__
+    assert getattr(flex.apply_flex_dispatcher_backend, "_moe_dispatch_patched", False)
+    yield SimpleNamespace(flex=flex, comm_overlap=comm_overlap, GPTModelProvider=GPTModelProvider)
+    for name in set(sys.modules) - before:
+        if name.startswith("megatron.bridge"):
+            del sys.modules[name]
+
+
+def _custom_provider(bridge, **fields):
+    """A bf16 GPTModelProvider (EP 2, 8 experts) set to "custom" by Bridge's helper, then ``fields``
+    set as a recipe would override them (after the helper, which turns shared-expert overlap off)."""
+    base = dict(
+        num_layers=4,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        expert_model_parallel_size=2,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        ffn_hidden_size=32,
+        moe_ffn_hidden_size=32,
+    )
+    model = bridge.GPTModelProvider(**base)  # Bridge defers Megatron's __post_init__ to finalize()
+    bridge.flex.apply_flex_dispatcher_backend(model, "custom")
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "custom")
+    for name, value in fields.items():
+        setattr(model, name, value)
+    return model
+
+
+def _bridge_overlap_setup(bridge, model, overlap: bool, delay_wgrad: bool) -> None:
+    """What Bridge's ``runtime_config_update`` does with ``cfg.comm_overlap``: finalize, then
+    setup on the model, optimizer and DDP configs (which copies the overlap knobs onto the model)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    cfg = bridge.comm_overlap.CommOverlapConfig(
+        tp_comm_overlap=False,
+        overlap_moe_expert_parallel_comm=overlap,
+        delay_wgrad_compute=delay_wgrad,
+        data_parallel_size=1,
+    )
+    cfg.finalize()
+    cfg.setup(model, OptimizerConfig(), DistributedDataParallelConfig())
+
+
+@pytest.mark.parametrize(
+    "pp, vpp, delay_wgrad", [(1, None, False), (1, None, True), (2, 2, False), (2, 2, True)], ids=str
+)
+def test_comm_overlap_and_ours_accept_the_guidance(bridge, pp, vpp, delay_wgrad):
+    """Bridge's MoE overlap guidance with "custom": Bridge's CommOverlapConfig, our validate_config
+    and Megatron-Core's __post_init__ all accept it; with VPP Bridge sets the interleaved
+    schedule's p2p knobs (overlapped, not batched)."""
+    from moe_dispatch.megatron.config import validate_config
+
+    model = _custom_provider(bridge, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    _bridge_overlap_setup(bridge, model, overlap=True, delay_wgrad=delay_wgrad)
+    assert model.overlap_moe_expert_parallel_comm is True and model.delay_wgrad_compute is delay_wgrad
+    assert (model.overlap_p2p_comm, model.batch_p2p_comm) == ((True, False) if pp > 1 else (False, False))
+    validate_config(model)
+    model.finalize()
+    assert model.moe_flex_dispatcher_backend == "custom" and model.overlap_moe_expert_parallel_comm
+
+
+# (recipe fields, EP overlap, delay_wgrad, Bridge's assertion message, our message)
+WRONG_SETTINGS = {
+    "ep1": (
+        dict(expert_model_parallel_size=1, expert_tensor_parallel_size=2),
+        True,
+        False,
+        r"only supported when expert_model_parallel_size > 1",
+        r"but expert_model_parallel_size=1: there is no EP communication to hide",
+    ),
+    "one_expert": (dict(num_moe_experts=1), True, False, r"num_moe_experts > 1", r"num_moe_experts=1: set"),
+    "fp32": (
+        dict(bf16=False, params_dtype=torch.float32),
+        True,
+        True,
+        r"only supported when using bf16 or fp16",
+        r"needs a bf16 or fp16 model .* but bf16=False and fp16=False: set bf16=True",
+    ),
+    "pp_without_vpp": (
+        dict(pipeline_model_parallel_size=2),
+        True,
+        False,
+        r"virtual_pipeline_model_parallel_size must be specified",
+        r"pipeline_model_parallel_size=2 needs the interleaved schedule: set virtual_pipeline_model_parallel_size",
+    ),
+    "full_recompute": (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        True,
+        True,
+        r"disable full recomputation",
+        r"with recompute_granularity='full': .* Set recompute_granularity='selective'",
+    ),
+    "recompute_method": (
+        dict(recompute_method="block"),
+        True,
+        False,
+        r"disable recomputation method",
+        r"with recompute_method='block' .* Set recompute_method=None",
+    ),
+    "recompute_num_layers": (
+        dict(recompute_num_layers=2),
+        True,
+        False,
+        r"recompute_num_layers must be None",
+        r"with recompute_num_layers=2 .* Set recompute_num_layers=None",
+    ),
+    "moe_recompute": (
+        dict(recompute_granularity="selective", recompute_modules=["moe"]),
+        True,
+        False,
+        r"disable moe in recompute_modules",
+        r"with 'moe' in recompute_modules=\['moe'\]: .* Drop 'moe'",
+    ),
+    "shared_expert_overlap": (
+        dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+        True,
+        True,
+        r"disable moe_shared_expert_overlap",
+        r"moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other.*set "
+        r"moe_shared_expert_overlap=False",
+    ),
+    "two_mtp_layers": (
+        dict(mtp_num_layers=2),
+        True,
+        False,
+        r"MTP supports at most one layer",
+        r"with mtp_num_layers=2: .* Set mtp_num_layers=1",
+    ),
+    "delay_wgrad_without_overlap": (
+        {},
+        False,
+        True,
+        r"overlap_moe_expert_parallel_comm is required for delay_wgrad_compute",
+        r"delay_wgrad_compute=True defers .* set overlap_moe_expert_parallel_comm=True too",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_SETTINGS))
+def test_comm_overlap_and_ours_refuse_the_same(bridge, case):
+    """Each wrong setting for EP overlap: Bridge's CommOverlapConfig refuses it (bare assert, its
+    own reason), and so does our validate_config once the overlap knobs are on the model (where
+    Bridge's setup would have put them), with a ValueError that names the knob and the fix."""
+    from moe_dispatch.megatron.config import validate_config
+
+    fields, overlap, delay_wgrad, bridge_reason, ours = WRONG_SETTINGS[case]
+    model = _custom_provider(bridge, **fields)
+    with pytest.raises(AssertionError, match=bridge_reason):
+        _bridge_overlap_setup(bridge, model, overlap=overlap, delay_wgrad=delay_wgrad)
+    model.overlap_moe_expert_parallel_comm, model.delay_wgrad_compute = overlap, delay_wgrad
+    with pytest.raises(ValueError, match=ours):
+        validate_config(model)

@@ -133,6 +133,67 @@ def test_configure_sets_megatron_fields_then_checks():
     assert cfg.overlap_moe_expert_parallel_comm and cfg.delay_wgrad_compute
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(bf16=False, fp16=True, params_dtype=torch.float16),
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"]),
+        dict(mtp_num_layers=1),
+        dict(cuda_graph_impl="transformer_engine"),  # whole layers: Megatron's check lets it pass
+    ],
+    ids=lambda fields: ",".join(fields),
+)
+def test_ep_overlap_accepts_what_megatron_accepts(fields):
+    """The EP-overlap checks refuse only what Megatron-Core and Megatron-Bridge refuse."""
+    cfg = mdm.configure(_config(), overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **fields)
+    assert all(getattr(cfg, name) == value for name, value in fields.items())
+
+
+def test_ep_overlap_refuses_a_cuda_graph_of_the_moe_block():
+    """Transformer Engine's per-layer CUDA graph may not capture the MoE or MLP block (Megatron's
+    rule); the field is cuda_graph_modules on megatron-core 0.19, cuda_graph_scope on 0.16, and
+    holds names or enum members (after Megatron's __post_init__)."""
+    from megatron.core.transformer import enums
+
+    field = "cuda_graph_modules" if hasattr(_config(), "cuda_graph_modules") else "cuda_graph_scope"
+    member = getattr(enums, "CudaGraphModule", None) or enums.CudaGraphScope
+    overlap = dict(overlap_moe_expert_parallel_comm=True, cuda_graph_impl="transformer_engine")
+    for value, captured in (
+        ("attn,moe", r"\['moe'\]"),
+        ([member.mlp], r"\['mlp'\]"),
+        (["moe", "mlp"], r"\['moe', 'mlp'\]"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"cuda_graph_impl='transformer_engine' capturing {captured} \({field}=.*"
+            rf"Drop 'moe' and 'mlp' from {field}",
+        ):
+            mdm.configure(_config(), **overlap, **{field: value})
+    mdm.configure(_config(), **overlap, **{field: ["attn", "moe_router"]})  # attention and router graphs: allowed
+    mdm.configure(_config(), overlap_moe_expert_parallel_comm=True, **{field: ["moe"]})  # no graphs: nothing captured
+
+
+def test_dispatch_backward_wgrad_overlap_excludes_ep_overlap():
+    """overlap_dispatch_backward_with_experts_wgrad (megatron-core 0.19) and the EP-overlap
+    schedule (with or without delay_wgrad_compute) exclude each other, as Megatron says."""
+    if not hasattr(_config(), "overlap_dispatch_backward_with_experts_wgrad"):
+        pytest.skip(f"megatron-core {compat.version_string()} has no overlap_dispatch_backward_with_experts_wgrad")
+    for delay_wgrad in (False, True):
+        with pytest.raises(
+            ValueError,
+            match=rf"overlap_dispatch_backward_with_experts_wgrad=True .*\(overlap_moe_expert_parallel_comm=True, "
+            rf"delay_wgrad_compute={delay_wgrad}\).* Set overlap_dispatch_backward_with_experts_wgrad=False",
+        ):
+            mdm.configure(
+                _config(),
+                overlap_moe_expert_parallel_comm=True,
+                delay_wgrad_compute=delay_wgrad,
+                overlap_dispatch_backward_with_experts_wgrad=True,
+            )
+    assert mdm.configure(_config(), overlap_dispatch_backward_with_experts_wgrad=True)  # without EP overlap: fine
+
+
 def test_resolved_layout():
     from moe_dispatch.megatron.config import resolve_fuse_permute, resolve_pad_multiple
 
@@ -196,8 +257,47 @@ def test_drop_and_pad_and_router_padding_resolve():
         ),
         (dict(num_moe_experts=1), r"num_moe_experts=1: set num_moe_experts >= 2"),
         (
+            dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=1, expert_tensor_parallel_size=2),
+            r"overlap_moe_expert_parallel_comm=True hides the expert-parallel dispatch and combine .* but "
+            r"expert_model_parallel_size=1: there is no EP communication to hide .* Set expert_model_parallel_size > 1",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, bf16=False, params_dtype=torch.float32),
+            r"overlap_moe_expert_parallel_comm=True needs a bf16 or fp16 model .* but bf16=False and fp16=False: set "
+            r"bf16=True",
+        ),
+        (
             dict(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2),
             r"pipeline_model_parallel_size=2 needs the interleaved schedule: set virtual_pipeline_model_parallel_size",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, recompute_granularity="full"),
+            r"overlap_moe_expert_parallel_comm=True with recompute_granularity='full': the EP-overlap schedule runs "
+            r"each layer's attention, dispatch, experts and combine as separate steps.* Set "
+            r"recompute_granularity='selective' \(recompute_modules without 'moe'\) or None",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, recompute_method="uniform"),
+            r"overlap_moe_expert_parallel_comm=True with recompute_method='uniform' .* Set recompute_method=None",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, recompute_num_layers=1),
+            r"overlap_moe_expert_parallel_comm=True with recompute_num_layers=1 .* Set recompute_num_layers=None",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, recompute_modules=["core_attn", "moe"]),
+            r"overlap_moe_expert_parallel_comm=True with 'moe' in recompute_modules=\['core_attn', 'moe'\]: .* Drop "
+            r"'moe' from recompute_modules",
+        ),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, mtp_num_layers=2),
+            r"overlap_moe_expert_parallel_comm=True with mtp_num_layers=2: .* at most one multi-token-prediction "
+            r"layer\. Set mtp_num_layers=1",
+        ),
+        (
+            dict(ep_overlap_early_attn_memory_release=True),
+            r"ep_overlap_early_attn_memory_release=True reorders the attention backward .* set that too, or "
+            r"ep_overlap_early_attn_memory_release=False",
         ),
         (
             dict(overlap_moe_expert_parallel_comm=True, moe_shared_expert_overlap=True),

@@ -96,8 +96,10 @@ def _assert_bitwise(ref_grads, grads, names):
 
 def _check_layer(ep: int, seed: int, run_wgrad: str = "backward_dw", **knobs):
     def case(rank, world_size):
+        # bf16=True: EP overlap's prerequisite (configure checks it as Megatron does); it only marks the model for
+        # mixed precision, so these bare fp32 layers stay fp32 and their gradients comparable bit for bit
         ref, layer, store = _layer_pair(
-            ep, seed, run_wgrad, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, **knobs
+            ep, seed, run_wgrad, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, bf16=True, **knobs
         )
         names = ["input"] + [n for n, _ in ref.named_parameters()]
         gen = torch.Generator().manual_seed(seed * 10 + rank)

@@ -285,6 +285,108 @@ def is_custom_backend(config) -> bool:
     )
 
 
+# Why Megatron-Core refuses recomputation with EP overlap (its __post_init__ gives no reason).
+_RECOMPUTE_VS_OVERLAP = (
+    "the EP-overlap schedule runs each layer's attention, dispatch, experts and combine as separate steps "
+    "interleaved with another micro-batch, and recomputation checkpoints a whole layer (or the whole MoE block) "
+    "as one"
+)
+
+
+def _cuda_graph_captures(config) -> tuple[str, object, list[str]]:
+    """The per-layer CUDA-graph field (``cuda_graph_modules`` on megatron-core 0.19, ``cuda_graph_scope``
+    on 0.16), its value, and the names of the modules it captures (strings or enum members; "full" and
+    empty: the whole layer, which Megatron's EP-overlap check lets pass)."""
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    value = getattr(config, field, None)
+    entries = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, list) else [value]
+    return field, value, [getattr(entry, "name", entry) for entry in entries if entry is not None]
+
+
+def _check_ep_overlap(config, ep: int) -> None:
+    """The prerequisites of ``overlap_moe_expert_parallel_comm=True`` that Megatron-Core 0.19's
+    ``TransformerConfig.__post_init__`` and Megatron-Bridge's ``CommOverlapConfig`` assert, as
+    ``ValueError`` s with the fix (see :func:`validate_config`); warns on
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``."""
+    if ep <= 1:
+        raise ValueError(
+            "overlap_moe_expert_parallel_comm=True hides the expert-parallel dispatch and combine behind another "
+            f"micro-batch's compute, but expert_model_parallel_size={ep}: there is no EP communication to hide "
+            "(Megatron-Core and Megatron-Bridge refuse it). Set expert_model_parallel_size > 1, or "
+            "overlap_moe_expert_parallel_comm=False"
+        )
+    if not (getattr(config, "bf16", False) or getattr(config, "fp16", False)):
+        raise ValueError(
+            "overlap_moe_expert_parallel_comm=True needs a bf16 or fp16 model (Megatron-Core's EP-overlap schedule "
+            "supports only those; Megatron-Bridge refuses others too), but bf16=False and fp16=False: set bf16=True "
+            "(with params_dtype=torch.bfloat16), or overlap_moe_expert_parallel_comm=False"
+        )
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1 and getattr(config, "virtual_pipeline_model_parallel_size", None) is None:
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm=True with pipeline_model_parallel_size={pp} needs the interleaved "
+            "schedule: set virtual_pipeline_model_parallel_size (>= 2), or set "
+            "overlap_moe_expert_parallel_comm=False"
+        )
+    if getattr(config, "recompute_granularity", None) == "full":
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm=True with recompute_granularity='full': {_RECOMPUTE_VS_OVERLAP}. Set "
+            "recompute_granularity='selective' (recompute_modules without 'moe') or None, or "
+            "overlap_moe_expert_parallel_comm=False"
+        )
+    method = getattr(config, "recompute_method", None)
+    if method is not None:
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm=True with recompute_method={method!r} (which layers to recompute "
+            f"whole): {_RECOMPUTE_VS_OVERLAP}. Set recompute_method=None, or overlap_moe_expert_parallel_comm=False"
+        )
+    num_layers = getattr(config, "recompute_num_layers", None)
+    if num_layers is not None:
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm=True with recompute_num_layers={num_layers} (layers to recompute "
+            f"whole): {_RECOMPUTE_VS_OVERLAP}. Set recompute_num_layers=None, or "
+            "overlap_moe_expert_parallel_comm=False"
+        )
+    modules = getattr(config, "recompute_modules", None) or []  # None until Megatron's __post_init__ fills it
+    if "moe" in modules:
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm=True with 'moe' in recompute_modules={modules!r}: "
+            f"{_RECOMPUTE_VS_OVERLAP}. Drop 'moe' from recompute_modules ('moe_act' recomputes only the experts' "
+            "activation), or set overlap_moe_expert_parallel_comm=False"
+        )
+    if getattr(config, "moe_shared_expert_overlap", False):
+        raise ValueError(
+            "moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other (both "
+            "claim the communication stream): set moe_shared_expert_overlap=False (the EP overlap hides the "
+            "shared experts behind dispatch anyway)"
+        )
+    mtp = getattr(config, "mtp_num_layers", None)
+    if mtp not in (None, 0, 1):
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm=True with mtp_num_layers={mtp}: Megatron-Core's EP-overlap schedule "
+            "builds at most one multi-token-prediction layer. Set mtp_num_layers=1 (or None), or "
+            "overlap_moe_expert_parallel_comm=False"
+        )
+    if getattr(config, "cuda_graph_impl", "none") == "transformer_engine":
+        field, value, names = _cuda_graph_captures(config)
+        captured = [name for name in ("moe", "mlp") if name in names]
+        if captured:
+            raise ValueError(
+                f"overlap_moe_expert_parallel_comm=True with cuda_graph_impl='transformer_engine' capturing "
+                f"{captured} ({field}={value!r}): a captured MoE or MLP block replays as one graph, which the "
+                f"EP-overlap schedule splits into dispatch, experts and combine. Drop 'moe' and 'mlp' from {field}, "
+                "or set overlap_moe_expert_parallel_comm=False"
+            )
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 while overlap_moe_expert_parallel_comm=True: one hardware queue "
+            "serialises the dispatch/combine stream behind the compute stream, so nothing overlaps. Unset it "
+            "(or set it > 1) for EP overlap; keep it only if tensor-parallel comm overlap needs it",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def validate_config(config) -> None:
     """Checks a ``TransformerConfig`` that selects the "custom" backend; raises or warns with
     the fix. A config that does not name the backend passes untouched.
@@ -293,9 +395,16 @@ def validate_config(config) -> None:
         ValueError: the backend is named but the dispatcher type is not "flex" (Megatron would
             silently keep the other dispatcher); a TP x EP group of one rank (expert TP 1 and
             EP 1); num_moe_experts < 2 or not divisible by EP; ranks_per_node not dividing the
-            TP x EP group size; EP overlap with pipeline parallelism and no virtual pipeline;
-            shared-expert overlap together with EP overlap; delay_wgrad_compute without EP
-            overlap; drop-and-pad without a capacity factor or with a static budget; router
+            TP x EP group size; with EP overlap (``overlap_moe_expert_parallel_comm``), what
+            Megatron-Core 0.19's ``TransformerConfig.__post_init__`` and Megatron-Bridge's
+            ``CommOverlapConfig`` refuse: expert_model_parallel_size 1, neither bf16 nor fp16,
+            pipeline parallelism without a virtual pipeline, recompute_granularity='full', a
+            recompute_method or recompute_num_layers, 'moe' in recompute_modules,
+            moe_shared_expert_overlap, mtp_num_layers > 1, a Transformer Engine CUDA graph that
+            captures 'moe' or 'mlp'; delay_wgrad_compute or ep_overlap_early_attn_memory_release
+            without EP overlap; overlap_dispatch_backward_with_experts_wgrad together with EP
+            overlap or delay_wgrad_compute; drop-and-pad without a capacity factor or with a
+            static budget; router
             padding without fp8/fp4 or with a ``pad_multiple`` that is not a multiple of the
             recipe's alignment; Megatron's moe_expert_rank_capacity_factor together with the
             backend's own static budget, or not a positive number; an SM budget
@@ -353,31 +462,27 @@ def validate_config(config) -> None:
         )
     overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
     if overlap:
-        pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
-        if pp > 1 and getattr(config, "virtual_pipeline_model_parallel_size", None) is None:
-            raise ValueError(
-                f"overlap_moe_expert_parallel_comm=True with pipeline_model_parallel_size={pp} needs the interleaved "
-                "schedule: set virtual_pipeline_model_parallel_size (>= 2), or set "
-                "overlap_moe_expert_parallel_comm=False"
-            )
-        if getattr(config, "moe_shared_expert_overlap", False):
-            raise ValueError(
-                "moe_shared_expert_overlap=True and overlap_moe_expert_parallel_comm=True exclude each other (both "
-                "claim the communication stream): set moe_shared_expert_overlap=False (the EP overlap hides the "
-                "shared experts behind dispatch anyway)"
-            )
-        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-            warnings.warn(
-                "CUDA_DEVICE_MAX_CONNECTIONS=1 while overlap_moe_expert_parallel_comm=True: one hardware queue "
-                "serialises the dispatch/combine stream behind the compute stream, so nothing overlaps. Unset it "
-                "(or set it > 1) for EP overlap; keep it only if tensor-parallel comm overlap needs it",
-                UserWarning,
-                stacklevel=2,
-            )
-    if getattr(config, "delay_wgrad_compute", False) and not overlap:
+        _check_ep_overlap(config, ep)
+    delay_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
+    # a 0.19 field (megatron-core 0.16 has no such option)
+    if getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False) and (overlap or delay_wgrad):
+        raise ValueError(
+            "overlap_dispatch_backward_with_experts_wgrad=True (TE's grouped experts compute their weight gradients "
+            "on a side stream within one micro-batch) and the EP-overlap schedule (overlap_moe_expert_parallel_comm="
+            f"{overlap}, delay_wgrad_compute={delay_wgrad}) both decide when the expert weight gradients run; "
+            "Megatron-Core refuses the pair. Set overlap_dispatch_backward_with_experts_wgrad=False, or "
+            "overlap_moe_expert_parallel_comm=False and delay_wgrad_compute=False"
+        )
+    if delay_wgrad and not overlap:
         raise ValueError(
             "delay_wgrad_compute=True defers the experts' weight gradients into the EP-overlap schedule: set "
             "overlap_moe_expert_parallel_comm=True too, or delay_wgrad_compute=False"
+        )
+    if getattr(config, "ep_overlap_early_attn_memory_release", False) and not overlap:
+        raise ValueError(
+            "ep_overlap_early_attn_memory_release=True reorders the attention backward inside the EP-overlap "
+            "schedule, which runs only with overlap_moe_expert_parallel_comm=True: set that too, or "
+            "ep_overlap_early_attn_memory_release=False"
         )
     if is_drop_and_pad(config):
         if getattr(config, "moe_expert_capacity_factor", None) is None:
