@@ -48,6 +48,7 @@ from moe_dispatch.ops.permute import make_permute_handle, permute, permute_rows_
 from moe_dispatch.ops.quant import per_token_cast_back, per_token_cast_to_fp8
 from moe_dispatch.semantics import permute as permute_reference
 from moe_dispatch.semantics import quant as quant_reference
+from moe_dispatch.tools.quiet import filter_known_warnings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +157,7 @@ def received_topk(shape: Shape, device, gen) -> torch.Tensor:
 
 
 def megatron_moe_utils():
+    filter_known_warnings()
     try:
         from megatron.core.transformer.moe import moe_utils
 

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch.testing.launch import launch_ranks, retain_freed_memory
+from moe_dispatch.tools.quiet import NOTE as QUIET_NOTE
+from moe_dispatch.tools.quiet import filter_known_warnings
 
 MODES = ("off", "on", "comm")
 
@@ -117,6 +119,7 @@ def _build(args, overlap: bool):
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
+    filter_known_warnings()
     import torch._dynamo
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench_results/megatron_overlap.json"))
     args = parser.parse_args(argv)
+    print(QUIET_NOTE, flush=True)
     if args.run_wgrad is None:
         args.run_wgrad = "backward_dw" if torch.cuda.is_available() else "dispatch_backward"
 

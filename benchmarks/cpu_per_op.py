@@ -27,6 +27,8 @@ from rich.table import Table
 
 from moe_dispatch.testing import routing
 from moe_dispatch.testing.launch import spawn_world
+from moe_dispatch.tools.quiet import NOTE as QUIET_NOTE
+from moe_dispatch.tools.quiet import filter_known_warnings
 
 KINDS = ("ours", "alltoall")
 PHASES = ("dispatch", "combine", "backward")
@@ -39,6 +41,7 @@ def _process_cpu_s() -> float:
 
 def _rank(rank: int, world: int, args: dict) -> dict:
     """This rank's mean ``{kind: {phase: (cpu ms, wall ms)}}`` over the timed iterations."""
+    filter_known_warnings()
     from moe_dispatch.tools import bench
 
     torch.set_num_threads(1)
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = vars(parser.parse_args(argv))
+    print(QUIET_NOTE, flush=True)
     per_rank = spawn_world(args["ranks"], _rank, args, timeout_s=1800)
     mean = {
         kind: [[sum(r[kind][p][j] for r in per_rank) / len(per_rank) for j in range(2)] for p in range(len(PHASES))]

@@ -306,3 +306,25 @@ def test_soak_growth_names_what_grew():
         "RSS +20.0 MiB (bound 8)",
     ]
     assert growth(base, grown, slack=1, rss_growth_mib=32) == []
+
+
+def test_known_megatron_warnings_are_filtered_and_others_kept(monkeypatch):
+    import logging
+    import warnings
+
+    from moe_dispatch.tools import quiet
+
+    monkeypatch.setattr(quiet, "_INSTALLED", False)
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    monkeypatch.setattr(logger, "filters", [])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet.filter_known_warnings()
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning, stacklevel=1)
+        warnings.warn("moe_ffn_hidden_size is not set, using ffn_hidden_size instead.", UserWarning, stacklevel=1)
+        warnings.warn("something else went wrong", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["something else went wrong"]
+    record = logging.LogRecord(logger.name, logging.WARNING, __file__, 1, "No CUDA runtime is found, using X", (), None)
+    assert not logger.filter(record)
+    other = logging.LogRecord(logger.name, logging.WARNING, __file__, 1, "a real problem", (), None)
+    assert logger.filter(other)

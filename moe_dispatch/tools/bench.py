@@ -57,6 +57,8 @@ from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
 from ..transport.torch_dist import TorchDistTransport
 from .env import source_commit
+from .quiet import NOTE as QUIET_NOTE
+from .quiet import filter_known_warnings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Goals (issue 18): ours / Megatron's alltoall, dispatch + combine medians, per model; Buffer / the
@@ -725,6 +727,7 @@ def _run_rank(config: BenchConfig) -> tuple[list[dict], list[str]]:
 
 def _world_rank(rank: int, world_size: int, config: BenchConfig) -> tuple[list[dict], list[str]] | None:
     """Entry point of each rank (spawned or under torchrun); rank 0 returns ``(figures, hosts)``."""
+    filter_known_warnings()
     figures_and_hosts = _run_rank(config)
     return figures_and_hosts if rank == 0 else None
 
@@ -955,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: command-line arguments (default ``sys.argv[1:]``); see ``--help``.
     """
+    filter_known_warnings()
     torchrun = _torchrun_env()
     config, json_path = _parse_args(argv, torchrun)
     shapes = ", ".join(f"{config.world_size // L} x {L}" for L in config.topologies)
@@ -971,6 +975,8 @@ def main(argv: list[str] | None = None) -> int:
         if not console.is_terminal:
             console = Console(width=200)
         console.print(f"[moe-dispatch-bench] CPU world: {config.world_size} processes (gloo); {run_desc}", markup=False)
+        if config.megatron:
+            console.print(f"[moe-dispatch-bench] {QUIET_NOTE}", markup=False)
         if config.world_size > (os.cpu_count() or 1):
             console.print(
                 f"[moe-dispatch-bench] note: {config.world_size} ranks on {os.cpu_count()} cores; load average "
