@@ -190,8 +190,8 @@ def resolve_num_sms(config) -> int | None:
 def rank_capacity_factor(config) -> float | None:
     """The static budget's capacity factor: ``configure(expert_rank_capacity_factor=...)``, or
     Megatron's own ``moe_expert_rank_capacity_factor`` (HybridEP's and NCCL EP's knob, with the
-    meaning of ``moe_ncclep_static_shape``: the experts get the whole fixed-size receive
-    buffer); None when neither is set."""
+    meaning of 0.19's ``moe_ncclep_static_shape``, which Megatron-LM main folds into the factor:
+    the experts get the whole fixed-size receive buffer); None when neither is set."""
     factor = get_options(config).expert_rank_capacity_factor
     return factor if factor is not None else getattr(config, "moe_expert_rank_capacity_factor", None)
 
