@@ -321,6 +321,73 @@ def _check_sync_free_static_shape(ep: int, seed: int):
     return case
 
 
+def _check_budget_replay(ep: int, seed: int):
+    """Megatron-LM main's over-budget replay (its PagedStashRunner's calls, made here directly; on
+    0.16/0.19, whose dispatcher lacks the hooks, on the manager): a step over a tight static
+    budget flags every rank and reports the rows it needed (exactly, where the permute saw every
+    row; an upper bound after the kernels' static receive dropped rows); growing every rank's
+    budget to the group's peak replays the step without a drop and equal to the dropless step; a
+    cleared factor replays it dropless; a budget never shrinks and needs one."""
+
+    def case(rank, world_size):
+        import torch.distributed as dist
+
+        from moe_dispatch.megatron import compat
+
+        x, routing_map, probs = _even_inputs(rank, seed)
+        hidden = x.reshape(-1, HIDDEN)
+        megatron_factor = compat.missing_config_field("moe_expert_rank_capacity_factor") is None
+        for transport in ("torch_dist", "kernels"):
+            want = _manager_step(
+                _dispatcher(_config(ep, "custom", transport=transport))._comm_manager, hidden, routing_map, probs
+            )
+            cfg = _config(ep, "custom", transport=transport, **_rank_capacity_factor(0.25))
+            d = _dispatcher(cfg)
+            m = d._comm_manager
+            tight = m.budget(hidden.shape[0])
+            _manager_step(m, hidden, routing_map, probs)
+            assert bool(m.over_budget) and tight < want[3], f"{transport}: a budget of {tight} rows must overflow"
+            required = int(m.required_recv)
+            if transport == "torch_dist":  # the permute saw every received row: exact
+                assert required == want[3], f"required_recv {required} != the dropless step's {want[3]} rows"
+            else:  # rows dropped on receipt: an upper bound
+                assert required >= want[3], f"required_recv {required} < the dropless step's {want[3]} rows"
+            peak = m.required_recv.clone()
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            if hasattr(d, "grow_ep_recv_capacity"):  # Megatron-LM main: through the dispatcher
+                assert d.check_required_capacity() is m.required_recv
+                d.reset_over_budget()
+                assert int(m.required_recv) == 0, "main's reset_over_budget clears required_recv too"
+                d.grow_ep_recv_capacity(int(peak))
+            else:
+                d.reset_over_budget()
+                m.grow_recv_capacity(int(peak))
+            grown = m.budget(hidden.shape[0])
+            assert grown == int(peak)  # pad_multiple 1
+            got = _manager_step(m, hidden, routing_map, probs)
+            assert got[3] == grown and not bool(m.over_budget), f"{transport}: the replay dropped rows"
+            for name, g, w in zip(("output", "grad hidden", "grad probs"), got[:3], want[:3]):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{transport}: {name}")
+            m.grow_recv_capacity(1)
+            assert m.budget(hidden.shape[0]) == grown, "a smaller capacity must not shrink the budget"
+            if megatron_factor:  # the runner's dropless replay, then its restore from the config
+                m.moe_expert_rank_capacity_factor = None
+                assert m.budget(hidden.shape[0]) is None
+                got = _manager_step(m, hidden, routing_map, probs)
+                assert got[3] == want[3] and not bool(m.over_budget)
+                m.moe_expert_rank_capacity_factor = cfg.moe_expert_rank_capacity_factor
+                assert m.budget(hidden.shape[0]) == grown
+        dropless = _dispatcher(_config(ep, "custom"))._comm_manager
+        dropless.grow_recv_capacity(64)
+        assert dropless.budget(hidden.shape[0]) is None, "growing a dropless manager must leave it dropless"
+        with pytest.raises(ValueError, match="positive row count, got 0"):
+            m.grow_recv_capacity(0)
+        with pytest.raises(TypeError, match="as an int .* got float"):
+            m.grow_recv_capacity(1.5)
+
+    return case
+
+
 def _check_fp8_dispatch(ep: int, seed: int):
     """fp8_dispatch: the tokens travel as fp8 pairs with 1x128 scales and reach the experts
     dequantized; the contract restores the quantized input, gradients pass straight through."""
@@ -512,6 +579,7 @@ EP4_CASES = {
     "layer_equivalence_ep4_1node_kernels": _check_layer_equivalence(4, 32, transport="kernels"),
     "ep_overlap_ep4_1node_kernels": _check_ep_overlap(33, transport="kernels"),
     "sync_free_static_shape_ep4_kernels": _check_sync_free_static_shape(4, 34),
+    "budget_replay_ep4": _check_budget_replay(4, 36),
     "fp8_dispatch_ep4_kernels": _check_fp8_dispatch(4, 35),
 }
 EP2_CASES = {

@@ -23,9 +23,9 @@ Megatron-Core has no backend registry, so :func:`install` wraps, for the install
   :func:`bridge_validate` for "custom". Importing ``moe_dispatch.megatron`` never imports
   Bridge, whose package imports every model conversion bridge.
 
-Supported: megatron-core 0.16.x (tested 0.16.1, the newest release for Python 3.11) and 0.19.x
-(tested 0.19.2). What 0.16 does differently, each handled by one field of its
-:class:`PatchPoints` entry:
+Supported: megatron-core 0.16.x (tested 0.16.1, the newest release for Python 3.11), 0.19.x
+(tested 0.19.2) and 0.20.x (Megatron-LM main, below). What 0.16 does differently, each handled
+by one field of its :class:`PatchPoints` entry:
 
 - ``should_free_input(name, is_moe, config)`` lives in ``models/gpt/fine_grained_callables.py``
   and has no ``num_local_experts`` parameter (``free_input_module``, ``free_input_params``).
@@ -51,6 +51,15 @@ Supported: megatron-core 0.16.x (tested 0.16.1, the newest release for Python 3.
 - ``TransformerConfig`` has no ``moe_expert_rank_capacity_factor`` (HybridEP's static budget):
   ``configure()`` given it names the version and points at the backend's own
   ``expert_rank_capacity_factor=`` (``missing_config_fields``).
+
+Megatron-LM main (package_info 0.20.0, not released; checked by hand at one commit, see
+``docs/megatron-main.md``) keeps 0.19's patch points. What it changes is met by the manager
+and ``validate_config``, not here: its flex dispatcher's over-budget replay hooks
+(``check_required_capacity`` / ``grow_ep_recv_capacity``, and the runner's clearing of
+``_comm_manager.moe_expert_rank_capacity_factor``) read the manager's ``required_recv``,
+``grow_recv_capacity`` and ``moe_expert_rank_capacity_factor``; ``moe_ncclep_static_shape`` is
+gone (the rank capacity factor alone selects static shapes, which the backend already gives
+the experts); ``moe_dispatch_fwd_dtype`` / ``moe_combine_bwd_dtype`` are refused for "custom".
 
 To support another megatron-core minor version, add an entry to ``_PATCH_POINTS`` naming where
 those functions live there (0.16-0.18 keep ``should_free_input`` in
@@ -159,9 +168,16 @@ _PATCH_POINTS: dict[tuple[int, int], PatchPoints] = {
         callables_module="megatron.core.models.gpt.fine_grained_callables",
         callables_importers=("megatron.core.models.common.fine_grained_callables",),
     ),
+    # Megatron-LM main (package_info 0.20.0, not on PyPI yet): 0.19's places (its changes: module docstring)
+    (0, 20): PatchPoints(
+        dispatcher_module="megatron.core.transformer.moe.token_dispatcher",
+        free_input_module="megatron.core.models.common.utils",
+        callables_module="megatron.core.models.gpt.fine_grained_callables",
+        callables_importers=("megatron.core.models.common.fine_grained_callables",),
+    ),
 }
 
-TESTED_VERSIONS = "0.16.1, 0.19.2"
+TESTED_VERSIONS = "0.16.1, 0.19.2, 0.20.0.dev main@d98e8a6 by hand"
 
 
 def megatron_core_version() -> tuple[int, int, int]:

@@ -190,8 +190,8 @@ def resolve_num_sms(config) -> int | None:
 def rank_capacity_factor(config) -> float | None:
     """The static budget's capacity factor: ``configure(expert_rank_capacity_factor=...)``, or
     Megatron's own ``moe_expert_rank_capacity_factor`` (HybridEP's and NCCL EP's knob, with the
-    meaning of ``moe_ncclep_static_shape``: the experts get the whole fixed-size receive
-    buffer); None when neither is set."""
+    meaning of 0.19's ``moe_ncclep_static_shape``, which Megatron-LM main folds into the factor:
+    the experts get the whole fixed-size receive buffer); None when neither is set."""
     factor = get_options(config).expert_rank_capacity_factor
     return factor if factor is not None else getattr(config, "moe_expert_rank_capacity_factor", None)
 
@@ -410,7 +410,8 @@ def validate_config(config) -> None:
             backend's own static budget, or not a positive number; an SM budget
             (moe_flex_dispatcher_num_sms) that is not an even int in [2, 128], or that differs
             from ``kernel_config.num_sms``; ``fp8_dispatch=True`` with a hidden size that is not
-            a multiple of 128.
+            a multiple of 128; ``moe_dispatch_fwd_dtype`` / ``moe_combine_bwd_dtype`` (Megatron-LM
+            main) other than 'bf16'.
 
     Warns:
         UserWarning: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` while EP overlap is on (the hardware
@@ -539,6 +540,16 @@ def validate_config(config) -> None:
         raise ValueError(
             f"fp8_dispatch=True quantizes rows in 1x{FP8_BLOCK} blocks, but hidden_size={config.hidden_size} is not a "
             f"multiple of {FP8_BLOCK}: pass fp8_dispatch=False (or None: fp8 only where it fits)"
+        )
+    # Megatron-LM main's wire dtypes: Transformer Engine's NCCL EP quantizes to an MXFP8 grouped tensor
+    # that only its fused grouped GEMM reads; set after __post_init__ (which refuses them), they would be ignored
+    wire = {name: getattr(config, name, "bf16") for name in ("moe_dispatch_fwd_dtype", "moe_combine_bwd_dtype")}
+    if any(dtype != "bf16" for dtype in wire.values()):
+        raise ValueError(
+            f"{', '.join(f'{name}={dtype!r}' for name, dtype in wire.items())}: these select NCCL EP's MXFP8 payload "
+            "(Megatron's 'ncclep' backend only), which the 'custom' backend does not make. Set both to 'bf16'; for "
+            "fp8 on the wire use configure(config, fp8_dispatch=True) (dispatched tokens as e4m3 with 1x128 scales, "
+            "dequantized on arrival; combine and the backward pass stay in the model dtype)"
         )
 
 

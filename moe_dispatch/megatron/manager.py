@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,8 @@ from ..ops.quant import per_token_cast_back, per_token_cast_to_fp8
 from ..transport import TRANSPORT_ALIASES
 from .config import (
     get_options,
+    has_static_budget,
     is_drop_and_pad,
-    rank_capacity_factor,
     resolve_expert_capacity,
     resolve_fp8_dispatch,
     resolve_fuse_permute,
@@ -165,6 +166,20 @@ class CustomDispatchManager(_DispatchManager):
             expert got more rows than its capacity (never reset here; Megatron's
             ``dispatcher.reset_over_budget()`` clears it).
 
+    Attributes (Megatron-LM main's over-budget replay: its ``PagedStashRunner``, used whenever
+    ``moe_expert_rank_capacity_factor`` is set, replays an overflowed step and reads these
+    through ``MoEFlexTokenDispatcher.check_required_capacity`` / ``grow_ep_recv_capacity``):
+        required_recv: ``[1]`` int64, the most rows of the expert input (the unit of the static
+            budget P) any budgeted dispatch needed to drop nothing since it was last zeroed
+            (main's ``dispatcher.reset_over_budget()`` zeroes it; 0.16/0.19 never read it).
+            Exact, except after rows were dropped already on receipt (the kernels' static
+            receive): then an upper bound (see :meth:`rows_needed`). Device-side, no host sync.
+        moe_expert_rank_capacity_factor: Megatron's factor of the static budget as this manager
+            applies it (``config.moe_expert_rank_capacity_factor`` at construction). The runner
+            sets it to None for a dropless replay and restores it from the config afterwards
+            (0.19's runner does the same). ``configure``'s own budget knobs do not go through it.
+        budget_floor: None, or the fewest rows of the static budget (:meth:`grow_recv_capacity`).
+
     Raises:
         ValueError: an invalid config (see ``validate_config``), or E' not divisible by the group.
     """
@@ -205,6 +220,9 @@ class CustomDispatchManager(_DispatchManager):
             else torch.device("cpu")
         )
         self.over_budget = torch.zeros(1, dtype=torch.bool, device=self._device)
+        self.required_recv = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self.moe_expert_rank_capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+        self.budget_floor: int | None = None
         self.token_indices: torch.Tensor | None = None
         self.token_probs: torch.Tensor | None = None
         self.dispatched_probs: torch.Tensor | None = None
@@ -235,23 +253,68 @@ class CustomDispatchManager(_DispatchManager):
                 transport=self.options.transport,
                 device=device,
             )
-        if self.over_budget.device != device:  # the flag follows the tokens (no transfer per dispatch)
+        if self.over_budget.device != device:  # the flags follow the tokens (no transfer per dispatch)
             self.over_budget = self.over_budget.to(device)
+            self.required_recv = self.required_recv.to(device)
         return self._buffer
 
     def budget(self, num_tokens: int) -> int | None:
         """Static rows P of the permuted expert input for T dispatched tokens, or None (dropless):
         ``num_permuted_tokens``, or ``ceil(T * topk * factor)`` for the rank capacity factor
-        (``configure``'s or Megatron's ``moe_expert_rank_capacity_factor``), rounded up to
-        ``pad_multiple``."""
-        factor = rank_capacity_factor(self.config)
+        (``configure``'s, else :attr:`moe_expert_rank_capacity_factor`), at least
+        :attr:`budget_floor`, rounded up to ``pad_multiple``."""
+        factor = self.options.expert_rank_capacity_factor
+        if factor is None:
+            factor = self.moe_expert_rank_capacity_factor
         if self.options.num_permuted_tokens is not None:
             rows = self.options.num_permuted_tokens
         elif factor is not None:
             rows = math.ceil(num_tokens * self.router_topk * factor)
         else:
             return None
+        rows = max(rows, self.budget_floor or 0)
         return -(-rows // self.pad_multiple) * self.pad_multiple
+
+    def rows_needed(self, state: InflightDispatch, handle: PermuteHandle) -> torch.Tensor:
+        """``[1]`` int64 on the device: the static budget P that would have kept every copy of
+        ``state``'s dispatch, whose permute is ``handle`` (no host sync).
+
+        The permute's own count (every expert block padded) is exact for the rows it saw. Rows
+        the static receive dropped before it (``recv_count`` past the receive size) carry up to
+        ``min(topk, E_local)`` copies each, and may add up to ``pad_multiple - 1`` padding rows
+        per expert: counted so, the result is an upper bound that a replay with this budget
+        cannot overflow (the receive size is P too, and each received row takes at least one
+        row of the expert input)."""
+        needed = handle.num_rows_needed.reshape(1).to(torch.int64)
+        dispatch = state.handle
+        dropped = (dispatch.recv_count.to(torch.int64) - dispatch.num_recv_tokens).clamp_(min=0)
+        slack = self.num_local_experts * (self.pad_multiple - 1)
+        return needed + dropped * min(self.router_topk, self.num_local_experts) + (dropped > 0) * slack
+
+    def grow_recv_capacity(self, new_capacity: int) -> None:
+        """Makes the static budget P at least ``new_capacity`` rows from the next dispatch on (then
+        rounded up to ``pad_multiple``); never shrinks it. Megatron-LM main's
+        ``MoEFlexTokenDispatcher.grow_ep_recv_capacity`` calls it after an overflowed step with
+        the largest :attr:`required_recv` of every layer and rank, so the replay, and the steps
+        after it, keep every row. Call it with the same value on every rank of the group (the
+        kernels' static receive must agree). A no-op without a static budget (dropless or
+        drop-and-pad: nothing to grow).
+
+        Raises:
+            TypeError: ``new_capacity`` is not an int.
+            ValueError: ``new_capacity`` < 1.
+        """
+        try:
+            rows = operator.index(new_capacity)
+        except TypeError:
+            raise TypeError(
+                f"grow_recv_capacity takes the rows of the static budget as an int (e.g. int(required_recv.max())), "
+                f"got {type(new_capacity).__name__}"
+            ) from None
+        if rows < 1:
+            raise ValueError(f"grow_recv_capacity takes a positive row count, got {rows}")
+        if has_static_budget(self.config):
+            self.budget_floor = max(self.budget_floor or 0, rows)
 
     def _layout(self, num_tokens: int) -> dict:
         """The permute's layout for T dispatched tokens: padding, the static budget, drop-and-pad blocks."""
@@ -287,6 +350,8 @@ class CustomDispatchManager(_DispatchManager):
             tokens_per_expert = handle.tokens_per_expert.clone()
             tokens_per_expert[-1] += budget - tokens_per_expert.sum()
             state.tokens_per_expert = tokens_per_expert
+        if budget is not None:
+            torch.maximum(self.required_recv, self.rows_needed(state, handle), out=self.required_recv)
         if budget is not None or handle.expert_capacity is not None:
             self.over_budget |= handle.overflow.to(self.over_budget.device)
             if self.options.raise_on_overflow:  # host reads: the permute's flag, then the dispatch's
@@ -346,7 +411,8 @@ class CustomDispatchManager(_DispatchManager):
         dispatches into a static receive of P rows (``num_worst_tokens``; rows past it are
         dropped and flagged in ``over_budget``), so with ``transport="kernels"`` nothing waits
         for the host and the step can be captured in a CUDA graph: the experts get the whole
-        fixed-size buffer, as Megatron's ``moe_ncclep_static_shape``. ``async_finish`` launches
+        fixed-size buffer, as Megatron's static shapes (0.19: ``moe_ncclep_static_shape``;
+        main: ``moe_expert_rank_capacity_factor`` alone). ``async_finish`` launches
         the Buffer asynchronously and makes the current stream wait for it before returning
         (what Megatron's DeepEP wrapper does); ``allocate_on_comm_stream`` allocates the outputs
         from the Buffer's communication stream (CUDA). With ``fp8_dispatch`` the rows travel as
