@@ -26,7 +26,8 @@ quantization.
 ``moe_dispatch.megatron.cpu`` (explicit opt-in) lets Megatron's MoELayer run under gloo on a
 machine without a GPU, for tests and debugging; it is not a training path.
 
-Supported megatron-core versions: 0.16.x (tested 0.16.1, Python 3.11) and 0.19.x (tested 0.19.2);
+Supported megatron-core versions: 0.16.x (tested 0.16.1, Python 3.11), 0.19.x (tested 0.19.2) and 0.20
+(Megatron-LM main, checked by hand: docs/megatron-main.md);
 what differs between them is handled in ``moe_dispatch.megatron.compat``.
 
 Raises (on import):
