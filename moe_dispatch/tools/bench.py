@@ -71,13 +71,6 @@ GPU_ITERS, GPU_WARMUP = 50, 10
 DEFAULT_TOKENS = (4096, 256)
 DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails the run after this
 SIDES = ("ours", "alltoall", "buffer", "flat_floor", "two_stage_floor")
-LABELS = {
-    "ours": 'ours: Megatron flex + "custom"',
-    "alltoall": "Megatron alltoall dispatcher",
-    "buffer": "bare Buffer",
-    "flat_floor": "flat all_to_all floor",
-    "two_stage_floor": "two-stage floor",
-}
 # What the figures mean: printed under the table and stored in the JSON.
 DEFINITIONS = {
     "latency_ms": "per iteration the max over ranks of dispatch (and combine, and their sum); median, min, max, p10, "
