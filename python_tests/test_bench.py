@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_dispatch.testing import routing
-from moe_dispatch.tools import bench
+from moe_dispatch.tools import bench, bench_page
 
 
 # -- routing ---------------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def _page(printed: str, figures: dict) -> list[str]:
     start = next(i for i, line in enumerate(lines) if line.startswith("dispatch + combine, ms:"))
     verdicts = [v["line"] for v in figures["verdicts"].values()]
     page = lines[start : lines.index(verdicts[-1]) + 1]
-    assert max(map(len, page)) <= bench.PAGE_WIDTH
+    assert max(map(len, page)) <= bench_page.PAGE_WIDTH
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in page if line.startswith("│")]
     assert [row[:3] for row in rows] == [
         [f"{c['num_nodes']} x {c['ranks_per_node']}", c["model"], str(c["num_tokens"])] for c in figures["cases"]
@@ -256,9 +256,9 @@ def test_bench_report_fits_120_columns_with_one_verdict_per_model(tmp_path, mega
 
 def test_bench_console_is_120_columns_in_logs_and_pipes_unless_columns_says(monkeypatch, capsys):
     monkeypatch.delenv("COLUMNS", raising=False)
-    assert bench._console().width == bench.PAGE_WIDTH == 120  # capsys: stdout is not a terminal
+    assert bench_page.console().width == bench_page.PAGE_WIDTH == 120  # capsys: stdout is not a terminal
     monkeypatch.setenv("COLUMNS", "90")
-    assert bench._console().width == 90
+    assert bench_page.console().width == 90
 
 
 def test_bench_defaults_cover_the_issue_table():

@@ -58,23 +58,12 @@ from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
 from ..transport.torch_dist import TorchDistTransport
+from . import bench_page
 from .env import source_commit
 from .quiet import NOTE as QUIET_NOTE
 from .quiet import filter_known_warnings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PAGE_WIDTH = 120  # columns of the printed page in logs and pipes; the table fits in it
-# The page compares "ours" with Megatron's alltoall; without Megatron-Core, the bare Buffer with the
-# two-stage floor. Short names and the legend's sentence for each.
-NAMES = {"ours": "ours", "alltoall": "alltoall", "buffer": "Buffer", "two_stage_floor": "floor"}
-LEGENDS = {
-    "ours": 'ours = Megatron-Core\'s flex dispatcher with backend "custom", alltoall = its alltoall dispatcher, on the '
-    "same routing and tensors.",
-    "buffer": "Buffer = bare Buffer.dispatch + combine; floor = the hierarchy's two all_to_all_single alone.",
-    "rest": "Ratio: of the medians (p10-p90 per iteration). Cross-node: hidden payload sent across nodes per "
-    "direction, all ranks; bound: each token once per other node it needs. Oracle: bit-equal to "
-    "moe_dispatch.reference on every rank.",
-}
 # CPU defaults keep `make demo` (3 models x 2 sizes x 2 hierarchies, 4 processes on 2 cores) near a minute.
 CPU_HIDDEN_SCALE, CPU_ITERS, CPU_WARMUP, CPU_WORLD = 0.125, 7, 2, 4
 GPU_ITERS, GPU_WARMUP = 50, 10
@@ -778,51 +767,6 @@ def _spawn_with_progress(config: BenchConfig, console) -> tuple[list[dict], list
 
 
 # -- reporting (rank 0) ---------------------------------------------------------------------------
-def _console():
-    """Rank 0's rich console: the terminal's width; in logs and pipes COLUMNS, else :data:`PAGE_WIDTH`."""
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=PAGE_WIDTH)
-    return console
-
-
-def _verdicts(results: list[dict], side: str, base: str) -> dict[str, dict]:
-    """Per model (in run order), how ``side`` fares against ``base`` (keys of ``latency_ms``) over
-    its timed cases, and the cross-node bytes of ours and Megatron's alltoall against the bound.
-
-    Returns ``{model: {"cases": timed cases, "faster": those with ratio < 1, "ratios": the median
-    ratio of each, "bytes_over_bound": {"ours": x, "alltoall": x} (summed over the multi-node
-    cases; None without any), "line": the printed verdict}}``.
-    """
-    out = {}
-    for model in dict.fromkeys(f["model"] for f in results):
-        cases = [f for f in results if f["model"] == model]
-        timed = [f for f in cases if "skipped" not in f]
-        ratios = [f["ratios"][f"{side}_over_{base}"]["ratio"] for f in timed]
-        bound = sum(f["bytes"]["lower_bound_internode"] for f in timed)
-        over = (
-            {s: sum(f["bytes"][s]["internode"] for f in timed) / bound for s in ("ours", "alltoall")} if bound else None
-        )
-        verdict = {"cases": len(ratios), "faster": sum(r < 1 for r in ratios), "ratios": ratios}
-        if not timed:
-            line = f"{model}: skipped: {cases[0]['skipped']}"
-        else:
-            lo, hi = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
-            line = (  # the subject, ours or Buffer, is the table's and the legend's
-                f"{model}: faster than {NAMES[base]} in {verdict['faster']} of {len(ratios)} cases "
-                f"({lo if lo == hi else f'{lo}-{hi}'}x its time); "
-            )
-            line += (
-                f"cross-node {over['ours']:.2f}x the bound, alltoall {over['alltoall']:.2f}x"
-                if over
-                else "one node: nothing crosses nodes"
-            )
-        out[model] = verdict | {"bytes_over_bound": over, "line": line}
-    return out
-
-
 def _report(
     results: list[dict],
     config: BenchConfig,
@@ -832,66 +776,14 @@ def _report(
     hosts: list[str] | None = None,
     console=None,
 ) -> int:
-    """Prints the table (within :data:`PAGE_WIDTH` columns) and one verdict line per model, writes
-    the JSON with every figure; returns the exit status (1 when an oracle check failed)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = console or _console()
-    side, base = ("ours", "alltoall") if config.megatron else ("buffer", "two_stage_floor")
-
-    def num(v: float) -> str:  # about 3 significant digits, no exponent
-        return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f}"
-
-    table = Table(
-        title=f"dispatch + combine, ms: slowest rank, median of {config.iters} iterations; {config.dtype}, "
-        f"hidden x{config.hidden_scale:g}, W={config.world_size}, on {device}",
-        title_justify="left",
-        caption=LEGENDS[side] + " " + LEGENDS["rest"],
-        caption_justify="left",
+    """Prints the page (:func:`moe_dispatch.tools.bench_page.print_page`), writes the JSON with
+    every figure and the verdicts; returns the exit status (1 when an oracle check failed)."""
+    console = console or bench_page.console()
+    title = (
+        f"dispatch + combine, ms: slowest rank, median of {config.iters} iterations; {config.dtype}, "
+        f"hidden x{config.hidden_scale:g}, W={config.world_size}, on {device}"
     )
-    for col in (
-        "nodes\nx L",
-        "model",
-        "tokens",
-        f"{NAMES[side]}\nms",
-        f"{NAMES[base]}\nms",
-        f"{NAMES[side]} /\n{NAMES[base]}",
-        "cross-node\nMB, bound",
-        "ours\nx bound",
-        "alltoall\nx bound",
-        "oracle",
-    ):
-        table.add_column(col, justify="left" if col in ("nodes\nx L", "model") else "right")
-    for fig in results:
-        row = [f"{fig['num_nodes']} x {fig['ranks_per_node']}", fig["model"], str(fig["num_tokens"])]
-        if "skipped" in fig:
-            table.add_row(*row, *["-"] * 6, "skipped")
-            continue
-        lat, b = fig["latency_ms"], fig["bytes"]
-        r = fig["ratios"][f"{side}_over_{base}"]
-        lower = b["lower_bound_internode"]
-
-        def over(s: str) -> str:
-            return f"{b[s]['internode_over_lower_bound']:.2f}x" if lower else "-"
-
-        table.add_row(
-            *row,
-            num(lat[side]["total"]["median"]),
-            num(lat[base]["total"]["median"]),
-            f"{r['ratio']:.2f} ({r['p10']:.2f}-{r['p90']:.2f})",
-            num(lower / 1e6) if lower else "-",
-            over("ours"),
-            over("alltoall"),
-            "[green]passed[/green]" if fig["oracle_check"] == "passed" else "[bold red]FAILED[/bold red]",
-        )
-    console.print(table)
-    for fig in results:
-        for line in fig.get("mismatches", [])[:20]:
-            console.print(f"[bold red]MISMATCH {escape(line)}[/bold red]")
-    verdicts = _verdicts(results, side, base)
-    for verdict in verdicts.values():
-        console.print(verdict["line"], markup=False, soft_wrap=True)  # one line per model, even if wide
+    verdicts = bench_page.print_page(results, title, config.megatron, console)
     failed = sorted({f["model"] for f in results if f.get("oracle_check") == "failed"})
     if failed:
         console.print(f"[bold red]ORACLE CHECK FAILED for {', '.join(failed)}[/bold red]")
@@ -944,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Megatron-Core {megatron}"
     )
     if torchrun is None:
-        console = _console()
+        console = bench_page.console()
         console.print(f"[moe-dispatch-bench] CPU world: {config.world_size} processes (gloo); {run_desc}", markup=False)
         if config.megatron:
             console.print(f"[moe-dispatch-bench] {QUIET_NOTE}", markup=False)
