@@ -863,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, _ = torchrun
     if rank == 0:
         print(f"[moe-dispatch-bench] torchrun world: {world_size} ranks; {run_desc}", flush=True)
+        if config.megatron:  # every rank filters them (_world_rank), as in the CPU world
+            print(f"[moe-dispatch-bench] {QUIET_NOTE}", flush=True)
     # The process group is bounded like the Buffer: a peer that never joins fails the run instead of hanging it.
     out = launch_ranks(world_size, _world_rank, config, timeout_s=config.timeout_s)
     if out is None:  # not rank 0
