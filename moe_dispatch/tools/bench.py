@@ -70,7 +70,7 @@ GPU_ITERS, GPU_WARMUP = 50, 10
 DEFAULT_TOKENS = (4096, 256)
 DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails the run after this
 SIDES = ("ours", "alltoall", "buffer", "flat_floor", "two_stage_floor")
-# What the figures mean: printed under the table and stored in the JSON.
+# What the figures mean, stored in the JSON (the page prints a short legend: bench_page.LEGENDS).
 DEFINITIONS = {
     "latency_ms": "per iteration the max over ranks of dispatch (and combine, and their sum); median, min, max, p10, "
     "p90 over the timed iterations; every side runs in every iteration, in rotating order",
