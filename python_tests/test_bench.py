@@ -1,5 +1,6 @@
 """The main job (``moe_dispatch.tools.bench``) on a tiny CPU world, and the routing generators it runs on."""
 
+import io
 import json
 import statistics
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from moe_dispatch.testing import routing
-from moe_dispatch.tools import bench
+from moe_dispatch.tools import bench, bench_page
 
 
 # -- routing ---------------------------------------------------------------------------------------
@@ -118,8 +119,9 @@ def test_preset_validation_and_hidden_scale():
 # -- the benchmark ---------------------------------------------------------------------------------
 @pytest.mark.world
 @pytest.mark.megatron
-def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
+def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys, monkeypatch):
     pytest.importorskip("megatron.core")
+    monkeypatch.setenv("COLUMNS", "300")  # a wide console: the page must fit 120 columns by itself
     out = tmp_path / "bench.json"
     status = bench.main(
         [
@@ -144,8 +146,9 @@ def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
     )
     assert status == 0
     printed = capsys.readouterr().out
-    assert "ours / alltoall" in printed and "goal 1:" in printed and "goal 2:" in printed
     figures = json.loads(out.read_text())
+    _page(printed, figures)
+    assert "goal" not in printed
     assert figures["oracle_check"] == "passed"
     assert figures["config"]["world_size"] == 4 and figures["config"]["topologies"] == [2, 4]
     assert figures["config"]["timeout_s"] == 120 and figures["torch_version"] == torch.__version__
@@ -166,9 +169,96 @@ def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys):
             assert b["lower_bound_internode"] == 0 and b["ours"]["internode_over_lower_bound"] is None
         else:  # Megatron sends a copy per (token, expert): never fewer cross-node bytes than a copy per node
             assert b["alltoall"]["internode"] >= b["ours"]["internode"] >= b["lower_bound_internode"] > 0
-    goals = figures["goals"]
-    assert len(goals["ours_over_alltoall"]["cases"]) == len(cases)
-    assert isinstance(goals["ours_over_alltoall"]["met"], bool)
+    for model, verdict in figures["verdicts"].items():
+        ratios = [c["ratios"]["ours_over_alltoall"]["ratio"] for c in cases if c["model"] == model]
+        assert verdict["ratios"] == ratios and verdict["faster"] == sum(r < 1 for r in ratios)
+        assert f"faster than alltoall in {verdict['faster']} of {len(ratios)} cases" in verdict["line"]
+        assert verdict["bytes_over_bound"]["alltoall"] >= verdict["bytes_over_bound"]["ours"] >= 1
+
+
+def _page(printed: str, figures: dict) -> list[str]:
+    """The report's lines, from the table's title to the last verdict, checked: each fits 120
+    columns, each case is one table row, each model has one verdict line (the JSON's)."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("dispatch + combine, ms:"))
+    verdicts = [v["line"] for v in figures["verdicts"].values()]
+    page = lines[start : lines.index(verdicts[-1]) + 1]
+    assert max(map(len, page)) <= bench_page.PAGE_WIDTH
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in page if line.startswith("│")]
+    assert [row[:3] for row in rows] == [
+        [f"{c['num_nodes']} x {c['ranks_per_node']}", c["model"], str(c["num_tokens"])] for c in figures["cases"]
+    ]
+    assert [row[-1] for row in rows] == [c.get("oracle_check", "skipped") for c in figures["cases"]]
+    for model, line in zip(figures["verdicts"], verdicts):
+        assert [x for x in page if x.startswith(f"{model}: ")] == [line]
+    return page
+
+
+def _figures(model: str, nodes: int, ranks_per_node: int, ms: float, ratio: float, bound_mb: float) -> dict:
+    """One case's figures as _bench_case returns them, every side taking ``ms`` except ours (and
+    Buffer) taking ``ratio`` x that; cross-node bytes of ours 1.6x the bound, alltoall's 4x."""
+    times = {side: ms * (ratio if side in ("ours", "buffer") else 1.0) for side in bench.SIDES}
+    lower = int(bound_mb * 1e6) if nodes > 1 else 0
+    stats = {s: {"total": dict.fromkeys(("median", "min", "max", "p10", "p90"), t)} for s, t in times.items()}
+    spread = {"ratio": ratio, "p10": ratio * 0.9, "p90": ratio * 1.1}
+    return {
+        "model": model,
+        "num_tokens": 16384,
+        "num_nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "oracle_check": "passed",
+        "mismatches": [],
+        "latency_ms": stats,
+        "ratios": {"ours_over_alltoall": spread, "buffer_over_two_stage_floor": spread},
+        "bytes": {
+            "lower_bound_internode": lower,
+            **{
+                s: {"internode": int(lower * x), "internode_over_lower_bound": x if lower else None}
+                for s, x in (("ours", 1.6), ("alltoall", 4.0), ("flat", 2.0))
+            },
+        },
+    }
+
+
+@pytest.mark.parametrize("megatron", [True, False])
+def test_bench_report_fits_120_columns_with_one_verdict_per_model(tmp_path, megatron):
+    """Wide figures (5-digit ms and MB, the longest model name, a skipped model, a model on one node
+    only) still give a page within 120 columns on a 300-column console, one verdict per model."""
+    from rich.console import Console
+
+    results = [
+        _figures("qwen3-30b-a3b", 8, 8, 12345.6, 0.7, 15000.0),
+        _figures("qwen3-30b-a3b", 1, 64, 12345.6, 1.2, 0.0),
+        _figures("deepseek-v3", 1, 64, 99.0, 0.5, 0.0),
+        {"model": "mixtral-8x7b", "num_tokens": 16384, "num_nodes": 8, "ranks_per_node": 8, "skipped": "E % W"},
+    ]
+    config = bench.BenchConfig(("qwen3-30b-a3b",), (16384,), 1.0, 64, (8, 64), 50, 10, "bf16", 0, megatron=megatron)
+    out = io.StringIO()
+    status = bench._report(
+        results, config, "8 nodes x 8 x GPU (NCCL)", tmp_path / "b.json", console=Console(file=out, width=300)
+    )
+    figures = json.loads((tmp_path / "b.json").read_text())
+    page = _page(out.getvalue(), figures)
+    assert status == 0 and figures["cases"] == results and "goal" not in out.getvalue()
+    side, base = ("ours", "alltoall") if megatron else ("Buffer", "floor")
+    header = [line for line in page if line.startswith("┃")]
+    assert len(header) == 2 and f"{side} /" in header[0] and f"{base} ┃" in header[1]
+    qwen, deepseek, mixtral = figures["verdicts"].values()
+    assert (
+        qwen["faster"] == 1
+        and qwen["cases"] == 2
+        and qwen["bytes_over_bound"] == pytest.approx({"ours": 1.6, "alltoall": 4.0}, rel=1e-6)
+    )
+    assert "in 1 of 2 cases (0.70-1.20x its time); cross-node 1.60x the bound, alltoall 4.00x" in qwen["line"]
+    assert deepseek["bytes_over_bound"] is None and "(0.50x its time); one node" in deepseek["line"]
+    assert mixtral["cases"] == 0 and mixtral["line"] == "mixtral-8x7b: skipped: E % W"
+
+
+def test_bench_console_is_120_columns_in_logs_and_pipes_unless_columns_says(monkeypatch, capsys):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert bench_page.console().width == bench_page.PAGE_WIDTH == 120  # capsys: stdout is not a terminal
+    monkeypatch.setenv("COLUMNS", "90")
+    assert bench_page.console().width == 90
 
 
 def test_bench_defaults_cover_the_issue_table():

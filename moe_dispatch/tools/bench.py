@@ -24,9 +24,11 @@ Every rank checks its results against :mod:`moe_dispatch.reference` with ``torch
 dispatch and combine outputs, the backend's expert input (rows, split sizes, probabilities: a
 permute of the oracle's dispatch) and combine output, and that Megatron's alltoall dispatcher hands
 its experts the same rows. The cross-node bytes of each side are counted against the de-dup lower
-bound. Only rank 0 prints: the headline (ours / alltoall) and the second goal (Buffer / two-stage
-floor), each with its spread, and a JSON file with every figure, the configuration, the hosts,
-versions, date and commit. ``benchmarks/simcluster`` runs it on shaped links.
+bound. Only rank 0 prints: a table within 120 columns (ours and alltoall, their ratio with its
+spread, the cross-node bytes, the oracle check; without Megatron-Core, bare Buffer and the
+two-stage floor), one verdict line per model, and a JSON file with every figure, the verdicts, the
+configuration, the hosts, versions, date and commit. ``benchmarks/simcluster`` runs it on shaped
+links.
 """
 
 from __future__ import annotations
@@ -56,29 +58,19 @@ from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
 from ..transport.torch_dist import TorchDistTransport
+from . import bench_page
 from .env import source_commit
 from .quiet import NOTE as QUIET_NOTE
 from .quiet import filter_known_warnings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Goals (issue 18): ours / Megatron's alltoall, dispatch + combine medians, per model; Buffer / the
-# two-stage floor.
-GOAL_OURS_OVER_ALLTOALL = {"deepseek-v3": 0.8, "qwen3-30b-a3b": 0.8, "mixtral-8x7b": 1.0}
-GOAL_BUFFER_OVER_FLOOR = 1.3
 # CPU defaults keep `make demo` (3 models x 2 sizes x 2 hierarchies, 4 processes on 2 cores) near a minute.
 CPU_HIDDEN_SCALE, CPU_ITERS, CPU_WARMUP, CPU_WORLD = 0.125, 7, 2, 4
 GPU_ITERS, GPU_WARMUP = 50, 10
 DEFAULT_TOKENS = (4096, 256)
 DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails the run after this
 SIDES = ("ours", "alltoall", "buffer", "flat_floor", "two_stage_floor")
-LABELS = {
-    "ours": 'ours: Megatron flex + "custom"',
-    "alltoall": "Megatron alltoall dispatcher",
-    "buffer": "bare Buffer",
-    "flat_floor": "flat all_to_all floor",
-    "two_stage_floor": "two-stage floor",
-}
-# What the figures mean: printed under the table and stored in the JSON.
+# What the figures mean, stored in the JSON (the page prints a short legend: bench_page.LEGENDS).
 DEFINITIONS = {
     "latency_ms": "per iteration the max over ranks of dispatch (and combine, and their sum); median, min, max, p10, "
     "p90 over the timed iterations; every side runs in every iteration, in rotating order",
@@ -775,38 +767,6 @@ def _spawn_with_progress(config: BenchConfig, console) -> tuple[list[dict], list
 
 
 # -- reporting (rank 0) ---------------------------------------------------------------------------
-def _goals(results: list[dict]) -> dict:
-    """The two goal figures of every case and whether they are met."""
-    timed = [f for f in results if "skipped" not in f]
-    ours = [
-        {
-            "model": f["model"],
-            "num_tokens": f["num_tokens"],
-            "nodes_x_ranks": f"{f['num_nodes']}x{f['ranks_per_node']}",
-            **f["ratios"]["ours_over_alltoall"],
-            "goal": GOAL_OURS_OVER_ALLTOALL.get(f["model"], 1.0),
-        }
-        for f in timed
-        if "ours_over_alltoall" in f["ratios"]
-    ]
-    floor = [
-        {
-            "model": f["model"],
-            "num_tokens": f["num_tokens"],
-            "nodes_x_ranks": f"{f['num_nodes']}x{f['ranks_per_node']}",
-            **f["ratios"]["buffer_over_two_stage_floor"],
-            "goal": GOAL_BUFFER_OVER_FLOOR,
-        }
-        for f in timed
-    ]
-    for c in ours + floor:
-        c["met"] = c["ratio"] <= c["goal"]
-    return {
-        "ours_over_alltoall": {"cases": ours, "met": bool(ours) and all(c["met"] for c in ours)},
-        "buffer_over_two_stage_floor": {"cases": floor, "met": all(c["met"] for c in floor)},
-    }
-
-
 def _report(
     results: list[dict],
     config: BenchConfig,
@@ -816,107 +776,14 @@ def _report(
     hosts: list[str] | None = None,
     console=None,
 ) -> int:
-    """Prints the table and the goal lines, writes the JSON; returns the exit status."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # logs and pipes: wide enough for a table row per line
-            console = Console(width=200)
-
-    def num(v: float) -> str:  # about 3 significant digits, no exponent
-        return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f}"
-
-    def ratio(r: dict | None) -> str:
-        return "" if r is None else f"{r['ratio']:.2f} ({r['p10']:.2f}-{r['p90']:.2f})"
-
-    def over_lb(b: dict, side: str) -> str:
-        v = b[side]["internode_over_lower_bound"]
-        return "-" if v is None else f"{b[side]['internode'] / 1e6:.1f} / {v:.2f}"
-
-    table = Table(
-        title=f"dispatch + combine, ms (median of the max over ranks, {config.iters} iterations), {config.dtype}, "
-        f"W={config.world_size}, on {device}",
-        title_justify="left",
+    """Prints the page (:func:`moe_dispatch.tools.bench_page.print_page`), writes the JSON with
+    every figure and the verdicts; returns the exit status (1 when an oracle check failed)."""
+    console = console or bench_page.console()
+    title = (
+        f"dispatch + combine, ms: slowest rank, median of {config.iters} iterations; {config.dtype}, "
+        f"hidden x{config.hidden_scale:g}, W={config.world_size}, on {device}"
     )
-    for col in (
-        "nodes x L",
-        "model",
-        "tokens",
-        "H",
-        "ours",
-        "alltoall",
-        "ours / alltoall",
-        "Buffer",
-        "2-stage floor",
-        "Buffer / floor",
-        "flat floor",
-        "cross-node MB / LB: ours",
-        "alltoall",
-        "oracle",
-    ):
-        table.add_column(col, justify="left" if col in ("nodes x L", "model") else "right")
-    for fig in results:
-        where = f"{fig['num_nodes']} x {fig['ranks_per_node']}"
-        if "skipped" in fig:
-            table.add_row(where, fig["model"], str(fig["num_tokens"]), "", f"skipped: {escape(fig['skipped'])}")
-            continue
-        lat, rat, b = fig["latency_ms"], fig["ratios"], fig["bytes"]
-
-        def total(side: str) -> str:
-            return num(lat[side]["total"]["median"]) if side in lat else "-"
-
-        table.add_row(
-            where,
-            fig["model"],
-            str(fig["num_tokens"]),
-            str(fig["hidden"]),
-            total("ours"),
-            total("alltoall"),
-            ratio(rat.get("ours_over_alltoall")),
-            total("buffer"),
-            total("two_stage_floor"),
-            ratio(rat["buffer_over_two_stage_floor"]),
-            total("flat_floor"),
-            over_lb(b, "ours"),
-            over_lb(b, "alltoall"),
-            "[green]passed[/green]" if fig["oracle_check"] == "passed" else "[bold red]FAILED[/bold red]",
-        )
-    table.caption = (
-        "ours = Megatron's flex dispatcher with the 'custom' backend; alltoall = Megatron's alltoall dispatcher; both "
-        "through dispatch_preprocess .. combine_postprocess on the same routing and tensors. Buffer = bare "
-        "Buffer.dispatch + combine. Floors: the bare collectives with prebuilt buffers (flat: one all_to_all_single; "
-        "2-stage: inter-node then intra-node). Ratios: of the medians, (p10-p90 of the per-iteration ratios). "
-        "MB: hidden payload crossing nodes per direction, all ranks; LB: the de-dup lower bound sum_t |nodes(t) \\ own "
-        "node| x H x bytes. Oracle: torch.equal against moe_dispatch.reference on every rank."
-    )
-    table.caption_justify = "left"
-    console.print(table)
-    for fig in results:
-        for line in fig.get("mismatches", [])[:20]:
-            console.print(f"[bold red]MISMATCH {escape(line)}[/bold red]")
-
-    goals = _goals(results)
-
-    def line(name: str, goal: dict, text: str) -> None:
-        """The goal's verdict; where it is not met, the cases that miss it, with their figures."""
-        cases = goal["cases"]
-        missed = [c for c in cases if not c["met"]]
-        if not missed:
-            console.print(f"goal {name}: {text}: [green]met[/green] in all {len(cases)} cases")
-            return
-        figures = ", ".join(
-            f"{c['model']} {c['num_tokens']} {c['nodes_x_ranks']} {c['ratio']:.2f} ({c['p10']:.2f}-{c['p90']:.2f})"
-            for c in missed
-        )
-        console.print(f"goal {name}: {text}: [red]not met[/red] in {len(missed)} of {len(cases)} cases: {figures}")
-
-    if goals["ours_over_alltoall"]["cases"]:
-        limits = ", ".join(f"{m} {g}" for m, g in GOAL_OURS_OVER_ALLTOALL.items())
-        line("1", goals["ours_over_alltoall"], f"ours / Megatron alltoall <= ({limits})")
-    line("2", goals["buffer_over_two_stage_floor"], f"bare Buffer / two-stage floor <= {GOAL_BUFFER_OVER_FLOOR}")
+    verdicts = bench_page.print_page(results, title, config.megatron, console)
     failed = sorted({f["model"] for f in results if f.get("oracle_check") == "failed"})
     if failed:
         console.print(f"[bold red]ORACLE CHECK FAILED for {', '.join(failed)}[/bold red]")
@@ -932,14 +799,14 @@ def _report(
         "cpus": os.cpu_count(),
         "hosts": node_hosts(hosts, config.topologies[0]) if hosts else None,
         "cases": results,
-        "goals": goals,
+        "verdicts": verdicts,
         "definitions": DEFINITIONS,
         "oracle_check": "failed" if failed else "passed",
     }
     payload["config"].pop("progress_path", None)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    console.print(f"figures written to {json_path}")
+    console.print(f"all figures (per-op times, bare Buffer, the floors): {json_path}")
     return 1 if failed else 0
 
 
@@ -969,11 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Megatron-Core {megatron}"
     )
     if torchrun is None:
-        from rich.console import Console
-
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=200)
+        console = bench_page.console()
         console.print(f"[moe-dispatch-bench] CPU world: {config.world_size} processes (gloo); {run_desc}", markup=False)
         if config.megatron:
             console.print(f"[moe-dispatch-bench] {QUIET_NOTE}", markup=False)
@@ -1000,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, _ = torchrun
     if rank == 0:
         print(f"[moe-dispatch-bench] torchrun world: {world_size} ranks; {run_desc}", flush=True)
+        if config.megatron:  # every rank filters them (_world_rank), as in the CPU world
+            print(f"[moe-dispatch-bench] {QUIET_NOTE}", flush=True)
     # The process group is bounded like the Buffer: a peer that never joins fails the run instead of hanging it.
     out = launch_ranks(world_size, _world_rank, config, timeout_s=config.timeout_s)
     if out is None:  # not rank 0
