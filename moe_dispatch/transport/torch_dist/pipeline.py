@@ -16,9 +16,9 @@ from ...semantics.permute import PermuteHandle
 from ..base import Steps
 from .blocks import Agreement, Blocks, begin, complete
 from .collectives import ALL_COMM, INTER, INTRA, Collectives
-from .packing import Carried, field_views, land, pack, packed_width, specs_of
+from .packing import field_views, land, pack, packed_width, specs_of
 from .plan import TorchDistChunk, TorchDistPlan
-from .sums import flat_sums, forwarder_sums, row_scales, source_sums
+from .sums import forwarder_sums, row_scales, source_sums
 
 
 # -- the flat route --------------------------------------------------------------------------------
@@ -70,40 +70,6 @@ def flat_dispatch(
         comm, blocks, fields, plan.flat_send_splits, plan.flat_recv_splits, what, check, True
     )
     land(recv, plan.recv_perm, specs_of(tensors), out, permute, permuted)
-
-
-def flat_combine(
-    comm: Collectives,
-    blocks: Blocks,
-    num_tensors: int,
-    payload: list[torch.Tensor],
-    payload_index: list[torch.Tensor | None],
-    scales: list[torch.Tensor | None],
-    out: list[torch.Tensor],
-    plan: TorchDistPlan,
-    what: str,
-    check: Agreement | None,
-    begun,
-    in_blocks: bool,
-) -> Steps:
-    """The flat route of a combine: the rows of ``payload`` (per tensor of the ``num_tensors``
-    ``[R, ...]`` gathered by its ``payload_index`` where not None, then the scale columns) go
-    back to their sources, which sum them into ``out`` (:func:`.sums.flat_sums`). With
-    ``in_blocks`` they ride in ``check``'s blocks (and the sums read them there), else ``check``
-    (``begun`` with :func:`.blocks.begin`) completes before they move."""
-    fields = list(zip(payload, payload_index))
-    if not in_blocks:
-        yield from complete(check, begun)
-        check = None
-    # the sums read the rows in the blocks they came in, where they came in the check's
-    back = yield from flat_exchange(
-        comm, blocks, fields, plan.flat_recv_splits, plan.flat_send_splits, what, check, in_blocks=True
-    )
-    specs = specs_of(payload)
-    fields = back.fields(specs) if isinstance(back, Carried) else field_views(back, specs)
-    scale_of = row_scales(fields, scales, num_tensors)
-    for dst, rows, sc in zip(out, fields[:num_tensors], scale_of):
-        flat_sums(plan, rows, sc, dst, comm.topology)
 
 
 # -- the two stages --------------------------------------------------------------------------------
@@ -238,7 +204,8 @@ def two_stage_combine(
     begun,
 ) -> Steps:
     """The two stages of a combine, backwards: per chunk the intra-node return of the rows of
-    ``payload`` (as :func:`flat_combine` takes them, the received rows in arrival order), the
+    ``payload`` (per tensor ``[R, ...]`` gathered by its ``payload_index`` where not None, then
+    the scale columns: the received rows in arrival order), the
     forwarder's sums (:func:`.sums.forwarder_sums`), the inter-node return and the source's sums
     into ``out`` (:func:`.sums.source_sums`; ``tensors``: the combine's inputs, whose dtypes and
     row shapes the node partials have). ``check`` (``begun`` with :func:`.blocks.begin`)

@@ -78,13 +78,13 @@ from ...topology import Topology
 from ..agreement import AGREE_WORDS
 from ..base import Field, Steps
 from ..progress import Progress
-from .blocks import Agreement, Blocks, begin
+from .blocks import Agreement, Blocks, begin, complete
 from .collectives import ALL_COMM, Collectives
-from .packing import land, packed_width, specs_of
-from .pipeline import flat_combine, flat_dispatch, two_stage_combine, two_stage_dispatch, two_stage_forward
+from .packing import Carried, field_views, land, packed_width, specs_of
+from .pipeline import flat_dispatch, flat_exchange, two_stage_combine, two_stage_dispatch, two_stage_forward
 from .plan import NUM_SIZES, TorchDistPlan, dispatch_counts, final_of_arrival, flat_send_idx, plan_from_headers
 from .route import Links, choose_route, measure_links, measured_links, two_stage_world
-from .sums import unpermute
+from .sums import flat_sums, row_scales, unpermute
 from .tuning import NUM_CHUNKS
 
 
@@ -96,7 +96,7 @@ class TorchDistTransport:
         group: the EP process group (gloo or NCCL).
         topology: this rank's place in the group.
         timeout_s: bound on every collective; a peer that never joins makes it raise
-            :class:`CommError` naming the operation and the peers.
+            :class:`~moe_dispatch.errors.CommError` naming the operation and the peers.
         num_chunks: the two-stage pipeline depth (module docstring), the same on every rank; 1
             runs the stages one after the other. None (default): the route and depth follow each
             dispatch's size (flat for small calls and for worlds of one node or one rank per
@@ -371,19 +371,24 @@ class TorchDistTransport:
         payload = [*rows_of, *[s.view(-1, 1) for s in scales if s is not None]]
         payload_index = [*index_of, *[arrival for s in scales if s is not None]]
         if plan.flat:
-            yield from flat_combine(
+            fields = list(zip(payload, payload_index))
+            if not in_blocks:
+                yield from complete(check, begun)
+                check = None
+            # the sums read the rows in the blocks they came in, where they came in the check's
+            back = yield from flat_exchange(
                 self.comm,
                 self.blocks,
-                len(tensors),
-                payload,
-                payload_index,
-                scales,
-                out,
-                plan,
+                fields,
+                plan.flat_recv_splits,
+                plan.flat_send_splits,
                 what,
                 check,
-                begun,
-                in_blocks,
+                in_blocks=True,
             )
+            specs = specs_of(payload)
+            fields = back.fields(specs) if isinstance(back, Carried) else field_views(back, specs)
+            for dst, rows, sc in zip(out, fields[: len(tensors)], row_scales(fields, scales, len(tensors))):
+                flat_sums(plan, rows, sc, dst, self.topology)
             return
         yield from two_stage_combine(self.comm, tensors, payload, payload_index, scales, out, plan, what, check, begun)
