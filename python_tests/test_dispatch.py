@@ -426,15 +426,15 @@ def _links_choose_the_route(rank, world_size, buf):
     (every rank gets the same figures; a later Buffer on the same ranks uses them); links where the
     cross-node bytes dominate take the two stages, links where a collective's latency does the flat
     route; each with the oracle's bits."""
-    from moe_dispatch.transport import torch_dist
+    from moe_dispatch.transport.torch_dist import route, tuning
 
     L = buf.topology.ranks_per_node
     fresh = Buffer(buf.group, ranks_per_node=L, timeout_s=buf.timeout_s)
     key = fresh.transport._links_key
-    torch_dist._measured_links.pop(key, None)  # not measured yet
+    route._measured_links.pop(key, None)  # not measured yet
     try:
         transport = fresh.transport
-        if not transport._two_stage_world:
+        if not route.two_stage_world(transport.topology):
             return  # one route only
         # Every token to one expert of every rank: the two stages send a node one copy, not L.
         num_tokens, hidden = [300 + 3 * r for r in range(world_size)], 512
@@ -446,22 +446,22 @@ def _links_choose_the_route(rank, world_size, buf):
         gen = torch.Generator().manual_seed(41)
         ws = [torch.rand(t, world_size, generator=gen) for t in num_tokens]
         xs = make_x(num_tokens, hidden, torch.float32, seed=41)
-        assert num_tokens[0] * world_size * hidden * 4 > torch_dist.LINK_PROBE_BYTES  # big enough to ask
+        assert num_tokens[0] * world_size * hidden * 4 > tuning.LINK_PROBE_BYTES  # big enough to ask
         check_routing(fresh, rank, L, xs, idxs, ws, num_experts)
-        measured = torch_dist._measured_links[key]
+        measured = route._measured_links[key]
         figures = dataclasses.astuple(measured)
         assert measured.collective_s > 0 and measured.two_collectives_s > 0 and min(figures) >= 0, measured
         everyone = [None] * world_size
         dist.all_gather_object(everyone, figures, group=buf.group)
         assert all(m == figures for m in everyone), everyone
-        slow_inter = torch_dist.Links(
+        slow_inter = route.Links(
             collective_s=0.0, per_byte=0.0, two_collectives_s=0.0, per_inter_byte=1.0, per_intra_byte=0.0
         )
-        slow_collectives = torch_dist.Links(
+        slow_collectives = route.Links(
             collective_s=1.0, per_byte=0.0, two_collectives_s=2.0, per_inter_byte=0.0, per_intra_byte=0.0
         )
         for costs, flat in ((slow_inter, False), (slow_collectives, True)):
-            torch_dist._measured_links[key] = costs
+            route._measured_links[key] = costs
             handle = check_routing(fresh, rank, L, xs, idxs, ws, num_experts)
             assert handle.slot.plan.flat is flat, (costs, handle.slot.plan.flat)
         other = Buffer(buf.group, ranks_per_node=L, timeout_s=buf.timeout_s)  # the same links: not measured again
@@ -470,7 +470,7 @@ def _links_choose_the_route(rank, world_size, buf):
         finally:
             other.close()
     finally:
-        torch_dist._measured_links.pop(key, None)
+        route._measured_links.pop(key, None)
         fresh.close()
 
 
@@ -662,9 +662,9 @@ KERNEL_CASES = {
 @pytest.mark.skipif(not _ext.extension_status().built, reason="the one-pass packing is in moe_dispatch._C")
 def test_blocks_packed_in_one_pass_equal_torch_packing(monkeypatch):
     """torch_dist's blocks (header, then each destination's rows: the fields side by side, padded
-    to 8 bytes) written by _C.pack_blocks_cpu hold what _pack and a copy per destination write:
+    to 8 bytes) written by _C.pack_blocks_cpu hold what pack and a copy per destination write:
     gathered and in-order rows, a field needing padding, an empty destination, strided sources."""
-    from moe_dispatch.transport import torch_dist
+    from moe_dispatch.transport.torch_dist import packing
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(20, 6, generator=gen).to(torch.bfloat16)  # 12 bytes: padded to 16
@@ -676,16 +676,16 @@ def test_blocks_packed_in_one_pass_equal_torch_packing(monkeypatch):
         if fields[0][1] is not None:  # one index for every field
             fields = [(t, fields[0][1]) for t, _ in fields]
         got, want = (torch.zeros(4, 40 + 56 * 5, dtype=torch.uint8) for _ in range(2))
-        torch_dist._pack_blocks(got, head, fields, splits, 2)
+        packing.pack_blocks(got, head, fields, splits, 2)
         monkeypatch.setattr(_ext, "extension_status", lambda: types.SimpleNamespace(built=False))
-        torch_dist._pack_blocks(want, head, fields, splits, 2)
+        packing.pack_blocks(want, head, fields, splits, 2)
         monkeypatch.undo()
-        row_bytes = torch_dist._pack(fields).shape[1]
-        specs = torch_dist._specs([t for t, _ in fields])
+        row_bytes = packing.pack(fields).shape[1]
+        specs = packing.specs_of([t for t, _ in fields])
         for d, n in enumerate(splits):  # the header and each row's fields (torch leaves the padding as it was)
             assert torch.equal(got[d, :40], want[d, :40]) and got[d, 16:24].view(torch.int64).item() == n, d
             rows = [b[d, 40 : 40 + n * row_bytes].view(n, row_bytes) for b in (got, want)]
-            for a, b in zip(*(torch_dist._fields(r, specs) for r in rows)):
+            for a, b in zip(*(packing.field_views(r, specs) for r in rows)):
                 assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), d
 
 
@@ -695,7 +695,7 @@ def test_dispatch_counts_in_one_pass_equal_torch_counts(monkeypatch):
     the header words, the flat send order) equal the torch version's, for one and several
     sub-ranges, one and several nodes, and tokens that go nowhere."""
     from moe_dispatch.topology import Topology
-    from moe_dispatch.transport import torch_dist
+    from moe_dispatch.transport.torch_dist import plan as td_plan
 
     gen = torch.Generator().manual_seed(5)
     for world, local_ranks, num_tokens, subs in (
@@ -709,15 +709,15 @@ def test_dispatch_counts_in_one_pass_equal_torch_counts(monkeypatch):
         bounds = [c * num_tokens // subs for c in range(subs + 1)]
         for rank in range(world):
             topo = Topology(rank=rank, world_size=world, ranks_per_node=local_ranks)
-            words = 3 + torch_dist._NUM_SIZES + subs * (local_ranks + 1)
+            words = 3 + td_plan.NUM_SIZES + subs * (local_ranks + 1)
             heads = [torch.full((world, words), -7, dtype=torch.int64) for _ in range(2)]
-            got = torch_dist._dispatch_counts(in_rank, bounds, topo, heads[0], 3)
+            got = td_plan.dispatch_counts(in_rank, bounds, topo, heads[0], 3)
             monkeypatch.setattr(_ext, "extension_status", lambda: types.SimpleNamespace(built=False))
-            want = torch_dist._dispatch_counts(in_rank, bounds, topo, heads[1], 3)
+            want = td_plan.dispatch_counts(in_rank, bounds, topo, heads[1], 3)
             monkeypatch.undo()
             assert torch.equal(heads[0], heads[1]), (world, local_ranks, rank)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (world, local_ranks, rank)
-            assert want[2] is None and torch.equal(got[2], torch_dist._flat_send_idx(in_rank)), (world, rank)
+            assert want[2] is None and torch.equal(got[2], td_plan.flat_send_idx(in_rank)), (world, rank)
 
 
 def test_route_choice_weighs_the_measured_links():
@@ -726,29 +726,27 @@ def test_route_choice_weighs_the_measured_links():
     small, the two stages where the cross-node link is 9x slower and the routing de-duplicates;
     on NCCL the GPU-link rule (FLAT_BYTES, MIN_DEDUP), and no measurement."""
     from moe_dispatch.topology import Topology
-    from moe_dispatch.transport import torch_dist
+    from moe_dispatch.transport.torch_dist import route
 
     def counts(max_flat, flat_cross, stage1_cross, total):
         return types.SimpleNamespace(
             max_flat_rows=max_flat, flat_cross_rows=flat_cross, stage1_cross_rows=stage1_cross, total_flat_rows=total
         )
 
-    def pays(kind, links, c, row_bytes=1024):
+    def pays(gloo, links, c, row_bytes=1024):
         def measured():
             assert links is not None, "measured links where the rule needs none"
             return links
 
-        fake = types.SimpleNamespace(
-            _agree_kind=kind, _links=measured, topology=Topology(rank=0, world_size=8, ranks_per_node=4)
-        )
-        return torch_dist.TorchDistTransport._two_stages_pay(fake, c, row_bytes)
+        topology = Topology(rank=0, world_size=8, ranks_per_node=4)
+        return route.two_stages_pay(c, row_bytes, topology, gloo, measured)
 
     # 8 ranks, 2 nodes of 4; every token of a rank to ~6 ranks (3 per node): 4x de-duplication.
     dedup = counts(6000, 8 * 3000, 8 * 1000, 8 * 6000)
-    gloo, nccl = torch_dist.ALL_COMM, torch_dist.HOST
+    gloo, nccl = True, False
 
     def links(per_inter_byte):
-        return torch_dist.Links(
+        return route.Links(
             collective_s=2e-3, per_byte=2e-9, two_collectives_s=4e-3, per_inter_byte=per_inter_byte, per_intra_byte=2e-9
         )
 
@@ -771,20 +769,18 @@ def test_fused_blocks_weigh_their_padding_by_the_measured_links():
     """A check's blocks carry the flat rows where padding every block to the largest pair adds at
     most FUSED_PADDING to the bytes (no measurement), else where the measured links move the
     slowest rank's extra bytes in less time than the collective saved takes."""
-    from moe_dispatch.topology import Topology
-    from moe_dispatch.transport import torch_dist
+    from moe_dispatch.transport.torch_dist import route
 
     def pays(links, max_pair, max_flat, total, row_bytes=1024):
         def measured():
             assert links is not None, "measured links where the rule needs none"
             return links
 
-        fake = types.SimpleNamespace(_links=measured, topology=Topology(rank=0, world_size=4, ranks_per_node=2))
         c = types.SimpleNamespace(max_flat_rows=max_flat, total_flat_rows=total)
-        return torch_dist.TorchDistTransport._padding_pays(fake, c, row_bytes, max_pair)
+        return route.padding_pays(c, row_bytes, max_pair, 4, measured)  # 4 ranks
 
     def links(collective_s, per_byte):
-        return torch_dist.Links(
+        return route.Links(
             collective_s=collective_s, per_byte=per_byte, two_collectives_s=0.0, per_inter_byte=0.0, per_intra_byte=0.0
         )
 
@@ -800,17 +796,17 @@ def test_rows_landed_from_the_blocks_equal_the_torch_landing():
     into its output in arrival order, or gathered by an index with zero rows at -1: what the
     blocks' concatenation, a column slice and gather_rows write."""
     from moe_dispatch.semantics.permute import gather_rows
-    from moe_dispatch.transport import torch_dist
+    from moe_dispatch.transport.torch_dist import packing
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(20, 6, generator=gen).to(torch.bfloat16)  # 12 bytes: padded to 16
     idx = torch.randint(-1, 5, (20, 3), generator=gen)
     send_idx, splits = torch.randperm(20, generator=gen)[:11], [4, 0, 5, 2]
     fields = [(x, send_idx), (idx, send_idx)]
-    head_bytes, width = 40, torch_dist._pack(fields).shape[1]
+    head_bytes, width = 40, packing.pack(fields).shape[1]
     blocks = torch.zeros(4, head_bytes + 5 * width, dtype=torch.uint8)
-    torch_dist._pack_blocks(blocks, torch.zeros(4, 5, dtype=torch.int64), fields, splits, 0)
-    carried = torch_dist._Carried(blocks, splits, head_bytes, width)
+    packing.pack_blocks(blocks, torch.zeros(4, 5, dtype=torch.int64), fields, splits, 0)
+    carried = packing.Carried(blocks, splits, head_bytes, width)
     rows = torch.cat([blocks[s, head_bytes : head_bytes + n * width].view(n, width) for s, n in enumerate(splits)])
     src = torch.tensor([3, -1, 0, 10, 10, -1, 7])
     got_x, got_idx = torch.full((7, 6), 9.0, dtype=torch.bfloat16), torch.empty(11, 3, dtype=torch.int64)
