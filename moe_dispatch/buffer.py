@@ -463,7 +463,7 @@ class Buffer:
             (intra-node) of the previous (``moe_dispatch.transport.torch_dist``). Results are the
             same bits for any depth. None (default): the route and depth follow each dispatch's
             size and, on gloo, the links measured once per EP group (one flat exchange for small
-            calls and alike links, one chunk per ``torch_dist.CHUNK_BYTES``). A
+            calls and alike links, one chunk per ``torch_dist.tuning.CHUNK_BYTES``). A
             positive int, the same on every rank, keeps two stages; checked on every transport,
             used by ``"torch_dist"`` only.
         device: where the tensors live: None (NCCL groups: the current CUDA device; others:
