@@ -67,7 +67,7 @@ from loopback_bench import (
 from moe_dispatch import costmodel
 from moe_dispatch.config import VARIANTS, Config
 from moe_dispatch.testing.loopback import InternodeLoopback
-from moe_dispatch.transport.internode import cross_node_bytes
+from moe_dispatch.transport.kernels.internode import cross_node_bytes
 
 GOAL_BOUND = 1.00
 GOAL_VS_COPY = 0.4  # 2x4

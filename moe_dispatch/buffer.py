@@ -51,8 +51,8 @@ from .transport.base import (
     start,
     stream_order_wait,
 )
-from .transport.header import FIELD_STATUS, STATUS_INVALID_ARGUMENTS, MismatchError, describe_mismatch
 from .transport.kernels import KernelTransport
+from .transport.kernels.header import FIELD_STATUS, STATUS_INVALID_ARGUMENTS, MismatchError, describe_mismatch
 from .transport.torch_dist import TorchDistTransport
 
 if TYPE_CHECKING:
@@ -1026,7 +1026,7 @@ class Buffer:
         Raises:
             CommError: a kernel wait timed out (its message names the rank and what it waited
                 for; the Buffer is then broken: make a new Buffer).
-            MismatchError (a ValueError, ``moe_dispatch.transport.header``): a peer's call
+            MismatchError (a ValueError, ``moe_dispatch.transport.kernels.header``): a peer's call
                 differed or was refused, naming the ranks, the field and both values (the
                 buffers stay usable).
             ValueError: bad topk_idx values reached a sync-free dispatch.

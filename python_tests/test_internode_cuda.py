@@ -1,4 +1,4 @@
-"""The internode transport (``moe_dispatch.transport.internode``) against ``moe_dispatch.reference``.
+"""The internode transport (``moe_dispatch.transport.kernels.internode``) against ``moe_dispatch.reference``.
 
 CPU (wherever the extension is built): the RDMA buffer layout mirror equals the C++ one; both
 pipelines (fused, the default, and staged) - their role code on threads standing in for warps,
@@ -30,7 +30,7 @@ from moe_dispatch.config import HEADER_WORDS, VARIANTS, Config, max_slot_bytes, 
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.loopback import InternodeLoopback
-from moe_dispatch.transport.internode import (
+from moe_dispatch.transport.kernels.internode import (
     InternodeHandle,
     InternodeTimeoutError,
     StagedInternodeHandle,
@@ -38,7 +38,7 @@ from moe_dispatch.transport.internode import (
     describe_timeout,
     fused_channels,
 )
-from moe_dispatch.transport.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
+from moe_dispatch.transport.kernels.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
 from python_tests.conftest import needs_gpu
 from python_tests.test_intranode_cuda import (
     assert_dispatch_equal,
@@ -491,7 +491,7 @@ def test_internode_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
 def _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk):
     import torch.distributed as dist
 
-    from moe_dispatch.transport.nvshmem import InternodeTransport
+    from moe_dispatch.transport.kernels.nvshmem import InternodeTransport
 
     return InternodeTransport(
         dist.group.WORLD,
@@ -550,7 +550,7 @@ def _shm_withheld(rank, world_size, ranks_per_node):
     name the local peer whose relayed header never came, as it waits for the missing rank."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport.nvshmem import InternodeTransport
+    from moe_dispatch.transport.kernels.nvshmem import InternodeTransport
 
     withheld, num_experts = world_size - 1, 4 * world_size
     xs, idxs, ws = make_world(46, world_size, 16, 32, 2, num_experts, drop=0.0)
@@ -720,7 +720,7 @@ def _nvshmem_world_roundtrip(rank, world_size):
     kernels and teardown, each rank its own node (ranks_per_node=1), against the oracle."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport.nvshmem import InternodeTransport
+    from moe_dispatch.transport.kernels.nvshmem import InternodeTransport
 
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(43, world_size, 256, hidden, num_topk, num_experts)

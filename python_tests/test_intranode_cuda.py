@@ -1,4 +1,4 @@
-"""The intranode transport (``moe_dispatch.transport.intranode``) against ``moe_dispatch.reference``.
+"""The intranode transport (``moe_dispatch.transport.kernels.intranode``) against ``moe_dispatch.reference``.
 
 CPU (wherever the extension is built): the byte layouts of the Python mirror equal the C++
 ones; the channel split is a partition; ``Config`` validates itself; and the protocol itself -
@@ -34,14 +34,14 @@ from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.loopback import Loopback
-from moe_dispatch.transport.header import (
+from moe_dispatch.transport.kernels.header import (
     STATUS_INVALID_ARGUMENTS,
     STATUS_TEST,
     MismatchError,
     describe_mismatch,
     header_words,
 )
-from moe_dispatch.transport.intranode import (
+from moe_dispatch.transport.kernels.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
     IntranodeTransport,
@@ -611,7 +611,7 @@ def test_gpu_withheld_rank_times_out_with_its_name(phase):
     run_roundtrip(lb, xs, idxs, ws, 16)  # after reset() the buffers work again
 
 
-# --- the device-side header check (moe_dispatch.transport.header) -------------------------------
+# --- the device-side header check (moe_dispatch.transport.kernels.header) -------------------------------
 
 
 def set_records(records) -> dict[int, list[int]]:
@@ -831,7 +831,7 @@ def test_cpu_shared_memory_world_matches_oracle(case):
 def _failed_setup(rank, world_size):
     """Rank 1 cannot map its peer's buffer: every rank raises, and removes what it made."""
 
-    from moe_dispatch.transport import memory
+    from moe_dispatch.transport.kernels import memory
 
     if rank == 1:
 

@@ -1,15 +1,15 @@
 """Loopback harnesses of the kernels: every simulated rank of a world in one process, each
 operation one launch serving all of them.
 
-- :class:`Loopback`: W ranks of one node (the intranode kernels, :mod:`moe_dispatch.transport.intranode`).
+- :class:`Loopback`: W ranks of one node (the intranode kernels, :mod:`moe_dispatch.transport.kernels.intranode`).
 - :class:`InternodeLoopback`: N nodes x L ranks (the hierarchical kernels,
-  :mod:`moe_dispatch.transport.internode`), every RDMA put a store into the peer's buffer.
+  :mod:`moe_dispatch.transport.kernels.internode`), every RDMA put a store into the peer's buffer.
 
 On a GPU the "peer" buffers are allocations of that one GPU, so one device checks correctness and
 kernel efficiency of the whole protocol; with ``device="cpu"`` the same role code runs on threads
 (the kernels' CPU backend). Tests and benchmarks use them; one rank per process is
-:class:`~moe_dispatch.transport.intranode.IntranodeTransport` /
-:class:`~moe_dispatch.transport.nvshmem.InternodeTransport`.
+:class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport` /
+:class:`~moe_dispatch.transport.kernels.nvshmem.InternodeTransport`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 
 from .._ext import require_extension
 from ..config import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS, Config
-from ..transport.header import Records
-from ..transport.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
-from ..transport.internode import run_combine as run_internode_combine
-from ..transport.internode import run_dispatch as run_internode_dispatch
-from ..transport.intranode import IntranodeEngine, IntranodeHandle, RankDispatch, run_combine, run_dispatch
-from ..transport.launcher import (
+from ..transport.kernels.header import Records
+from ..transport.kernels.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
+from ..transport.kernels.internode import run_combine as run_internode_combine
+from ..transport.kernels.internode import run_dispatch as run_internode_dispatch
+from ..transport.kernels.intranode import IntranodeEngine, IntranodeHandle, RankDispatch, run_combine, run_dispatch
+from ..transport.kernels.launcher import (
     InternodeTimeoutError,
     IntranodeTimeoutError,
     check_world_args,
@@ -148,11 +148,11 @@ class Loopback:
             dispatch_ids: per rank the fresh dispatch's identity (default: the next of a count
                 shared by all ranks), carried by the handles.
             status: tests: rank -> a non-zero header status; that rank refuses (no tokens) and the
-                others record it (:class:`~moe_dispatch.transport.header.MismatchError` from
+                others record it (:class:`~moe_dispatch.transport.kernels.header.MismatchError` from
                 :meth:`check`).
             withhold_rank, withhold_phase: tests: that rank's blocks skip "notify", "dispatch".
             check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out, or
-                :class:`~moe_dispatch.transport.header.MismatchError` if ranks disagreed.
+                :class:`~moe_dispatch.transport.kernels.header.MismatchError` if ranks disagreed.
             validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
 
         Returns:
@@ -206,7 +206,7 @@ class Loopback:
     def check(self) -> None:
         """Synchronises, then raises :class:`IntranodeTimeoutError` (and resets the buffers) if
         a wait of a previous launch timed out, or
-        :class:`~moe_dispatch.transport.header.MismatchError` (clearing the records: the buffers
+        :class:`~moe_dispatch.transport.kernels.header.MismatchError` (clearing the records: the buffers
         stay usable) if ranks disagreed."""
         record = self.engine.read_error()
         if record:
@@ -377,7 +377,7 @@ class InternodeLoopback:
                 "notify" or "dispatch" (default); staged "node_notify", "node_dispatch"
                 (default), "notify" or "dispatch" (stage 2).
             check: raise :class:`InternodeTimeoutError` or
-                :class:`~moe_dispatch.transport.header.MismatchError` (synchronises).
+                :class:`~moe_dispatch.transport.kernels.header.MismatchError` (synchronises).
             validate: check topk_idx values (a host sync).
 
         Returns:

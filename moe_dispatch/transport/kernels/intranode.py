@@ -20,13 +20,13 @@ Every wait inside the kernels is bounded by ``timeout_s``; a timed-out launch re
 channel, peer and counter, every block leaves, and :meth:`check` raises
 :class:`IntranodeTimeoutError` with that text. ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` overrides the
 default bound (e.g. 1 to debug a hang quickly). Every operation also checks on the device that
-the ranks' calls agree (:mod:`moe_dispatch.transport.header`: the operation, the handle's
+the ranks' calls agree (:mod:`moe_dispatch.transport.kernels.header`: the operation, the handle's
 dispatch id, row bytes, dtype, top-k, experts, channels; a rank's refusal of its own
 arguments): a disagreeing pair moves no rows and the host raises
-:class:`~moe_dispatch.transport.header.MismatchError` at its next synchronisation.
+:class:`~moe_dispatch.transport.kernels.header.MismatchError` at its next synchronisation.
 
 Two front ends share one engine (:class:`IntranodeEngine`, on the shared
-:class:`~moe_dispatch.transport.launcher.Launcher`) and the functions here that run an
+:class:`~moe_dispatch.transport.kernels.launcher.Launcher`) and the functions here that run an
 operation for the ranks of one launch (:func:`run_dispatch`, :func:`run_combine`):
 
 - :class:`moe_dispatch.testing.loopback.Loopback`: W simulated ranks on one device, one launch
@@ -47,9 +47,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .._ext import require_extension
-from ..config import ERROR_RECORD_INTS, MAX_RANKS, Config
-from ..errors import BudgetOverflowError
+from ..._ext import require_extension
+from ...config import ERROR_RECORD_INTS, MAX_RANKS, Config
+from ...errors import BudgetOverflowError
 from .header import OP_DISPATCH, Records
 from .launcher import (
     COMBINE_DTYPES,
@@ -437,7 +437,7 @@ class IntranodeTransport(RankTransport):
     the host (counts, overflow flag and the peers' verdicts stay on the device: CUDA-graph
     capturable). Cached dispatch and combine never synchronise. Every operation checks its
     arguments against every peer's on the device (header.py); a mismatch is raised as
-    :class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation: right
+    :class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation: right
     after the operation on the CPU backend, after a fresh dispatch's count read, or by
     :meth:`check_errors` / :meth:`check` on a GPU.
 
@@ -539,7 +539,7 @@ class IntranodeTransport(RankTransport):
 
     def check_errors(self) -> None:
         """Raises :class:`IntranodeTimeoutError` if a launch of this rank timed out, or
-        :class:`~moe_dispatch.transport.header.MismatchError` if a peer's call differed. On a GPU
+        :class:`~moe_dispatch.transport.kernels.header.MismatchError` if a peer's call differed. On a GPU
         it reads the pinned mirrors, so it does not wait for running kernels."""
         self.check_timeout()
         self.engine.records.raise_if_set(synchronize=False)

@@ -7,10 +7,10 @@
   unless already set); the transport (IBGDA, IBRC, UCX, libfabric) is NVSHMEM's choice from its
   own environment (``NVSHMEM_REMOTE_TRANSPORT``, ``NVSHMEM_IB_ENABLE_IBGDA``, ...). One per
   process; :meth:`NvshmemWorld.close` frees and finalizes.
-- :class:`InternodeTransport`: the kernels of :mod:`moe_dispatch.transport.internode` for one
+- :class:`InternodeTransport`: the kernels of :mod:`moe_dispatch.transport.kernels.internode` for one
   rank per process: the RDMA side in NVSHMEM mode (put-with-signal to the PE of the same local
   index), the NVLink side over the buffers of an
-  :class:`~moe_dispatch.transport.intranode.IntranodeTransport` of the node's ranks.
+  :class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport` of the node's ranks.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .._ext import require_extension
-from ..config import ERROR_RECORD_INTS, Config
+from ..._ext import require_extension
+from ...config import ERROR_RECORD_INTS, Config
 from .header import Records
 from .internode import (
     InternodeEngines,
@@ -117,14 +117,14 @@ class InternodeTransport(RankTransport):
     On GPUs (one each) stage 1 puts over NVSHMEM and stage 2 runs on CUDA IPC buffers. On CPU
     (``device="cpu"``) every rank's RDMA buffer is shared memory that every rank maps, the puts
     are copies (the kernels' CPU backend in loopback mode) and the NVLink buffers are those of an
-    :class:`~moe_dispatch.transport.intranode.IntranodeTransport` on its CPU path: the multi-process
+    :class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport` on its CPU path: the multi-process
     wrapper is tested without GPUs.
 
-    Pipelines: ``Config.internode_pipeline`` (see :mod:`moe_dispatch.transport.internode`). What
+    Pipelines: ``Config.internode_pipeline`` (see :mod:`moe_dispatch.transport.kernels.internode`). What
     synchronises (fused): a fresh dispatch without ``num_worst_tokens`` reads its receive count
     once (R and R1 in one read); with it, nothing waits for the host; cached dispatch and combine
     never do. Mismatched calls (header.py) raise
-    :class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation: right after
+    :class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation: right after
     the operation on CPU, after that count read, or from :meth:`check_errors` / :meth:`check`.
 
     Args:
@@ -268,7 +268,7 @@ class InternodeTransport(RankTransport):
 
     def check_errors(self) -> None:
         """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out, or
-        :class:`~moe_dispatch.transport.header.MismatchError` if a peer's call differed (reads
+        :class:`~moe_dispatch.transport.kernels.header.MismatchError` if a peer's call differed (reads
         the pinned mirrors on a GPU: does not wait for running kernels)."""
         record = self._error_host.tolist() if self._error_host is not None else self.transport.rdma.read_error()
         if record and record[0]:

@@ -25,12 +25,12 @@ and combine sums equal to ``moe_dispatch.reference.combine`` bit for bit (fp32, 
 Every wait is bounded by ``timeout_s``; a timed-out launch raises
 :class:`InternodeTimeoutError` naming the rank, node, channel, the rank waited for and the
 counter. Every operation checks the ranks' arguments on the device
-(:mod:`moe_dispatch.transport.header`): a mismatch raises
-:class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation. Front ends,
+(:mod:`moe_dispatch.transport.kernels.header`): a mismatch raises
+:class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation. Front ends,
 both on the engines here (:class:`RdmaEngine`, :class:`InternodeEngines`) and
 :func:`run_dispatch` / :func:`run_combine`: :class:`moe_dispatch.testing.loopback.InternodeLoopback`
 (N x L simulated ranks on one device, or CPU threads with ``device="cpu"``); one rank per process:
-``moe_dispatch.transport.nvshmem.InternodeTransport``.
+``moe_dispatch.transport.kernels.nvshmem.InternodeTransport``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import dataclasses
 
 import torch
 
-from .._ext import require_extension
-from ..config import Config
-from ..errors import BudgetOverflowError
+from ..._ext import require_extension
+from ...config import Config
+from ...errors import BudgetOverflowError
 from .header import OP_CACHED_DISPATCH, OP_DISPATCH, Records
 from .intranode import IntranodeEngine, IntranodeHandle, launch_dispatch, run_notify
 from .intranode import run_combine as run_intranode_combine
@@ -281,7 +281,7 @@ class StagedInternodeHandle:
         segments: N + 1 host ints: this rank's stage-1 rows from source node m are
             ``[segments[m], segments[m + 1])`` (it forwards them inside its node).
         forward_in_rank: ``[R1, L]`` bool: which local ranks hold each forwarded row.
-        local: per source node m, the :class:`~moe_dispatch.transport.intranode.IntranodeHandle` of
+        local: per source node m, the :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` of
             stage-2 operation m; its rows start at :meth:`row_base` (m).
         num_rows: R, rows received in all.
         dispatch_id, num_experts, topk_dtype: as :class:`InternodeHandle`.
@@ -353,7 +353,7 @@ class InternodeEngines:
                 raise InternodeTimeoutError(*describe_timeout(record, engine.timeout_s, L, node=node))
 
     def check_mismatches(self, synchronize: bool = True) -> None:
-        """Raises :class:`~moe_dispatch.transport.header.MismatchError` for the first set record."""
+        """Raises :class:`~moe_dispatch.transport.kernels.header.MismatchError` for the first set record."""
         self.rdma.records.raise_if_set(synchronize)
         for node, engine in self.nodes.items():
             engine.records.raise_if_set(synchronize, rank_offset=node * self.ranks_per_node)
@@ -731,7 +731,7 @@ def _staged_dispatch(
         )
 
     if fresh:
-        from ..ops.layout import get_dispatch_layout
+        from ...ops.layout import get_dispatch_layout
 
         forward_in_rank = [
             get_dispatch_layout(s["topk_idx"], experts_per_node, L, L, validate=False)[3].contiguous()

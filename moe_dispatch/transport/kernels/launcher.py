@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from .._ext import require_extension
-from ..config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
-from ..errors import CommError
+from ..._ext import require_extension
+from ...config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
+from ...errors import CommError
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records, header_words
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
@@ -461,9 +461,9 @@ def prepare_input(
     when ``validate``, a host sync) and ``topk_weights`` (``[T, K]`` fp32 or None). With a
     ``handle`` (any transport's: its ``is_token_in_rank`` is replayed) ``topk_idx`` may be None:
     a cached dispatch of x alone. Raises ValueError / TypeError naming the argument."""
-    from ..ops.layout import get_dispatch_layout
-    from ..ops.quant import check_fp8_pair
-    from ..semantics.validation import check_hidden, check_topk_idx, check_topk_weights
+    from ...ops.layout import get_dispatch_layout
+    from ...ops.quant import check_fp8_pair
+    from ...semantics.validation import check_hidden, check_topk_idx, check_topk_weights
 
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -731,7 +731,7 @@ def check_combine(
 ) -> tuple[int, torch.dtype, int]:
     """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
     handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
-    from ..semantics.validation import check_hidden
+    from ...semantics.validation import check_hidden
 
     if len(ys) != len(handles):
         raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
@@ -799,8 +799,8 @@ def refusal_input(rank: int, world_size: int, device: torch.device) -> RankInput
 
 class RankTransport:
     """Dispatch and combine of a transport that serves one rank per process
-    (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`,
-    :class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): the argument checks, the refusal
+    (:class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport`,
+    :class:`~moe_dispatch.transport.kernels.nvshmem.InternodeTransport`): the argument checks, the refusal
     a rank runs instead of an operation whose arguments it cannot use (its peers finish at once
     and record why, instead of waiting out their timeout), and the synchronisation after.
 
@@ -834,10 +834,10 @@ class RankTransport:
         Args: as :meth:`moe_dispatch.testing.loopback.Loopback.dispatch` (one node) or
         :meth:`~moe_dispatch.testing.loopback.InternodeLoopback.dispatch` (several) for one rank
         (``x``, ``topk_idx``, ``topk_weights``, ``handle``, ``dispatch_id``). Returns this rank's
-        result (:class:`~moe_dispatch.transport.intranode.RankDispatch`,
-        :class:`~moe_dispatch.transport.internode.InternodeDispatch`). Raises ValueError /
+        result (:class:`~moe_dispatch.transport.kernels.intranode.RankDispatch`,
+        :class:`~moe_dispatch.transport.kernels.internode.InternodeDispatch`). Raises ValueError /
         TypeError for bad arguments (after taking part with a refusal, so the peers finish at
-        once and record it), :class:`~moe_dispatch.transport.header.MismatchError` when the
+        once and record it), :class:`~moe_dispatch.transport.kernels.header.MismatchError` when the
         peers' calls differ, :class:`IntranodeTimeoutError` / :class:`InternodeTimeoutError` for
         a wait that ran out."""
         self.check_errors()

@@ -10,9 +10,9 @@ the launches share one set of rings, so a fresh dispatch's notify must not run b
 operation's kernels).
 
 - **One node** (``ranks_per_node == W``): the intranode kernels
-  (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`): CUDA IPC buffers on GPUs.
+  (:class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport`): CUDA IPC buffers on GPUs.
 - **Several nodes**: the hierarchical kernels
-  (:class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): stage 1 over NVSHMEM to the
+  (:class:`~moe_dispatch.transport.kernels.nvshmem.InternodeTransport`): stage 1 over NVSHMEM to the
   rank of the same local index on each node, stage 2 over NVLink; by default the fused
   pipeline (``Config.internode_pipeline="fused"``: both stages in one kernel, counts on the
   device), or the staged one.
@@ -53,11 +53,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..config import MAX_RANKS, MAX_TOPK, Config
-from ..errors import CommError
-from ..topology import Topology
+from ...config import MAX_RANKS, MAX_TOPK, Config
+from ...errors import CommError
+from ...topology import Topology
+from ..base import Field, Steps, completed
+from ..torch_dist import ALL_COMM, TorchDistTransport
 from . import internode, intranode
-from .base import Field, Steps, completed
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
 from .internode import InternodeHandle, StagedInternodeHandle, check_rdma_config
 from .intranode import IntranodeHandle, IntranodeTransport
@@ -71,7 +72,6 @@ from .launcher import (
     dispatch_shape,
     kernel_timeout_s,
 )
-from .torch_dist import ALL_COMM, TorchDistTransport
 
 _VECTOR = 16  # bytes the kernels move per access
 _OPS = {"dispatch": OP_DISPATCH, "cached dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE}
@@ -83,9 +83,9 @@ class KernelPlan:
 
     Attributes:
         handle: the kernels' handle: an
-            :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (one node), an
-            :class:`~moe_dispatch.transport.internode.InternodeHandle` (several, fused) or a
-            :class:`~moe_dispatch.transport.internode.StagedInternodeHandle`.
+            :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` (one node), an
+            :class:`~moe_dispatch.transport.kernels.internode.InternodeHandle` (several, fused) or a
+            :class:`~moe_dispatch.transport.kernels.internode.StagedInternodeHandle`.
         experts_per_rank: E / W.
         topology: this rank's place.
         num_rows: rows of the receive-side tensors (R, or the static ``num_worst_tokens``).
@@ -214,7 +214,7 @@ class KernelTransport:
                 Config the hierarchical kernels cannot use (several nodes).
             RuntimeError: the extension is not built.
         """
-        from .. import _ext
+        from ... import _ext
 
         status = _ext.extension_status()
         if not status.built:
@@ -477,10 +477,10 @@ class KernelTransport:
 
     def check_errors(self) -> None:
         """Raises what the kernels recorded: an
-        :class:`~moe_dispatch.transport.intranode.IntranodeTimeoutError` or
-        :class:`~moe_dispatch.transport.internode.InternodeTimeoutError` (a wait that ran out,
+        :class:`~moe_dispatch.transport.kernels.intranode.IntranodeTimeoutError` or
+        :class:`~moe_dispatch.transport.kernels.internode.InternodeTimeoutError` (a wait that ran out,
         naming the rank and what it waited for), or a
-        :class:`~moe_dispatch.transport.header.MismatchError` (a peer's call differed, naming
+        :class:`~moe_dispatch.transport.kernels.header.MismatchError` (a peer's call differed, naming
         the ranks, the field and both values). Reads host memory only (the pinned mirrors on a
         GPU, the records themselves on the CPU backend): call it after the launches completed
         to see theirs."""
