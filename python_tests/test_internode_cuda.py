@@ -10,7 +10,7 @@ device-side header check catches a handle of another dispatch, a hidden size of 
 refusal (status != 0) on one rank, in dispatch, cached dispatch and combine, on every rank and
 without a timeout; a withheld rank makes the others time out with a message naming rank, node,
 channel and counter; multi-process gloo worlds (shared memory, one process per rank) of 2x2 and
-3x2 do all of it through ``nvshmem.InternodeTransport(device="cpu")``; the CPU backend's driver
+3x2 do all of it through ``testing.ranks.InternodeRank(device="cpu")``; the CPU backend's driver
 (csrc/tests/internode_tsan.cpp) runs clean under ThreadSanitizer.
 
 GPU (skipped without one): the same kernels in loopback mode (N x L simulated ranks on one GPU)
@@ -371,7 +371,7 @@ def test_cpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
     """A handle of another dispatch on rank 1 and a refusal on rank 2 (fused pipeline, 2 x 2):
     every rank records it - directly (rail or local peer) or from a local peer's report."""
     lb = cpu_loopback(2, 2, 32, 2)
-    header_cases(lb, lb.transport.rdma.records, "cpu", roundtrip)
+    header_cases(lb, lb.engines.rdma.records, "cpu", roundtrip)
 
 
 WITHHELD = [
@@ -429,7 +429,7 @@ def test_bad_arguments_name_the_value():
         staged.dispatch(xs, idxs, ws, 8, num_worst_tokens=20)
     with pytest.raises(ValueError, match=r"common is missing 'num_nodes'"):
         _ext._C.InternodeCommon()
-    common = lb.transport.rdma.common(1, 0, None)
+    common = lb.engines.rdma.common(1, 0, None)
     with pytest.raises(ValueError, match=r"fused notify rank is missing 'is_token_in_rank'"):
         _ext._C.FusedNotifyRank()
     rank = _ext._C.FusedCombineRank(
@@ -491,9 +491,9 @@ def test_internode_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
 def _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk):
     import torch.distributed as dist
 
-    from moe_dispatch.transport.kernels.nvshmem import InternodeTransport
+    from moe_dispatch.testing.ranks import InternodeRank
 
-    return InternodeTransport(
+    return InternodeRank(
         dist.group.WORLD,
         rank,
         ranks_per_node,
@@ -506,8 +506,8 @@ def _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk)
 
 
 def _shm_roundtrip(rank, world_size, ranks_per_node, pipeline):
-    """InternodeTransport's CPU path: RDMA buffers in shared memory mapped by every rank, copies
-    for the puts, the NVLink buffers of the node's IntranodeTransport; each process its own rank."""
+    """InternodeRank's CPU path: RDMA buffers in shared memory mapped by every rank, copies
+    for the puts, the NVLink buffers of the node's IntranodeBuffers; each process its own rank."""
     hidden, num_topk, num_experts = 64, 3, 4 * world_size
     xs, idxs, ws = make_world(47, world_size, [24, 0, 32, 20, 12, 28][:world_size], hidden, num_topk, num_experts)
     transport = _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk)
@@ -550,11 +550,11 @@ def _shm_withheld(rank, world_size, ranks_per_node):
     name the local peer whose relayed header never came, as it waits for the missing rank."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport.kernels.nvshmem import InternodeTransport
+    from moe_dispatch.testing.ranks import InternodeRank
 
     withheld, num_experts = world_size - 1, 4 * world_size
     xs, idxs, ws = make_world(46, world_size, 16, 32, 2, num_experts, drop=0.0)
-    transport = InternodeTransport(
+    transport = InternodeRank(
         dist.group.WORLD,
         rank,
         ranks_per_node,
@@ -687,7 +687,7 @@ def test_gpu_fused_budget_mode_in_a_cuda_graph():
 @needs_gpu
 def test_gpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
     lb = InternodeLoopback(2, 2, 2880, 2, config=Config(num_sms=6, num_slots=8, chunk_tokens=2), timeout_s=20)
-    header_cases(lb, lb.transport.rdma.records, "cuda", roundtrip)
+    header_cases(lb, lb.engines.rdma.records, "cuda", roundtrip)
 
 
 @needs_gpu
@@ -720,11 +720,11 @@ def _nvshmem_world_roundtrip(rank, world_size):
     kernels and teardown, each rank its own node (ranks_per_node=1), against the oracle."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport.kernels.nvshmem import InternodeTransport
+    from moe_dispatch.testing.ranks import InternodeRank
 
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(43, world_size, 256, hidden, num_topk, num_experts)
-    transport = InternodeTransport(
+    transport = InternodeRank(
         dist.group.WORLD,
         rank,
         1,

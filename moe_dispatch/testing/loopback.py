@@ -8,11 +8,12 @@ operation one launch serving all of them.
 On a GPU the "peer" buffers are allocations of that one GPU, so one device checks correctness and
 kernel efficiency of the whole protocol; with ``device="cpu"`` the same role code runs on threads
 (the kernels' CPU backend). Tests and benchmarks use them; one rank per process is
-:class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport` /
-:class:`~moe_dispatch.transport.kernels.nvshmem.InternodeTransport`.
+:mod:`moe_dispatch.testing.ranks`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -26,10 +27,9 @@ from ..transport.kernels.intranode import IntranodeEngine, IntranodeHandle, Rank
 from ..transport.kernels.launcher import (
     InternodeTimeoutError,
     IntranodeTimeoutError,
-    check_world_args,
+    RankInput,
     default_timeout_s,
-    prepare_inputs,
-    refusing_inputs,
+    prepare_input,
     resolve_device,
     slot_bytes_for,
 )
@@ -239,6 +239,10 @@ class InternodeLoopback:
         device: a CUDA device, or CPU for the CPU backend.
         timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
 
+    Attributes:
+        engines: the :class:`~moe_dispatch.transport.kernels.internode.InternodeEngines` of every
+            launch (the RDMA engine; the staged pipeline's node engines too).
+
     Raises:
         ValueError: shapes out of range (num_topk in [1, 32]), or a device that is neither CUDA
             nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device without a GPU,
@@ -316,17 +320,17 @@ class InternodeLoopback:
             if self.config.internode_pipeline == "staged"
             else {}
         )
-        self.transport = InternodeEngines(num_nodes, ranks_per_node, rdma, nodes)
+        self.engines = InternodeEngines(num_nodes, ranks_per_node, rdma, nodes)
 
     @property
     def timeout_s(self) -> float:
         """Bound, in seconds, of every wait inside the launches (settable)."""
-        return self.transport.rdma.timeout_s
+        return self.engines.rdma.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self.transport.rdma.set_timeout(value)
-        for engine in self.transport.nodes.values():
+        self.engines.rdma.set_timeout(value)
+        for engine in self.engines.nodes.values():
             engine.set_timeout(value)
 
     @property
@@ -338,8 +342,8 @@ class InternodeLoopback:
         """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
         operation on, over the same buffers; handles of earlier dispatches stay valid. Raises
         ValueError for an unknown name."""
-        self.config = self.transport.rdma.config = self.config.with_variant(name)
-        for engine in self.transport.nodes.values():
+        self.config = self.engines.rdma.config = self.config.with_variant(name)
+        for engine in self.engines.nodes.values():
             engine.config = self.config
 
     def dispatch(
@@ -394,7 +398,7 @@ class InternodeLoopback:
         )
         return self._guard(
             lambda: run_internode_dispatch(
-                self.transport,
+                self.engines,
                 inputs,
                 num_experts,
                 num_sms=num_sms or self.config.num_sms,
@@ -425,7 +429,7 @@ class InternodeLoopback:
         (stage 2) or "node_combine" (default)."""
         return self._guard(
             lambda: run_internode_combine(
-                self.transport, 0, ys, handles, row_scales, withhold_rank, withhold_phase, status, check
+                self.engines, 0, ys, handles, row_scales, withhold_rank, withhold_phase, status, check
             ),
             check,
         )
@@ -438,12 +442,12 @@ class InternodeLoopback:
         try:
             result = fn()
             if check:
-                self.transport.check_timeouts()
+                self.engines.check_timeouts()
         except InternodeTimeoutError:
             self.reset()
             raise
         if check:
-            self.transport.check_mismatches()
+            self.engines.check_mismatches()
         return result
 
     def reset(self) -> None:
@@ -452,6 +456,66 @@ class InternodeLoopback:
             b[: self.rdma_layout.recv_offset].zero_()
         for b in self._nvl_buffers:
             b[: self.nvl_layout.queue_offset].zero_()
-        for engine in (self.transport.rdma, *self.transport.nodes.values()):
+        for engine in (self.engines.rdma, *self.engines.nodes.values()):
             engine.error.zero_()
             engine.records.clear()
+
+
+def check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:
+    """A loopback call's per-rank lists and E; returns ``topk_idxs`` (one None per rank when None)."""
+    if topk_idxs is None:
+        topk_idxs = [None] * world_size
+    if len(xs) != world_size or len(topk_idxs) != world_size:
+        raise ValueError(f"pass one x and one topk_idx per rank ({world_size}), got {len(xs)} and {len(topk_idxs)}")
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size:
+        raise ValueError(f"num_experts must be a positive multiple of {world_size}, got {num_experts!r}")
+    return topk_idxs
+
+
+def prepare_inputs(
+    xs: list,
+    topk_idxs: list,
+    topk_weights: list | None,
+    num_experts: int,
+    device: torch.device,
+    validate: bool,
+    handles: list | None,
+) -> list[RankInput]:
+    """:func:`prepare_input` for every rank of a loopback call (lists already checked)."""
+    weights = topk_weights if topk_weights is not None else [None] * len(xs)
+    return [
+        prepare_input(
+            r,
+            xs[r],
+            topk_idxs[r],
+            weights[r],
+            num_experts,
+            len(xs),
+            device,
+            validate,
+            handles[r] if handles is not None else None,
+        )
+        for r in range(len(xs))
+    ]
+
+
+def refusing_inputs(inputs: list[RankInput], status: dict[int, int] | None) -> list[RankInput]:
+    """``inputs`` with no tokens on the ranks that refuse (a non-zero ``status``)."""
+    if not status:
+        return inputs
+    for code in status.values():
+        if not isinstance(code, int) or code == 0:
+            raise ValueError(f"status must map ranks to non-zero ints, got {status!r}")
+    return [empty_input(inp) if inp.rank in status else inp for inp in inputs]
+
+
+def empty_input(inp: RankInput) -> RankInput:
+    """``inp`` with no tokens (its shapes otherwise kept)."""
+    return dataclasses.replace(
+        inp,
+        x=inp.x[:0],
+        scales=inp.scales[:0] if inp.scales is not None else None,
+        topk_idx=inp.topk_idx[:0],
+        topk_weights=inp.topk_weights[:0] if inp.topk_weights is not None else None,
+        is_token_in_rank=inp.is_token_in_rank[:0],
+    )

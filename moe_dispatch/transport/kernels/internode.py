@@ -1,4 +1,5 @@
-"""The CUDA internode (hierarchical) transport: stage 1 over RDMA, stage 2 over NVLink.
+"""The host side of ``moe_dispatch._C``'s internode (hierarchical) kernels: stage 1 over RDMA,
+stage 2 over NVLink.
 
 Importable without the extension. Protocol: ``csrc/kernels/internode.cuh`` (both pipelines in
 prose, the RDMA buffer layout), ``internode_fused_roles.cuh`` (the fused pipeline's per-warp
@@ -26,11 +27,16 @@ Every wait is bounded by ``timeout_s``; a timed-out launch raises
 :class:`InternodeTimeoutError` naming the rank, node, channel, the rank waited for and the
 counter. Every operation checks the ranks' arguments on the device
 (:mod:`moe_dispatch.transport.kernels.header`): a mismatch raises
-:class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation. Front ends,
-both on the engines here (:class:`RdmaEngine`, :class:`InternodeEngines`) and
-:func:`run_dispatch` / :func:`run_combine`: :class:`moe_dispatch.testing.loopback.InternodeLoopback`
-(N x L simulated ranks on one device, or CPU threads with ``device="cpu"``); one rank per process:
-``moe_dispatch.transport.kernels.nvshmem.InternodeTransport``.
+:class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation.
+
+The layers here: the engines (:class:`RdmaEngine`, and per node with launched ranks an
+intranode engine, together :class:`InternodeEngines`) launch each kernel for a list of ranks;
+:func:`run_dispatch` / :func:`run_combine` run an operation through the configured pipeline.
+:class:`InternodeBuffers` is one rank per process (NVSHMEM on GPUs, shared memory on CPU), what
+:class:`~moe_dispatch.transport.kernels.transport.KernelTransport` drives for several nodes.
+Tests and benchmarks run the engines for N x L simulated ranks in one process
+(:class:`moe_dispatch.testing.loopback.InternodeLoopback`, on one device or CPU threads) or one
+rank per process (:class:`moe_dispatch.testing.ranks.InternodeRank`).
 """
 
 from __future__ import annotations
@@ -38,31 +44,40 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import Config
+from ...config import ERROR_RECORD_INTS, Config
 from ...errors import BudgetOverflowError
 from .header import OP_CACHED_DISPATCH, OP_DISPATCH, Records
-from .intranode import IntranodeEngine, IntranodeHandle, launch_dispatch, run_notify
+from .intranode import IntranodeBuffers, IntranodeEngine, IntranodeHandle, launch_dispatch, run_notify
 from .intranode import run_combine as run_intranode_combine
 from .launcher import (
     COMBINE_DTYPES,
     InternodeTimeoutError,
     Launcher,
+    RankBuffers,
     RankInput,
     alloc_outputs,
     assemble_results,
     check_budget,
     check_num_sms,
     combine_shape,
+    default_timeout_s,
     dispatch_fields,
     dispatch_header,
     dispatch_shape,
     ptr,
+    recorded,
+    resolve_device,
+    slot_bytes_for,
 )
 from .launcher import describe_internode_timeout as describe_timeout
+from .memory import SharedMemoryBuffer, map_peers
+from .nvshmem import NvshmemWorld, symmetric_heap_bytes
 
 __all__ = [
+    "InternodeBuffers",
     "InternodeDispatch",
     "InternodeEngines",
     "InternodeHandle",
@@ -1003,3 +1018,215 @@ def empty_handle(t: InternodeEngines, rank: int) -> InternodeHandle | StagedInte
         0,
         0,
     )
+
+
+class InternodeBuffers(RankBuffers):
+    """This process's rank of the internode kernels, for an EP group of W = N x L ranks, one
+    process each (PE = group rank): its RDMA buffer, its node's NVLink buffers
+    (:attr:`node_buffers`) and :attr:`engine` over them.
+
+    On GPUs (one each) stage 1 puts over NVSHMEM (put-with-signal to the PE of the same local
+    index; :class:`~moe_dispatch.transport.kernels.nvshmem.NvshmemWorld`) and stage 2 runs on
+    CUDA IPC buffers. On CPU (``device="cpu"``) every rank's RDMA buffer is shared memory that
+    every rank maps, the puts are copies (the kernels' CPU backend in loopback mode) and the
+    NVLink buffers are :class:`~moe_dispatch.transport.kernels.intranode.IntranodeBuffers` on
+    their CPU path: the multi-process path is tested without GPUs.
+
+    Pipelines: ``Config.internode_pipeline`` (the module doc). What synchronises (fused): a fresh
+    dispatch without ``num_worst_tokens`` reads its receive count once (R and R1 in one read);
+    with it, nothing waits for the host; cached dispatch and combine never do. Mismatched calls
+    (header.py) are recorded, and :meth:`check_errors` raises them as
+    :class:`~moe_dispatch.transport.kernels.header.MismatchError`.
+
+    Args:
+        group: the EP process group (NCCL on GPUs, gloo on CPU); ranks ``[n L, (n+1) L)`` form
+            node n.
+        rank: this rank's index in the group.
+        ranks_per_node: L (<= 16, the NVLink domain of stage 2).
+        hidden, num_topk, element_bytes: the largest rows moved (sizes slots).
+        config: :class:`Config` (``num_slots % chunk_tokens == 0``); every rank passes the same.
+        timeout_s: bound of every wait inside the kernels.
+        device: None (the current CUDA device), a CUDA device, or ``"cpu"``.
+
+    Raises:
+        ValueError: ranks_per_node not dividing W, hidden, num_topk (in [1, 32]) or
+            element_bytes out of range, a Config the RDMA stage cannot use, or a device that is
+            neither CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device
+            without a GPU, or the extension is not built.
+
+    Collective: every rank constructs it together (NVSHMEM init or shared memory, the node
+    groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        ranks_per_node: int,
+        hidden: int,
+        num_topk: int,
+        *,
+        config: Config | None = None,
+        element_bytes: int = 2,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+    ):
+        world_size = dist.get_world_size(group)
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
+        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=1)
+        self.config = config or Config()
+        check_rdma_config(self.config)
+        self.device, _ = resolve_device("cuda" if device is None else device)  # before anything collective
+        # The kernel refuses it at the first dispatch; refused here, at construction.
+        fused = self.config.internode_pipeline == "fused"
+        if fused and self.device.type == "cuda" and self.config.copy_variant != Config().copy_variant:
+            raise ValueError(
+                "the fused kernels' NVSHMEM mode is compiled for the current copies only (Config.loads_in_flight=4, "
+                f"rows_in_flight=1, bulk_copy=False, register_cap=True), got {self.config.copy_variant}; the copy "
+                "variants run in loopback mode (InternodeLoopback)"
+            )
+        C = require_extension()
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
+        on_gpu = self.device.type == "cuda"
+        timeout = default_timeout_s(timeout_s)
+        layout = C.internode_rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
+        # Every rank creates every node group, in the same order (new_group is collective).
+        node = rank // L
+        node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
+        self.node_buffers = IntranodeBuffers(
+            node_groups[node],
+            rank % L,
+            hidden,
+            num_topk,
+            config=self.config,
+            element_bytes=element_bytes,
+            timeout_s=timeout,
+            device=self.device,
+            relay_nodes=N,
+        )
+        nodes = {node: self.node_buffers.engine} if self.config.internode_pipeline == "staged" else {}
+        self.nvshmem, self._rdma_own, self._rdma_peers, self.error_host = None, None, {}, None
+        symmetric, error_host_ptr = None, None
+        if on_gpu:
+            self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
+            symmetric = self.nvshmem.malloc(layout.total_bytes)
+            self.error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
+            error_host_ptr = C.host_device_pointer(self.error_host.data_ptr())
+        else:
+            self._rdma_own = SharedMemoryBuffer(layout)
+        try:
+            rdma = RdmaEngine(
+                N,
+                L,
+                self.config,
+                slot_bytes,
+                map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers) if not on_gpu else [],
+                symmetric,
+                self.node_buffers.engine.buffers,
+                node * L,
+                torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device),
+                error_host_ptr,
+                "cuda" if on_gpu else "cpu",
+                "nvshmem" if on_gpu else "loopback",
+                timeout,
+                records=Records(1, self.device, mirror=on_gpu),
+                rank_begin=rank,
+            )
+            self.engine = InternodeEngines(N, L, rdma, nodes)
+            dist.barrier(group=group)  # every rank has mapped every buffer
+        except BaseException:
+            if not on_gpu:
+                self.close()  # leave no mapping or shared-memory file behind (local: no collective)
+            raise
+        if not on_gpu:
+            self._rdma_own.mapped()
+
+    @property
+    def launches(self) -> int:
+        return self.engine.rdma.launches + self.node_buffers.engine.launches
+
+    @property
+    def records(self) -> list[Records]:
+        return [self.engine.rdma.records, *(e.records for e in self.engine.nodes.values())]
+
+    def notify(self, inp, num_experts, *, num_sms, num_worst_tokens, dispatch_id, outs=None) -> InternodeHandle:
+        """The fused pipeline's notify (the staged one learns its routing by a :meth:`dispatch`)."""
+        (handle,), _ = fused_notify(
+            self.engine,
+            [inp],
+            num_experts,
+            num_sms=num_sms,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=None,
+            dispatch_ids=[dispatch_id],
+            statuses={},
+            outs=[outs] if outs else None,
+        )
+        return handle
+
+    def launch_dispatch(self, inp, handle, outs, num_experts) -> None:
+        """The fused pipeline's dispatch launch."""
+        _, num_topk, x_bytes, scale_bytes = dispatch_shape(
+            [inp], self.engine.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
+        )
+        fused_launch(self.engine, [inp], [handle], [outs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
+
+    def dispatch(
+        self, inp, num_experts, *, num_sms, handle=None, num_worst_tokens=None, dispatch_id=None, statuses=None
+    ) -> InternodeDispatch:
+        return run_dispatch(
+            self.engine,
+            [inp],
+            num_experts,
+            num_sms=num_sms,
+            handles=[handle] if handle is not None else None,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=None,
+            skip_phase=None,
+            dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
+            statuses=statuses,
+            check=False,
+        )[0]
+
+    def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
+        return run_combine(
+            self.engine, self.rank, [y], [handle], [row_scale], None, None, statuses, check=False, row_bytes=row_bytes
+        )[0]
+
+    def empty_handle(self) -> InternodeHandle | StagedInternodeHandle:
+        return empty_handle(self.engine, self.rank)
+
+    def check_timeout(self) -> None:
+        """Raises :class:`InternodeTimeoutError` for a wait of the RDMA engine's launches or of the
+        node engine's (the staged pipeline's stage 2: its ranks made global)."""
+        L, node = self.ranks_per_node, self.node_buffers
+        record = recorded(self.error_host, self.engine.rdma.error)
+        if record:
+            raise InternodeTimeoutError(
+                *describe_timeout(record, self.engine.rdma.timeout_s, L, fused=self.engine.fused)
+            )
+        record = recorded(node.error_host, node.engine.error)
+        if record:
+            raise InternodeTimeoutError(*describe_timeout(record, node.engine.timeout_s, L, node=self.rank // L))
+
+    def check_mismatches(self) -> None:
+        self.engine.check_mismatches(synchronize=False)  # the node engine's with global ranks
+
+    def close(self) -> None:
+        """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
+        if self.nvshmem is not None:
+            self.nvshmem.close()
+        else:
+            for address in self._rdma_peers.values():
+                self._rdma_own.close_peer(address)
+            self._rdma_peers = {}
+            if self._rdma_own is not None:
+                self._rdma_own.free()
+        self.node_buffers.close()
+
+
+def group_rank(group: dist.ProcessGroup, index: int) -> int:
+    """The global rank of ``group``'s rank ``index`` (new_group takes global ranks)."""
+    return dist.get_global_rank(group, index)

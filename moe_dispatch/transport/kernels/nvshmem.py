@@ -1,16 +1,14 @@
-"""NVSHMEM from torch.distributed, and the internode transport for one rank per GPU.
+"""The NVSHMEM world: NVSHMEM initialised from torch.distributed, and its symmetric heap's size.
 
-- :class:`NvshmemWorld`: NVSHMEM initialised over a torch.distributed group with a unique id
-  (rank 0 makes it with ``nvshmemx_get_uniqueid``, ``broadcast_object_list`` hands it to the
-  others, every rank calls ``nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID)`` with PE = group
-  rank). The symmetric heap is sized from the buffers asked for (``NVSHMEM_SYMMETRIC_SIZE``,
-  unless already set); the transport (IBGDA, IBRC, UCX, libfabric) is NVSHMEM's choice from its
-  own environment (``NVSHMEM_REMOTE_TRANSPORT``, ``NVSHMEM_IB_ENABLE_IBGDA``, ...). One per
-  process; :meth:`NvshmemWorld.close` frees and finalizes.
-- :class:`InternodeTransport`: the kernels of :mod:`moe_dispatch.transport.kernels.internode` for one
-  rank per process: the RDMA side in NVSHMEM mode (put-with-signal to the PE of the same local
-  index), the NVLink side over the buffers of an
-  :class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport` of the node's ranks.
+:class:`NvshmemWorld`: NVSHMEM initialised over a torch.distributed group with a unique id (rank
+0 makes it with ``nvshmemx_get_uniqueid``, ``broadcast_object_list`` hands it to the others,
+every rank calls ``nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID)`` with PE = group rank). The
+symmetric heap is sized from the buffers asked for (:func:`symmetric_heap_bytes`;
+``NVSHMEM_SYMMETRIC_SIZE``, unless already set); the network transport (IBGDA, IBRC, UCX,
+libfabric) is NVSHMEM's choice from its own environment (``NVSHMEM_REMOTE_TRANSPORT``,
+``NVSHMEM_IB_ENABLE_IBGDA``, ...). One per process; :meth:`NvshmemWorld.close` frees and
+finalizes. :class:`~moe_dispatch.transport.kernels.internode.InternodeBuffers` makes one on GPUs
+(the RDMA stage's buffer is a symmetric allocation).
 """
 
 from __future__ import annotations
@@ -21,28 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import ERROR_RECORD_INTS, Config
-from .header import Records
-from .internode import (
-    InternodeEngines,
-    InternodeHandle,
-    RdmaEngine,
-    StagedInternodeHandle,
-    check_rdma_config,
-    describe_timeout,
-    empty_handle,
-    run_combine,
-    run_dispatch,
-)
-from .intranode import IntranodeTransport
-from .launcher import (
-    InternodeTimeoutError,
-    RankTransport,
-    default_timeout_s,
-    resolve_device,
-    slot_bytes_for,
-)
-from .memory import SharedMemoryBuffer, map_peers
 
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
 HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (signals, collectives' scratch)
@@ -109,190 +85,3 @@ class NvshmemWorld:
         self._allocations = []
         C.nvshmem_finalize()
         NvshmemWorld._active = None
-
-
-class InternodeTransport(RankTransport):
-    """The internode kernels for an EP group of W = N x L ranks, one process each, PE = group rank.
-
-    On GPUs (one each) stage 1 puts over NVSHMEM and stage 2 runs on CUDA IPC buffers. On CPU
-    (``device="cpu"``) every rank's RDMA buffer is shared memory that every rank maps, the puts
-    are copies (the kernels' CPU backend in loopback mode) and the NVLink buffers are those of an
-    :class:`~moe_dispatch.transport.kernels.intranode.IntranodeTransport` on its CPU path: the multi-process
-    wrapper is tested without GPUs.
-
-    Pipelines: ``Config.internode_pipeline`` (see :mod:`moe_dispatch.transport.kernels.internode`). What
-    synchronises (fused): a fresh dispatch without ``num_worst_tokens`` reads its receive count
-    once (R and R1 in one read); with it, nothing waits for the host; cached dispatch and combine
-    never do. Mismatched calls (header.py) raise
-    :class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation: right after
-    the operation on CPU, after that count read, or from :meth:`check_errors` / :meth:`check`.
-
-    Args:
-        group: the EP process group (NCCL on GPUs, gloo on CPU); ranks ``[n L, (n+1) L)`` form
-            node n.
-        rank: this rank's index in the group.
-        ranks_per_node: L (<= 16, the NVLink domain of stage 2).
-        hidden, num_topk, element_bytes: the largest rows moved (sizes slots).
-        config: :class:`Config` (``num_slots % chunk_tokens == 0``); every rank passes the same.
-        timeout_s: bound of every wait inside the kernels.
-        device: None (the current CUDA device), a CUDA device, or ``"cpu"``.
-
-    Raises:
-        ValueError: ranks_per_node not dividing W, hidden, num_topk (in [1, 32]) or
-            element_bytes out of range, a Config the RDMA stage cannot use, or a device that is
-            neither CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device
-            without a GPU, or the extension is not built.
-
-    Collective: every rank constructs it together (NVSHMEM init or shared memory, the node
-    groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
-    """
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        ranks_per_node: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        device: torch.device | str | None = None,
-    ):
-        world_size = dist.get_world_size(group)
-        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
-            raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
-        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=1)
-        self.config = config or Config()
-        check_rdma_config(self.config)
-        self.device, _ = resolve_device("cuda" if device is None else device)  # before anything collective
-        # The kernel refuses it at the first dispatch; refused here, at construction.
-        fused = self.config.internode_pipeline == "fused"
-        if fused and self.device.type == "cuda" and self.config.copy_variant != Config().copy_variant:
-            raise ValueError(
-                "the fused kernels' NVSHMEM mode is compiled for the current copies only (Config.loads_in_flight=4, "
-                f"rows_in_flight=1, bulk_copy=False, register_cap=True), got {self.config.copy_variant}; the copy "
-                "variants run in loopback mode (InternodeLoopback)"
-            )
-        C = require_extension()
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
-        on_gpu = self.device.type == "cuda"
-        timeout = default_timeout_s(timeout_s)
-        layout = C.internode_rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
-        # Every rank creates every node group, in the same order (new_group is collective).
-        node = rank // L
-        node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
-        self.intranode = IntranodeTransport(
-            node_groups[node],
-            rank % L,
-            hidden,
-            num_topk,
-            config=self.config,
-            element_bytes=element_bytes,
-            timeout_s=timeout,
-            device=self.device,
-            relay_nodes=N,
-        )
-        nvl = self.intranode.engine.buffers
-        error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
-        records = Records(1, self.device, mirror=on_gpu)
-        nodes = {node: self.intranode.engine} if self.config.internode_pipeline == "staged" else {}
-        self.nvshmem, self._rdma_own, self._rdma_peers, self._error_host = None, None, {}, None
-        if on_gpu:
-            self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
-            symmetric = self.nvshmem.malloc(layout.total_bytes)
-            self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
-            rdma = RdmaEngine(
-                N,
-                L,
-                self.config,
-                slot_bytes,
-                [],
-                symmetric,
-                nvl,
-                node * L,
-                error,
-                C.host_device_pointer(self._error_host.data_ptr()),
-                "cuda",
-                "nvshmem",
-                timeout,
-                records=records,
-                rank_begin=rank,
-            )
-            self.transport = InternodeEngines(N, L, rdma, nodes)
-            dist.barrier(group=group)
-        else:
-            self._rdma_own = SharedMemoryBuffer(layout)
-            try:
-                buffers = map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers)
-                rdma = RdmaEngine(
-                    N,
-                    L,
-                    self.config,
-                    slot_bytes,
-                    buffers,
-                    None,
-                    nvl,
-                    node * L,
-                    error,
-                    None,
-                    "cpu",
-                    "loopback",
-                    timeout,
-                    records=records,
-                    rank_begin=rank,
-                )
-                self.transport = InternodeEngines(N, L, rdma, nodes)
-                dist.barrier(group=group)  # every rank has mapped every buffer
-            except BaseException:
-                self.close()  # leave no mapping or shared-memory file behind (local: no collective)
-                raise
-            self._rdma_own.mapped()
-
-    def _launches(self) -> int:
-        return self.transport.rdma.launches + self.intranode.engine.launches
-
-    def _dispatch_ranks(self, inputs, num_experts, **options):
-        return run_dispatch(self.transport, inputs, num_experts, **options, check=False)
-
-    def _run_combine(self, y, handle, row_scale, statuses=None):
-        return run_combine(self.transport, self.rank, [y], [handle], [row_scale], None, None, statuses, check=False)[0]
-
-    def _empty_handle(self) -> InternodeHandle | StagedInternodeHandle:
-        return empty_handle(self.transport, self.rank)
-
-    def _check_finished(self) -> None:
-        self.transport.check()
-
-    def check_errors(self) -> None:
-        """Raises :class:`InternodeTimeoutError` if a kernel of this rank timed out, or
-        :class:`~moe_dispatch.transport.kernels.header.MismatchError` if a peer's call differed (reads
-        the pinned mirrors on a GPU: does not wait for running kernels)."""
-        record = self._error_host.tolist() if self._error_host is not None else self.transport.rdma.read_error()
-        if record and record[0]:
-            raise InternodeTimeoutError(
-                *describe_timeout(
-                    record, self.transport.rdma.timeout_s, self.ranks_per_node, fused=self.transport.fused
-                )
-            )
-        self.intranode.check_timeout()
-        self.transport.check_mismatches(synchronize=False)  # the node engine's with global ranks
-
-    def close(self) -> None:
-        """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
-        if self.nvshmem is not None:
-            self.nvshmem.close()
-        else:
-            for address in self._rdma_peers.values():
-                self._rdma_own.close_peer(address)
-            self._rdma_peers = {}
-            if self._rdma_own is not None:
-                self._rdma_own.free()
-        self.intranode.close()
-
-
-def group_rank(group: dist.ProcessGroup, index: int) -> int:
-    """The global rank of ``group``'s rank ``index`` (new_group takes global ranks)."""
-    return dist.get_global_rank(group, index)
