@@ -21,6 +21,7 @@ cases, the timeout error, and the NVSHMEM world.
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,10 +31,10 @@ from moe_dispatch.config import HEADER_WORDS, VARIANTS, Config, max_slot_bytes, 
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.loopback import InternodeLoopback
+from moe_dispatch.transport.kernels.experimental import StagedInternodeHandle
 from moe_dispatch.transport.kernels.internode import (
     InternodeHandle,
     InternodeTimeoutError,
-    StagedInternodeHandle,
     cross_node_bytes,
     describe_timeout,
     fused_channels,
@@ -450,6 +451,35 @@ def test_bad_arguments_name_the_value():
     )
     with pytest.raises(ValueError, match=r"mode must be 'loopback' or 'nvshmem', got 'x'"):
         _ext._C.internode_fused_combine(common, [rank], 64, 0, "cpu", "x")
+
+
+EXPERIMENTAL_IMPORTS = """
+import sys
+import torch
+from moe_dispatch import Buffer, Config
+from moe_dispatch.testing.loopback import InternodeLoopback
+from moe_dispatch.testing.ranks import InternodeRank
+
+xs = [torch.randn(6, 32).to(torch.bfloat16) for _ in range(4)]
+idxs = [torch.stack([torch.randperm(8)[:2] for _ in range(6)]) for _ in range(4)]
+for pipeline in ("fused", "staged"):
+    config = Config(num_sms=2, num_slots=2, chunk_tokens=1, internode_pipeline=pipeline)
+    lb = InternodeLoopback(2, 2, 32, 2, config=config, device="cpu", timeout_s=60)
+    results = lb.dispatch(xs, idxs, None, 8)
+    lb.combine([r.recv_x for r in results], [r.handle for r in results])
+    print(pipeline, "moe_dispatch.transport.kernels.experimental" in sys.modules)
+"""
+
+
+@built
+def test_only_the_staged_pipeline_imports_the_experimental_module():
+    """kernels/experimental.py (the staged pipeline, kept to be timed) stays out of the default
+    path: importing the package and running the fused pipeline leaves it unimported."""
+    run = subprocess.run(
+        [sys.executable, "-c", EXPERIMENTAL_IMPORTS], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["fused", "False", "staged", "True"], run.stdout
 
 
 TSAN_CASES = [

@@ -15,7 +15,7 @@ operation's kernels).
   (:class:`~moe_dispatch.transport.kernels.internode.InternodeBuffers`): stage 1 over NVSHMEM to
   the rank of the same local index on each node, stage 2 over NVLink; by default the fused
   pipeline (``Config.internode_pipeline="fused"``: both stages in one kernel, counts on the
-  device), or the staged one.
+  device), or the staged one (kept only to be timed: :mod:`.experimental`).
 - **CPU tensors** (a gloo group): the same protocol code on threads over shared memory (the
   kernels' CPU backend), one process per rank: how the tests run this path without a GPU.
 - **CUDA tensors with a gloo group** (``Buffer(device="cuda")``): gloo only carries the
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -58,8 +59,11 @@ from ...errors import CommError
 from ...topology import Topology
 from ..base import Field, Steps, completed
 from ..torch_dist import ALL_COMM, TorchDistTransport
+
+if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects it
+    from .experimental import StagedInternodeHandle
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
-from .internode import InternodeBuffers, InternodeHandle, StagedInternodeHandle, check_rdma_config
+from .internode import InternodeBuffers, InternodeHandle, check_rdma_config
 from .intranode import IntranodeBuffers, IntranodeHandle
 from .launcher import COMBINE_DTYPES, RankBuffers, RankInput, kernel_timeout_s
 
@@ -75,7 +79,7 @@ class KernelPlan:
         handle: the kernels' handle: an
             :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` (one node), an
             :class:`~moe_dispatch.transport.kernels.internode.InternodeHandle` (several, fused) or a
-            :class:`~moe_dispatch.transport.kernels.internode.StagedInternodeHandle`.
+            :class:`~moe_dispatch.transport.kernels.experimental.StagedInternodeHandle`.
         experts_per_rank: E / W.
         topology: this rank's place.
         num_rows: rows of the receive-side tensors (R, or the static ``num_worst_tokens``).
@@ -100,8 +104,6 @@ class KernelPlan:
     def num_recv_tokens(self) -> int | None:
         """R as a host int, or None where only the device knows it (budget mode: read
         :attr:`recv_count`)."""
-        if isinstance(self.handle, StagedInternodeHandle):
-            return self.handle.num_rows
         return self.handle.num_recv_tokens
 
     @property
