@@ -17,9 +17,7 @@ spawn one process per rank (gloo worlds, ``device="cpu"``, or one GPU each);
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..config import Config
 from ..errors import CommError
 from ..transport.kernels.header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH
 from ..transport.kernels.internode import InternodeBuffers
@@ -30,17 +28,20 @@ __all__ = ["InternodeRank", "IntranodeRank", "KernelRank"]
 
 
 class KernelRank:
-    """Dispatch and combine of one rank over its ``buffers``: the argument checks, the refusal a
-    rank runs instead of an operation whose arguments it cannot use, and the synchronisation
-    after. :class:`IntranodeRank` and :class:`InternodeRank` make the buffers.
+    """Dispatch and combine of one rank over its buffers: the argument checks, the refusal a rank
+    runs instead of an operation whose arguments it cannot use, and the synchronisation after.
+    A subclass names the buffers it makes from its arguments (:class:`IntranodeRank`,
+    :class:`InternodeRank`).
 
-    Attributes: ``buffers`` and, from them, ``rank``, ``world_size``, ``device``, ``config``.
+    Attributes: ``buffers`` (a :class:`~moe_dispatch.transport.kernels.launcher.RankBuffers`) and,
+    from them, ``rank``, ``world_size``, ``device``, ``config``.
     """
 
+    buffers_type: type[RankBuffers]
     handle_type: type | None = None  # handles must be this type (None: the operation checks them)
 
-    def __init__(self, buffers: RankBuffers):
-        self.buffers = buffers
+    def __init__(self, *args, **kwargs):
+        self.buffers = buffers = self.buffers_type(*args, **kwargs)
         self.rank, self.world_size, self.device, self.config = (
             buffers.rank,
             buffers.world_size,
@@ -78,14 +79,8 @@ class KernelRank:
             inp = prepare_input(
                 self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device, handle=handle
             )
-            return self.buffers.dispatch(
-                inp,
-                num_experts,
-                num_sms=num_sms or self.config.num_sms,
-                handle=handle,
-                num_worst_tokens=num_worst_tokens,
-                dispatch_id=dispatch_id,
-            )
+            options = {"handle": handle, "num_worst_tokens": num_worst_tokens, "dispatch_id": dispatch_id}
+            return self.buffers.dispatch(inp, num_experts, num_sms=num_sms or self.config.num_sms, **options)
 
         result = self._refusing(OP_DISPATCH if handle is None else OP_CACHED_DISPATCH, run)
         self._after(synchronized=handle is None and not num_worst_tokens)
@@ -154,66 +149,21 @@ class KernelRank:
 
 class IntranodeRank(KernelRank):
     """This rank of the intranode kernels, one process per rank (W <= 16 on one node): a
-    :class:`KernelRank` over :class:`~moe_dispatch.transport.kernels.intranode.IntranodeBuffers`
-    (arguments and errors as theirs; collective construction). Handles must be
+    :class:`KernelRank` over
+    :class:`~moe_dispatch.transport.kernels.intranode.IntranodeBuffers`, made with their
+    arguments (``group, rank, hidden, num_topk, *, config, element_bytes, timeout_s, device``;
+    their errors; collective). Handles must be
     :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` (TypeError otherwise)."""
 
+    buffers_type = IntranodeBuffers
     handle_type = IntranodeHandle
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        device: torch.device | str | None = None,
-    ):
-        super().__init__(
-            IntranodeBuffers(
-                group,
-                rank,
-                hidden,
-                num_topk,
-                config=config,
-                element_bytes=element_bytes,
-                timeout_s=timeout_s,
-                device=device,
-            )
-        )
 
 
 class InternodeRank(KernelRank):
     """This rank of the hierarchical kernels, one process per rank (W = N x L): a
-    :class:`KernelRank` over :class:`~moe_dispatch.transport.kernels.internode.InternodeBuffers`
-    (arguments and errors as theirs; collective construction)."""
+    :class:`KernelRank` over
+    :class:`~moe_dispatch.transport.kernels.internode.InternodeBuffers`, made with their
+    arguments (``group, rank, ranks_per_node, hidden, num_topk, *, config, element_bytes,
+    timeout_s, device``; their errors; collective)."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        ranks_per_node: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        device: torch.device | str | None = None,
-    ):
-        super().__init__(
-            InternodeBuffers(
-                group,
-                rank,
-                ranks_per_node,
-                hidden,
-                num_topk,
-                config=config,
-                element_bytes=element_bytes,
-                timeout_s=timeout_s,
-                device=device,
-            )
-        )
+    buffers_type = InternodeBuffers

@@ -358,14 +358,14 @@ def _fused_dispatch(
     statuses: dict[int, int] | None,
     check: bool,
 ) -> list[InternodeDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive): the fused notify (fresh only), then
-    one fused dispatch launch."""
+    """The fused pipeline's dispatch: the fused notify (fresh only), then one fused dispatch
+    launch (``skip_phase`` None: "dispatch"); arguments as :func:`run_dispatch`."""
     e, W, device = t.rdma, t.world_size, t.rdma.device
     _, num_topk, x_bytes, scale_bytes = dispatch_shape(
         inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
     )
     experts_per_rank, statuses = num_experts // W, statuses or {}
-    skip = skipper(skip_rank, skip_phase)
+    skip = skipper(skip_rank, skip_phase or "dispatch")
     outs = None
     if handles is None:
         handles, outs = fused_notify(
@@ -542,7 +542,7 @@ def _fused_combine(
     outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
     e.combine(
         "fused",
-        e.common(handles[0].num_channels, rank_begin, skipper(skip_rank, skip_phase)("combine")),
+        e.common(handles[0].num_channels, rank_begin, skipper(skip_rank, skip_phase or "combine")("combine")),
         [
             require_extension().FusedCombineRank(
                 y=ptr(y),
@@ -563,50 +563,18 @@ def _fused_combine(
     return outs
 
 
-def run_dispatch(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    handles: list | None,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    dispatch_ids: list[int | None] | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-) -> list:
-    """Dispatch through the transport's pipeline (``skip_phase`` None: its main kernel)."""
+def run_dispatch(t: InternodeEngines, inputs: list[RankInput], num_experts: int, **options) -> list[InternodeDispatch]:
+    """Dispatch for ranks ``inputs[i].rank`` (consecutive) through the configured pipeline.
+
+    Options (keywords, each required): ``num_sms``; ``handles`` (a cached dispatch's, or None);
+    ``num_worst_tokens``; ``skip_rank`` / ``skip_phase`` (tests: that rank's blocks skip a launch;
+    ``skip_phase`` None: the pipeline's main kernel); ``dispatch_ids``; ``statuses`` (rank -> a
+    refusing rank's header status); ``check`` (raise what the launches recorded, between them)."""
     if t.fused:
-        return _fused_dispatch(
-            t,
-            inputs,
-            num_experts,
-            num_sms=num_sms,
-            handles=handles,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=skip_rank,
-            skip_phase=skip_phase or "dispatch",
-            dispatch_ids=dispatch_ids,
-            statuses=statuses,
-            check=check,
-        )
+        return _fused_dispatch(t, inputs, num_experts, **options)
     from .experimental import staged_dispatch
 
-    return staged_dispatch(
-        t,
-        inputs,
-        num_experts,
-        num_sms=num_sms,
-        handles=handles,
-        num_worst_tokens=num_worst_tokens,
-        skip_rank=skip_rank,
-        skip_phase=skip_phase,
-        dispatch_ids=dispatch_ids,
-        statuses=statuses,
-        check=check,
-    )
+    return staged_dispatch(t, inputs, num_experts, **options)
 
 
 def run_combine(
@@ -624,9 +592,7 @@ def run_combine(
     """Combine through the transport's pipeline (``skip_phase`` None: its main kernel);
     ``row_bytes``: what the headers say of a row, the caller's before padding (None: y's)."""
     if t.fused:
-        return _fused_combine(
-            t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "combine", statuses, row_bytes
-        )
+        return _fused_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase, statuses, row_bytes)
     from .experimental import staged_combine
 
     return staged_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase, statuses, check, row_bytes)
@@ -829,22 +795,8 @@ class InternodeBuffers(RankBuffers):
         )
         fused_launch(self.engine, [inp], [handle], [outs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
 
-    def dispatch(
-        self, inp, num_experts, *, num_sms, handle=None, num_worst_tokens=None, dispatch_id=None, statuses=None
-    ) -> InternodeDispatch:
-        return run_dispatch(
-            self.engine,
-            [inp],
-            num_experts,
-            num_sms=num_sms,
-            handles=[handle] if handle is not None else None,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=None,
-            skip_phase=None,
-            dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
-            statuses=statuses,
-            check=False,
-        )[0]
+    def _run_dispatch(self, inputs, num_experts, **options) -> list:
+        return run_dispatch(self.engine, inputs, num_experts, **options, check=False)
 
     def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
         return run_combine(

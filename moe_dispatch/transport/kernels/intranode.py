@@ -537,21 +537,8 @@ class IntranodeBuffers(RankBuffers):
     def launch_dispatch(self, inp, handle, outs, num_experts) -> None:
         launch_dispatch(self.engine, [inp], [handle], [outs], num_experts // self.world_size, skip_rank=None)
 
-    def dispatch(
-        self, inp, num_experts, *, num_sms, handle=None, num_worst_tokens=None, dispatch_id=None, statuses=None
-    ) -> RankDispatch:
-        return run_dispatch(
-            self.engine,
-            [inp],
-            num_experts,
-            num_sms=num_sms,
-            handles=[handle] if handle is not None else None,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=None,
-            skip_phase=None,
-            dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
-            statuses=statuses,
-        )[0]
+    def _run_dispatch(self, inputs, num_experts, **options) -> list:
+        return run_dispatch(self.engine, inputs, num_experts, **options)
 
     def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
         return run_combine(

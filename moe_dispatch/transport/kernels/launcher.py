@@ -313,38 +313,17 @@ class RankInput:
     rank: int
     x: torch.Tensor
     scales: torch.Tensor | None
-    topk_idx: torch.Tensor  # int64 ([T, 0] when no top-k travels)
+    topk_idx: torch.Tensor  # [T, K], made contiguous int64 ([T, 0] when no top-k travels)
     topk_weights: torch.Tensor | None
-    is_token_in_rank: torch.Tensor
+    is_token_in_rank: torch.Tensor  # [T, W] bool, made contiguous
     topk_dtype: torch.dtype | None  # the caller's; None: no topk_idx given
     token_ids: torch.Tensor | None = None  # [T] int32: what receivers record as a row's source token (None: t)
     row_bytes: int | None = None  # the header's row bytes: the caller's row before padding (None: x's)
 
-    @classmethod
-    def of(
-        cls,
-        rank: int,
-        x: torch.Tensor,
-        scales: torch.Tensor | None,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor | None,
-        is_token_in_rank: torch.Tensor,
-        topk_dtype: torch.dtype | None,
-        row_bytes: int | None = None,
-    ) -> RankInput:
-        """The input of checked tensors as the launches read them: ``topk_idx [T, K]`` as
-        contiguous int64, ``is_token_in_rank [T, W]`` contiguous (KernelTransport's inputs and
-        :func:`prepare_input`'s)."""
-        return cls(
-            rank,
-            x,
-            scales,
-            topk_idx.to(torch.int64).contiguous(),
-            topk_weights,
-            is_token_in_rank.contiguous(),
-            topk_dtype,
-            row_bytes=row_bytes,
-        )
+    def __post_init__(self) -> None:
+        # What the launches read, whoever made the input: no copy where it already is.
+        self.topk_idx = self.topk_idx.to(torch.int64).contiguous()
+        self.is_token_in_rank = self.is_token_in_rank.contiguous()
 
 
 class Launcher:
@@ -533,7 +512,7 @@ def prepare_input(
         is_token_in_rank = handle.is_token_in_rank
     else:
         is_token_in_rank = get_dispatch_layout(topk_idx, num_experts, world_size, world_size, validate=False)[3]
-    return RankInput.of(rank, x, scales, topk_idx, topk_weights, is_token_in_rank, topk_idx.dtype)
+    return RankInput(rank, x, scales, topk_idx, topk_weights, is_token_in_rank, topk_idx.dtype)
 
 
 def dispatch_shape(
@@ -812,7 +791,6 @@ class RankBuffers(abc.ABC):
         """The dispatch launch of ``inp`` on ``handle`` into ``outs`` (the dict of
         :func:`alloc_outputs`, whose tensors may be views of the caller's)."""
 
-    @abc.abstractmethod
     def dispatch(
         self,
         inp: RankInput,
@@ -827,6 +805,21 @@ class RankBuffers(abc.ABC):
         """A whole dispatch of ``inp``: notify (unless ``handle`` is given: a cached dispatch),
         then the dispatch launch into new outputs; returns this rank's result. ``statuses``:
         rank -> non-zero header status (a refusing rank's, see :meth:`refuse`)."""
+        return self._run_dispatch(
+            [inp],
+            num_experts,
+            num_sms=num_sms,
+            handles=[handle] if handle is not None else None,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=None,
+            skip_phase=None,
+            dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
+            statuses=statuses,
+        )[0]
+
+    @abc.abstractmethod
+    def _run_dispatch(self, inputs: list[RankInput], num_experts: int, **options) -> list:
+        """The topology's ``run_dispatch`` on this rank's engine (``inputs``: this rank's)."""
 
     @abc.abstractmethod
     def combine(

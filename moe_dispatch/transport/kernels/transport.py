@@ -454,7 +454,9 @@ class KernelTransport:
 
     # -- helpers -----------------------------------------------------------------------------
     def _input(self, x, scales, topk_idx, weights, is_token_in_rank, row_bytes: int | None = None) -> RankInput:
-        return RankInput.of(self.topology.rank, x, scales, topk_idx, weights, is_token_in_rank, torch.int64, row_bytes)
+        return RankInput(
+            self.topology.rank, x, scales, topk_idx, weights, is_token_in_rank, torch.int64, row_bytes=row_bytes
+        )
 
     def _move(
         self,
