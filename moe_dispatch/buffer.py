@@ -1136,7 +1136,7 @@ def _steps_calling(fn, *args):
     fn(*args)
 
 
-# The checked fields the kernels' operation header compares in every launch (transport/header.py),
+# The checked fields the kernels' operation header compares in every launch (transport/kernels/header.py),
 # by operation: the fresh dispatch's notify header carries its exact row bytes, dtype, top-k,
 # experts, weights flag and num_worst_tokens; a combine's or cached dispatch's its handle, the
 # caller's row bytes and dtype. topk_idx's dtype only names the received ids' dtype on each rank.

@@ -31,7 +31,7 @@ What synchronises the host (per rank, on a GPU):
 - combine and cached dispatch never wait for the host.
 - the arguments: every launch exchanges an operation header with its peers (identity: the
   dispatch id the handle carries; row bytes, dtype, top-k, experts, channels; a status), and a
-  pair whose headers differ moves no rows (``transport/header.py``). The Buffer compares the
+  pair whose headers differ moves no rows (:mod:`.header`). The Buffer compares the
   arguments on the host only the first time a call signature appears
   (:class:`~moe_dispatch.buffer.Transfers`). A rank whose own arguments are bad takes part
   with a non-zero status (:meth:`KernelTransport.refuse`), so its peers finish at once.
@@ -59,13 +59,13 @@ from ...errors import CommError
 from ...topology import Topology
 from ..base import Field, Steps, completed
 from ..torch_dist import ALL_COMM, TorchDistTransport
-
-if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects it
-    from .experimental import StagedInternodeHandle
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
 from .internode import InternodeBuffers, InternodeHandle, check_rdma_config
 from .intranode import IntranodeBuffers, IntranodeHandle
 from .launcher import COMBINE_DTYPES, RankBuffers, RankInput, kernel_timeout_s
+
+if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects it
+    from .experimental import StagedInternodeHandle
 
 _VECTOR = 16  # bytes the kernels move per access
 _OPS = {"dispatch": OP_DISPATCH, "cached dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE}
