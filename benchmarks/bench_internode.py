@@ -67,7 +67,7 @@ from loopback_bench import (
 from moe_dispatch import costmodel
 from moe_dispatch.config import VARIANTS, Config
 from moe_dispatch.testing.loopback import InternodeLoopback
-from moe_dispatch.transport.internode import cross_node_bytes
+from moe_dispatch.transport.kernels.internode import cross_node_bytes
 
 GOAL_BOUND = 1.00
 GOAL_VS_COPY = 0.4  # 2x4
@@ -210,7 +210,7 @@ def bench_world(
                     *(xnode_rows * row_bytes / W / (med * 1e-6) / 1e9, xnode_ratio, W),
                 )
             )
-    lb.transport.check()  # a wait that timed out during the timings fails the benchmark here
+    lb.engines.check()  # a wait that timed out during the timings fails the benchmark here
     return rows
 
 

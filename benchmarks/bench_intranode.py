@@ -29,7 +29,8 @@ A slot that stays in L2 is still written back to HBM once evicted, unless its re
 it after reading (``Config.l2_discard``): rings of W * W * C * slots * slot_bytes that fit the
 50 MB L2 with l2_discard on should reach 0.6 of a copy.
 On a real 8-GPU node the first hop is NVLink and the second a local copy; that needs
-IntranodeTransport under torchrun (not measured here).
+one process per GPU (Buffer(transport="kernels") or moe_dispatch.testing.ranks.IntranodeRank
+under torchrun; not measured here).
 
 Usage:
   python benchmarks/bench_intranode.py                            # GPU: EP8, DeepSeek-V3 + gpt-oss shapes

@@ -259,6 +259,8 @@ step bench_kernels "$PY" benchmarks/bench_kernels.py --sweep --json "$OUT/bench_
 
 # -- variants (--steps variants): every kernel variant side by side (GB/s per SM, against the current
 # kernels and a d2d copy, the cost model's prediction / measurement) -------------------------------
+# What is kept only to be timed here (the variants, the staged pipeline) sits behind
+# moe_dispatch/transport/kernels/experimental.py, off the default path.
 # 4 simulated ranks at 2 and 4 SMs each, DeepSeek-V3 and Qwen3: the per-SM goal (25 GB/s per SM).
 step bench_per_sm "$PY" benchmarks/bench_intranode.py --world-sizes 4 --num-sms 2 4 --shapes deepseek-v3 qwen3 \
      --rings 32x8 --l2-discard off --variants all --warmup 2 --iters 8 --json "$OUT/bench_per_sm.json" "${TINY[@]}"

@@ -51,8 +51,8 @@ from .transport.base import (
     start,
     stream_order_wait,
 )
-from .transport.header import FIELD_STATUS, STATUS_INVALID_ARGUMENTS, MismatchError, describe_mismatch
 from .transport.kernels import KernelTransport
+from .transport.kernels.header import FIELD_STATUS, STATUS_INVALID_ARGUMENTS, MismatchError, describe_mismatch
 from .transport.torch_dist import TorchDistTransport
 
 if TYPE_CHECKING:
@@ -1026,7 +1026,7 @@ class Buffer:
         Raises:
             CommError: a kernel wait timed out (its message names the rank and what it waited
                 for; the Buffer is then broken: make a new Buffer).
-            MismatchError (a ValueError, ``moe_dispatch.transport.header``): a peer's call
+            MismatchError (a ValueError, ``moe_dispatch.transport.kernels.header``): a peer's call
                 differed or was refused, naming the ranks, the field and both values (the
                 buffers stay usable).
             ValueError: bad topk_idx values reached a sync-free dispatch.
@@ -1136,7 +1136,7 @@ def _steps_calling(fn, *args):
     fn(*args)
 
 
-# The checked fields the kernels' operation header compares in every launch (transport/header.py),
+# The checked fields the kernels' operation header compares in every launch (transport/kernels/header.py),
 # by operation: the fresh dispatch's notify header carries its exact row bytes, dtype, top-k,
 # experts, weights flag and num_worst_tokens; a combine's or cached dispatch's its handle, the
 # caller's row bytes and dtype. topk_idx's dtype only names the received ids' dtype on each rank.

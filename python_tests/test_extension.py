@@ -63,7 +63,7 @@ def test_module_attributes():
 def test_config_mirror_matches_extension():
     """config.py's hand mirror (the pure-Python wheel's only source) equals what _C reports."""
     from moe_dispatch import config
-    from moe_dispatch.transport.header import header_words
+    from moe_dispatch.transport.kernels.header import header_words
 
     intranode, internode = _ext._C.intranode_limits, _ext._C.internode_limits
     mirror = {
@@ -102,7 +102,7 @@ def test_config_mirror_matches_extension():
 @built
 def test_header_and_record_codes_match_extension():
     """The codes Python writes into headers and reads from the kernels' records equal _C's."""
-    from moe_dispatch.transport import header, launcher
+    from moe_dispatch.transport.kernels import header, launcher
 
     codes = _ext._C.codes
     assert {name: code for code, name in header.OPS.items()} == codes["op"]

@@ -1,4 +1,4 @@
-"""The internode transport (``moe_dispatch.transport.internode``) against ``moe_dispatch.reference``.
+"""The internode transport (``moe_dispatch.transport.kernels.internode``) against ``moe_dispatch.reference``.
 
 CPU (wherever the extension is built): the RDMA buffer layout mirror equals the C++ one; both
 pipelines (fused, the default, and staged) - their role code on threads standing in for warps,
@@ -10,7 +10,7 @@ device-side header check catches a handle of another dispatch, a hidden size of 
 refusal (status != 0) on one rank, in dispatch, cached dispatch and combine, on every rank and
 without a timeout; a withheld rank makes the others time out with a message naming rank, node,
 channel and counter; multi-process gloo worlds (shared memory, one process per rank) of 2x2 and
-3x2 do all of it through ``nvshmem.InternodeTransport(device="cpu")``; the CPU backend's driver
+3x2 do all of it through ``testing.ranks.InternodeRank(device="cpu")``; the CPU backend's driver
 (csrc/tests/internode_tsan.cpp) runs clean under ThreadSanitizer.
 
 GPU (skipped without one): the same kernels in loopback mode (N x L simulated ranks on one GPU)
@@ -21,6 +21,7 @@ cases, the timeout error, and the NVSHMEM world.
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,15 +31,15 @@ from moe_dispatch.config import HEADER_WORDS, VARIANTS, Config, max_slot_bytes, 
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.loopback import InternodeLoopback
-from moe_dispatch.transport.internode import (
+from moe_dispatch.transport.kernels.experimental import StagedInternodeHandle
+from moe_dispatch.transport.kernels.internode import (
     InternodeHandle,
     InternodeTimeoutError,
-    StagedInternodeHandle,
     cross_node_bytes,
     describe_timeout,
     fused_channels,
 )
-from moe_dispatch.transport.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
+from moe_dispatch.transport.kernels.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
 from python_tests.conftest import needs_gpu
 from python_tests.test_intranode_cuda import (
     assert_dispatch_equal,
@@ -371,7 +372,7 @@ def test_cpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
     """A handle of another dispatch on rank 1 and a refusal on rank 2 (fused pipeline, 2 x 2):
     every rank records it - directly (rail or local peer) or from a local peer's report."""
     lb = cpu_loopback(2, 2, 32, 2)
-    header_cases(lb, lb.transport.rdma.records, "cpu", roundtrip)
+    header_cases(lb, lb.engines.rdma.records, "cpu", roundtrip)
 
 
 WITHHELD = [
@@ -429,7 +430,7 @@ def test_bad_arguments_name_the_value():
         staged.dispatch(xs, idxs, ws, 8, num_worst_tokens=20)
     with pytest.raises(ValueError, match=r"common is missing 'num_nodes'"):
         _ext._C.InternodeCommon()
-    common = lb.transport.rdma.common(1, 0, None)
+    common = lb.engines.rdma.common(1, 0, None)
     with pytest.raises(ValueError, match=r"fused notify rank is missing 'is_token_in_rank'"):
         _ext._C.FusedNotifyRank()
     rank = _ext._C.FusedCombineRank(
@@ -450,6 +451,35 @@ def test_bad_arguments_name_the_value():
     )
     with pytest.raises(ValueError, match=r"mode must be 'loopback' or 'nvshmem', got 'x'"):
         _ext._C.internode_fused_combine(common, [rank], 64, 0, "cpu", "x")
+
+
+EXPERIMENTAL_IMPORTS = """
+import sys
+import torch
+from moe_dispatch import Buffer, Config
+from moe_dispatch.testing.loopback import InternodeLoopback
+from moe_dispatch.testing.ranks import InternodeRank
+
+xs = [torch.randn(6, 32).to(torch.bfloat16) for _ in range(4)]
+idxs = [torch.stack([torch.randperm(8)[:2] for _ in range(6)]) for _ in range(4)]
+for pipeline in ("fused", "staged"):
+    config = Config(num_sms=2, num_slots=2, chunk_tokens=1, internode_pipeline=pipeline)
+    lb = InternodeLoopback(2, 2, 32, 2, config=config, device="cpu", timeout_s=60)
+    results = lb.dispatch(xs, idxs, None, 8)
+    lb.combine([r.recv_x for r in results], [r.handle for r in results])
+    print(pipeline, "moe_dispatch.transport.kernels.experimental" in sys.modules)
+"""
+
+
+@built
+def test_only_the_staged_pipeline_imports_the_experimental_module():
+    """kernels/experimental.py (the staged pipeline, kept to be timed) stays out of the default
+    path: importing the package and running the fused pipeline leaves it unimported."""
+    run = subprocess.run(
+        [sys.executable, "-c", EXPERIMENTAL_IMPORTS], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["fused", "False", "staged", "True"], run.stdout
 
 
 TSAN_CASES = [
@@ -491,9 +521,9 @@ def test_internode_protocol_has_no_data_race_under_threadsanitizer(tmp_path):
 def _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk):
     import torch.distributed as dist
 
-    from moe_dispatch.transport.nvshmem import InternodeTransport
+    from moe_dispatch.testing.ranks import InternodeRank
 
-    return InternodeTransport(
+    return InternodeRank(
         dist.group.WORLD,
         rank,
         ranks_per_node,
@@ -506,8 +536,8 @@ def _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk)
 
 
 def _shm_roundtrip(rank, world_size, ranks_per_node, pipeline):
-    """InternodeTransport's CPU path: RDMA buffers in shared memory mapped by every rank, copies
-    for the puts, the NVLink buffers of the node's IntranodeTransport; each process its own rank."""
+    """InternodeRank's CPU path: RDMA buffers in shared memory mapped by every rank, copies
+    for the puts, the NVLink buffers of the node's IntranodeBuffers; each process its own rank."""
     hidden, num_topk, num_experts = 64, 3, 4 * world_size
     xs, idxs, ws = make_world(47, world_size, [24, 0, 32, 20, 12, 28][:world_size], hidden, num_topk, num_experts)
     transport = _shm_transport(rank, world_size, ranks_per_node, pipeline, hidden, num_topk)
@@ -550,11 +580,11 @@ def _shm_withheld(rank, world_size, ranks_per_node):
     name the local peer whose relayed header never came, as it waits for the missing rank."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport.nvshmem import InternodeTransport
+    from moe_dispatch.testing.ranks import InternodeRank
 
     withheld, num_experts = world_size - 1, 4 * world_size
     xs, idxs, ws = make_world(46, world_size, 16, 32, 2, num_experts, drop=0.0)
-    transport = InternodeTransport(
+    transport = InternodeRank(
         dist.group.WORLD,
         rank,
         ranks_per_node,
@@ -687,7 +717,7 @@ def test_gpu_fused_budget_mode_in_a_cuda_graph():
 @needs_gpu
 def test_gpu_header_mismatch_and_refusal_are_recorded_by_every_rank():
     lb = InternodeLoopback(2, 2, 2880, 2, config=Config(num_sms=6, num_slots=8, chunk_tokens=2), timeout_s=20)
-    header_cases(lb, lb.transport.rdma.records, "cuda", roundtrip)
+    header_cases(lb, lb.engines.rdma.records, "cuda", roundtrip)
 
 
 @needs_gpu
@@ -720,11 +750,11 @@ def _nvshmem_world_roundtrip(rank, world_size):
     kernels and teardown, each rank its own node (ranks_per_node=1), against the oracle."""
     import torch.distributed as dist
 
-    from moe_dispatch.transport.nvshmem import InternodeTransport
+    from moe_dispatch.testing.ranks import InternodeRank
 
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(43, world_size, 256, hidden, num_topk, num_experts)
-    transport = InternodeTransport(
+    transport = InternodeRank(
         dist.group.WORLD,
         rank,
         1,

@@ -1,4 +1,4 @@
-"""The intranode transport (``moe_dispatch.transport.intranode``) against ``moe_dispatch.reference``.
+"""The intranode transport (``moe_dispatch.transport.kernels.intranode``) against ``moe_dispatch.reference``.
 
 CPU (wherever the extension is built): the byte layouts of the Python mirror equal the C++
 ones; the channel split is a partition; ``Config`` validates itself; and the protocol itself -
@@ -34,17 +34,17 @@ from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.loopback import Loopback
-from moe_dispatch.transport.header import (
+from moe_dispatch.testing.ranks import IntranodeRank
+from moe_dispatch.transport.kernels.header import (
     STATUS_INVALID_ARGUMENTS,
     STATUS_TEST,
     MismatchError,
     describe_mismatch,
     header_words,
 )
-from moe_dispatch.transport.intranode import (
+from moe_dispatch.transport.kernels.intranode import (
     IntranodeHandle,
     IntranodeTimeoutError,
-    IntranodeTransport,
     describe_timeout,
 )
 from python_tests.conftest import needs_gpu
@@ -611,7 +611,7 @@ def test_gpu_withheld_rank_times_out_with_its_name(phase):
     run_roundtrip(lb, xs, idxs, ws, 16)  # after reset() the buffers work again
 
 
-# --- the device-side header check (moe_dispatch.transport.header) -------------------------------
+# --- the device-side header check (moe_dispatch.transport.kernels.header) -------------------------------
 
 
 def set_records(records) -> dict[int, list[int]]:
@@ -701,18 +701,16 @@ def test_handle_is_a_named_dataclass():
 
 
 def cpu_transport(rank, hidden, num_topk, *, timeout_s, num_sms=2, num_slots=4):
-    """This rank's IntranodeTransport over the WORLD gloo group on the CPU path (shared memory,
+    """This rank's IntranodeRank over the WORLD gloo group on the CPU path (shared memory,
     one process per rank), with 2-token chunks."""
     import torch.distributed as dist
 
     config = Config(num_sms=num_sms, num_slots=num_slots, chunk_tokens=2)
-    return IntranodeTransport(
-        dist.group.WORLD, rank, hidden, num_topk, device="cpu", config=config, timeout_s=timeout_s
-    )
+    return IntranodeRank(dist.group.WORLD, rank, hidden, num_topk, device="cpu", config=config, timeout_s=timeout_s)
 
 
 def _shm_world_roundtrip(rank, world_size):
-    """The CPU path of IntranodeTransport: each process's buffer is a shared-memory segment
+    """The CPU path of IntranodeRank: each process's buffer is a shared-memory segment
     its peers map by name; the kernels' CPU backend runs this rank's blocks on threads."""
 
     hidden, num_topk, num_experts = 256, 4, 4 * world_size
@@ -794,7 +792,7 @@ def transport_header_cases(transport, rank: int, xs, idxs, ws, num_experts: int,
 
 
 def _shm_world_headers(rank, world_size):
-    """The header cases over IntranodeTransport's CPU path (shared memory, one process per rank)."""
+    """The header cases over IntranodeRank's CPU path (shared memory, one process per rank)."""
 
     hidden, num_topk, num_experts = 64, 2, 4 * world_size
     xs, idxs, ws = make_world(48, world_size, [40, 12, 0, 33][:world_size], hidden, num_topk, num_experts)
@@ -831,7 +829,7 @@ def test_cpu_shared_memory_world_matches_oracle(case):
 def _failed_setup(rank, world_size):
     """Rank 1 cannot map its peer's buffer: every rank raises, and removes what it made."""
 
-    from moe_dispatch.transport import memory
+    from moe_dispatch.transport.kernels import memory
 
     if rank == 1:
 
@@ -857,7 +855,7 @@ def test_cpu_failed_setup_leaves_no_shared_memory():
 
 
 def _ipc_world_roundtrip(rank, world_size):
-    """IntranodeTransport as Buffer would use it: each process allocates its buffer, the IPC
+    """IntranodeRank as Buffer would use it: each process allocates its buffer, the IPC
     handles travel over torch.distributed, every rank launches its own kernels. On a machine
     with one GPU all ranks share it (IPC across processes of one device is allowed; the driver
     time-slices their kernels, so the bounded waits see slow but steady progress)."""
@@ -866,7 +864,7 @@ def _ipc_world_roundtrip(rank, world_size):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     hidden, num_topk, num_experts = 2880, 4, 8 * world_size
     xs, idxs, ws = make_world(44, world_size, [256, 0, 384, 128][:world_size], hidden, num_topk, num_experts)
-    transport = IntranodeTransport(
+    transport = IntranodeRank(
         dist.group.WORLD, rank, hidden, num_topk, config=Config(num_sms=4, num_slots=16, chunk_tokens=4), timeout_s=30
     )
     try:

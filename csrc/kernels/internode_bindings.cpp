@@ -1,5 +1,5 @@
 // Python bindings of stage 1 of the internode kernels and of the NVSHMEM host calls
-// (registered into moe_dispatch._C by bindings.cpp; moe_dispatch/transport/internode.py and
+// (registered into moe_dispatch._C by bindings.cpp; moe_dispatch/transport/kernels/internode.py and
 // nvshmem.py drive them).
 //
 // Launches take `common` (an InternodeCommon: world shape, RDMA buffer layout, buffers or the

@@ -2,9 +2,9 @@
 //
 // Each launch takes `common`, an IntranodeCommon of the fields every launched rank shares, and
 // `ranks`, a list with one rank struct (NotifyRank, DispatchRank, CombineRank) per launched rank;
-// moe_dispatch/transport/intranode.py builds both (bind_args.h: the typed classes). backend="cuda" launches the kernel
-// on `stream` (asynchronous); backend="cpu" runs the same protocol code on threads over host memory and returns when
-// done (timeouts then count nanoseconds instead of clock64 cycles).
+// moe_dispatch/transport/kernels/intranode.py builds both (bind_args.h: the typed classes). backend="cuda" launches
+// the kernel on `stream` (asynchronous); backend="cpu" runs the same protocol code on threads over host memory and
+// returns when done (timeouts then count nanoseconds instead of clock64 cycles).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -180,8 +180,8 @@ void register_intranode(py::module_& m) {
   limits["max_rows_in_flight"] = kMaxRowsInFlight;
   limits["combine_warps"] = std::vector<int>(std::begin(kCombineWarps), std::end(kCombineWarps));
   m.attr("intranode_limits") = limits;
-  // The codes Python reads or writes in headers and records (mirrored by transport/header.py and
-  // transport/launcher.py: test_extension compares them).
+  // The codes Python reads or writes in headers and records (mirrored by transport/kernels/header.py
+  // and transport/kernels/launcher.py: test_extension compares them).
   py::dict codes;
   codes["op"] = py::dict(py::arg("dispatch") = static_cast<int64_t>(kOpDispatch),
                          py::arg("cached dispatch") = static_cast<int64_t>(kOpCachedDispatch),

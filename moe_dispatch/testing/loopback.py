@@ -1,35 +1,35 @@
 """Loopback harnesses of the kernels: every simulated rank of a world in one process, each
 operation one launch serving all of them.
 
-- :class:`Loopback`: W ranks of one node (the intranode kernels, :mod:`moe_dispatch.transport.intranode`).
+- :class:`Loopback`: W ranks of one node (the intranode kernels, :mod:`moe_dispatch.transport.kernels.intranode`).
 - :class:`InternodeLoopback`: N nodes x L ranks (the hierarchical kernels,
-  :mod:`moe_dispatch.transport.internode`), every RDMA put a store into the peer's buffer.
+  :mod:`moe_dispatch.transport.kernels.internode`), every RDMA put a store into the peer's buffer.
 
 On a GPU the "peer" buffers are allocations of that one GPU, so one device checks correctness and
 kernel efficiency of the whole protocol; with ``device="cpu"`` the same role code runs on threads
 (the kernels' CPU backend). Tests and benchmarks use them; one rank per process is
-:class:`~moe_dispatch.transport.intranode.IntranodeTransport` /
-:class:`~moe_dispatch.transport.nvshmem.InternodeTransport`.
+:mod:`moe_dispatch.testing.ranks`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from .._ext import require_extension
 from ..config import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS, Config
-from ..transport.header import Records
-from ..transport.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
-from ..transport.internode import run_combine as run_internode_combine
-from ..transport.internode import run_dispatch as run_internode_dispatch
-from ..transport.intranode import IntranodeEngine, IntranodeHandle, RankDispatch, run_combine, run_dispatch
-from ..transport.launcher import (
+from ..transport.kernels.header import Records
+from ..transport.kernels.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
+from ..transport.kernels.internode import run_combine as run_internode_combine
+from ..transport.kernels.internode import run_dispatch as run_internode_dispatch
+from ..transport.kernels.intranode import IntranodeEngine, IntranodeHandle, RankDispatch, run_combine, run_dispatch
+from ..transport.kernels.launcher import (
     InternodeTimeoutError,
     IntranodeTimeoutError,
-    check_world_args,
+    RankInput,
     default_timeout_s,
-    prepare_inputs,
-    refusing_inputs,
+    prepare_input,
     resolve_device,
     slot_bytes_for,
 )
@@ -148,11 +148,11 @@ class Loopback:
             dispatch_ids: per rank the fresh dispatch's identity (default: the next of a count
                 shared by all ranks), carried by the handles.
             status: tests: rank -> a non-zero header status; that rank refuses (no tokens) and the
-                others record it (:class:`~moe_dispatch.transport.header.MismatchError` from
+                others record it (:class:`~moe_dispatch.transport.kernels.header.MismatchError` from
                 :meth:`check`).
             withhold_rank, withhold_phase: tests: that rank's blocks skip "notify", "dispatch".
             check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out, or
-                :class:`~moe_dispatch.transport.header.MismatchError` if ranks disagreed.
+                :class:`~moe_dispatch.transport.kernels.header.MismatchError` if ranks disagreed.
             validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
 
         Returns:
@@ -206,7 +206,7 @@ class Loopback:
     def check(self) -> None:
         """Synchronises, then raises :class:`IntranodeTimeoutError` (and resets the buffers) if
         a wait of a previous launch timed out, or
-        :class:`~moe_dispatch.transport.header.MismatchError` (clearing the records: the buffers
+        :class:`~moe_dispatch.transport.kernels.header.MismatchError` (clearing the records: the buffers
         stay usable) if ranks disagreed."""
         record = self.engine.read_error()
         if record:
@@ -238,6 +238,10 @@ class InternodeLoopback:
         config: :class:`Config` (``num_slots % chunk_tokens == 0``; ``internode_pipeline``).
         device: a CUDA device, or CPU for the CPU backend.
         timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
+
+    Attributes:
+        engines: the :class:`~moe_dispatch.transport.kernels.internode.InternodeEngines` of every
+            launch (the RDMA engine; the staged pipeline's node engines too).
 
     Raises:
         ValueError: shapes out of range (num_topk in [1, 32]), or a device that is neither CUDA
@@ -316,17 +320,17 @@ class InternodeLoopback:
             if self.config.internode_pipeline == "staged"
             else {}
         )
-        self.transport = InternodeEngines(num_nodes, ranks_per_node, rdma, nodes)
+        self.engines = InternodeEngines(num_nodes, ranks_per_node, rdma, nodes)
 
     @property
     def timeout_s(self) -> float:
         """Bound, in seconds, of every wait inside the launches (settable)."""
-        return self.transport.rdma.timeout_s
+        return self.engines.rdma.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self.transport.rdma.set_timeout(value)
-        for engine in self.transport.nodes.values():
+        self.engines.rdma.set_timeout(value)
+        for engine in self.engines.nodes.values():
             engine.set_timeout(value)
 
     @property
@@ -338,8 +342,8 @@ class InternodeLoopback:
         """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
         operation on, over the same buffers; handles of earlier dispatches stay valid. Raises
         ValueError for an unknown name."""
-        self.config = self.transport.rdma.config = self.config.with_variant(name)
-        for engine in self.transport.nodes.values():
+        self.config = self.engines.rdma.config = self.config.with_variant(name)
+        for engine in self.engines.nodes.values():
             engine.config = self.config
 
     def dispatch(
@@ -377,7 +381,7 @@ class InternodeLoopback:
                 "notify" or "dispatch" (default); staged "node_notify", "node_dispatch"
                 (default), "notify" or "dispatch" (stage 2).
             check: raise :class:`InternodeTimeoutError` or
-                :class:`~moe_dispatch.transport.header.MismatchError` (synchronises).
+                :class:`~moe_dispatch.transport.kernels.header.MismatchError` (synchronises).
             validate: check topk_idx values (a host sync).
 
         Returns:
@@ -394,7 +398,7 @@ class InternodeLoopback:
         )
         return self._guard(
             lambda: run_internode_dispatch(
-                self.transport,
+                self.engines,
                 inputs,
                 num_experts,
                 num_sms=num_sms or self.config.num_sms,
@@ -425,7 +429,7 @@ class InternodeLoopback:
         (stage 2) or "node_combine" (default)."""
         return self._guard(
             lambda: run_internode_combine(
-                self.transport, 0, ys, handles, row_scales, withhold_rank, withhold_phase, status, check
+                self.engines, 0, ys, handles, row_scales, withhold_rank, withhold_phase, status, check
             ),
             check,
         )
@@ -438,12 +442,12 @@ class InternodeLoopback:
         try:
             result = fn()
             if check:
-                self.transport.check_timeouts()
+                self.engines.check_timeouts()
         except InternodeTimeoutError:
             self.reset()
             raise
         if check:
-            self.transport.check_mismatches()
+            self.engines.check_mismatches()
         return result
 
     def reset(self) -> None:
@@ -452,6 +456,66 @@ class InternodeLoopback:
             b[: self.rdma_layout.recv_offset].zero_()
         for b in self._nvl_buffers:
             b[: self.nvl_layout.queue_offset].zero_()
-        for engine in (self.transport.rdma, *self.transport.nodes.values()):
+        for engine in (self.engines.rdma, *self.engines.nodes.values()):
             engine.error.zero_()
             engine.records.clear()
+
+
+def check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:
+    """A loopback call's per-rank lists and E; returns ``topk_idxs`` (one None per rank when None)."""
+    if topk_idxs is None:
+        topk_idxs = [None] * world_size
+    if len(xs) != world_size or len(topk_idxs) != world_size:
+        raise ValueError(f"pass one x and one topk_idx per rank ({world_size}), got {len(xs)} and {len(topk_idxs)}")
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size:
+        raise ValueError(f"num_experts must be a positive multiple of {world_size}, got {num_experts!r}")
+    return topk_idxs
+
+
+def prepare_inputs(
+    xs: list,
+    topk_idxs: list,
+    topk_weights: list | None,
+    num_experts: int,
+    device: torch.device,
+    validate: bool,
+    handles: list | None,
+) -> list[RankInput]:
+    """:func:`prepare_input` for every rank of a loopback call (lists already checked)."""
+    weights = topk_weights if topk_weights is not None else [None] * len(xs)
+    return [
+        prepare_input(
+            r,
+            xs[r],
+            topk_idxs[r],
+            weights[r],
+            num_experts,
+            len(xs),
+            device,
+            validate,
+            handles[r] if handles is not None else None,
+        )
+        for r in range(len(xs))
+    ]
+
+
+def refusing_inputs(inputs: list[RankInput], status: dict[int, int] | None) -> list[RankInput]:
+    """``inputs`` with no tokens on the ranks that refuse (a non-zero ``status``)."""
+    if not status:
+        return inputs
+    for code in status.values():
+        if not isinstance(code, int) or code == 0:
+            raise ValueError(f"status must map ranks to non-zero ints, got {status!r}")
+    return [empty_input(inp) if inp.rank in status else inp for inp in inputs]
+
+
+def empty_input(inp: RankInput) -> RankInput:
+    """``inp`` with no tokens (its shapes otherwise kept)."""
+    return dataclasses.replace(
+        inp,
+        x=inp.x[:0],
+        scales=inp.scales[:0] if inp.scales is not None else None,
+        topk_idx=inp.topk_idx[:0],
+        topk_weights=inp.topk_weights[:0] if inp.topk_weights is not None else None,
+        is_token_in_rank=inp.is_token_in_rank[:0],
+    )

@@ -2,11 +2,11 @@
 
 - ``torch_dist`` (:mod:`.torch_dist`): the hierarchy on torch.distributed sub-group collectives
   (NCCL on GPU, gloo on CPU), any number of nodes.
-- ``kernels`` (:mod:`.kernels`): the ``moe_dispatch._C`` kernels behind ``Buffer``, chosen by
-  topology: the intranode kernels (:mod:`.intranode`, buffers shared by CUDA IPC) for an EP group
-  on one node, the hierarchical ones (:mod:`.internode`, :mod:`.nvshmem`: stage 1 over NVSHMEM,
-  stage 2 over NVLink) for several; with CPU tensors the same protocol runs through the kernels'
-  CPU backend (shared memory, threads). ``"cuda"`` is the old name of ``"kernels"``.
+- ``kernels`` (the package :mod:`.kernels`): the ``moe_dispatch._C`` kernels behind ``Buffer``,
+  chosen by topology: the intranode kernels (:mod:`.kernels.intranode`, buffers shared by CUDA
+  IPC) for an EP group on one node, the hierarchical ones (:mod:`.kernels.internode`: stage 1
+  over NVSHMEM, stage 2 over NVLink) for several; with CPU tensors the same protocol runs through
+  the kernels' CPU backend (shared memory, threads). ``"cuda"`` is the old name of ``"kernels"``.
 """
 
 from __future__ import annotations

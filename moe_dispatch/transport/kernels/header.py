@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MISMATCH_RECORD_WORDS
+from ...config import MISMATCH_RECORD_WORDS
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OPS = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
@@ -176,7 +176,7 @@ class Records:
     a pinned host mirror the kernels also write when ``mirror``: readable without a sync)."""
 
     def __init__(self, count: int, device: torch.device, mirror: bool = False):
-        from .._ext import require_extension
+        from ..._ext import require_extension
 
         self.device = device
         self.records = torch.zeros(count, MISMATCH_RECORD_WORDS, dtype=torch.int64, device=device)

@@ -1,4 +1,4 @@
-"""The CUDA intranode transport: ``moe_dispatch._C``'s NVLink kernels.
+"""The host side of ``moe_dispatch._C``'s intranode kernels (one node, over NVLink).
 
 Importable without the extension (only the launches need it). Kernels and protocol:
 ``csrc/kernels/intranode.cuh`` (buffer layout drawn byte by byte, queue protocol in prose) and
@@ -20,24 +20,22 @@ Every wait inside the kernels is bounded by ``timeout_s``; a timed-out launch re
 channel, peer and counter, every block leaves, and :meth:`check` raises
 :class:`IntranodeTimeoutError` with that text. ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` overrides the
 default bound (e.g. 1 to debug a hang quickly). Every operation also checks on the device that
-the ranks' calls agree (:mod:`moe_dispatch.transport.header`: the operation, the handle's
+the ranks' calls agree (:mod:`moe_dispatch.transport.kernels.header`: the operation, the handle's
 dispatch id, row bytes, dtype, top-k, experts, channels; a rank's refusal of its own
 arguments): a disagreeing pair moves no rows and the host raises
-:class:`~moe_dispatch.transport.header.MismatchError` at its next synchronisation.
+:class:`~moe_dispatch.transport.kernels.header.MismatchError` at its next synchronisation.
 
-Two front ends share one engine (:class:`IntranodeEngine`, on the shared
-:class:`~moe_dispatch.transport.launcher.Launcher`) and the functions here that run an
-operation for the ranks of one launch (:func:`run_dispatch`, :func:`run_combine`):
-
-- :class:`moe_dispatch.testing.loopback.Loopback`: W simulated ranks on one device, one launch
-  for all of them. Tests and benchmarks use it.
-- :class:`IntranodeTransport`: one rank per process; buffers shared through CUDA IPC handles
-  exchanged over torch.distributed (one GPU per rank), or on CPU through shared memory with
-  the CPU backend (the same wrapper, handle exchange and per-rank launches, with peers in
-  other processes).
-
-``Buffer(transport="kernels")`` drives an :class:`IntranodeTransport` through
-:mod:`moe_dispatch.transport.kernels` (one node).
+The layers here: :class:`IntranodeEngine` (on the shared
+:class:`~moe_dispatch.transport.kernels.launcher.Launcher`) launches each kernel for a list of
+ranks, and the functions :func:`run_notify`, :func:`launch_dispatch`, :func:`run_dispatch` and
+:func:`run_combine` run an operation for them. :class:`IntranodeBuffers` is one rank per
+process: buffers shared through CUDA IPC handles exchanged over torch.distributed (one GPU per
+rank), or on CPU through shared memory with the CPU backend (the same handle exchange and
+per-rank launches, with peers in other processes); ``Buffer(transport="kernels")`` drives it
+through :class:`~moe_dispatch.transport.kernels.transport.KernelTransport` (one node). Tests and
+benchmarks run the engine for a whole world in one process
+(:class:`moe_dispatch.testing.loopback.Loopback`) or one rank per process
+(:class:`moe_dispatch.testing.ranks.IntranodeRank`).
 """
 
 from __future__ import annotations
@@ -47,16 +45,16 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .._ext import require_extension
-from ..config import ERROR_RECORD_INTS, MAX_RANKS, Config
-from ..errors import BudgetOverflowError
+from ..._ext import require_extension
+from ...config import ERROR_RECORD_INTS, MAX_RANKS, Config
+from ...errors import BudgetOverflowError
 from .header import OP_DISPATCH, Records
 from .launcher import (
     COMBINE_DTYPES,
     IntranodeTimeoutError,
     Launcher,
+    RankBuffers,
     RankInput,
-    RankTransport,
     alloc_outputs,
     assemble_results,
     check_budget,
@@ -67,6 +65,7 @@ from .launcher import (
     dispatch_header,
     dispatch_shape,
     ptr,
+    recorded,
     resolve_device,
     slot_bytes_for,
 )
@@ -74,10 +73,10 @@ from .launcher import describe_intranode_timeout as describe_timeout
 from .memory import CudaIpcBuffer, SharedMemoryBuffer, map_peers
 
 __all__ = [
+    "IntranodeBuffers",
     "IntranodeEngine",
     "IntranodeHandle",
     "IntranodeTimeoutError",
-    "IntranodeTransport",
     "RankDispatch",
     "describe_timeout",
     "launch_dispatch",
@@ -424,8 +423,9 @@ def run_combine(
     return outs
 
 
-class IntranodeTransport(RankTransport):
-    """The intranode kernels for one EP group of W <= 16 ranks on one node, one process each.
+class IntranodeBuffers(RankBuffers):
+    """This process's rank of the intranode kernels, for one EP group of W <= 16 ranks on one
+    node, one process each: its buffer, the peers' mapped, and :attr:`engine` over them.
 
     On a GPU (``device`` CUDA, the default) each rank's buffer is a ``cudaMalloc`` shared
     through CUDA IPC handles. On CPU (``device="cpu"``, CPU tensors) it is a POSIX shared-memory
@@ -436,21 +436,21 @@ class IntranodeTransport(RankTransport):
     reads its receive count on the host once (R sizes the outputs); with it, nothing waits for
     the host (counts, overflow flag and the peers' verdicts stay on the device: CUDA-graph
     capturable). Cached dispatch and combine never synchronise. Every operation checks its
-    arguments against every peer's on the device (header.py); a mismatch is raised as
-    :class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation: right
-    after the operation on the CPU backend, after a fresh dispatch's count read, or by
-    :meth:`check_errors` / :meth:`check` on a GPU.
+    arguments against every peer's on the device (header.py); a mismatch is recorded, and
+    :meth:`check_errors` raises it as
+    :class:`~moe_dispatch.transport.kernels.header.MismatchError` (on a GPU from the pinned
+    mirrors, without waiting for running kernels).
 
     Args:
         group: the EP process group (NCCL or gloo: it only carries the handles); W = its size,
             all ranks on this node.
         rank: this rank's index in the group.
-        hidden, num_topk, element_bytes: the largest rows this transport moves (sizes slots).
+        hidden, num_topk, element_bytes: the largest rows these buffers move (sizes slots).
         config: :class:`Config`; every rank must pass the same.
         timeout_s: bound of every wait inside the kernels.
         device: where buffers, inputs and outputs live: None (the current CUDA device), a
             CUDA device, or ``"cpu"``.
-        relay_nodes: the internode transport's N when these are its NVLink buffers (adds the
+        relay_nodes: the internode buffers' N when these are their NVLink buffers (adds the
             fused pipeline's relay region); 0 otherwise.
 
     Raises:
@@ -492,8 +492,8 @@ class IntranodeTransport(RankTransport):
             buffers = map_peers(self._own, group, rank, world_size, self._opened)
             error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
             # On a GPU a pinned mirror of the record lets check_errors read it without waiting for kernels.
-            self._error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
-            error_host_ptr = C.host_device_pointer(self._error_host.data_ptr()) if on_gpu else None
+            self.error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory() if on_gpu else None
+            error_host_ptr = C.host_device_pointer(self.error_host.data_ptr()) if on_gpu else None
             self.engine = IntranodeEngine(
                 world_size,
                 self.config,
@@ -513,42 +513,50 @@ class IntranodeTransport(RankTransport):
             raise
         self._own.mapped()
 
-    def _launches(self) -> int:
+    @property
+    def launches(self) -> int:
         return self.engine.launches
 
-    def _check_handle(self, handle, required: bool) -> None:
-        if (required or handle is not None) and not isinstance(handle, IntranodeHandle):
-            raise TypeError(
-                f"handle must be an IntranodeHandle (of a dispatch on this transport), got {type(handle).__name__}"
-            )
+    @property
+    def records(self) -> list[Records]:
+        return [self.engine.records]
 
-    def _dispatch_ranks(self, inputs, num_experts, **options):
+    def notify(self, inp, num_experts, *, num_sms, num_worst_tokens, dispatch_id, outs=None) -> IntranodeHandle:
+        (handle,), _ = run_notify(
+            self.engine,
+            [inp],
+            num_experts // self.world_size,
+            num_sms=num_sms,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=None,
+            dispatch_ids=[dispatch_id],
+            outs=[outs] if outs else None,
+        )
+        return handle
+
+    def launch_dispatch(self, inp, handle, outs, num_experts) -> None:
+        launch_dispatch(self.engine, [inp], [handle], [outs], num_experts // self.world_size, skip_rank=None)
+
+    def _run_dispatch(self, inputs, num_experts, **options) -> list:
         return run_dispatch(self.engine, inputs, num_experts, **options)
 
-    def _run_combine(self, y, handle, row_scale, statuses=None):
-        return run_combine(self.engine, self.rank, [y], [handle], [row_scale], None, statuses=statuses)[0]
+    def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
+        return run_combine(
+            self.engine, self.rank, [y], [handle], [row_scale], None, statuses=statuses, row_bytes=row_bytes
+        )[0]
 
-    def _empty_handle(self) -> IntranodeHandle:
+    def empty_handle(self) -> IntranodeHandle:
         W, C, device = self.world_size, self.config.num_channels, self.device
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         return IntranodeHandle(0, C, zeros(0, W, dtype=torch.bool), zeros(W * C + 1), 0, zeros(1), zeros(1), 0)
 
-    def _check_finished(self) -> None:
-        self.engine.raise_if_timed_out()
-        self.engine.records.raise_if_set()
-
-    def check_errors(self) -> None:
-        """Raises :class:`IntranodeTimeoutError` if a launch of this rank timed out, or
-        :class:`~moe_dispatch.transport.header.MismatchError` if a peer's call differed. On a GPU
-        it reads the pinned mirrors, so it does not wait for running kernels."""
-        self.check_timeout()
-        self.engine.records.raise_if_set(synchronize=False)
-
     def check_timeout(self) -> None:
-        """The timeout part of :meth:`check_errors`."""
-        record = self._error_host.tolist() if self._error_host is not None else self.engine.read_error()
-        if record and record[0]:  # the mirror's flag is set once its fields are written
-            self.engine.raise_if_timed_out(record)
+        record = recorded(self.error_host, self.engine.error)
+        if record:
+            raise IntranodeTimeoutError(*describe_timeout(record, self.engine.timeout_s))
+
+    def check_mismatches(self) -> None:
+        self.engine.records.raise_if_set(synchronize=False)
 
     def close(self) -> None:
         """Unmaps the peers' buffers and frees this rank's (call on every rank, after the last op)."""

@@ -10,12 +10,12 @@ the launches share one set of rings, so a fresh dispatch's notify must not run b
 operation's kernels).
 
 - **One node** (``ranks_per_node == W``): the intranode kernels
-  (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`): CUDA IPC buffers on GPUs.
+  (:class:`~moe_dispatch.transport.kernels.intranode.IntranodeBuffers`): CUDA IPC buffers on GPUs.
 - **Several nodes**: the hierarchical kernels
-  (:class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): stage 1 over NVSHMEM to the
-  rank of the same local index on each node, stage 2 over NVLink; by default the fused
+  (:class:`~moe_dispatch.transport.kernels.internode.InternodeBuffers`): stage 1 over NVSHMEM to
+  the rank of the same local index on each node, stage 2 over NVLink; by default the fused
   pipeline (``Config.internode_pipeline="fused"``: both stages in one kernel, counts on the
-  device), or the staged one.
+  device), or the staged one (kept only to be timed: :mod:`.experimental`).
 - **CPU tensors** (a gloo group): the same protocol code on threads over shared memory (the
   kernels' CPU backend), one process per rank: how the tests run this path without a GPU.
 - **CUDA tensors with a gloo group** (``Buffer(device="cuda")``): gloo only carries the
@@ -31,7 +31,7 @@ What synchronises the host (per rank, on a GPU):
 - combine and cached dispatch never wait for the host.
 - the arguments: every launch exchanges an operation header with its peers (identity: the
   dispatch id the handle carries; row bytes, dtype, top-k, experts, channels; a status), and a
-  pair whose headers differ moves no rows (``transport/header.py``). The Buffer compares the
+  pair whose headers differ moves no rows (:mod:`.header`). The Buffer compares the
   arguments on the host only the first time a call signature appears
   (:class:`~moe_dispatch.buffer.Transfers`). A rank whose own arguments are bad takes part
   with a non-zero status (:meth:`KernelTransport.refuse`), so its peers finish at once.
@@ -49,29 +49,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..config import MAX_RANKS, MAX_TOPK, Config
-from ..errors import CommError
-from ..topology import Topology
-from . import internode, intranode
-from .base import Field, Steps, completed
+from ...config import MAX_RANKS, MAX_TOPK, Config
+from ...errors import CommError
+from ...topology import Topology
+from ..base import Field, Steps, completed
+from ..torch_dist import ALL_COMM, TorchDistTransport
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
-from .internode import InternodeHandle, StagedInternodeHandle, check_rdma_config
-from .intranode import IntranodeHandle, IntranodeTransport
-from .launcher import (
-    COMBINE_DTYPES,
-    InternodeTimeoutError,
-    IntranodeTimeoutError,
-    RankInput,
-    describe_internode_timeout,
-    describe_intranode_timeout,
-    dispatch_shape,
-    kernel_timeout_s,
-)
-from .torch_dist import ALL_COMM, TorchDistTransport
+from .internode import InternodeBuffers, InternodeHandle, check_rdma_config
+from .intranode import IntranodeBuffers, IntranodeHandle
+from .launcher import COMBINE_DTYPES, RankBuffers, RankInput, kernel_timeout_s
+
+if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects it
+    from .experimental import StagedInternodeHandle
 
 _VECTOR = 16  # bytes the kernels move per access
 _OPS = {"dispatch": OP_DISPATCH, "cached dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE}
@@ -83,9 +77,9 @@ class KernelPlan:
 
     Attributes:
         handle: the kernels' handle: an
-            :class:`~moe_dispatch.transport.intranode.IntranodeHandle` (one node), an
-            :class:`~moe_dispatch.transport.internode.InternodeHandle` (several, fused) or a
-            :class:`~moe_dispatch.transport.internode.StagedInternodeHandle`.
+            :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` (one node), an
+            :class:`~moe_dispatch.transport.kernels.internode.InternodeHandle` (several, fused) or a
+            :class:`~moe_dispatch.transport.kernels.experimental.StagedInternodeHandle`.
         experts_per_rank: E / W.
         topology: this rank's place.
         num_rows: rows of the receive-side tensors (R, or the static ``num_worst_tokens``).
@@ -110,8 +104,6 @@ class KernelPlan:
     def num_recv_tokens(self) -> int | None:
         """R as a host int, or None where only the device knows it (budget mode: read
         :attr:`recv_count`)."""
-        if isinstance(self.handle, StagedInternodeHandle):
-            return self.handle.num_rows
         return self.handle.num_recv_tokens
 
     @property
@@ -201,7 +193,7 @@ class KernelTransport:
         self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
         self.progress = self._dist.progress
         self._group = self._dist.groups[ALL_COMM] or group
-        self._kernels = None  # IntranodeTransport (one node) or nvshmem.InternodeTransport, sized on first use
+        self._kernels: RankBuffers | None = None  # IntranodeBuffers or InternodeBuffers, sized on first use
         self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
 
     @staticmethod
@@ -214,7 +206,7 @@ class KernelTransport:
                 Config the hierarchical kernels cannot use (several nodes).
             RuntimeError: the extension is not built.
         """
-        from .. import _ext
+        from ... import _ext
 
         status = _ext.extension_status()
         if not status.built:
@@ -284,19 +276,12 @@ class KernelTransport:
         if self.pipeline == "staged":
             # The staged pipeline learns the routing by running it: a dispatch of 16-byte rows
             # (two host reads), whose handle the payload transfers replay.
-            result = internode.run_dispatch(
-                kernels.transport,
-                [self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank)],
+            result = kernels.dispatch(
+                self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank),
                 num_experts,
                 num_sms=self.config.num_sms,
-                handles=None,
-                num_worst_tokens=None,
-                skip_rank=None,
-                skip_phase=None,
-                dispatch_ids=[dispatch_id],
-                statuses=None,
-                check=False,
-            )[0]
+                dispatch_id=dispatch_id,
+            )
             self._after_launch(mismatches=True)  # this plan's dispatch is an operation of its own
             return KernelPlan(result.handle, experts_per_rank, self.topology, result.handle.num_rows)
         # What notify's header says of the payload (the dispatch launch reuses its verdicts):
@@ -316,29 +301,14 @@ class KernelTransport:
                 "src_idx": torch.empty(budget, dtype=torch.int32, device=self.device),
                 "per_expert": torch.zeros(experts_per_rank, dtype=torch.int64, device=self.device),
             }
-        if self.pipeline == "intranode":
-            (handle,), _ = intranode.run_notify(
-                kernels.engine,
-                [inp],
-                experts_per_rank,
-                num_sms=self.config.num_sms,
-                num_worst_tokens=budget,
-                skip_rank=None,
-                dispatch_ids=[dispatch_id],
-                outs=[scratch] if scratch else None,
-            )
-        else:
-            (handle,), _ = internode.fused_notify(
-                kernels.transport,
-                [inp],
-                num_experts,
-                num_sms=self.config.num_sms,
-                num_worst_tokens=budget,
-                skip_rank=None,
-                dispatch_ids=[dispatch_id],
-                statuses={},
-                outs=[scratch] if scratch else None,
-            )
+        handle = kernels.notify(
+            inp,
+            num_experts,
+            num_sms=self.config.num_sms,
+            num_worst_tokens=budget,
+            dispatch_id=dispatch_id,
+            outs=scratch,
+        )
         # A timeout now (on a GPU the count read synchronised); a mismatch once the dispatch launch
         # that reuses notify's verdicts has run too, so every rank raises after the same launches.
         if budget is None:
@@ -420,23 +390,7 @@ class KernelTransport:
             y2d = _rows16(_flat(y))
             kernels = self._sized(_row_elements(y2d), 0, "combine")
             scale = scale.contiguous() if scale is not None else None
-            if self.pipeline == "intranode":
-                (summed,) = intranode.run_combine(
-                    kernels.engine, self.topology.rank, [y2d], [plan.handle], [scale], None, row_bytes=row_bytes
-                )
-            else:
-                summed = internode.run_combine(
-                    kernels.transport,
-                    self.topology.rank,
-                    [y2d],
-                    [plan.handle],
-                    [scale],
-                    None,
-                    None,
-                    None,
-                    check=False,
-                    row_bytes=row_bytes,
-                )[0]
+            summed = kernels.combine(y2d, plan.handle, scale, row_bytes=row_bytes)
             self._after_launch()
             dst2d = _flat(dst)
             dst2d.copy_(summed[:, : dst2d.shape[1]])
@@ -462,7 +416,7 @@ class KernelTransport:
         # once the refusal has run (on a GPU, an error path, the host waits for it).
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        for records in self._records():
+        for records in self._kernels.records:
             records.clear()
 
     def _join(self, operation: str, status: int) -> None:
@@ -477,48 +431,19 @@ class KernelTransport:
 
     def check_errors(self) -> None:
         """Raises what the kernels recorded: an
-        :class:`~moe_dispatch.transport.intranode.IntranodeTimeoutError` or
-        :class:`~moe_dispatch.transport.internode.InternodeTimeoutError` (a wait that ran out,
+        :class:`~moe_dispatch.transport.kernels.intranode.IntranodeTimeoutError` or
+        :class:`~moe_dispatch.transport.kernels.internode.InternodeTimeoutError` (a wait that ran out,
         naming the rank and what it waited for), or a
-        :class:`~moe_dispatch.transport.header.MismatchError` (a peer's call differed, naming
+        :class:`~moe_dispatch.transport.kernels.header.MismatchError` (a peer's call differed, naming
         the ranks, the field and both values). Reads host memory only (the pinned mirrors on a
         GPU, the records themselves on the CPU backend): call it after the launches completed
         to see theirs."""
         self._check_errors()
 
-    def _records(self) -> list:
-        kernels = self._kernels
-        if kernels is None:
-            return []
-        if self.pipeline == "intranode":
-            return [kernels.engine.records]
-        return [kernels.transport.rdma.records, *(e.records for e in kernels.transport.nodes.values())]
-
     def _check_errors(self, mismatches: bool = True) -> None:
         """Raises a recorded timeout, then (``mismatches``) a recorded header mismatch."""
-        kernels, L = self._kernels, self.topology.ranks_per_node
-        if kernels is None:
-            return
-        if self.pipeline == "intranode":
-            record = _recorded(kernels._error_host, kernels.engine.error)
-            if record:
-                raise IntranodeTimeoutError(*describe_intranode_timeout(record, kernels.engine.timeout_s))
-            if mismatches:
-                kernels.engine.records.raise_if_set(synchronize=False)
-            return
-        rdma, node = kernels.transport.rdma, kernels.intranode
-        record = _recorded(kernels._error_host, rdma.error)
-        if record:
-            raise InternodeTimeoutError(
-                *describe_internode_timeout(record, rdma.timeout_s, L, fused=self.pipeline == "fused")
-            )
-        record = _recorded(node._error_host, node.engine.error)
-        if record:
-            raise InternodeTimeoutError(
-                *describe_internode_timeout(record, node.engine.timeout_s, L, node=self.topology.node)
-            )
-        if mismatches:
-            kernels.transport.check_mismatches(synchronize=False)
+        if self._kernels is not None:
+            self._kernels.check_errors(mismatches)
 
     def _after_launch(self, mismatches: bool = True) -> None:
         """On the CPU backend a launch has completed when it returns: raise what it recorded now
@@ -530,14 +455,7 @@ class KernelTransport:
     # -- helpers -----------------------------------------------------------------------------
     def _input(self, x, scales, topk_idx, weights, is_token_in_rank, row_bytes: int | None = None) -> RankInput:
         return RankInput(
-            self.topology.rank,
-            x,
-            scales,
-            topk_idx.to(torch.int64).contiguous(),
-            weights,
-            is_token_in_rank.contiguous(),
-            torch.int64,
-            row_bytes=row_bytes,
+            self.topology.rank, x, scales, topk_idx, weights, is_token_in_rank, torch.int64, row_bytes=row_bytes
         )
 
     def _move(
@@ -570,20 +488,9 @@ class KernelTransport:
             row_bytes=x.shape[1] * x.element_size(),  # the header's: before padding
         )
         recv_x = _landing(dst, x2d.shape[1])
+        num_experts = plan.experts_per_rank * self.topology.world_size
         if self.pipeline == "staged":
-            got = internode.run_dispatch(
-                kernels.transport,
-                [inp],
-                plan.experts_per_rank * self.topology.world_size,
-                num_sms=self.config.num_sms,
-                handles=[plan.handle],
-                num_worst_tokens=None,
-                skip_rank=None,
-                skip_phase=None,
-                dispatch_ids=None,
-                statuses=None,
-                check=False,
-            )[0]
+            got = kernels.dispatch(inp, num_experts, num_sms=self.config.num_sms, handle=plan.handle)
             self._after_launch()
             recv_x.copy_(got.recv_x[0] if isinstance(got.recv_x, tuple) else got.recv_x)
             if dst_scales is not None:
@@ -606,19 +513,7 @@ class KernelTransport:
             "src_idx": src_idx,
             "per_expert": torch.zeros(plan.experts_per_rank, dtype=torch.int64, device=self.device),
         }
-        if self.pipeline == "intranode":
-            intranode.launch_dispatch(
-                kernels.engine, [inp], [plan.handle], [outputs], plan.experts_per_rank, skip_rank=None
-            )
-        else:
-            t = kernels.transport
-            _, _, x_bytes, scale_bytes = dispatch_shape(
-                [inp], t.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
-            )
-            num_experts = plan.experts_per_rank * self.topology.world_size
-            internode.fused_launch(
-                t, [inp], [plan.handle], [outputs], num_experts, None, {}, x_bytes, scale_bytes, num_topk
-            )
+        kernels.launch_dispatch(inp, plan.handle, outputs, num_experts)
         self._after_launch()
         _land(dst, recv_x)
         return local
@@ -644,17 +539,15 @@ class KernelTransport:
         topo = self.topology
         options = {"config": self.config, "element_bytes": 4, "timeout_s": self.kernel_timeout_s, "device": self.device}
         if topo.num_nodes > 1:
-            from .nvshmem import InternodeTransport
-
             # One NVSHMEM world per process: the old buffers go first (every rank is here, after
             # its last launch on them: the set-up below is collective).
             if self._kernels is not None:
                 self._release()
-            kernels = InternodeTransport(self._group, topo.rank, topo.ranks_per_node, *capacity, **options)
+            kernels = InternodeBuffers(self._group, topo.rank, topo.ranks_per_node, *capacity, **options)
         else:
             # Made before the old one is freed: if a peer fails here, the old buffers stay valid.
             # Its collective setup also means every rank's earlier launches have finished.
-            kernels = IntranodeTransport(self._group, topo.rank, *capacity, **options)
+            kernels = IntranodeBuffers(self._group, topo.rank, *capacity, **options)
             if self._kernels is not None:
                 self._kernels.close()
         self._kernels, self._capacity = kernels, capacity
@@ -700,14 +593,6 @@ class KernelTransport:
             self._kernels.close()
         self._kernels = None
         self._dist.release()
-
-
-def _recorded(mirror: torch.Tensor | None, record: torch.Tensor) -> list[int] | None:
-    """A kernel error record as ints, or None when clear, read without a device synchronisation:
-    from its pinned host mirror on a GPU (whose flag is written last), from the record itself on
-    the CPU backend (host memory)."""
-    values = (mirror if mirror is not None else record).numpy().tolist()
-    return values if values[0] or (mirror is None and values[1]) else None
 
 
 def _next_pow2(n: int) -> int:

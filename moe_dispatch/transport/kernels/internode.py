@@ -1,4 +1,5 @@
-"""The CUDA internode (hierarchical) transport: stage 1 over RDMA, stage 2 over NVLink.
+"""The host side of ``moe_dispatch._C``'s internode (hierarchical) kernels: stage 1 over RDMA,
+stage 2 over NVLink.
 
 Importable without the extension. Protocol: ``csrc/kernels/internode.cuh`` (both pipelines in
 prose, the RDMA buffer layout), ``internode_fused_roles.cuh`` (the fused pipeline's per-warp
@@ -17,7 +18,8 @@ A world of W = N nodes x L ranks (rank r = node r // L, local r % L). Two pipeli
   forwarded count, in the same read); with it, a fresh dispatch never waits for the host: its
   outputs have that many rows, rows past it are dropped and ``handle.overflow`` is set.
 - **staged**: node notify, a host read, node dispatch into staging rows, one intranode operation
-  per source node (a second host read); combine in reverse. Kept to time both side by side.
+  per source node (a second host read); combine in reverse. Kept only to time both side by
+  side: its host code is :mod:`.experimental`, imported only where a Config selects it.
 
 Both give rows ordered by (source rank, source token), as ``moe_dispatch.reference.dispatch``,
 and combine sums equal to ``moe_dispatch.reference.combine`` bit for bit (fp32, fixed orders).
@@ -25,50 +27,66 @@ and combine sums equal to ``moe_dispatch.reference.combine`` bit for bit (fp32, 
 Every wait is bounded by ``timeout_s``; a timed-out launch raises
 :class:`InternodeTimeoutError` naming the rank, node, channel, the rank waited for and the
 counter. Every operation checks the ranks' arguments on the device
-(:mod:`moe_dispatch.transport.header`): a mismatch raises
-:class:`~moe_dispatch.transport.header.MismatchError` at the next synchronisation. Front ends,
-both on the engines here (:class:`RdmaEngine`, :class:`InternodeEngines`) and
-:func:`run_dispatch` / :func:`run_combine`: :class:`moe_dispatch.testing.loopback.InternodeLoopback`
-(N x L simulated ranks on one device, or CPU threads with ``device="cpu"``); one rank per process:
-``moe_dispatch.transport.nvshmem.InternodeTransport``.
+(:mod:`moe_dispatch.transport.kernels.header`): a mismatch raises
+:class:`~moe_dispatch.transport.kernels.header.MismatchError` at the next synchronisation.
+
+The layers here: the engines (:class:`RdmaEngine`, and per node with launched ranks an
+intranode engine, together :class:`InternodeEngines`) launch each kernel for a list of ranks;
+:func:`run_dispatch` / :func:`run_combine` run an operation through the configured pipeline.
+:class:`InternodeBuffers` is one rank per process (NVSHMEM on GPUs, shared memory on CPU), what
+:class:`~moe_dispatch.transport.kernels.transport.KernelTransport` drives for several nodes.
+Tests and benchmarks run the engines for N x L simulated ranks in one process
+(:class:`moe_dispatch.testing.loopback.InternodeLoopback`, on one device or CPU threads) or one
+rank per process (:class:`moe_dispatch.testing.ranks.InternodeRank`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from .._ext import require_extension
-from ..config import Config
-from ..errors import BudgetOverflowError
-from .header import OP_CACHED_DISPATCH, OP_DISPATCH, Records
-from .intranode import IntranodeEngine, IntranodeHandle, launch_dispatch, run_notify
-from .intranode import run_combine as run_intranode_combine
+from ..._ext import require_extension
+from ...config import ERROR_RECORD_INTS, Config
+from ...errors import BudgetOverflowError
+from .header import OP_DISPATCH, Records
+from .intranode import IntranodeBuffers, IntranodeEngine
 from .launcher import (
     COMBINE_DTYPES,
     InternodeTimeoutError,
     Launcher,
+    RankBuffers,
     RankInput,
     alloc_outputs,
     assemble_results,
     check_budget,
     check_num_sms,
     combine_shape,
+    default_timeout_s,
     dispatch_fields,
     dispatch_header,
     dispatch_shape,
     ptr,
+    recorded,
+    resolve_device,
+    slot_bytes_for,
 )
 from .launcher import describe_internode_timeout as describe_timeout
+from .memory import SharedMemoryBuffer, map_peers
+from .nvshmem import NvshmemWorld, symmetric_heap_bytes
+
+if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects it
+    from .experimental import StagedInternodeHandle
 
 __all__ = [
+    "InternodeBuffers",
     "InternodeDispatch",
     "InternodeEngines",
     "InternodeHandle",
     "InternodeTimeoutError",
     "RdmaEngine",
-    "StagedInternodeHandle",
     "check_rdma_config",
     "cross_node_bytes",
     "describe_timeout",
@@ -271,48 +289,6 @@ class InternodeHandle:
 
 
 @dataclasses.dataclass(eq=False)
-class StagedInternodeHandle:
-    """One rank's share of a staged internode dispatch (``Config.internode_pipeline="staged"``).
-
-    Attributes:
-        num_tokens, num_channels, is_token_in_rank, is_token_in_node: as :class:`InternodeHandle`.
-        node_prefix: ``[N * C + 1]`` int32: first stage-1 receive row of each (source node, channel).
-        node_peer_ok: ``[N]`` int32: the node notify's rail verdicts.
-        segments: N + 1 host ints: this rank's stage-1 rows from source node m are
-            ``[segments[m], segments[m + 1])`` (it forwards them inside its node).
-        forward_in_rank: ``[R1, L]`` bool: which local ranks hold each forwarded row.
-        local: per source node m, the :class:`~moe_dispatch.transport.intranode.IntranodeHandle` of
-            stage-2 operation m; its rows start at :meth:`row_base` (m).
-        num_rows: R, rows received in all.
-        dispatch_id, num_experts, topk_dtype: as :class:`InternodeHandle`.
-    """
-
-    num_tokens: int
-    num_channels: int
-    is_token_in_rank: torch.Tensor
-    is_token_in_node: torch.Tensor
-    node_prefix: torch.Tensor
-    node_peer_ok: torch.Tensor
-    segments: list[int]
-    forward_in_rank: torch.Tensor
-    local: list[IntranodeHandle]
-    num_rows: int
-    dispatch_id: int
-    num_experts: int
-    topk_dtype: torch.dtype = torch.int64
-    notified: bool = dataclasses.field(default=False, repr=False)
-
-    @property
-    def num_forward_rows(self) -> int:
-        """R1: rows this rank received in stage 1 (and forwards)."""
-        return self.segments[-1]
-
-    def row_base(self, node: int) -> int:
-        """First receive row of stage-2 op ``node`` (rows from source node ``node``)."""
-        return sum(h.num_rows for h in self.local[:node])
-
-
-@dataclasses.dataclass(eq=False)
 class InternodeDispatch:
     """One rank's dispatch outputs (rows ``[R or budget, ...]``, by source rank then source token)."""
 
@@ -353,7 +329,7 @@ class InternodeEngines:
                 raise InternodeTimeoutError(*describe_timeout(record, engine.timeout_s, L, node=node))
 
     def check_mismatches(self, synchronize: bool = True) -> None:
-        """Raises :class:`~moe_dispatch.transport.header.MismatchError` for the first set record."""
+        """Raises :class:`~moe_dispatch.transport.kernels.header.MismatchError` for the first set record."""
         self.rdma.records.raise_if_set(synchronize)
         for node, engine in self.nodes.items():
             engine.records.raise_if_set(synchronize, rank_offset=node * self.ranks_per_node)
@@ -364,7 +340,7 @@ class InternodeEngines:
         self.check_mismatches()
 
 
-def _skipper(skip_rank: int | None, skip_phase: str | None):
+def skipper(skip_rank: int | None, skip_phase: str | None):
     return lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
 
 
@@ -382,14 +358,14 @@ def _fused_dispatch(
     statuses: dict[int, int] | None,
     check: bool,
 ) -> list[InternodeDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive): the fused notify (fresh only), then
-    one fused dispatch launch."""
+    """The fused pipeline's dispatch: the fused notify (fresh only), then one fused dispatch
+    launch (``skip_phase`` None: "dispatch"); arguments as :func:`run_dispatch`."""
     e, W, device = t.rdma, t.world_size, t.rdma.device
     _, num_topk, x_bytes, scale_bytes = dispatch_shape(
         inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
     )
     experts_per_rank, statuses = num_experts // W, statuses or {}
-    skip = _skipper(skip_rank, skip_phase)
+    skip = skipper(skip_rank, skip_phase or "dispatch")
     outs = None
     if handles is None:
         handles, outs = fused_notify(
@@ -566,7 +542,7 @@ def _fused_combine(
     outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
     e.combine(
         "fused",
-        e.common(handles[0].num_channels, rank_begin, _skipper(skip_rank, skip_phase)("combine")),
+        e.common(handles[0].num_channels, rank_begin, skipper(skip_rank, skip_phase or "combine")("combine")),
         [
             require_extension().FusedCombineRank(
                 y=ptr(y),
@@ -587,337 +563,18 @@ def _fused_combine(
     return outs
 
 
-def _node_groups(t: InternodeEngines, ranks: list[int]):
-    """Per node with launched ranks (consecutive, global ``ranks``): its intranode engine and the
-    indices into ``ranks`` of its members."""
-    groups: dict[int, list[int]] = {}
-    for i, r in enumerate(ranks):
-        groups.setdefault(r // t.ranks_per_node, []).append(i)
-    for node, members in groups.items():
-        yield node, t.nodes[node], members
+def run_dispatch(t: InternodeEngines, inputs: list[RankInput], num_experts: int, **options) -> list[InternodeDispatch]:
+    """Dispatch for ranks ``inputs[i].rank`` (consecutive) through the configured pipeline.
 
-
-def _local_statuses(t: InternodeEngines, statuses: dict[int, int]) -> dict[int, int]:
-    """Refusing ranks numbered as their node's intranode engine numbers them."""
-    return {r % t.ranks_per_node: code for r, code in statuses.items()}
-
-
-def _local_skip(t: InternodeEngines, node: int, skip_rank: int | None) -> int | None:
-    L = t.ranks_per_node
-    return skip_rank - node * L if skip_rank is not None and skip_rank // L == node else None
-
-
-def _staged_dispatch(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    handles: list[StagedInternodeHandle] | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    dispatch_ids: list[int | None] | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-) -> list[InternodeDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive): stage 1 in one launch per step, stage
-    2 one intranode launch per (node, source node)."""
-    e, N, L, device = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device
-    _, num_topk, x_bytes, scale_bytes = dispatch_shape(
-        inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
-    )
-    experts_per_node, experts_per_rank = num_experts // N, num_experts // t.world_size
-    ranks = [inp.rank for inp in inputs]
-    skip, statuses = _skipper(skip_rank, skip_phase), statuses or {}
-    fresh = handles is None
-    scratch = lambda n=1: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
-    # Stage 1: node notify (fresh only) and node dispatch into the forwarders' staging rows.
-    if fresh:
-        C = check_num_sms(num_sms, e.config)
-        ids = e.dispatch_ids(dispatch_ids, len(inputs))
-        in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
-        node_prefix = [scratch(N * C + 1) for _ in inputs]
-        node_ok = [scratch(N) for _ in inputs]
-        outputs = [scratch(2) for _ in inputs]  # the count and overflow words notify writes (unused here)
-        e.notify(
-            "node",
-            e.common(C, ranks[0], skip("node_notify")),
-            [
-                require_extension().NotifyRank(
-                    is_token_in_rank=ptr(itn),
-                    recv_prefix=p.data_ptr(),
-                    num_recv_tokens=out.data_ptr(),
-                    overflow=out.data_ptr() + 4,
-                    peer_ok=ok.data_ptr(),
-                    recv_topk_idx=None,
-                    recv_topk_weights=None,
-                    recv_src_idx=None,
-                    num_tokens=inp.x.shape[0],
-                    budget=-1,
-                    **e.check_fields(
-                        inp.rank, dispatch_header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
-                    ),
-                )
-                for i, (inp, itn, p, ok, out) in enumerate(zip(inputs, in_node, node_prefix, node_ok, outputs))
-            ],
-        )
-        prefixes_host = torch.stack(node_prefix).tolist()  # one host sync for all launched ranks
-        if check:
-            t.check()
-        segments = [[p[m * C] for m in range(N + 1)] for p in prefixes_host]
-    else:
-        C = handles[0].num_channels
-        ids = [h.dispatch_id for h in handles]
-        in_node = [h.is_token_in_node for h in handles]
-        node_prefix = [h.node_prefix for h in handles]
-        segments = [h.segments for h in handles]
-    staged = [alloc_outputs(inp, seg[-1], experts_per_node, device) for inp, seg in zip(inputs, segments)]
-    overflow = [scratch() for _ in inputs]
-    e.dispatch(
-        "node",
-        e.common(C, ranks[0], skip("node_dispatch")),
-        [
-            require_extension().DispatchRank(
-                x=ptr(inp.x),
-                x_scales=ptr(inp.scales),
-                topk_idx=ptr(inp.topk_idx),
-                topk_weights=ptr(inp.topk_weights),
-                is_token_in_rank=ptr(itn),
-                recv_prefix=p.data_ptr(),
-                recv_x=ptr(s["x"]),
-                recv_scales=ptr(s["scales"]),
-                recv_topk_idx=ptr(s["topk_idx"]),
-                recv_topk_weights=ptr(s["topk_weights"]) if inp.topk_weights is not None else None,
-                recv_src_idx=ptr(s["src_idx"]),
-                num_recv_per_expert=s["per_expert"].data_ptr(),
-                overflow=o.data_ptr(),
-                peer_ok=node_ok[i].data_ptr() if fresh else None,
-                num_tokens=inp.x.shape[0],
-                num_rows=seg[-1],
-                **e.check_fields(
-                    inp.rank,
-                    dispatch_header(
-                        OP_DISPATCH if fresh else OP_CACHED_DISPATCH,
-                        ids[i],
-                        inp,
-                        num_experts,
-                        C,
-                        statuses.get(inp.rank, 0),
-                    ),
-                ),
-            )
-            for i, (inp, itn, p, s, o, seg) in enumerate(zip(inputs, in_node, node_prefix, staged, overflow, segments))
-        ],
-        x_bytes,
-        scale_bytes,
-        num_topk,
-        experts_per_node,
-    )
-    if check and e.backend == "cpu":
-        t.check()
-
-    # Stage 2: per node, one intranode operation per source node m over the forwarded rows.
-    def stage2_input(i: int, m: int, forward_in_rank: torch.Tensor) -> RankInput:
-        s, seg = staged[i], slice(segments[i][m], segments[i][m + 1])
-        return RankInput(
-            ranks[i] % L,
-            s["x"][seg],
-            s["scales"][seg] if s["scales"] is not None else None,
-            s["topk_idx"][seg],
-            s["topk_weights"][seg] if inputs[i].topk_weights is not None else None,
-            forward_in_rank[seg],
-            torch.int64,
-            token_ids=s["src_idx"][seg],
-        )
-
-    if fresh:
-        from ..ops.layout import get_dispatch_layout
-
-        forward_in_rank = [
-            get_dispatch_layout(s["topk_idx"], experts_per_node, L, L, validate=False)[3].contiguous()
-            if s["topk_idx"].numel()
-            else torch.zeros(s["x"].shape[0], L, dtype=torch.bool, device=device)
-            for s in staged
-        ]
-        local: list[list[IntranodeHandle]] = [[] for _ in inputs]
-        for node, engine, members in _node_groups(t, ranks):
-            for m in range(N):
-                got, _ = run_notify(
-                    engine,
-                    [stage2_input(i, m, forward_in_rank[i]) for i in members],
-                    experts_per_rank,
-                    num_sms=num_sms,
-                    num_worst_tokens=None,
-                    skip_rank=_local_skip(t, node, skip("notify")),
-                    dispatch_ids=[ids[i] for i in members],
-                    statuses=_local_statuses(t, statuses),
-                )  # each reads R: the staged host syncs
-                for i, h in zip(members, got):
-                    local[i].append(h)
-        if check:
-            t.check()
-        handles = [
-            StagedInternodeHandle(
-                num_tokens=inp.x.shape[0],
-                num_channels=C,
-                is_token_in_rank=inp.is_token_in_rank,
-                is_token_in_node=itn,
-                node_prefix=p,
-                node_peer_ok=ok,
-                segments=seg,
-                forward_in_rank=fir,
-                local=loc,
-                num_rows=sum(h.num_rows for h in loc),
-                dispatch_id=ids[i],
-                num_experts=num_experts,
-                topk_dtype=inp.topk_dtype or torch.int64,
-            )
-            for i, (inp, itn, p, ok, seg, fir, loc) in enumerate(
-                zip(inputs, in_node, node_prefix, node_ok, segments, forward_in_rank, local)
-            )
-        ]
-    outs = [alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
-    for node, engine, members in _node_groups(t, ranks):
-        for m in range(N):
-            launch_inputs, launch_outs = [], []
-            for i in members:
-                h, o = handles[i], outs[i]
-                rows = slice(h.row_base(m), h.row_base(m) + h.local[m].num_rows)
-                inp = stage2_input(i, m, h.forward_in_rank)
-                if inputs[i].topk_dtype is None:  # x alone: no top-k travels in stage 2 either
-                    inp = dataclasses.replace(inp, topk_idx=inp.topk_idx[:, :0], topk_weights=None)
-                launch_inputs.append(inp)
-                launch_outs.append(
-                    {
-                        "x": o["x"][rows],
-                        "scales": o["scales"][rows] if o["scales"] is not None else None,
-                        "topk_idx": o["topk_idx"][rows],
-                        "topk_weights": o["topk_weights"][rows],
-                        "src_idx": o["src_idx"][rows],
-                        "per_expert": o["per_expert"],
-                    }
-                )
-            launch_dispatch(
-                engine,
-                launch_inputs,
-                [handles[i].local[m] for i in members],
-                launch_outs,
-                experts_per_rank,
-                skip_rank=_local_skip(t, node, skip("dispatch")),
-                statuses=_local_statuses(t, statuses),
-            )
-    return assemble_results(InternodeDispatch, inputs, handles, outs)
-
-
-def _staged_combine(
-    t: InternodeEngines,
-    rank_begin: int,
-    ys: list[torch.Tensor],
-    handles: list[StagedInternodeHandle],
-    row_scales: list[torch.Tensor | None] | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-    row_bytes: int | None = None,
-) -> list[torch.Tensor]:
-    e, N, L, device, statuses = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device, statuses or {}
-    row_scales, hidden, dtype, y_bytes = combine_shape(
-        ys, handles, row_scales, rank_begin, device, e.slot_bytes, StagedInternodeHandle, slots="the buffers' slots"
-    )
-    C = handles[0].num_channels
-    ranks = list(range(rank_begin, rank_begin + len(ys)))
-    skip = _skipper(skip_rank, skip_phase)
-    # Stage 2 backwards: node partials [R1, H] on every forwarder, one intranode combine per m.
-    partials = [torch.empty(h.num_forward_rows, hidden, dtype=dtype, device=device) for h in handles]
-    for node, engine, members in _node_groups(t, ranks):
-        for m in range(N):
-            rows = [
-                slice(handles[i].row_base(m), handles[i].row_base(m) + handles[i].local[m].num_rows) for i in members
-            ]
-            segs = [slice(handles[i].segments[m], handles[i].segments[m + 1]) for i in members]
-            run_intranode_combine(
-                engine,
-                ranks[members[0]] % L,
-                [ys[i][r] for i, r in zip(members, rows)],
-                [handles[i].local[m] for i in members],
-                [row_scales[i][r].contiguous() if row_scales[i] is not None else None for i, r in zip(members, rows)],
-                _local_skip(t, node, skip("combine")),
-                statuses=_local_statuses(t, statuses),
-                outs=[partials[i][s] for i, s in zip(members, segs)],
-            )
-    if check and e.backend == "cpu":
-        t.check()
-    # Stage 1 backwards: each partial once to its source, summed there by ascending node.
-    outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
-    e.combine(
-        "node",
-        e.common(C, rank_begin, skip("node_combine")),
-        [
-            require_extension().CombineRank(
-                y=ptr(p),
-                row_scale=None,
-                is_token_in_rank=ptr(h.is_token_in_node),
-                recv_prefix=h.node_prefix.data_ptr(),
-                out=ptr(o),
-                num_tokens=h.num_tokens,
-                num_rows=h.num_forward_rows,
-                **e.combine_check(rank_begin + i, h, row_bytes or y_bytes, dtype, C, statuses.get(rank_begin + i, 0)),
-            )
-            for i, (p, h, o) in enumerate(zip(partials, handles, outs))
-        ],
-        y_bytes,
-        dtype,
-    )
-    return outs
-
-
-def run_dispatch(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    handles: list | None,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    dispatch_ids: list[int | None] | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-) -> list:
-    """Dispatch through the transport's pipeline (``skip_phase`` None: its main kernel)."""
+    Options (keywords, each required): ``num_sms``; ``handles`` (a cached dispatch's, or None);
+    ``num_worst_tokens``; ``skip_rank`` / ``skip_phase`` (tests: that rank's blocks skip a launch;
+    ``skip_phase`` None: the pipeline's main kernel); ``dispatch_ids``; ``statuses`` (rank -> a
+    refusing rank's header status); ``check`` (raise what the launches recorded, between them)."""
     if t.fused:
-        return _fused_dispatch(
-            t,
-            inputs,
-            num_experts,
-            num_sms=num_sms,
-            handles=handles,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=skip_rank,
-            skip_phase=skip_phase or "dispatch",
-            dispatch_ids=dispatch_ids,
-            statuses=statuses,
-            check=check,
-        )
-    if check_budget(num_worst_tokens) >= 0:
-        raise ValueError(
-            "num_worst_tokens needs Config.internode_pipeline='fused' (the staged pipeline reads its "
-            "counts on the host)"
-        )
-    return _staged_dispatch(
-        t,
-        inputs,
-        num_experts,
-        num_sms=num_sms,
-        handles=handles,
-        skip_rank=skip_rank,
-        skip_phase=skip_phase or "node_dispatch",
-        dispatch_ids=dispatch_ids,
-        statuses=statuses,
-        check=check,
-    )
+        return _fused_dispatch(t, inputs, num_experts, **options)
+    from .experimental import staged_dispatch
+
+    return staged_dispatch(t, inputs, num_experts, **options)
 
 
 def run_combine(
@@ -935,12 +592,10 @@ def run_combine(
     """Combine through the transport's pipeline (``skip_phase`` None: its main kernel);
     ``row_bytes``: what the headers say of a row, the caller's before padding (None: y's)."""
     if t.fused:
-        return _fused_combine(
-            t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "combine", statuses, row_bytes
-        )
-    return _staged_combine(
-        t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase or "node_combine", statuses, check, row_bytes
-    )
+        return _fused_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase, statuses, row_bytes)
+    from .experimental import staged_combine
+
+    return staged_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase, statuses, check, row_bytes)
 
 
 def cross_node_bytes(handles: list, ranks_per_node: int, row_bytes: int, rank_begin: int = 0) -> int:
@@ -960,10 +615,9 @@ def cross_node_bytes(handles: list, ranks_per_node: int, row_bytes: int, rank_be
 
 def empty_handle(t: InternodeEngines, rank: int) -> InternodeHandle | StagedInternodeHandle:
     """A handle of no tokens and no rows for ``rank`` (a refusing rank's stand-in)."""
-    N, L, W, device = t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.device
-    C = t.rdma.config.num_channels
-    zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     if t.fused:
+        N, L, W, C, device = t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.config.num_channels, t.rdma.device
+        zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         return InternodeHandle(
             0,
             C,
@@ -983,23 +637,204 @@ def empty_handle(t: InternodeEngines, rank: int) -> InternodeHandle | StagedInte
             0,
             0,
         )
-    local = [
-        IntranodeHandle(
-            0, C, zeros(0, L, dtype=torch.bool), zeros(L * C + 1), 0, zeros(1), zeros(1), 0, peer_ok=zeros(L)
+    from .experimental import empty_staged_handle
+
+    return empty_staged_handle(t)
+
+
+class InternodeBuffers(RankBuffers):
+    """This process's rank of the internode kernels, for an EP group of W = N x L ranks, one
+    process each (PE = group rank): its RDMA buffer, its node's NVLink buffers
+    (:attr:`node_buffers`) and :attr:`engine` over them.
+
+    On GPUs (one each) stage 1 puts over NVSHMEM (put-with-signal to the PE of the same local
+    index; :class:`~moe_dispatch.transport.kernels.nvshmem.NvshmemWorld`) and stage 2 runs on
+    CUDA IPC buffers. On CPU (``device="cpu"``) every rank's RDMA buffer is shared memory that
+    every rank maps, the puts are copies (the kernels' CPU backend in loopback mode) and the
+    NVLink buffers are :class:`~moe_dispatch.transport.kernels.intranode.IntranodeBuffers` on
+    their CPU path: the multi-process path is tested without GPUs.
+
+    Pipelines: ``Config.internode_pipeline`` (the module doc). What synchronises (fused): a fresh
+    dispatch without ``num_worst_tokens`` reads its receive count once (R and R1 in one read);
+    with it, nothing waits for the host; cached dispatch and combine never do. Mismatched calls
+    (header.py) are recorded, and :meth:`check_errors` raises them as
+    :class:`~moe_dispatch.transport.kernels.header.MismatchError`.
+
+    Args:
+        group: the EP process group (NCCL on GPUs, gloo on CPU); ranks ``[n L, (n+1) L)`` form
+            node n.
+        rank: this rank's index in the group.
+        ranks_per_node: L (<= 16, the NVLink domain of stage 2).
+        hidden, num_topk, element_bytes: the largest rows moved (sizes slots).
+        config: :class:`Config` (``num_slots % chunk_tokens == 0``); every rank passes the same.
+        timeout_s: bound of every wait inside the kernels.
+        device: None (the current CUDA device), a CUDA device, or ``"cpu"``.
+
+    Raises:
+        ValueError: ranks_per_node not dividing W, hidden, num_topk (in [1, 32]) or
+            element_bytes out of range, a Config the RDMA stage cannot use, or a device that is
+            neither CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device
+            without a GPU, or the extension is not built.
+
+    Collective: every rank constructs it together (NVSHMEM init or shared memory, the node
+    groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        ranks_per_node: int,
+        hidden: int,
+        num_topk: int,
+        *,
+        config: Config | None = None,
+        element_bytes: int = 2,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+    ):
+        world_size = dist.get_world_size(group)
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
+        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=1)
+        self.config = config or Config()
+        check_rdma_config(self.config)
+        self.device, _ = resolve_device("cuda" if device is None else device)  # before anything collective
+        # The kernel refuses it at the first dispatch; refused here, at construction.
+        fused = self.config.internode_pipeline == "fused"
+        if fused and self.device.type == "cuda" and self.config.copy_variant != Config().copy_variant:
+            raise ValueError(
+                "the fused kernels' NVSHMEM mode is compiled for the current copies only (Config.loads_in_flight=4, "
+                f"rows_in_flight=1, bulk_copy=False, register_cap=True), got {self.config.copy_variant}; the copy "
+                "variants run in loopback mode (InternodeLoopback)"
+            )
+        C = require_extension()
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
+        on_gpu = self.device.type == "cuda"
+        timeout = default_timeout_s(timeout_s)
+        layout = C.internode_rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
+        # Every rank creates every node group, in the same order (new_group is collective).
+        node = rank // L
+        node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
+        self.node_buffers = IntranodeBuffers(
+            node_groups[node],
+            rank % L,
+            hidden,
+            num_topk,
+            config=self.config,
+            element_bytes=element_bytes,
+            timeout_s=timeout,
+            device=self.device,
+            relay_nodes=N,
         )
-        for _ in range(N)
-    ]
-    return StagedInternodeHandle(
-        0,
-        C,
-        zeros(0, W, dtype=torch.bool),
-        zeros(0, N, dtype=torch.bool),
-        zeros(N * C + 1),
-        zeros(N),
-        [0] * (N + 1),
-        zeros(0, L, dtype=torch.bool),
-        local,
-        0,
-        0,
-        0,
-    )
+        nodes = {node: self.node_buffers.engine} if self.config.internode_pipeline == "staged" else {}
+        self.nvshmem, self._rdma_own, self._rdma_peers, self.error_host = None, None, {}, None
+        symmetric, error_host_ptr = None, None
+        if on_gpu:
+            self.nvshmem = NvshmemWorld(group, self.device, symmetric_heap_bytes(layout.total_bytes))
+            symmetric = self.nvshmem.malloc(layout.total_bytes)
+            self.error_host = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32).pin_memory()
+            error_host_ptr = C.host_device_pointer(self.error_host.data_ptr())
+        else:
+            self._rdma_own = SharedMemoryBuffer(layout)
+        try:
+            rdma = RdmaEngine(
+                N,
+                L,
+                self.config,
+                slot_bytes,
+                map_peers(self._rdma_own, group, rank, world_size, self._rdma_peers) if not on_gpu else [],
+                symmetric,
+                self.node_buffers.engine.buffers,
+                node * L,
+                torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device),
+                error_host_ptr,
+                "cuda" if on_gpu else "cpu",
+                "nvshmem" if on_gpu else "loopback",
+                timeout,
+                records=Records(1, self.device, mirror=on_gpu),
+                rank_begin=rank,
+            )
+            self.engine = InternodeEngines(N, L, rdma, nodes)
+            dist.barrier(group=group)  # every rank has mapped every buffer
+        except BaseException:
+            if not on_gpu:
+                self.close()  # leave no mapping or shared-memory file behind (local: no collective)
+            raise
+        if not on_gpu:
+            self._rdma_own.mapped()
+
+    @property
+    def launches(self) -> int:
+        return self.engine.rdma.launches + self.node_buffers.engine.launches
+
+    @property
+    def records(self) -> list[Records]:
+        return [self.engine.rdma.records, *(e.records for e in self.engine.nodes.values())]
+
+    def notify(self, inp, num_experts, *, num_sms, num_worst_tokens, dispatch_id, outs=None) -> InternodeHandle:
+        """The fused pipeline's notify (the staged one learns its routing by a :meth:`dispatch`)."""
+        (handle,), _ = fused_notify(
+            self.engine,
+            [inp],
+            num_experts,
+            num_sms=num_sms,
+            num_worst_tokens=num_worst_tokens,
+            skip_rank=None,
+            dispatch_ids=[dispatch_id],
+            statuses={},
+            outs=[outs] if outs else None,
+        )
+        return handle
+
+    def launch_dispatch(self, inp, handle, outs, num_experts) -> None:
+        """The fused pipeline's dispatch launch."""
+        _, num_topk, x_bytes, scale_bytes = dispatch_shape(
+            [inp], self.engine.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
+        )
+        fused_launch(self.engine, [inp], [handle], [outs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
+
+    def _run_dispatch(self, inputs, num_experts, **options) -> list:
+        return run_dispatch(self.engine, inputs, num_experts, **options, check=False)
+
+    def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
+        return run_combine(
+            self.engine, self.rank, [y], [handle], [row_scale], None, None, statuses, check=False, row_bytes=row_bytes
+        )[0]
+
+    def empty_handle(self) -> InternodeHandle | StagedInternodeHandle:
+        return empty_handle(self.engine, self.rank)
+
+    def check_timeout(self) -> None:
+        """Raises :class:`InternodeTimeoutError` for a wait of the RDMA engine's launches or of the
+        node engine's (the staged pipeline's stage 2: its ranks made global)."""
+        L, node = self.ranks_per_node, self.node_buffers
+        record = recorded(self.error_host, self.engine.rdma.error)
+        if record:
+            raise InternodeTimeoutError(
+                *describe_timeout(record, self.engine.rdma.timeout_s, L, fused=self.engine.fused)
+            )
+        record = recorded(node.error_host, node.engine.error)
+        if record:
+            raise InternodeTimeoutError(*describe_timeout(record, node.engine.timeout_s, L, node=self.rank // L))
+
+    def check_mismatches(self) -> None:
+        self.engine.check_mismatches(synchronize=False)  # the node engine's with global ranks
+
+    def close(self) -> None:
+        """Frees the buffers, finalizes NVSHMEM, unmaps the node's IPC buffers (collective)."""
+        if self.nvshmem is not None:
+            self.nvshmem.close()
+        else:
+            for address in self._rdma_peers.values():
+                self._rdma_own.close_peer(address)
+            self._rdma_peers = {}
+            if self._rdma_own is not None:
+                self._rdma_own.free()
+        self.node_buffers.close()
+
+
+def group_rank(group: dist.ProcessGroup, index: int) -> int:
+    """The global rank of ``group``'s rank ``index`` (new_group takes global ranks)."""
+    return dist.get_global_rank(group, index)

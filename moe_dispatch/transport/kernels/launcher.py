@@ -1,25 +1,26 @@
-"""What the kernel transports share: the launcher, wait bounds and timeout records, pointer and
-alignment checks, the preparation of a rank's dispatch input and the assembly of its results,
-and the front end of the one-rank-per-process transports.
+"""What the kernels' engines share to launch: :class:`Launcher` (the typed ``_C`` launch), wait
+bounds and timeout records, pointer and alignment checks, a rank's prepared dispatch input
+(:class:`RankInput`), the shapes and headers of a launch and the assembly of its results, and
+:class:`RankBuffers`, the interface of a rank's buffers in its own process.
 
-:mod:`.intranode`, :mod:`.internode` and :mod:`.nvshmem` build their engines on :class:`Launcher`
-and run every dispatch through :func:`prepare_input` / :func:`dispatch_fields` /
-:func:`assemble_results`; the loopback harnesses (:mod:`moe_dispatch.testing.loopback`) too.
-:class:`RankTransport` is the dispatch / combine / refusal of ``IntranodeTransport`` and
-``nvshmem.InternodeTransport``. Importable without the extension (only the launches need it).
+:mod:`.intranode` and :mod:`.internode` build their engines on :class:`Launcher` and run every
+dispatch through :func:`dispatch_fields` / :func:`assemble_results`; the tests' harnesses
+(:mod:`moe_dispatch.testing`) prepare their inputs with :func:`prepare_input`. Importable without
+the extension (only the launches need it).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import os
 
 import torch
 
-from .._ext import require_extension
-from ..config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
-from ..errors import CommError
+from ..._ext import require_extension
+from ...config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
+from ...errors import CommError
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records, header_words
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
@@ -312,12 +313,17 @@ class RankInput:
     rank: int
     x: torch.Tensor
     scales: torch.Tensor | None
-    topk_idx: torch.Tensor  # int64 ([T, 0] when no top-k travels)
+    topk_idx: torch.Tensor  # [T, K], made contiguous int64 ([T, 0] when no top-k travels)
     topk_weights: torch.Tensor | None
-    is_token_in_rank: torch.Tensor
+    is_token_in_rank: torch.Tensor  # [T, W] bool, made contiguous
     topk_dtype: torch.dtype | None  # the caller's; None: no topk_idx given
     token_ids: torch.Tensor | None = None  # [T] int32: what receivers record as a row's source token (None: t)
     row_bytes: int | None = None  # the header's row bytes: the caller's row before padding (None: x's)
+
+    def __post_init__(self) -> None:
+        # What the launches read, whoever made the input: no copy where it already is.
+        self.topk_idx = self.topk_idx.to(torch.int64).contiguous()
+        self.is_token_in_rank = self.is_token_in_rank.contiguous()
 
 
 class Launcher:
@@ -461,9 +467,9 @@ def prepare_input(
     when ``validate``, a host sync) and ``topk_weights`` (``[T, K]`` fp32 or None). With a
     ``handle`` (any transport's: its ``is_token_in_rank`` is replayed) ``topk_idx`` may be None:
     a cached dispatch of x alone. Raises ValueError / TypeError naming the argument."""
-    from ..ops.layout import get_dispatch_layout
-    from ..ops.quant import check_fp8_pair
-    from ..semantics.validation import check_hidden, check_topk_idx, check_topk_weights
+    from ...ops.layout import get_dispatch_layout
+    from ...ops.quant import check_fp8_pair
+    from ...semantics.validation import check_hidden, check_topk_idx, check_topk_weights
 
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -506,75 +512,7 @@ def prepare_input(
         is_token_in_rank = handle.is_token_in_rank
     else:
         is_token_in_rank = get_dispatch_layout(topk_idx, num_experts, world_size, world_size, validate=False)[3]
-    return RankInput(
-        rank,
-        x,
-        scales,
-        topk_idx.to(torch.int64).contiguous(),
-        topk_weights,
-        is_token_in_rank.contiguous(),
-        topk_idx.dtype,
-    )
-
-
-def check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:
-    """A loopback call's per-rank lists and E; returns ``topk_idxs`` (one None per rank when None)."""
-    if topk_idxs is None:
-        topk_idxs = [None] * world_size
-    if len(xs) != world_size or len(topk_idxs) != world_size:
-        raise ValueError(f"pass one x and one topk_idx per rank ({world_size}), got {len(xs)} and {len(topk_idxs)}")
-    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size:
-        raise ValueError(f"num_experts must be a positive multiple of {world_size}, got {num_experts!r}")
-    return topk_idxs
-
-
-def prepare_inputs(
-    xs: list,
-    topk_idxs: list,
-    topk_weights: list | None,
-    num_experts: int,
-    device: torch.device,
-    validate: bool,
-    handles: list | None,
-) -> list[RankInput]:
-    """:func:`prepare_input` for every rank of a loopback call (lists already checked)."""
-    weights = topk_weights if topk_weights is not None else [None] * len(xs)
-    return [
-        prepare_input(
-            r,
-            xs[r],
-            topk_idxs[r],
-            weights[r],
-            num_experts,
-            len(xs),
-            device,
-            validate,
-            handles[r] if handles is not None else None,
-        )
-        for r in range(len(xs))
-    ]
-
-
-def refusing_inputs(inputs: list[RankInput], status: dict[int, int] | None) -> list[RankInput]:
-    """``inputs`` with no tokens on the ranks that refuse (a non-zero ``status``)."""
-    if not status:
-        return inputs
-    for code in status.values():
-        if not isinstance(code, int) or code == 0:
-            raise ValueError(f"status must map ranks to non-zero ints, got {status!r}")
-    return [empty_input(inp) if inp.rank in status else inp for inp in inputs]
-
-
-def empty_input(inp: RankInput) -> RankInput:
-    """``inp`` with no tokens (its shapes otherwise kept)."""
-    return dataclasses.replace(
-        inp,
-        x=inp.x[:0],
-        scales=inp.scales[:0] if inp.scales is not None else None,
-        topk_idx=inp.topk_idx[:0],
-        topk_weights=inp.topk_weights[:0] if inp.topk_weights is not None else None,
-        is_token_in_rank=inp.is_token_in_rank[:0],
-    )
+    return RankInput(rank, x, scales, topk_idx, topk_weights, is_token_in_rank, topk_idx.dtype)
 
 
 def dispatch_shape(
@@ -731,7 +669,7 @@ def check_combine(
 ) -> tuple[int, torch.dtype, int]:
     """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
     handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
-    from ..semantics.validation import check_hidden
+    from ...semantics.validation import check_hidden
 
     if len(ys) != len(handles):
         raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
@@ -797,19 +735,24 @@ def refusal_input(rank: int, world_size: int, device: torch.device) -> RankInput
     )
 
 
-class RankTransport:
-    """Dispatch and combine of a transport that serves one rank per process
-    (:class:`~moe_dispatch.transport.intranode.IntranodeTransport`,
-    :class:`~moe_dispatch.transport.nvshmem.InternodeTransport`): the argument checks, the refusal
-    a rank runs instead of an operation whose arguments it cannot use (its peers finish at once
-    and record why, instead of waiting out their timeout), and the synchronisation after.
+def recorded(mirror: torch.Tensor | None, record: torch.Tensor) -> list[int] | None:
+    """A kernel error record as ints, or None when clear, read without a device synchronisation:
+    from its pinned host mirror on a GPU (whose flag is written last), from the record itself on
+    the CPU backend (host memory)."""
+    values = (mirror if mirror is not None else record).numpy().tolist()
+    return values if values[0] or (mirror is None and values[1]) else None
 
-    A subclass sets ``rank``, ``world_size``, ``device`` and ``config`` and provides
-    ``_launches()`` (kernel launches so far: a refusal only happens before any),
-    ``_dispatch_ranks`` (its topology's ``run_dispatch`` over its engines), ``_run_combine``
-    (this rank's combine, with the header statuses of the refusing ranks), ``_empty_handle()``
-    (a handle of no rows), ``_check_finished()`` (raise what the CPU backend's finished launches
-    recorded) and ``check_errors()``.
+
+class RankBuffers(abc.ABC):
+    """This process's rank of the kernels, one rank per process: its communication buffers
+    (shared with the peers' processes), the engine over them, and each operation for this one
+    rank. :class:`~moe_dispatch.transport.kernels.transport.KernelTransport` drives one; so do the
+    tests' :mod:`moe_dispatch.testing.ranks`.
+
+    Subclasses: ``intranode.IntranodeBuffers`` (one node) and ``internode.InternodeBuffers``
+    (several). They set ``rank``, ``world_size``, ``device`` and ``config``. Every operation is
+    collective (every rank of the group calls it) and launches at once; none checks its
+    arguments against the peers' on the host (the kernels' headers do, on the device).
     """
 
     rank: int
@@ -817,60 +760,52 @@ class RankTransport:
     device: torch.device
     config: Config
 
-    def dispatch(
+    @property
+    @abc.abstractmethod
+    def launches(self) -> int:
+        """Kernel launches on these buffers so far (a refusal only happens before any)."""
+
+    @property
+    @abc.abstractmethod
+    def records(self) -> list[Records]:
+        """The mismatch records the launches write (header.py)."""
+
+    @abc.abstractmethod
+    def notify(
         self,
-        x,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
+        inp: RankInput,
         num_experts: int,
         *,
-        num_sms: int | None = None,
+        num_sms: int,
+        num_worst_tokens: int | None,
+        dispatch_id: int,
+        outs: dict | None = None,
+    ):
+        """A fresh dispatch's notify of ``inp``: returns its handle, for :meth:`launch_dispatch`.
+        Without a budget (``num_worst_tokens`` None) the host reads the receive count; with one,
+        nothing waits for the host and notify fills the padding rows of ``outs`` (the dict of
+        :func:`alloc_outputs`; None: no tables)."""
+
+    @abc.abstractmethod
+    def launch_dispatch(self, inp: RankInput, handle, outs: dict, num_experts: int) -> None:
+        """The dispatch launch of ``inp`` on ``handle`` into ``outs`` (the dict of
+        :func:`alloc_outputs`, whose tensors may be views of the caller's)."""
+
+    def dispatch(
+        self,
+        inp: RankInput,
+        num_experts: int,
+        *,
+        num_sms: int,
         handle=None,
         num_worst_tokens: int | None = None,
         dispatch_id: int | None = None,
+        statuses: dict[int, int] | None = None,
     ):
-        """This rank's dispatch (collective: every rank of the group calls it).
-
-        Args: as :meth:`moe_dispatch.testing.loopback.Loopback.dispatch` (one node) or
-        :meth:`~moe_dispatch.testing.loopback.InternodeLoopback.dispatch` (several) for one rank
-        (``x``, ``topk_idx``, ``topk_weights``, ``handle``, ``dispatch_id``). Returns this rank's
-        result (:class:`~moe_dispatch.transport.intranode.RankDispatch`,
-        :class:`~moe_dispatch.transport.internode.InternodeDispatch`). Raises ValueError /
-        TypeError for bad arguments (after taking part with a refusal, so the peers finish at
-        once and record it), :class:`~moe_dispatch.transport.header.MismatchError` when the
-        peers' calls differ, :class:`IntranodeTimeoutError` / :class:`InternodeTimeoutError` for
-        a wait that ran out."""
-        self.check_errors()
-
-        def run():
-            self._check_handle(handle, required=False)
-            inp = prepare_input(
-                self.rank, x, topk_idx, topk_weights, num_experts, self.world_size, self.device, handle=handle
-            )
-            return self._run_dispatch(
-                inp, num_experts, num_sms or self.config.num_sms, handle, num_worst_tokens, dispatch_id
-            )
-
-        result = self._refusing(OP_DISPATCH if handle is None else OP_CACHED_DISPATCH, run)
-        self._after(synchronized=handle is None and not num_worst_tokens)
-        return result
-
-    def combine(self, y: torch.Tensor, handle, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's combine (collective; never synchronises the host on a GPU): ``[T, H]`` in
-        y's dtype. Raises as :meth:`dispatch`."""
-        self.check_errors()
-
-        def run():
-            self._check_handle(handle, required=True)
-            return self._run_combine(y, handle, row_scale)
-
-        out = self._refusing(OP_COMBINE, run)
-        self._after(synchronized=False)
-        return out
-
-    def _run_dispatch(self, inp, num_experts, num_sms, handle, num_worst_tokens, dispatch_id, statuses=None):
-        """This rank's dispatch of ``inp`` (``statuses``: the refusing ranks' header statuses)."""
-        return self._dispatch_ranks(
+        """A whole dispatch of ``inp``: notify (unless ``handle`` is given: a cached dispatch),
+        then the dispatch launch into new outputs; returns this rank's result. ``statuses``:
+        rank -> non-zero header status (a refusing rank's, see :meth:`refuse`)."""
+        return self._run_dispatch(
             [inp],
             num_experts,
             num_sms=num_sms,
@@ -882,28 +817,47 @@ class RankTransport:
             statuses=statuses,
         )[0]
 
-    def check(self) -> None:
-        """Synchronises with this rank's kernels, then raises as :meth:`check_errors`."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.check_errors()
+    @abc.abstractmethod
+    def _run_dispatch(self, inputs: list[RankInput], num_experts: int, **options) -> list:
+        """The topology's ``run_dispatch`` on this rank's engine (``inputs``: this rank's)."""
 
-    def _check_handle(self, handle, required: bool) -> None:
-        """Raises TypeError for a handle this transport cannot replay (default: the operation checks)."""
+    @abc.abstractmethod
+    def combine(
+        self,
+        y: torch.Tensor,
+        handle,
+        row_scale: torch.Tensor | None = None,
+        statuses: dict[int, int] | None = None,
+        row_bytes: int | None = None,
+    ) -> torch.Tensor:
+        """Combine of ``y [handle.num_rows, H]`` (times ``row_scale``, fp32) onto this rank's
+        tokens: ``[T, H]`` in y's dtype. ``row_bytes``: what the header says of a row, the
+        caller's before padding (None: y's)."""
 
-    def _refusing(self, op: int, run):
-        """``run()``; if it raises ValueError / TypeError before any launch, this rank takes part
-        in ``op`` without rows first (if that fails too, the error is raised caused by why)."""
-        launches = self._launches()
-        try:
-            return run()
-        except (ValueError, TypeError) as err:
-            if self._launches() == launches:
-                try:
-                    self.refuse(op)
-                except CommError as refusal:
-                    raise err from refusal
-            raise
+    @abc.abstractmethod
+    def empty_handle(self):
+        """A handle of no tokens and no rows (a refusing rank's stand-in)."""
+
+    @abc.abstractmethod
+    def check_timeout(self) -> None:
+        """Raises the timeout error a launch recorded (``IntranodeTimeoutError`` /
+        ``InternodeTimeoutError``), without a device synchronisation (:func:`recorded`)."""
+
+    @abc.abstractmethod
+    def check_mismatches(self) -> None:
+        """Raises :class:`~moe_dispatch.transport.kernels.header.MismatchError` for a recorded
+        mismatch (the pinned mirrors on a GPU: no device synchronisation)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Frees the buffers (collective: every rank, after its last launch)."""
+
+    def check_errors(self, mismatches: bool = True) -> None:
+        """Raises a recorded timeout, then (``mismatches``) a recorded header mismatch. Reads host
+        memory only: call it after the launches completed to see theirs."""
+        self.check_timeout()
+        if mismatches:
+            self.check_mismatches()
 
     def refuse(self, op: int, status: int = STATUS_INVALID_ARGUMENTS) -> None:
         """Runs operation ``op`` (header.py's OP_*) with no tokens and header ``status`` (default
@@ -913,17 +867,7 @@ class RankTransport:
         statuses = {self.rank: status}
         inp = refusal_input(self.rank, self.world_size, self.device)
         if op == OP_COMBINE:
-            self._run_combine(inp.x, self._empty_handle(), None, statuses)
+            self.combine(inp.x, self.empty_handle(), None, statuses)
         else:
-            handle = None if op == OP_DISPATCH else self._empty_handle()
-            self._run_dispatch(inp, self.world_size, self.config.num_sms, handle, None, None, statuses)
-
-    def _after(self, synchronized: bool) -> None:
-        """The next synchronisation after an operation: at once on the CPU backend (it has
-        finished); on a GPU when the host just read the notify's count (``synchronized``), from
-        the pinned mirrors, which the notify wrote (reading the device would wait for the
-        dispatch kernel launched since)."""
-        if self.device.type == "cpu":
-            self._check_finished()
-        elif synchronized:
-            self.check_errors()
+            handle = None if op == OP_DISPATCH else self.empty_handle()
+            self.dispatch(inp, self.world_size, num_sms=self.config.num_sms, handle=handle, statuses=statuses)

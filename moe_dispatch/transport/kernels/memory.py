@@ -14,7 +14,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .._ext import require_extension
+from ..._ext import require_extension
 
 
 def map_peers(own, group: dist.ProcessGroup, rank: int, world_size: int, opened: dict[int, int]) -> list[int]:
