@@ -527,7 +527,7 @@ def _mismatch_named_by_the_plan(rank, world_size, buf):
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
     x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
     other = 1 - rank
-    if getattr(buf.transport, "device_checks", False):
+    if buf.transport.capabilities.device_checks:
         match = rf"rank {other} disagrees on the row bytes: {32 + 32 * other} on rank {other}, {32 + 32 * rank} "
     else:
         match = f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"

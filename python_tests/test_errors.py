@@ -444,7 +444,7 @@ def test_store_host_stays_until_every_rank_returned():
 def test_progress_keys_follow_each_group_not_the_process():
     """A rank in two EP groups numbers each group's Buffers on its own, so ranks that made
     Buffers for other groups first still agree on the keys of a shared group."""
-    from moe_dispatch.transport.progress import Progress
+    from moe_dispatch.control.progress import Progress
 
     def index(p):
         return int(p._prefix.rsplit("/", 1)[1])
@@ -458,7 +458,7 @@ def test_progress_keys_follow_each_group_not_the_process():
 def test_agreement_codes_and_messages():
     """Status codes name the argument and the error type; check() names every refusing rank with
     its posted text (or its code), else the first differing field with every rank that differs."""
-    from moe_dispatch.transport import agreement as ag
+    from moe_dispatch.control import agreement as ag
 
     status = ag.status_of(TypeError("topk_weights must have dtype in (float32), got float16"))
     assert ag.describe_status(status) == "a bad topk_weights (TypeError)"
@@ -504,7 +504,7 @@ def test_lost_peer_diagnosis_waits_for_late_notes():
 
     import torch.distributed as dist
 
-    from moe_dispatch.transport import progress as pg
+    from moe_dispatch.control import progress as pg
 
     store = dist.HashStore()
     mine, peers = pg.Progress([10, 11, 12, 13], 0), [pg.Progress([10, 11, 12, 13], r) for r in (1, 2, 3)]

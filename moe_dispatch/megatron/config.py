@@ -110,12 +110,12 @@ class CustomBackendOptions:
     fp8_dispatch: bool | None = None
 
     def __post_init__(self) -> None:
-        from ..transport import TRANSPORTS
+        from ..transport import TRANSPORT_NAMES
 
         if self.fp8_dispatch is not None and not isinstance(self.fp8_dispatch, bool):
             raise ValueError(f"fp8_dispatch must be True, False or None (follow config.fp8), got {self.fp8_dispatch!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
+        if self.transport not in TRANSPORT_NAMES:
+            raise ValueError(f"transport must be one of {TRANSPORT_NAMES} (the Buffer's), got {self.transport!r}")
         if (
             self.kernel_config is not None
             and self.kernel_config != "auto"

@@ -432,8 +432,9 @@ class CustomDispatchManager(_DispatchManager):
         num_tokens = hidden_states.shape[0]
         buffer = self.buffer_for(hidden_states.device)
         async_finish = self._async(async_finish, hidden_states.device)
-        if self.fused and not self.fp8_dispatch and getattr(buffer.transport, "fuses_layout", False):
-            # the rows land expert-major straight from the receive buffer (torch_dist)
+        budget = self.budget(num_tokens)
+        if self.fused and not self.fp8_dispatch and not (budget and buffer.transport.capabilities.budget_on_device):
+            # the rows land expert-major (straight from the receive buffer with torch_dist)
             out, self.dispatched_probs, _, handle, event = buffer.dispatch_to_experts(
                 hidden_states.contiguous(),
                 self.token_indices,
@@ -451,11 +452,10 @@ class CustomDispatchManager(_DispatchManager):
             self._blocks(state, handle.permute)
             self._inflight = state
             return out
-        # The kernels (a static receive in budget mode: no host sync) and fp8 rows: permuted after.
+        # The kernels' budget mode (a static receive: no host sync) and fp8 rows: permuted after.
         # The receive is static with the expert input's budget P: a received row holds at least
         # one (token, local expert) pair, each taking a row of the expert input, so more rows than
         # P overflow that input anyway (drop-and-pad drops per expert in the permute instead).
-        budget = self.budget(num_tokens)
         launch = {
             "async_finish": async_finish,
             "allocate_on_comm_stream": allocate_on_comm_stream,

@@ -42,7 +42,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ..transport.base import in_stream_order_wait
+from ..runtime.queue import in_stream_order_wait
 
 _LOCK = threading.Lock()
 _ACTIVE = [0]  # nesting depth of no_host_sync blocks (the patches are process-wide)

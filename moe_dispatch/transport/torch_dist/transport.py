@@ -7,7 +7,7 @@ Dispatch:
   metadata (group: all EP ranks, the one of the argument checks, in the Buffer's queue): each
     source tells each destination d how many of its tokens reach d's node and each rank of d's
     node, per sub-range of its tokens, plus its own send sizes by either route, behind its
-    agreement row (:mod:`moe_dispatch.transport.agreement`). From that every rank knows every
+    agreement row (:mod:`moe_dispatch.control.agreement`). From that every rank knows every
     split below and its receive count before any payload moves (so outputs can be allocated up
     front and the payload can move asynchronously), and every rank takes the same route. Small
     calls' rows travel in the same blocks (one collective per dispatch and per combine, see
@@ -73,11 +73,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ...control import ControlPlane
+from ...control.agreement import AGREE_WORDS, Field
 from ...semantics.permute import PermuteHandle
 from ...topology import Topology
-from ..agreement import AGREE_WORDS
-from ..base import Field, Steps
-from ..progress import Progress
+from ..base import Capabilities, Steps, Transport, TransportOptions
 from .blocks import Agreement, Blocks, begin, complete
 from .collectives import ALL_COMM, Collectives
 from .packing import Carried, field_views, land, packed_width, specs_of
@@ -88,53 +88,50 @@ from .sums import flat_sums, row_scales, unpermute
 from .tuning import NUM_CHUNKS
 
 
-class TorchDistTransport:
+class TorchDistTransport(Transport):
     """Hierarchical dispatch/combine for one EP group over torch.distributed (a
     :class:`~moe_dispatch.transport.base.Transport`).
 
     Args:
-        group: the EP process group (gloo or NCCL).
+        control: the EP group's control plane (its host group carries the argument checks, and on
+            gloo every collective of the Buffer's queue).
         topology: this rank's place in the group.
-        timeout_s: bound on every collective; a peer that never joins makes it raise
-            :class:`~moe_dispatch.errors.CommError` naming the operation and the peers.
-        num_chunks: the two-stage pipeline depth (module docstring), the same on every rank; 1
-            runs the stages one after the other. None (default): the route and depth follow each
-            dispatch's size (flat for small calls and for worlds of one node or one rank per
-            node, or little de-duplication; one chunk per :data:`.tuning.CHUNK_BYTES`, at most
-            :data:`.tuning.NUM_CHUNKS`).
+        options: ``timeout_s`` bounds every collective (a peer that never joins makes it raise
+            :class:`~moe_dispatch.errors.CommError` naming the operation and the peers);
+            ``num_chunks`` is the two-stage pipeline depth (module docstring), the same on every
+            rank; 1 runs the stages one after the other. None (default): the route and depth
+            follow each dispatch's size (flat for small calls and for worlds of one node or one
+            rank per node, or little de-duplication; one chunk per :data:`.tuning.CHUNK_BYTES`,
+            at most :data:`.tuning.NUM_CHUNKS`).
 
     Raises:
         ValueError: ``num_chunks`` is neither None nor a positive int.
 
-    Collective: construction creates the sub-groups and must be called by every rank of
-    ``group`` (each rank joins its own inter-node, intra-node and all-ranks groups; on NCCL also
-    a gloo group of all ranks for the argument checks, :meth:`agree`). :meth:`close` destroys
-    them.
+    Collective: construction creates the sub-groups and must be called by every rank of the EP
+    group (each rank joins its own inter-node, intra-node and, on NCCL, all-ranks groups).
     """
 
-    # A fresh dispatch's counts travel in the Buffer's one queue, on the group of the checks: every
-    # first collective of an operation is the same block exchange, so ranks running different
-    # operations (or a dispatch sized on one rank and num_worst_tokens on another) get a ValueError.
-    plans_on_comm_thread = True
-    # dispatch / forward / combine take the fused permute (``permute``, ``permuted``) and the
-    # argument check to overlap (``check``) as keywords (see base.Transport).
-    fuses_layout = True
+    name = "torch_dist"
+    # A fresh dispatch's counts travel in the Buffer's one queue, on the group of the checks, behind
+    # every rank's agreement row: every first collective of an operation is the same block exchange,
+    # so ranks running different operations (or a dispatch sized on one rank and num_worst_tokens on
+    # another) get a ValueError.
+    capabilities = Capabilities(checks_in_plan=True)
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_chunks: int | None = None):
+    def __init__(self, control: ControlPlane, topology: Topology, options: TransportOptions):
+        super().__init__(control, topology, options)
+        num_chunks = options.num_chunks
         if num_chunks is not None and not (isinstance(num_chunks, int) and num_chunks >= 1):
             raise ValueError(f"num_chunks must be a positive int or None (automatic), got {num_chunks!r}")
-        self.topology = topology
-        self.timeout_s = timeout_s
+        self.timeout_s = options.timeout_s
         self.num_chunks = num_chunks
         # The count sub-ranges of a fresh dispatch, and the words of every block's header: the
         # agreement row, the rows of payload the block carries (-1: none), the sender's sizes,
         # then its counts for the destination, per sub-range.
         self._subs = num_chunks or (NUM_CHUNKS if two_stage_world(topology) else 1)
         header_words = AGREE_WORDS + 1 + NUM_SIZES + self._subs * (topology.ranks_per_node + 1)
-        group_ranks = dist.get_process_group_ranks(group)
-        self._links_key = (tuple(group_ranks), topology.ranks_per_node)  # see _links
-        self.progress = Progress(group_ranks, topology.rank)
-        self.comm = Collectives(group, topology, timeout_s, self.progress)
+        self._links_key = (tuple(control.group_ranks), topology.ranks_per_node)  # see _links
+        self.comm = Collectives(control, topology, control.backend)
         self.blocks = Blocks(self.comm, header_words)
 
     @property
@@ -143,24 +140,14 @@ class TorchDistTransport:
         return self.comm.groups
 
     def close(self) -> None:
-        """Waits at a barrier until every rank's last collective is done, then :meth:`release`
-        (collective: every rank, after its last operation; the payload lives in the tensors of
-        each call, nothing else to free).
-
-        Raises:
-            CommError: a peer did not reach the barrier within ``timeout_s`` (released anyway).
-        """
-        try:
-            self.comm.close()
-        finally:
-            self.release()
+        """Frees this transport's own sub-groups (local: the runtime's barrier on the control
+        plane came first; the payload lives in the tensors of each call, nothing else to free)."""
+        self.comm.close()
 
     def release(self) -> None:
         """Frees what needs no peer (local, no collective; what a Buffer dropped without close()
-        gets): destroys this transport's process groups, ends the progress writer thread and
-        removes this rank's store keys. Idempotent."""
+        gets): destroys this transport's own process groups. Idempotent."""
         self.comm.release()
-        self.progress.close()
 
     def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Agreement:
         """The argument check of an operation whose sizes are not exchanged (combine, cached
@@ -170,7 +157,7 @@ class TorchDistTransport:
         would abort inside gloo, or hang or read garbage on NCCL, had the payload moved first.
         Given to :meth:`combine` or :meth:`forward` as ``check``, the flat route's rows travel in
         the same blocks where they fit (:data:`.tuning.FUSED_BYTES`). The wire format and the
-        messages: :mod:`moe_dispatch.transport.agreement`.
+        messages: :mod:`moe_dispatch.control.agreement`.
 
         Args:
             fields: at most ``AGREE_FIELDS`` fields, the operation first (same keys on every rank).
@@ -209,9 +196,12 @@ class TorchDistTransport:
         is_token_in_rank: torch.Tensor,
         fields: dict[str, Field],
         what: str = "dispatch",
-        on_comm_thread: bool = False,
+        *,
         status: int = 0,
         rows: list[torch.Tensor] | None = None,
+        topk_idx: torch.Tensor | None = None,
+        num_rows: int | None = None,
+        dispatch_id: int = 0,
     ) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan` (its route
         is chosen by the first payload transfer); one block exchange on the all-ranks group, the
@@ -223,11 +213,9 @@ class TorchDistTransport:
                 per-node counts are taken per sub-range of the tokens from it.
             fields: arguments that must agree on every rank (ints, bools, dtypes, the same keys
                 everywhere). They ride in front of the counts, after this rank's status
-                (:mod:`~moe_dispatch.transport.agreement`), so they are compared before any
+                (:mod:`~moe_dispatch.control.agreement`), so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
                 hold (a size mismatch inside a collective aborts the process instead of raising).
-            on_comm_thread: unused: the steps always run in the Buffer's one queue
-                (``plans_on_comm_thread``), as every collective of this transport.
             status: 0, or this rank's refusal: then ``is_token_in_rank`` is ``[0, W]`` (zero
                 counts), the fields are -1, and every rank raises after the exchange.
             rows: the dispatch's row tensors ``[T, ...]`` (what :meth:`dispatch` will get), or
@@ -235,6 +223,8 @@ class TorchDistTransport:
                 :data:`.tuning.FUSED_BYTES`) they travel with the counts, and if every rank's did
                 and the route is flat, :meth:`dispatch` only lands them: one collective per
                 dispatch.
+            topk_idx, num_rows, dispatch_id: unused (the counts size the receive; see
+                :meth:`~moe_dispatch.transport.base.Transport.plan`).
 
         Raises (from the steps):
             ValueError: a rank refused (naming each and quoting its error), or naming the first
@@ -264,7 +254,7 @@ class TorchDistTransport:
         host = torch.cat([got.flatten(), per_sub.flatten()]).tolist()
         words = got.shape[1]
         rows_of = [host[w * words : (w + 1) * words] for w in range(world)]
-        self.blocks.verify([r[:AGREE_WORDS] for r in rows_of], checked, what)
+        self.control.verify([r[:AGREE_WORDS] for r in rows_of], checked, what)
         plan = plan_from_headers(
             rows_of, host[world * words :], is_token_in_rank, in_node, bounds, send_idx, topo, sizes_at
         )

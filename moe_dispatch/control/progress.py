@@ -30,14 +30,12 @@ that rank.
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import threading
 import time
 
-import torch.distributed as dist
+from .store import READ_TIMEOUT_S, bounded, default_store, group_key
 
-READ_TIMEOUT_S = 2.0
 FLUSH_INTERVAL_S = 0.05
 IDLE_INTERVALS = 20  # flush intervals without a mark after which the writer sleeps until the next one
 # How long a diagnosis after a lost connection waits for the live peers' notes and marks: many times
@@ -48,40 +46,6 @@ REFUSAL_SLOTS = 8  # a rank's refusal texts rotate over this many keys (read by 
 # Progress objects made in this process per group: the n-th on a group is the n-th on every rank
 # of it (Buffers are created collectively), whatever Buffers of other groups came before.
 _MADE_PER_GROUP: dict[str, itertools.count] = collections.defaultdict(itertools.count)
-
-
-def group_key(group_ranks: list[int]) -> str:
-    """A short name of a group (its global ranks) for store keys."""
-    return hashlib.sha1(",".join(map(str, group_ranks)).encode()).hexdigest()[:12]
-
-
-def default_store():
-    """torch.distributed's default store, or None (a custom process group without one)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
-def bounded(fn, timeout_s: float = READ_TIMEOUT_S):
-    """Runs ``fn()`` on a daemon thread and waits for it at most ``timeout_s``.
-
-    Returns:
-        ``(True, result)``, ``(False, exception)`` when it raised, ``(False, None)`` when it did
-        not answer in time (the thread is left to finish on its own).
-    """
-    answer: list = []
-
-    def run():
-        try:
-            answer.append((True, fn()))
-        except Exception as err:  # noqa: BLE001 - handed to the caller
-            answer.append((False, err))
-
-    thread = threading.Thread(target=run, name="moe_dispatch-store", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return answer[0] if answer else (False, None)
 
 
 def _latest(store, key: str) -> tuple[int, str] | None:

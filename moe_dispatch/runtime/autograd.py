@@ -1,8 +1,8 @@
 """Dispatch and combine as autograd Functions, each the other's backward (they are adjoint:
 dispatch copies a token to every rank that holds it, combine sums those copies back).
 
-The Functions only wire gradients; a Buffer's :class:`~moe_dispatch.buffer.Transfers` moves
-the data, launched as the per-call :class:`~moe_dispatch.transport.base.Call` says (sync,
+The Functions only wire gradients; a Buffer's :class:`~.transfers.Transfers` moves
+the data, launched as the per-call :class:`~.calls.Call` says (sync,
 async, or up to a receive hook). Backward passes run synchronously, except that a dispatch
 given a ``wgrad_store`` launches its gradient combine first and runs the delayed weight
 gradients while it is in flight.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .transport.base import Call
+from .calls import Call
 
 
 class DispatchFn(torch.autograd.Function):

@@ -26,7 +26,7 @@ collective.
 
 After the collective every rank checks every row with :func:`check`: refusals first (a
 ValueError naming each refusing rank and quoting its error, which it posted in the store
-before the check: :meth:`~moe_dispatch.transport.progress.Progress.post_refusal`), then the
+before the check: :meth:`~moe_dispatch.control.progress.Progress.post_refusal`), then the
 first field that differs (naming the ranks and both values). A refusing rank catches that
 ValueError and raises its own error. Every rank completed the same collectives, so the Buffer
 stays usable.
@@ -43,8 +43,10 @@ import re
 import torch
 
 from ..errors import CommError
-from .base import Field
-from .progress import default_store, group_key
+from .store import default_store, group_key
+
+# An argument compared across ranks before a payload moves: what travels in a check's row.
+Field = int | bool | str | torch.dtype
 
 FIELD_DTYPES = (
     torch.float32,
@@ -60,6 +62,17 @@ FIELD_DTYPES = (
     torch.bool,
 )
 FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
+# A fresh dispatch's fields, compared across ranks before its payload moves (in this order).
+DISPATCH_FIELDS = (
+    "num_experts",
+    "top-k",
+    "hidden",
+    "x dtype",
+    "fp8 x",
+    "topk_idx dtype",
+    "topk_weights given",
+    "num_worst_tokens",
+)
 AGREE_FIELDS = 12  # every check on the host group compares this many fields (padded with -1), so ranks that
 # run different operations there compare their first field (the operation) instead of aborting in gloo
 AGREE_WORDS = 1 + AGREE_FIELDS  # the status, then the fields
