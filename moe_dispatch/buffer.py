@@ -16,6 +16,7 @@ from .config import Config, check_config, num_sms_error
 from .control import ControlPlane
 from .control.agreement import DISPATCH_FIELDS, agree_in_store, refusing_fields
 from .control.groups import align_group_count, group_count
+from .errors import ArgumentTypeError, InvalidArgumentError, argument_error, checking
 from .ops.layout import check_topk_idx_cpu, get_dispatch_layout, is_token_in_rank_cpu
 from .ops.permute import check_permute_args
 from .ops.quant import check_fp8_pair
@@ -303,7 +304,6 @@ def _posted_config(config: Config | str | None) -> dict:
 
 # What the ranks post of c10d's group count when they agree Buffer()'s arguments (control.groups).
 _GROUP_COUNT = "c10d group count"
-_ERROR_TYPES = {t.__name__: t for t in (TypeError, ValueError, RuntimeError)}
 _UNCHANGED = "no rank created anything, so a Buffer() with good arguments can follow"
 
 
@@ -314,10 +314,14 @@ def _check_posts(posts: list[dict], rank: int, args: dict) -> None:
     if bad:
         first, error = bad[0]
         others = f" (EP ranks {[r for r, _ in bad[1:]]} refused theirs too)" if len(bad) > 1 else ""
-        raise _ERROR_TYPES.get(error["type"], ValueError)(
+        message = (
             f"EP rank {rank}: Buffer() refused by EP rank {first}{others}: {error['field']}: {error['message']}; "
             f"{_UNCHANGED}"
-        ) from args.get("error")
+        )
+        if error["type"] == "RuntimeError":
+            raise RuntimeError(message) from args.get("error")
+        kind = TypeError if error["type"] == "TypeError" else ValueError  # the posted type, by name
+        raise argument_error(kind, message, argument=error["field"], rank=first) from args.get("error")
     mine = args["posted"]
     for field, value in mine.items():
         differ = [(r, post.get(field)) for r, post in enumerate(posts) if post.get(field) != value]
@@ -328,9 +332,11 @@ def _check_posts(posts: list[dict], rank: int, args: dict) -> None:
                 if field == "ranks_per_node" and args["given_ranks_per_node"] is None
                 else ""
             )
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"EP rank {rank}: Buffer() arguments differ across ranks: {field} is {value!r} here{resolved} but "
-                f"{theirs}; every rank must pass the same ({_UNCHANGED})"
+                f"{theirs}; every rank must pass the same ({_UNCHANGED})",
+                argument=field,
+                rank=differ[0][0],
             )
 
 
@@ -710,13 +716,15 @@ class Buffer:
         with self._transfers.queue.entered("dispatch"):
             try:
                 mode = self._check_call(async_finish, False, previous_event)
-                if isinstance(x, tuple):
-                    raise TypeError(
-                        "dispatch_to_experts takes x as one bf16/fp16/fp32 tensor; dispatch fp8 with dispatch()"
-                    )
+                with checking("x", self.rank):
+                    if isinstance(x, tuple):
+                        raise TypeError(
+                            "dispatch_to_experts takes x as one bf16/fp16/fp32 tensor; dispatch fp8 with dispatch()"
+                        )
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, 0, "raise")
                 layout = (pad_multiple, num_permuted_tokens, expert_capacity)
-                check_permute_args(topk_idx, num_experts // self.world_size, *layout)
+                with checking("arguments", self.rank):  # the layout's arguments together
+                    check_permute_args(topk_idx, num_experts // self.world_size, *layout)
             except (TypeError, ValueError) as err:
                 what = "dispatch (metadata)"
                 self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
@@ -784,41 +792,53 @@ class Buffer:
     def _check_dispatch(self, x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow) -> None:
         """This rank's dispatch arguments (nothing collective; in the sync-free mode the values
         of topk_idx are checked on the device: :meth:`check_errors`)."""
-        if not is_int(num_worst_tokens) or num_worst_tokens < 0:
-            raise ValueError(
-                f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got {num_worst_tokens!r}"
-            )
-        if on_overflow not in ("raise", "drop"):
-            raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
+        with checking("num_worst_tokens", self.rank):
+            if not is_int(num_worst_tokens) or num_worst_tokens < 0:
+                raise ValueError(
+                    f"num_worst_tokens must be an int >= 0 (0: size the outputs from the counts), got "
+                    f"{num_worst_tokens!r}"
+                )
+        with checking("on_overflow", self.rank):
+            if on_overflow not in ("raise", "drop"):
+                raise ValueError(f"on_overflow must be 'raise' or 'drop', got {on_overflow!r}")
         if handle is not None:
             self._check_handle(handle)
-            self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
-            if topk_idx is not None or topk_weights is not None or num_worst_tokens:
-                raise ValueError(
-                    "a cached dispatch (handle=...) replays the handle's routing and row count: "
-                    "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
-                )
+            with checking("x", self.rank):
+                self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
+            with checking("arguments", self.rank):
+                if topk_idx is not None or topk_weights is not None or num_worst_tokens:
+                    raise ValueError(
+                        "a cached dispatch (handle=...) replays the handle's routing and row count: "
+                        "pass topk_idx=None, topk_weights=None and no num_worst_tokens"
+                    )
             return
-        self._check_x(x)
-        if is_int(topk_weights) and num_experts is None:
-            raise TypeError(
-                f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
-                "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
-            )
-        if topk_idx is None or num_experts is None:
-            raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
+        with checking("x", self.rank):
+            self._check_x(x)
+        with checking("topk_weights", self.rank):
+            if is_int(topk_weights) and num_experts is None:
+                raise TypeError(
+                    f"topk_weights got the int {topk_weights}: pass num_experts after topk_weights, "
+                    "dispatch(x, topk_idx, topk_weights, num_experts), or num_experts=... by keyword"
+                )
+        with checking("arguments", self.rank):
+            if topk_idx is None or num_experts is None:
+                raise ValueError("dispatch needs topk_idx and num_experts (or handle= for a cached dispatch)")
         num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
         sync_free = bool(num_worst_tokens) and self._transfers.sync_free
-        check_num_experts(num_experts, self.world_size)  # first: topk_idx's range check assumes a valid E
-        check_topk_idx_cpu(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
+        with checking("num_experts", self.rank):  # first: topk_idx's range check assumes a valid E
+            check_num_experts(num_experts, self.world_size)
+        with checking("topk_idx", self.rank):
+            check_topk_idx_cpu(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
         if topk_weights is not None:
-            check_topk_weights(topk_weights, topk_idx, device=self.device)
+            with checking("topk_weights", self.rank):
+                check_topk_weights(topk_weights, topk_idx, device=self.device)
         if sync_free:
             self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
         else:
             # A call that synchronises anyway: an earlier sync-free dispatch's bad topk_idx is
             # refused here, so the peers learn of it in this call's check instead of waiting.
-            self._transfers.raise_recorded_topk_idx()
+            with checking("topk_idx", self.rank):
+                self._transfers.raise_recorded_topk_idx()
 
     def combine(
         self,
@@ -874,22 +894,29 @@ class Buffer:
     def _check_combine(self, y, handle, topk_weights) -> torch.Tensor | None:
         """This rank's combine arguments (nothing collective); returns the ``[R]`` row scales."""
         self._check_handle(handle)
-        if isinstance(y, tuple):
-            raise TypeError(
-                "combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
-                "format (dequantize the expert output, or keep it in bf16)"
-            )
-        if handle.permute is not None:
-            check_hidden("y", y, self.device, num_rows=handle.permute.num_rows, rows_what="handle (expert-major rows)")
-            if topk_weights is not None:
-                raise ValueError(
-                    "combine of a dispatch_to_experts handle sums the expert outputs unweighted (experts apply "
-                    "the permuted weights themselves): pass topk_weights=None"
+        with checking("y", self.rank):
+            if isinstance(y, tuple):
+                raise TypeError(
+                    "combine takes y as one bf16/fp16/fp32 tensor; fp8 (x_fp8, scales) is a dispatch-only "
+                    "format (dequantize the expert output, or keep it in bf16)"
                 )
-            return None
-        check_hidden("y", y, self.device, num_rows=handle.num_recv_tokens, rows_what="handle (tokens received)")
+            if handle.permute is not None:
+                rows, what = handle.permute.num_rows, "handle (expert-major rows)"
+            else:
+                rows, what = handle.num_recv_tokens, "handle (tokens received)"
+            check_hidden("y", y, self.device, num_rows=rows, rows_what=what)
         if topk_weights is None:
             return None
+        with checking("topk_weights", self.rank):
+            return self._row_scales(handle, topk_weights)
+
+    def _row_scales(self, handle, topk_weights) -> torch.Tensor:
+        """Combine's ``[R]`` row scales from ``topk_weights`` ``[R]`` or ``[R, K]`` fp32."""
+        if handle.permute is not None:
+            raise ValueError(
+                "combine of a dispatch_to_experts handle sums the expert outputs unweighted (experts apply "
+                "the permuted weights themselves): pass topk_weights=None"
+            )
         if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
             got = (
                 str(topk_weights.dtype).removeprefix("torch.")
@@ -938,11 +965,17 @@ class Buffer:
     # -- helpers ---------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}")
+            raise ArgumentTypeError(
+                f"handle must be a DispatchHandle returned by Buffer.dispatch, got {type(handle).__name__}",
+                argument="handle",
+                rank=self.rank,
+            )
         if handle.buffer_id != self._uid:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"handle was made by another Buffer (id {handle.buffer_id}, this is {self._uid}); "
-                "use it with the Buffer that dispatched"
+                "use it with the Buffer that dispatched",
+                argument="handle",
+                rank=self.rank,
             )
 
     @staticmethod
@@ -955,17 +988,20 @@ class Buffer:
                 "hook() has not been called: call hook() before using the handle or its outputs"
             )
 
-    @staticmethod
-    def _check_call(async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None) -> str:
+    def _check_call(self, async_finish: bool, return_recv_hook: bool, previous_event: EventOverlap | None) -> str:
         """The launch mode of an operation's per-call settings."""
         if async_finish and return_recv_hook:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "async_finish=True and return_recv_hook=True exclude each other: the hook variant "
-                "returns before the receive, the async variant completes it in the background"
+                "returns before the receive, the async variant completes it in the background",
+                argument="async_finish",
+                rank=self.rank,
             )
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(
-                f"previous_event must be an EventOverlap returned by this package, got {type(previous_event).__name__}"
+            raise ArgumentTypeError(
+                f"previous_event must be an EventOverlap returned by this package, got {type(previous_event).__name__}",
+                argument="previous_event",
+                rank=self.rank,
             )
         return "hook" if return_recv_hook else "async" if async_finish else "sync"
 

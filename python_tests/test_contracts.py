@@ -13,7 +13,18 @@ from moe_dispatch.transport.base import Capabilities, Plan, Transport, completed
 from moe_dispatch.transport.kernels import KernelPlan, KernelTransport
 from moe_dispatch.transport.torch_dist import TorchDistPlan, TorchDistTransport
 
-OPERATIONS = ("agree", "plan", "dispatch", "forward", "combine", "refuse", "check_errors", "close", "release")
+OPERATIONS = (
+    "agree",
+    "plan",
+    "dispatch",
+    "forward",
+    "combine",
+    "refuse",
+    "refusal",
+    "check_errors",
+    "close",
+    "release",
+)
 
 
 def test_registry():

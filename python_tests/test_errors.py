@@ -456,39 +456,50 @@ def test_progress_keys_follow_each_group_not_the_process():
 
 # -- the agreement's codes and messages (no world) -----------------------------------------------------
 def test_agreement_codes_and_messages():
-    """Status codes name the argument and the error type; check() names every refusing rank with
-    its posted text (or its code), else the first differing field with every rank that differs."""
+    """Status codes carry the argument and the error type of an ArgumentError (its fields, never
+    its text); check() names every refusing rank with its posted text (or its code) and raises the
+    lowest refusing rank's kind, argument and rank, else the first differing field with every rank
+    that differs."""
     from moe_dispatch.control import agreement as ag
+    from moe_dispatch.errors import ArgumentTypeError, InvalidArgumentError
 
-    status = ag.status_of(TypeError("topk_weights must have dtype in (float32), got float16"))
+    status = ag.status_of(ArgumentTypeError("topk_weights must have dtype in (float32)", argument="topk_weights"))
     assert ag.describe_status(status) == "a bad topk_weights (TypeError)"
-    assert ag.describe_status(ag.status_of(ValueError("dispatch needs topk_idx and num_experts"))).startswith(
-        "a bad topk_idx"
-    )
-    assert ag.describe_status(ag.status_of(ValueError("something else"))) == "bad arguments (ValueError)"
+    assert ag.decode_status(status) == ("topk_weights", TypeError)
+    named = InvalidArgumentError("dispatch needs topk_idx and num_experts", argument="topk_idx")
+    assert ag.describe_status(ag.status_of(named)).startswith("a bad topk_idx")
+    # a plain error names no argument, whatever its text says
+    assert ag.describe_status(ag.status_of(ValueError("topk_idx is bad"))) == "bad arguments (ValueError)"
     fields = {"operation": "combine", "handle": ag.DispatchId(3), "hidden": 16, "dtype": torch.bfloat16}
     good = ag.row(fields, 0, ag.AGREE_WORDS)
     assert len(good) == ag.AGREE_WORDS and good[:5] == [0, 1, 3, 16, 2]
+    bad_y = ag.status_of(InvalidArgumentError("y has shape [3, 4]", argument="y"))
+    refused_y = ag.row(ag.refusing_fields(list(fields)), bad_y, ag.AGREE_WORDS)
     refused = ag.row(ag.refusing_fields(list(fields)), status, ag.AGREE_WORDS)
     with pytest.raises(
         ValueError,
         match=r"EP rank 0: combine refused by EP ranks 1 \(ValueError: y has shape .*\), "
         r"2 \(a bad topk_weights \(TypeError\)\); every rank raises",
-    ):
+    ) as err:
         ag.check(
-            [good, refused, refused],
+            [good, refused_y, refused],
             fields,
             rank=0,
             what="combine",
             refusals=lambda ranks: {1: "ValueError: y has shape [3, 4]"},
         )
+    assert isinstance(err.value, InvalidArgumentError) and (err.value.argument, err.value.rank) == ("y", 1)
+    with pytest.raises(ArgumentTypeError, match=r"refused by EP ranks 1 \(a bad topk_weights") as err:
+        ag.check([good, refused, refused_y], fields, rank=0, what="combine", refusals=lambda ranks: {})
+    assert (err.value.argument, err.value.rank) == ("topk_weights", 1)
     other = ag.row({**fields, "handle": ag.DispatchId(5)}, 0, ag.AGREE_WORDS)
     with pytest.raises(
         ValueError,
         match=r"handle is dispatch #3 here but dispatch #5 on EP rank 1, dispatch #5 on EP "
         r"rank 2; every rank must pass the same operation, handle, hidden, dtype",
-    ):
+    ) as err:
         ag.check([good, other, other], fields, rank=0, what="combine", refusals=lambda ranks: {})
+    assert isinstance(err.value, InvalidArgumentError) and (err.value.argument, err.value.rank) == ("handle", 1)
     ag.check([good, good], fields, rank=1, what="combine", refusals=lambda ranks: {})
     with pytest.raises(ValueError, match=r"'cached combine' cannot travel in an argument check"):
         ag.row({"operation": "cached combine"})

@@ -30,23 +30,14 @@ import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
 from moe_dispatch.config import VARIANTS, Config, buffer_layout, max_slot_bytes, slot_layout
+from moe_dispatch.errors import IntranodeTimeoutError, MismatchError
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.loopback import Loopback
 from moe_dispatch.testing.ranks import IntranodeRank
-from moe_dispatch.transport.kernels.header import (
-    STATUS_INVALID_ARGUMENTS,
-    STATUS_TEST,
-    MismatchError,
-    describe_mismatch,
-    header_words,
-)
-from moe_dispatch.transport.kernels.intranode import (
-    IntranodeHandle,
-    IntranodeTimeoutError,
-    describe_timeout,
-)
+from moe_dispatch.transport.kernels.header import STATUS_INVALID_ARGUMENTS, STATUS_TEST, describe_mismatch, header_words
+from moe_dispatch.transport.kernels.intranode import IntranodeHandle, describe_timeout
 from python_tests.conftest import needs_gpu
 from python_tests.tsan import build_tsan_driver
 from python_tests.worlds import assert_case, run_cases, world_results

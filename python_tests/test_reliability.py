@@ -22,10 +22,10 @@ import torch
 
 from moe_dispatch import Buffer, CommError, _ext
 from moe_dispatch.config import Config
+from moe_dispatch.errors import MismatchError
 from moe_dispatch.ops.quant import per_token_cast_to_fp8
 from moe_dispatch.semantics import reference
 from moe_dispatch.testing.resources import process_resources
-from moe_dispatch.transport.kernels.header import MismatchError
 
 from .test_dispatch import check_roundtrip, expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results

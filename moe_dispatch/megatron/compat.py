@@ -76,12 +76,9 @@ import logging
 import sys
 
 from .. import _autoload
+from ..errors import UnsupportedMegatronVersionError
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedMegatronVersionError(RuntimeError):
-    """The installed megatron-core is a version whose patch points are not known here."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,6 @@ thread at a time may be inside the Buffer (:meth:`OperationQueue.entered`).
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import warnings
 import weakref
@@ -256,12 +255,7 @@ class OperationQueue:
             raise CommError(self._broken)
         try:
             return fn(*args)
-        except ValueError as err:
-            kind = _refusal_type(str(err))
-            if kind is TypeError:  # a peer's refused TypeError: the same type on every rank
-                raise TypeError(str(err)) from err
-            raise
-        except (TypeError, BudgetOverflowError):
+        except (ValueError, TypeError, BudgetOverflowError):
             raise
         except Exception as err:
             self.break_(err)
@@ -358,16 +352,3 @@ class OperationQueue:
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
         return True
-
-
-# The lowest refusing rank's error type in an agreement's refusal message (agreement.check): its
-# posted text ("TypeError: ...") or, where the store did not answer, its status in words.
-_FIRST_REFUSAL = re.compile(r"refused by EP ranks? \d+ \((?:(TypeError|ValueError): |[^()]*\((TypeError|ValueError)\))")
-
-
-def _refusal_type(message: str) -> type | None:
-    """TypeError or ValueError: the type of the first refusal ``message`` quotes; None for none."""
-    found = _FIRST_REFUSAL.search(message)
-    if found is None:
-        return None
-    return TypeError if "TypeError" in (found.group(1), found.group(2)) else ValueError

@@ -13,14 +13,13 @@ import torch
 
 from ..control import ControlPlane, agreement
 from ..control.agreement import DISPATCH_FIELDS, DispatchId, Field
-from ..errors import BudgetOverflowError, CommError
+from ..errors import ArgumentTypeError, BudgetOverflowError, CommError, MismatchError
 from ..ops.layout import localize_topk_idx_cpu
 from ..ops.permute import permute_map_cpu, permute_map_triton
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
 from ..semantics.validation import dense
 from ..topology import Topology
 from ..transport.base import Plan, Transport
-from ..transport.kernels.header import FIELD_STATUS, STATUS_INVALID_ARGUMENTS, MismatchError, describe_mismatch
 from .calls import Call, FreshDispatch, PlanSlot
 from .queue import OperationQueue, drive, stream_order_wait
 
@@ -241,11 +240,7 @@ class Transfers:
         if self.transport.capabilities.device_checks and self._checked_kind(operation):
             kind = "cached dispatch" if what == "cached dispatch" else operation.split(" (")[0]
             self._run(_steps_calling(self.transport.refuse, kind, err), call, [], f"{what} (refused)")
-            # What the peers' records say of this rank, quoting its error (Transfers._marked).
-            rank = self.topology.rank
-            message, fields = describe_mismatch([1, rank, rank, FIELD_STATUS, STATUS_INVALID_ARGUMENTS, 0, -1, 0])
-            message = f"{message} (EP rank {rank} refused: {type(err).__name__}: {err})"
-            raise (TypeError(message) if isinstance(err, TypeError) else MismatchError(message, fields)) from err
+            raise self.transport.refusal(err) from err  # what the peers raise of it (Transfers._marked)
         empty = torch.zeros((0, self.topology.world_size), dtype=torch.bool, device=self.device)
         try:
             if operation == "dispatch (metadata)":
@@ -255,7 +250,7 @@ class Transfers:
             else:
                 self._run(self._check({"operation": operation}, what, status), call, [], what)
         except (ValueError, TypeError) as refused:  # the refusal itself, which every rank raises
-            raise type(refused)(str(refused)) from err
+            raise refused.with_traceback(None) from err
         raise err  # unreachable: the check raises every rank's refusal
 
     def _checked_kind(self, operation: str) -> bool:
@@ -543,16 +538,15 @@ class Transfers:
         try:
             return (yield from steps)
         except MismatchError as err:
-            if err.field != "status":
+            if err.field != "status" or err.kind is None:  # not a Buffer's refusal
                 raise
             others = [r for r in range(self.topology.world_size) if r != self.topology.rank]
             texts = self.transport.progress.read_refusals(others, seq)
-            if not texts:
-                raise
             quoted = "; ".join(f"EP rank {r} refused: {text}" for r, text in sorted(texts.items()))
-            if texts[min(texts)].startswith("TypeError"):  # the refusing rank's type on every rank
-                raise TypeError(f"{err} ({quoted})") from err
-            raise MismatchError(f"{err} ({quoted})", dict(vars(err))) from err
+            message = f"{err} ({quoted})" if quoted else str(err)
+            if err.kind is TypeError:  # the refusing rank's kind on every rank, from its status
+                raise ArgumentTypeError(message, argument=err.argument, rank=err.refuser) from err
+            raise MismatchError(message, dict(vars(err))) from err
 
     def _run(self, steps, call: Call, uses: list[torch.Tensor], what: str) -> None:
         """Runs transport steps in the queue per ``call.mode`` (:meth:`.queue.OperationQueue.run`),

@@ -19,20 +19,13 @@ import torch
 
 from .._ext import require_extension
 from ..config import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS, Config
+from ..errors import InternodeTimeoutError, IntranodeTimeoutError
 from ..transport.kernels.header import Records
 from ..transport.kernels.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
 from ..transport.kernels.internode import run_combine as run_internode_combine
 from ..transport.kernels.internode import run_dispatch as run_internode_dispatch
 from ..transport.kernels.intranode import IntranodeEngine, IntranodeHandle, RankDispatch, run_combine, run_dispatch
-from ..transport.kernels.launcher import (
-    InternodeTimeoutError,
-    IntranodeTimeoutError,
-    RankInput,
-    default_timeout_s,
-    prepare_input,
-    resolve_device,
-    slot_bytes_for,
-)
+from ..transport.kernels.launcher import RankInput, default_timeout_s, prepare_input, resolve_device, slot_bytes_for
 
 __all__ = ["InternodeLoopback", "Loopback"]
 

@@ -321,6 +321,11 @@ class Transport(abc.ABC):
         for a rank whose own arguments were refused (``err``), so its peers finish at once: only
         where the transport has ``device_checks`` (the runtime calls it there); nothing here."""
 
+    def refusal(self, err: Exception) -> Exception:
+        """The error a rank raises after :meth:`refuse` took part for it: what its peers raise
+        of its refusal (here ``err`` itself)."""
+        return err
+
     def check_errors(self) -> None:  # noqa: B027 - a default
         """Raises what the device recorded (timeouts, mismatched calls), reading host memory
         only; nothing here (transports without device records raise where they fail)."""

@@ -50,12 +50,11 @@ import torch.distributed as dist
 
 from ..._ext import require_extension
 from ...config import ERROR_RECORD_INTS, Config
-from ...errors import BudgetOverflowError
+from ...errors import BudgetOverflowError, InternodeTimeoutError
 from .header import OP_DISPATCH, Records
 from .intranode import IntranodeBuffers, IntranodeEngine
 from .launcher import (
     COMBINE_DTYPES,
-    InternodeTimeoutError,
     Launcher,
     RankBuffers,
     RankInput,

@@ -47,11 +47,10 @@ import torch.distributed as dist
 
 from ..._ext import require_extension
 from ...config import ERROR_RECORD_INTS, MAX_RANKS, Config
-from ...errors import BudgetOverflowError
+from ...errors import BudgetOverflowError, IntranodeTimeoutError
 from .header import OP_DISPATCH, Records
 from .launcher import (
     COMBINE_DTYPES,
-    IntranodeTimeoutError,
     Launcher,
     RankBuffers,
     RankInput,

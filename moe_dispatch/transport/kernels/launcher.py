@@ -20,7 +20,6 @@ import torch
 
 from ..._ext import require_extension
 from ...config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
-from ...errors import CommError
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records, header_words
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
@@ -58,19 +57,6 @@ _FUSED_PHASES = {
 _ROLES = {1: "barrier", 2: "sender", 3: "receiver", 4: "coordinator"}
 _SIGNAL, _TAIL, _HEAD, _HEADER = 1, 2, 3, 4
 _COUNTERS = {1: "signal", 2: "tail", 3: "head", 4: "header", 5: "relayed header", 6: "forwarded tail"}
-
-
-class IntranodeTimeoutError(CommError):
-    """A wait inside an intranode kernel ran past ``timeout_s``.
-
-    Attributes (from the kernel's record): ``phase`` ("notify"/"dispatch"/"combine"),
-    ``role``, ``rank`` (the waiting rank), ``channel`` (-1 for the barrier), ``peer`` (the rank
-    whose store never came), ``counter`` ("signal"/"tail"/"head"), ``expected``, ``observed``.
-    """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.__dict__.update(fields)
 
 
 def describe_intranode_timeout(record: list[int], timeout_s: float) -> tuple[str, dict]:
@@ -124,20 +110,6 @@ def describe_intranode_timeout(record: list[int], timeout_s: float) -> tuple[str
         f"Rank {peer} did not take part (crashed, hung, or called another operation); {AFTER_TIMEOUT}."
     )
     return message, fields
-
-
-class InternodeTimeoutError(CommError):
-    """A wait inside an internode kernel ran past ``timeout_s``.
-
-    Attributes: ``stage`` (1 = RDMA, 2 = NVLink), ``phase``, ``role``, ``rank`` / ``node`` (the
-    waiting rank, global), ``channel`` (-1 for notify), ``peer`` / ``peer_node`` (the rank whose
-    store never came), ``counter`` ("signal"/"tail"/"head"/"header"/...), ``expected``,
-    ``observed``.
-    """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.__dict__.update(fields)
 
 
 def describe_internode_timeout(

@@ -56,11 +56,19 @@ import torch.distributed as dist
 
 from ...config import MAX_RANKS, MAX_TOPK, Config
 from ...control import ControlPlane
-from ...control.agreement import DISPATCH_FIELDS, Field
-from ...errors import CommError
+from ...control.agreement import DISPATCH_FIELDS, Field, status_of
+from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError
 from ...topology import Topology
 from ..base import Capabilities, Steps, Transport, TransportOptions, completed
-from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
+from .header import (
+    FIELD_STATUS,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    STATUS_GROW,
+    describe_mismatch,
+    refusal_status,
+)
 from .internode import InternodeBuffers, InternodeHandle, check_rdma_config
 from .intranode import IntranodeBuffers, IntranodeHandle
 from .launcher import COMBINE_DTYPES, RankBuffers, RankInput, kernel_timeout_s
@@ -402,7 +410,7 @@ class KernelTransport(Transport):
         if self._kernels is None:
             return
         try:
-            self._join(operation, STATUS_INVALID_ARGUMENTS)
+            self._join(operation, refusal_status(status_of(err)))
         except CommError as refusal:
             raise err from refusal
         # Its own verdicts name itself: not news to a rank that raises its own error now. Cleared
@@ -411,6 +419,18 @@ class KernelTransport(Transport):
             torch.cuda.current_stream(self.device).synchronize()
         for records in self._kernels.records:
             records.clear()
+
+    def refusal(self, err: Exception) -> Exception:
+        """What a rank raises after :meth:`refuse` took part for it: what its peers' records
+        say of it (their MismatchError, or for a refused TypeError an ArgumentTypeError), quoting
+        ``err``."""
+        rank = self.topology.rank
+        message, fields = describe_mismatch([1, rank, rank, FIELD_STATUS, refusal_status(status_of(err)), 0, -1, 0])
+        message = f"{message} (EP rank {rank} refused: {type(err).__name__}: {err})"
+        if isinstance(err, TypeError):
+            argument = err.argument if isinstance(err, ArgumentError) else "arguments"
+            return ArgumentTypeError(message, argument=argument, rank=rank)
+        return MismatchError(message, fields)
 
     def _join(self, operation: str, status: int) -> None:
         """Takes part in ``operation`` ("dispatch", "cached dispatch" or "combine") with no rows
