@@ -20,9 +20,9 @@ with 1 and 2 nodes, then PP 2 x VPP 2 x EP 2):
   ``gradient_accumulation_fusion`` (``main_grad``) and Megatron DDP's delayed-wgrad hooks.
 - pipeline: Megatron's interleaved schedule (PP 2, VPP 2, its default ``batch_p2p_comm``) with
   EP overlap (alltoall and "custom" as Megatron-Bridge's guidance configures it) and without,
-  and with ``variable_seq_lengths``: identical micro-batches give identical losses
-  (``moe_dispatch.megatron.cpu``'s tagged pipeline messages; without them the two stages'
-  activations and gradients cross).
+  with ``overlap_p2p_comm`` (Bridge's setting) and with ``variable_seq_lengths``: identical
+  micro-batches give identical losses (``moe_dispatch.megatron.cpu``'s tagged pipeline
+  messages; without them the two stages' activations and gradients cross).
 
 GPU (skipped without >= 2 GPUs: EP must be > 1 and NCCL needs one GPU per rank): the same
 GPTModel with EP overlap + delay_wgrad and "custom" matches the alltoall dispatcher's losses
@@ -315,6 +315,16 @@ def _init_pipeline(rank, world_size):
         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2
     )
     model_parallel_cuda_manual_seed(1234)
+    # Megatron's process-wide MoE metrics (the routers' aux losses) are sized by the first model's
+    # layer count (the earlier cases' 2); these models have 4
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # 0.19
+    except ImportError:  # 0.16: a dict of per-layer values by name
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
 
 
 def _pipeline_losses(dispatcher: str, seed: int, batches, **fields):
@@ -433,6 +443,10 @@ CPU_CASES = {
     ),
     "pipeline_vpp_custom_ep_overlap": _check_pipeline_vpp(
         "custom", 48, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
+    ),
+    # what Megatron-Bridge sets with VPP: unbatched pipeline messages, overlapped with compute
+    "pipeline_vpp_custom_ep_overlap_p2p_overlap": _check_pipeline_vpp(
+        "custom", 51, overlap_moe_expert_parallel_comm=True, overlap_p2p_comm=True, batch_p2p_comm=False
     ),
     "pipeline_vpp_custom": _check_pipeline_vpp("custom", 49),
     "pipeline_vpp_custom_variable_lengths": _check_pipeline_variable_lengths(50),
