@@ -66,6 +66,8 @@ import torch._dynamo
 import torch.distributed as dist
 
 from moe_dispatch.testing.launch import launch_ranks
+from moe_dispatch.tools.quiet import NOTE as QUIET_NOTE
+from moe_dispatch.tools.quiet import filter_known_warnings
 
 DISPATCHERS = ("alltoall", "custom")
 
@@ -213,10 +215,7 @@ def build_model(cfg: RunConfig, dispatcher: str, device: torch.device) -> list:
                         cfg.seed * 7919 + layer.layer_number * 1_000_003 + (ep_rank * local + local_idx) * 31 + which
                     )
                     linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * 0.02)
-    if dispatcher == "custom" and cfg.delay_wgrad:
-        # TODO(auto-deferral): "custom" + delay_wgrad_compute will defer the local experts' wgrads by itself
-        for chunk in chunks:
-            mdm.enable_delayed_wgrad(chunk)
+    # "custom" + delay_wgrad_compute: the backend made the local experts defer their wgrads as it built them
     return chunks
 
 
@@ -558,6 +557,7 @@ def write_outputs(out: pathlib.Path, results: dict, summary: dict) -> None:
 
 def run_rank(rank: int, world_size: int, cfg: RunConfig, args_dict: dict) -> dict | None:
     """Both runs on one rank (the body of a spawned CPU rank or a torchrun process)."""
+    filter_known_warnings()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -723,6 +723,8 @@ def main(argv=None) -> int:
     if errors:
         print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
         return 2
+    if not under_torchrun or int(os.environ["RANK"]) == 0:
+        print(QUIET_NOTE, flush=True)
     cfg = RunConfig(
         steps=args.steps,
         seq_len=args.seq_len,
