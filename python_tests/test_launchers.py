@@ -449,7 +449,7 @@ def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
     out = done.stdout
     assert "GLOO_SOCKET_IFNAME=lo" in out and "[run_torchrun] node 0/1" in out and "done in" in out
     assert ("moe_dispatch.env" in out and "Versions" in out) == (rdzv == "static")  # the env report ran
-    assert "2 nodes x 1 (gloo)" in out and "ours / alltoall" in out and "cross-node MB / LB" in out
+    assert "│ 2 x 1 │ mixtral-8x7b" in out and "faster than alltoall in" in out and "x the bound, alltoall" in out
     figures = json.loads((tmp_path / "bench.json").read_text())
     assert figures["oracle_check"] == "passed"
     assert figures["config"]["timeout_s"] == 60

@@ -478,7 +478,7 @@ def _check_ranks_per_node(ep: int):
 
 def gpt_config(num_layers: int, hidden: int, heads: int, ffn: int, **fields):
     """A bf16 GPT TransformerConfig with NUM_EXPERTS experts (top-TOPK), EP = the world, no bias,
-    no dropout, CPU initialisation; ``fields`` adds to it."""
+    no dropout, CPU initialisation; ``fields`` adds to it (or sets another EP size)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -494,16 +494,16 @@ def gpt_config(num_layers: int, hidden: int, heads: int, ffn: int, **fields):
         bf16=True,
         ffn_hidden_size=ffn,
         moe_ffn_hidden_size=ffn,
-        expert_model_parallel_size=torch.distributed.get_world_size(),
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        **fields,
+        **{"expert_model_parallel_size": torch.distributed.get_world_size(), **fields},
     )
 
 
-def gpt_model(cfg, seed: int, *, vocab_size: int, max_sequence_length: int):
+def gpt_model(cfg, seed: int, *, vocab_size: int, max_sequence_length: int, **model_args):
     """A GPTModel of ``cfg`` (local layer spec, rope) whose parameters come from
-    ``torch.manual_seed(seed)``; configure ``cfg`` first."""
+    ``torch.manual_seed(seed)``; configure ``cfg`` first. ``model_args`` go to ``GPTModel``
+    (a pipeline stage's ``vp_stage``, ``pre_process``, ``post_process``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -517,6 +517,7 @@ def gpt_model(cfg, seed: int, *, vocab_size: int, max_sequence_length: int):
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
+        **model_args,
     )
 
 

@@ -2,7 +2,7 @@
 (``moe_dispatch.megatron.enable_delayed_wgrad``), on CPU under gloo, plus one multi-GPU check.
 
 One world of 4 ranks runs every CPU case (EP 4 with 1 and 2 simulated nodes, then EP 2 x DP 2
-with 1 and 2 nodes):
+with 1 and 2 nodes, then PP 2 x VPP 2 x EP 2):
 
 - layer: a MoELayer whose local experts defer their wgrads. Run as Megatron's EP-overlap
   schedule splits it (dispatch | experts + combine | ...), the experts' backward leaves the
@@ -18,6 +18,11 @@ with 1 and 2 nodes):
   gradient combine on the Buffer's communication thread and before waiting for it.
 - errors: what ``enable_delayed_wgrad`` refuses, the check for wgrads never run, disable;
   ``gradient_accumulation_fusion`` (``main_grad``) and Megatron DDP's delayed-wgrad hooks.
+- pipeline: Megatron's interleaved schedule (PP 2, VPP 2, its default ``batch_p2p_comm``) with
+  EP overlap (alltoall and "custom" as Megatron-Bridge's guidance configures it) and without,
+  with ``overlap_p2p_comm`` (Bridge's setting) and with ``variable_seq_lengths``: identical
+  micro-batches give identical losses (``moe_dispatch.megatron.cpu``'s tagged pipeline
+  messages; without them the two stages' activations and gradients cross).
 
 GPU (skipped without >= 2 GPUs: EP must be > 1 and NCCL needs one GPU per rank): the same
 GPTModel with EP overlap + delay_wgrad and "custom" matches the alltoall dispatcher's losses
@@ -294,6 +299,124 @@ def _check_auto_deferral(seed: int, **knobs):
     return case
 
 
+PP_MICROBATCHES = 4
+
+
+def _init_pipeline(rank, world_size):
+    """PP 2 x VPP 2 x EP 2 on the 4 ranks (pipeline stages {0, 2} and {1, 3})."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import moe_dispatch.megatron as mdm
+
+    mdm.clear_buffers()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2
+    )
+    model_parallel_cuda_manual_seed(1234)
+    # Megatron's process-wide MoE metrics (the routers' aux losses) are sized by the first model's
+    # layer count (the earlier cases' 2); these models have 4
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # 0.19
+    except ImportError:  # 0.16: a dict of per-layer values by name
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
+def _pipeline_losses(dispatcher: str, seed: int, batches, **fields):
+    """Per-micro-batch losses of one step of a 4-layer bf16 GPTModel, one layer per model chunk,
+    through Megatron's interleaved schedule (default ``batch_p2p_comm=True``), and how often the
+    combined-1F1B schedule ran; "custom" is configured as Megatron-Bridge's EP-overlap guidance
+    says (flex + "custom", shared-expert overlap off, bf16)."""
+    from unittest import mock
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    import moe_dispatch.megatron as mdm
+    from moe_dispatch.megatron.schedule import run_gpt_step
+
+    overlap = {k: fields.pop(k) for k in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute") if k in fields}
+    cfg = gpt_config(
+        4,
+        64,
+        4,
+        64,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.bfloat16,
+        moe_shared_expert_overlap=False,
+        **(overlap if dispatcher == "alltoall" else {}),
+        **fields,
+    )
+    if dispatcher == "custom":
+        mdm.configure(cfg, **overlap)
+    chunks = [
+        gpt_model(
+            cfg,
+            seed + vp,
+            vocab_size=64,
+            max_sequence_length=32,
+            vp_stage=vp,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+        )
+        for vp in range(2)
+    ]
+    name = "combined_1f1b_schedule_for_interleaved_pipelining"
+    with mock.patch.object(schedules, name, wraps=getattr(schedules, name)) as combined:
+        losses = run_gpt_step(chunks, batches)
+    return losses, combined.call_count
+
+
+def _check_pipeline_vpp(dispatcher: str, seed: int, **fields):
+    """PP 2, VPP 2, EP 2 on gloo: the same micro-batch PP_MICROBATCHES times gives the same loss
+    each time (without cpu.py's tagged pipeline messages, Megatron's batched exchange between
+    the two stages crossed activations and gradients: the later micro-batches' losses differed);
+    with EP overlap the combined-1F1B schedule ran."""
+
+    def case(rank, world_size):
+        from megatron.core import parallel_state as ps
+
+        gen = torch.Generator().manual_seed(seed * 10 + ps.get_data_parallel_rank())
+        tokens = torch.randint(0, 64, (2, 16), generator=gen)
+        losses, combined = _pipeline_losses(dispatcher, seed, [tokens] * PP_MICROBATCHES, **fields)
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            assert losses == [], losses
+        else:
+            assert len(losses) == PP_MICROBATCHES and all(torch.equal(loss, losses[0]) for loss in losses), losses
+        overlap = fields.get("overlap_moe_expert_parallel_comm", False)
+        # with EP overlap every forward and backward goes through it (warm-up, cool-down: one side empty)
+        assert (combined > 0) == overlap, f"combined-1F1B schedule entered {combined} times (overlap={overlap})"
+
+    return case
+
+
+def _check_pipeline_variable_lengths(seed: int):
+    """``variable_seq_lengths=True``: two micro-batches of 16 tokens, then two of 24 (the
+    steady state sends one's activations and the other's gradients in one exchange, so the
+    shapes exchanged ahead of them differ between the two directions); micro-batches with the
+    same tokens give the same loss."""
+
+    def case(rank, world_size):
+        from megatron.core import parallel_state as ps
+
+        gen = torch.Generator().manual_seed(seed * 10 + ps.get_data_parallel_rank())
+        short, long = (torch.randint(0, 64, (2, s), generator=gen) for s in (16, 24))
+        losses, _ = _pipeline_losses("custom", seed, [short, short, long, long], variable_seq_lengths=True)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            assert torch.equal(losses[0], losses[1]) and torch.equal(losses[2], losses[3]), losses
+            assert not torch.equal(losses[0], losses[2]), losses
+
+    return case
+
+
 CPU_CASES = {
     **_phase(
         4,
@@ -314,6 +437,19 @@ CPU_CASES = {
             "layer_ep2_2nodes_handover": _check_layer(2, 46, "dispatch_backward", ranks_per_node=1),
         },
     ),
+    "init_pp2_vpp2_ep2": _init_pipeline,
+    "pipeline_vpp_alltoall_ep_overlap": _check_pipeline_vpp(
+        "alltoall", 52, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
+    ),
+    "pipeline_vpp_custom_ep_overlap": _check_pipeline_vpp(
+        "custom", 48, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
+    ),
+    # what Megatron-Bridge sets with VPP: unbatched pipeline messages, overlapped with compute
+    "pipeline_vpp_custom_ep_overlap_p2p_overlap": _check_pipeline_vpp(
+        "custom", 51, overlap_moe_expert_parallel_comm=True, overlap_p2p_comm=True, batch_p2p_comm=False
+    ),
+    "pipeline_vpp_custom": _check_pipeline_vpp("custom", 49),
+    "pipeline_vpp_custom_variable_lengths": _check_pipeline_variable_lengths(50),
 }
 
 

@@ -31,6 +31,17 @@ CPU tensors and gloo process groups:
 7. Megatron's all-gather of uneven row counts (``_gather_along_first_dim`` with
    ``output_split_sizes``: the alltoall dispatcher's expert-TP gather) runs as one
    ``all_to_all_single`` on a gloo group, whose ``all_gather`` needs equal sizes.
+8. Pipeline point-to-point messages on a gloo group carry a tag per direction (activations
+   to the next stage, gradients to the previous one). With a pipeline of 2 stages the previous
+   and the next stage are the same rank, and Megatron's interleaved (VPP) schedule, with its
+   default ``batch_p2p_comm=True``, sends that rank an activation and a gradient of the same
+   shape in one batch; untagged messages between two ranks are matched in the order they were
+   posted, and both ranks post ``send_prev`` before ``send_next`` but ``recv_prev`` before
+   ``recv_next``, so the activation lands in the gradient's buffer and the other way round:
+   wrong losses and gradients without an error (Megatron-LM's training arguments refuse PP 2
+   with VPP unless ``overlap_p2p_comm``; megatron-core alone does not check). With a tag per
+   direction each direction is matched on its own, as between distinct ranks when PP > 2. The
+   same holds for the shapes that ``variable_seq_lengths=True`` exchanges ahead of the tensors.
 
 Call it in every rank before building the model; it refuses to run where a GPU is visible.
 The changes are process-wide and stay until the process exits (spawned ranks are the place).
@@ -275,6 +286,78 @@ def _shim_uneven_all_gather() -> None:
     mappings._gather_along_first_dim = gather_along_first_dim
 
 
+# Tags of the two directions of pipeline traffic, so that a peer that is both the previous and the
+# next stage (PP 2) matches each direction's messages on their own.
+_TAG_TO_NEXT = 1  # activations: send_next -> the next stage's recv_prev
+_TAG_TO_PREV = 2  # gradients: send_prev -> the previous stage's recv_next
+
+
+def _tagged_p2p(
+    *,
+    tensor_send_prev,
+    tensor_recv_prev,
+    tensor_send_next,
+    tensor_recv_next,
+    group,
+    prev_pipeline_rank,
+    next_pipeline_rank,
+) -> dict:
+    """Megatron's pipeline exchange as tagged isend/irecv (gloo runs them in any order without
+    deadlock); returns the works by Megatron's names (send_next, recv_prev, ...)."""
+    import torch.distributed as dist
+
+    ops = {
+        "send_next": (dist.isend, tensor_send_next, next_pipeline_rank, _TAG_TO_NEXT),
+        "recv_prev": (dist.irecv, tensor_recv_prev, prev_pipeline_rank, _TAG_TO_NEXT),
+        "send_prev": (dist.isend, tensor_send_prev, prev_pipeline_rank, _TAG_TO_PREV),
+        "recv_next": (dist.irecv, tensor_recv_next, next_pipeline_rank, _TAG_TO_PREV),
+    }
+    return {name: op(t, peer, group, tag) for name, (op, t, peer, tag) in ops.items() if t is not None}
+
+
+def _shim_pipeline_p2p() -> None:
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    batched, unbatched = p2p._batched_p2p_ops, p2p._p2p_ops
+    if getattr(batched, "_moe_dispatch_cpu", False):
+        return
+
+    def batched_p2p_ops(**kwargs):  # batch_p2p_comm=True: Megatron waits on a list of works
+        if dist.get_backend(kwargs["group"]) != "gloo":
+            return batched(**kwargs)
+        return list(_tagged_p2p(**kwargs).values())
+
+    def p2p_ops(**kwargs):  # batch_p2p_comm=False: a dict of works by name (overlap_p2p_comm keeps some)
+        if dist.get_backend(kwargs["group"]) != "gloo":
+            return unbatched(**kwargs)
+        return _tagged_p2p(**kwargs)
+
+    communicate_shapes = p2p.P2PCommunicator._communicate_shapes
+
+    def tagged_communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        # variable_seq_lengths: the shapes go ahead of the tensors, in one batch of the same order
+        if self.config.use_ring_exchange_p2p or dist.get_backend(self.pp_group) != "gloo":
+            return communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        shapes = {
+            "tensor_send_next": None if tensor_send_next is None else torch.tensor(tensor_send_next.shape),
+            "tensor_send_prev": None if tensor_send_prev is None else torch.tensor(tensor_send_prev.shape),
+            "tensor_recv_prev": torch.zeros(3, dtype=torch.int64) if recv_prev else None,
+            "tensor_recv_next": torch.zeros(3, dtype=torch.int64) if recv_next else None,
+        }
+        works = _tagged_p2p(
+            **shapes, group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank
+        )
+        for work in works.values():
+            work.wait()
+        received = (shapes["tensor_recv_prev"], shapes["tensor_recv_next"])
+        return tuple([0, 0, 0] if shape is None else shape.tolist() for shape in received)
+
+    batched_p2p_ops._moe_dispatch_cpu = p2p_ops._moe_dispatch_cpu = True
+    p2p._batched_p2p_ops, p2p._p2p_ops = batched_p2p_ops, p2p_ops
+    p2p.P2PCommunicator._communicate_shapes = tagged_communicate_shapes
+
+
 def enable(*, redirect_cuda_tensors: bool = True) -> None:
     """Installs the CPU shims in this process (idempotent; see the module docstring).
 
@@ -301,6 +384,7 @@ def enable(*, redirect_cuda_tensors: bool = True) -> None:
             _shim_te_symbols()
             _shim_all_to_all_splits()
             _shim_uneven_all_gather()
+            _shim_pipeline_p2p()
             _ENABLED = True
         if redirect_cuda_tensors and _MODE is None:
             _MODE = _CudaToCpu()
