@@ -25,11 +25,11 @@ Dispatch:
 Combine runs backwards: receivers return rows to forwarders, forwarders sum their node's
 contributions in fp32 (ascending local rank) and round to the payload dtype, so each
 (token, node) pair crosses the network once; sources sum node partials in fp32 (ascending
-node) and round. Exactly the order of ``moe_dispatch.reference.combine``; the flat route runs
-both sums at the source, the same sums in the same order. A fused permute's expert-major rows
-are summed per received row (ascending expert, fp32) straight into the send buffer. Every sum
-is :func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`: in one pass on
-CPU), planned once per dispatch (:mod:`.sums`).
+node) and round: the summation order (:mod:`moe_dispatch.semantics.summation`). The flat
+route runs both sums at the source, the same sums in the same order. A fused permute's
+expert-major rows are summed per received row (ascending expert, fp32) straight into the send
+buffer. Every sum is :func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`:
+in one pass on CPU), planned once per dispatch (:mod:`.sums`).
 
 Pipeline (two-stage). Each source splits its tokens into contiguous chunks; every stage runs
 once per chunk, and the inter-node and intra-node groups (separate process groups) carry
