@@ -138,7 +138,7 @@ def base_config(rings: str, l2_discard: bool, num_sms_list: list[int]) -> Config
 
 
 def fits_l2(shape: Shape, world_size: int, config: Config, num_sms: int) -> bool:
-    from moe_dispatch.config import max_slot_bytes
+    from moe_dispatch.kernel_layout import max_slot_bytes
 
     slot = -(-max_slot_bytes(shape.hidden, shape.topk) // 128) * 128
     return world_size * world_size * (num_sms // 2) * config.num_slots * slot <= costmodel.H200.l2_bytes

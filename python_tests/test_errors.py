@@ -382,7 +382,7 @@ def test_arguments_differ_across_ranks():
 def _ranks_per_node_entry(rank, world_size):
     import torch.distributed as dist
 
-    from moe_dispatch.buffer import default_ranks_per_node
+    from moe_dispatch.runtime.arguments import default_ranks_per_node
 
     groups = {"all": [0, 1, 2, 3], "strided": [0, 2], "one node": [0, 1], "uneven": [0, 1, 2]}
     made = {name: dist.new_group(ranks) for name, ranks in groups.items()}  # every rank creates every group

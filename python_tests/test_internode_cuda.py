@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import HEADER_WORDS, VARIANTS, Config, max_slot_bytes, rdma_layout
+from moe_dispatch.config import VARIANTS, Config
 from moe_dispatch.errors import InternodeTimeoutError
+from moe_dispatch.kernel_layout import HEADER_WORDS, max_slot_bytes, rdma_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.loopback import InternodeLoopback

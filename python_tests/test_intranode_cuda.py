@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import VARIANTS, Config, buffer_layout, max_slot_bytes, slot_layout
+from moe_dispatch.config import VARIANTS, Config
 from moe_dispatch.errors import IntranodeTimeoutError, MismatchError
+from moe_dispatch.kernel_layout import buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world

@@ -41,12 +41,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
+from ..buffer import Buffer, DispatchHandle
 from ..config import Config
 from ..errors import BudgetOverflowError
 from ..ops.layout import routing_map_to_topk
 from ..ops.permute import PermuteHandle, check_permute_overflow, permute, unpermute
 from ..ops.quant import per_token_cast_back, per_token_cast_to_fp8
+from ..runtime.arguments import default_ranks_per_node
 from ..transport import TRANSPORT_ALIASES
 from .config import (
     get_options,

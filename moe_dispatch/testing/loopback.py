@@ -18,8 +18,9 @@ import dataclasses
 import torch
 
 from .._ext import require_extension
-from ..config import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS, Config
+from ..config import Config
 from ..errors import InternodeTimeoutError, IntranodeTimeoutError
+from ..kernel_layout import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS
 from ..transport.kernels.header import Records
 from ..transport.kernels.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
 from ..transport.kernels.internode import run_combine as run_internode_combine

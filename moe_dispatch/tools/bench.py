@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..ops.permute import permute, unpermute
+from ..runtime.arguments import DEFAULT_TIMEOUT_S  # a rank that never joins fails the run after this
 from ..semantics import reference
 from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
@@ -68,7 +69,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_HIDDEN_SCALE, CPU_ITERS, CPU_WARMUP, CPU_WORLD = 0.125, 7, 2, 4
 GPU_ITERS, GPU_WARMUP = 50, 10
 DEFAULT_TOKENS = (4096, 256)
-DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails the run after this
 SIDES = ("ours", "alltoall", "buffer", "flat_floor", "two_stage_floor")
 # What the figures mean, stored in the JSON (the page prints a short legend: bench_page.LEGENDS).
 DEFINITIONS = {

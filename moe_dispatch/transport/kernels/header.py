@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from ...config import MISMATCH_RECORD_WORDS
 from ...control.agreement import decode_status, describe_status
 from ...errors import MismatchError
+from ...kernel_layout import MISMATCH_RECORD_WORDS
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OPS = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}

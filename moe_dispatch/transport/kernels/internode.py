@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import ERROR_RECORD_INTS, Config
+from ...config import Config
 from ...errors import BudgetOverflowError, InternodeTimeoutError
+from ...kernel_layout import ERROR_RECORD_INTS
 from .header import OP_DISPATCH, Records
 from .intranode import IntranodeBuffers, IntranodeEngine
 from .launcher import (

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import ERROR_RECORD_INTS, MAX_RANKS, Config
+from ...config import Config
 from ...errors import BudgetOverflowError, IntranodeTimeoutError
+from ...kernel_layout import ERROR_RECORD_INTS, MAX_RANKS
 from .header import OP_DISPATCH, Records
 from .launcher import (
     COMBINE_DTYPES,

@@ -19,7 +19,8 @@ import os
 import torch
 
 from ..._ext import require_extension
-from ...config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
+from ...config import Config, check_config
+from ...kernel_layout import MAX_TOPK, max_slot_bytes, slot_layout
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records, header_words
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"

@@ -54,10 +54,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ...config import MAX_RANKS, MAX_TOPK, Config
+from ...config import Config
 from ...control import ControlPlane
 from ...control.agreement import DISPATCH_FIELDS, Field, status_of
 from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError
+from ...kernel_layout import MAX_RANKS, MAX_TOPK
 from ...topology import Topology
 from ..base import Capabilities, Steps, Transport, TransportOptions, completed
 from .header import (
