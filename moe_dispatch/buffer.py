@@ -650,7 +650,8 @@ class Buffer:
 
         Collective over the EP group. Accumulates in fp32 in a fixed order (inside each node by
         ascending local rank, the node partial rounded to y's dtype, then by ascending node),
-        so results are deterministic and equal ``moe_dispatch.reference.combine``.
+        so results are deterministic and equal ``moe_dispatch.reference.combine`` (the order is
+        defined once, in ``moe_dispatch.semantics.summation``).
         Differentiable w.r.t. ``y`` and ``topk_weights`` (backward is a dispatch).
 
         Args:
