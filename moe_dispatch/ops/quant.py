@@ -114,7 +114,9 @@ def _group_block(
     g = tl.program_id(1) * GROUPS_PER_PROGRAM + i
     rows = tokens.to(tl.int64)
     offs = rows[:, None] * hidden + g * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
-    return offs, (tokens < num_tokens) & (g < num_groups), rows * num_groups + g
+    # both sides as [BLOCK_T] int1 (a scalar operand of & made an int32 mask in Triton 3.9's interpreter)
+    in_range = (tokens < num_tokens) & (tl.full((BLOCK_T,), g, tl.int32) < num_groups)
+    return offs, in_range, rows * num_groups + g
 
 
 @triton.jit
