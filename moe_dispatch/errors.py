@@ -52,6 +52,14 @@ def argument_error(kind: type, message: str, *, argument: str, rank: int | None 
     return ARGUMENT_ERRORS[kind](message, argument=argument, rank=rank)
 
 
+def error_name(err: BaseException) -> str:
+    """The name a message quotes for ``err``: an argument error's Python kind (``ValueError`` or
+    ``TypeError``, what a user catches), any other error's class name."""
+    if isinstance(err, ArgumentError):
+        return "TypeError" if isinstance(err, TypeError) else "ValueError"
+    return type(err).__name__
+
+
 @contextlib.contextmanager
 def checking(argument: str, rank: int | None = None):
     """Turns a ``ValueError`` / ``TypeError`` raised inside into an :class:`ArgumentError` of the

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..config import Config, check_config, num_sms_error
 from ..control.agreement import agree_in_store
 from ..control.groups import align_group_count, group_count
-from ..errors import InvalidArgumentError, argument_error
+from ..errors import InvalidArgumentError, argument_error, error_name
 from ..semantics.validation import check_timeout_s, is_int
 from ..topology import Topology
 from ..transport import choose_transport, log_choice, transport_class
@@ -199,7 +199,7 @@ def resolve_arguments(
             num_chunks = None
     except (TypeError, ValueError, RuntimeError) as err:
         args["error"] = err
-        return args, {"field": field, "type": type(err).__name__, "message": str(err)}
+        return args, {"field": field, "type": error_name(err), "message": str(err)}
     args.update(
         topology=topology,
         transport=transport,

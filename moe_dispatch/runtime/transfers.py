@@ -13,7 +13,7 @@ import torch
 
 from ..control import ControlPlane, agreement
 from ..control.agreement import DISPATCH_FIELDS, DispatchId, Field
-from ..errors import ArgumentTypeError, BudgetOverflowError, CommError, MismatchError
+from ..errors import ArgumentTypeError, BudgetOverflowError, CommError, MismatchError, error_name
 from ..ops.layout import localize_topk_idx_cpu
 from ..ops.permute import permute_map_cpu, permute_map_triton
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
@@ -236,7 +236,7 @@ class Transfers:
         """
         status = agreement.status_of(err)
         call = Call(seq=self.queue.next_seq())
-        self.transport.progress.post_refusal(call.seq, f"{type(err).__name__}: {err}")
+        self.transport.progress.post_refusal(call.seq, f"{error_name(err)}: {err}")
         if self.transport.capabilities.device_checks and self._checked_kind(operation):
             kind = "cached dispatch" if what == "cached dispatch" else operation.split(" (")[0]
             self._run(_steps_calling(self.transport.refuse, kind, err), call, [], f"{what} (refused)")

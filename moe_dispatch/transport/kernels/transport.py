@@ -57,7 +57,7 @@ import torch.distributed as dist
 from ...config import Config
 from ...control import ControlPlane
 from ...control.agreement import DISPATCH_FIELDS, Field, status_of
-from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError
+from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError, error_name
 from ...kernel_layout import MAX_RANKS, MAX_TOPK
 from ...topology import Topology
 from ..base import Capabilities, Steps, Transport, TransportOptions, completed
@@ -427,7 +427,7 @@ class KernelTransport(Transport):
         ``err``."""
         rank = self.topology.rank
         message, fields = describe_mismatch([1, rank, rank, FIELD_STATUS, refusal_status(status_of(err)), 0, -1, 0])
-        message = f"{message} (EP rank {rank} refused: {type(err).__name__}: {err})"
+        message = f"{message} (EP rank {rank} refused: {error_name(err)}: {err})"
         if isinstance(err, TypeError):
             argument = err.argument if isinstance(err, ArgumentError) else "arguments"
             return ArgumentTypeError(message, argument=argument, rank=rank)
