@@ -25,6 +25,22 @@ def run_cases(rank: int, world_size: int, cases: dict, *args) -> dict[str, str |
     return results
 
 
+def run_megatron_cases(rank: int, world_size: int, cases: dict, before_shims: dict | None = None) -> dict:
+    """:func:`run_cases` for Megatron cases: ``before_shims`` first, then ``cases`` with the CPU
+    shims of ``moe_dispatch.megatron.cpu`` on (importing them imports the backend, which cases
+    about its import must run before). torch.compile is off: Megatron's jit_fuser wraps
+    dispatch_preprocess, seconds of compiling per rank that change nothing here
+    (test_setup_metadata_compiles checks our part compiles without breaks)."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    first = run_cases(rank, world_size, before_shims or {})
+    import moe_dispatch.megatron.cpu as mcpu
+
+    mcpu.enable()
+    return {**first, **run_cases(rank, world_size, cases)}
+
+
 @functools.cache
 def world_results(entry, world_size: int, *args, backend: str = "gloo") -> list[dict[str, str | None]]:
     """Runs ``entry(rank, world_size, *args)`` in a fresh world once per distinct argument set."""
