@@ -12,6 +12,10 @@ import traceback
 
 from moe_dispatch.testing.launch import _resolve, free_port, init_rank, spawn_world
 
+# moe-dispatch-bench's options of a tiny run (seconds in a CPU world): hidden sizes at 1% of the
+# models', 1 warm-up and 2 timed iterations
+TINY_BENCH_RUN = ["--hidden-scale", "0.01", "--iters", "2", "--warmup", "1"]
+
 
 def run_cases(rank: int, world_size: int, cases: dict, *args) -> dict[str, str | None]:
     """Runs ``cases[name](rank, world_size, *args)`` in order on this rank, catching failures."""
