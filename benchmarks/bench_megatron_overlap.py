@@ -52,7 +52,8 @@ class _CommTimer:
     passes while ``active`` (GPU: synchronising before and after each)."""
 
     def __init__(self) -> None:
-        from moe_dispatch import autograd, buffer
+        from moe_dispatch import buffer
+        from moe_dispatch.runtime import autograd
 
         self.active, self.seconds = False, 0.0
         targets = [(buffer.Buffer, "dispatch"), (buffer.Buffer, "combine")]
