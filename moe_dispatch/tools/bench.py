@@ -58,6 +58,7 @@ from ..semantics import reference
 from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
+from ..testing.models import moe_config_fields
 from ..transport.torch_dist import TorchDistTransport
 from . import bench_page
 from .env import source_commit
@@ -348,21 +349,19 @@ class _Megatron:
 
         pg = get_default_pg_collection()
         cfg = TransformerConfig(
-            num_layers=1,
-            hidden_size=preset.hidden,
-            num_attention_heads=1,
-            num_moe_experts=preset.num_experts,
-            moe_router_topk=preset.topk,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_dtype="fp32",
-            expert_model_parallel_size=pg.ep.size(),
-            use_cpu_initialization=True,
-            add_bias_linear=False,
-            moe_ffn_hidden_size=16,
-            ffn_hidden_size=16,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
+            **moe_config_fields(
+                hidden=preset.hidden,
+                heads=1,
+                experts=preset.num_experts,
+                topk=preset.topk,
+                ffn=16,
+                dtype=dtype,
+                moe_token_dispatcher_type="alltoall",
+                moe_router_dtype="fp32",
+                expert_model_parallel_size=pg.ep.size(),
+                use_cpu_initialization=True,
+                add_bias_linear=False,
+            )
         )
         if kind == "ours":
             self.mdm.configure(cfg, ranks_per_node=ranks_per_node)
