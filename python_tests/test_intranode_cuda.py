@@ -30,14 +30,22 @@ import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
 from moe_dispatch.config import VARIANTS, Config
-from moe_dispatch.errors import IntranodeTimeoutError, MismatchError
+from moe_dispatch.control.agreement import status_of
+from moe_dispatch.errors import ArgumentTypeError, IntranodeTimeoutError, MismatchError
 from moe_dispatch.kernel_layout import buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.loopback import Loopback
 from moe_dispatch.testing.ranks import IntranodeRank
-from moe_dispatch.transport.kernels.header import STATUS_INVALID_ARGUMENTS, STATUS_TEST, describe_mismatch, header_words
+from moe_dispatch.transport.kernels.header import (
+    FIELD_STATUS,
+    STATUS_INVALID_ARGUMENTS,
+    STATUS_TEST,
+    describe_mismatch,
+    header_words,
+    refusal_status,
+)
 from moe_dispatch.transport.kernels.intranode import IntranodeHandle, describe_timeout
 from python_tests.conftest import needs_gpu
 from python_tests.tsan import build_tsan_driver
@@ -679,7 +687,21 @@ def test_mismatch_message_names_ranks_and_field():
     assert describe_mismatch([0] * 8) is None
     message, fields = describe_mismatch([1, 3, 1, 1, 7, 9, -1, 0])
     assert "rank 1 disagrees on the dispatch id (handle): 9 on rank 1, 7 on rank 3" in message
-    assert fields == {"rank": 3, "peer": 1, "field": "dispatch id (handle)", "mine": 7, "theirs": 9, "via": None}
+    assert fields == {
+        "rank": 3,
+        "peer": 1,
+        "field": "dispatch id (handle)",
+        "mine": 7,
+        "theirs": 9,
+        "via": None,
+        "refuser": None,
+        "argument": None,
+        "kind": None,
+    }
+    # a refusal's record carries the refuser's argument and kind as data (no message text parsed)
+    refused = refusal_status(status_of(ArgumentTypeError("x must be a tensor", argument="x")))
+    _, fields = describe_mismatch([1, 2, 0, FIELD_STATUS, 0, refused, -1, 0])
+    assert (fields["refuser"], fields["argument"], fields["kind"]) == (0, "x", TypeError), fields
     message, fields = describe_mismatch([1, 5, 0, 7, 0, STATUS_INVALID_ARGUMENTS, 4, 0])
     assert "rank 0 refused the operation: its arguments were invalid" in message and fields["via"] == 4
     message, _ = describe_mismatch([1, 0, 2, 3, 0, 2, -1, 0])
