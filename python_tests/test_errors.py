@@ -523,8 +523,8 @@ def test_lost_peer_diagnosis_waits_for_late_notes():
         p._store, p._prefix = store, mine._prefix
     seq = 5
     mine.mark("caller", seq, "combine")
-    peers[0]._post("failed", seq, "combine")  # EP rank 1 failed at once; EP rank 3 never answers
-    late = threading.Timer(0.5, peers[1]._post, ("failed", seq, "combine"))  # EP rank 2, late
+    peers[0]._note_failure(seq, "combine")  # EP rank 1 failed at once; EP rank 3 never answers
+    late = threading.Timer(0.5, peers[1]._note_failure, (seq, "combine"))  # EP rank 2, late
     late.start()
     start = time.monotonic()
     message = mine.describe_peers([1, 2, 3], lost=True)

@@ -483,7 +483,7 @@ def _buffers_entry(rank, world_size, transport, closed):
         warnings.simplefilter("always", ResourceWarning)
         for _ in range(NUM_BUFFERS):
             buf = one()
-            keys = [buf.transport.progress._key(rank, t) for t in ("caller", "comm")]
+            keys = [buf.transport.progress._key(rank, "state")]
             if closed:
                 buf.close()
             del buf
@@ -706,7 +706,7 @@ def test_kill_names_the_dead_rank(victim, tmp_path):
         if victim == 0:
             assert "the store died with rank 0: EP rank 0 is gone" in message, message
         else:
-            # Its last mark may be an earlier operation's: marks are flushed every FLUSH_INTERVAL_S.
+            # Its last mark may be an earlier operation's: marks are stored every WRITE_INTERVAL_S.
             assert re.search(
                 rf"the connection to a peer was lost, and EP rank {victim} \(last at #\d+ .*?\) is the only peer "
                 r"that neither failed in this operation nor passed it: most likely it died",

@@ -44,3 +44,21 @@ def bounded(fn, timeout_s: float = READ_TIMEOUT_S):
     thread.start()
     thread.join(timeout_s)
     return answer[0] if answer else (False, None)
+
+
+def present_values(store, keys: list[str]) -> dict[str, bytes]:
+    """The values of those of ``keys`` that ``store`` holds: two round trips when it holds all of
+    them (a ``check`` and a ``multi_get``, both in torch 2.13 too). A get of an absent key waits
+    for it until the store's own timeout, so absent keys (a peer's closed records) are found first,
+    by checking halves. Raises what the store raises."""
+    found = _present(store, keys)
+    return dict(zip(found, store.multi_get(found))) if found else {}
+
+
+def _present(store, keys: list[str]) -> list[str]:
+    if not keys or store.check(keys):
+        return list(keys)
+    if len(keys) == 1:
+        return []
+    half = len(keys) // 2
+    return _present(store, keys[:half]) + _present(store, keys[half:])
