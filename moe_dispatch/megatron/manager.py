@@ -148,17 +148,16 @@ class CustomDispatchManager(_DispatchManager):
     once per MoE layer, over the TP x EP group (any size > 1: EP only, expert TP only, or both),
     with the experts and top-k folded over TP as Megatron does for DeepEP.
 
-    Collective construction: the manager gets its group's ``Buffer`` here (:func:`get_buffer`,
-    made by the first manager of the group, reused by the others), and making a Buffer is
-    collective over the group. Megatron builds the flex dispatcher, and so this manager, in
-    ``MoELayer.__init__`` on every rank, and the ranks of a TP x EP group build the same layers
-    (of the same pipeline stage) in the same order: every rank of the group reaches the first
-    construction together, before any forward, where a collective inside the first dispatch
-    would depend on the schedule reaching it together. The tokens' device is known here too:
-    Megatron keeps the activations on the current CUDA device when torch sees a GPU (the
-    Buffer's device, ``torch.cuda.set_device`` first), else on the CPU (gloo,
-    ``moe_dispatch.megatron.cpu``). A gloo group on a GPU is processes sharing it
-    (``transport="kernels"``).
+    Collective construction: the manager makes its group's ``Buffer`` here (:func:`get_buffer`:
+    collective over the group the first time, reused by the group's later managers). Here,
+    because Megatron builds the flex dispatcher, and so this manager, in ``MoELayer.__init__``
+    on every rank, and the ranks of one TP x EP group (one pipeline stage) build the same layers
+    in the same order before any forward: they all reach the group's first construction
+    together. Inside the first dispatch the collective would rest on the schedule bringing
+    every rank to it together, and its cost would land in the first step. The device is known
+    here too: Megatron keeps the activations on the current CUDA device when torch sees a GPU
+    (``torch.cuda.set_device`` comes first), else on the CPU (gloo, ``moe_dispatch.megatron.cpu``);
+    a gloo group on a GPU is processes sharing it (``transport="kernels"``).
 
     Args:
         group: the TP x EP process group (``pg_collection.tp_ep``).
