@@ -543,6 +543,26 @@ def test_install_is_idempotent():
         assert getattr(fn, "_moe_dispatch_patched", False) is (not points.dispatcher_has_over_budget)
 
 
+def test_megatron_modules_import_only_downwards():
+    """compat <- config <- manager <- delayed_wgrad <- backend <- the package: no module of
+    moe_dispatch.megatron imports one above it, not even inside a function; the others (cpu,
+    schedule) import none of them."""
+    import ast
+    from pathlib import Path
+
+    order = ["compat", "config", "manager", "delayed_wgrad", "backend", "__init__"]
+    for path in Path(mdm.__file__).parent.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                imported |= {n.split(".")[2] for n in names if n and n.startswith("moe_dispatch.megatron.")}
+        below = set(order[: order.index(path.stem)]) if path.stem in order else set()
+        assert imported <= below, f"{path.name} imports {sorted(imported - below)}, above it in {order}"
+
+
 def test_row_parallel_linear_has_a_no_op_backward_dw():
     """delay_wgrad_compute makes the EP-overlap schedule call backward_dw() on the local spec's
     linears; Megatron's own compute their wgrads at once, so it must exist and do nothing."""
