@@ -16,7 +16,7 @@ from .control.agreement import DISPATCH_FIELDS, refusing_fields
 from .errors import ArgumentTypeError, InvalidArgumentError, checking
 from .ops.layout import check_topk_idx_cpu, get_dispatch_layout, is_token_in_rank_cpu
 from .ops.permute import check_permute_args
-from .ops.quant import check_fp8_pair
+from .ops.quant import check_fp8_pair, per_token_cast_to_fp8
 from .runtime import autograd
 from .runtime.arguments import DEFAULT_TIMEOUT_S, agree_arguments
 from .runtime.calls import Call, ExpertLayout, FreshDispatch, PlanSlot
@@ -24,6 +24,7 @@ from .runtime.queue import EventOverlap, RecvHook, release_dropped
 from .runtime.transfers import Transfers, dispatch_fields
 from .semantics.layout import get_dispatch_layout_torch
 from .semantics.permute import PermuteHandle
+from .semantics.quant import FP8_BLOCK
 from .semantics.validation import (
     check_hidden,
     check_num_experts,
@@ -332,6 +333,7 @@ class Buffer:
         num_worst_tokens: int = 0,
         wgrad_store: "DelayedWgrad | None" = None,
         on_overflow: str = "raise",
+        use_fp8: bool = False,
     ):
         """Sends each token to every rank owning one of its experts, exactly once per rank.
 
@@ -396,6 +398,15 @@ class Buffer:
                 in receive order) are left out, their combine contributions are zero, and
                 ``handle.overflow`` (``[1]`` bool on the device) says so, read by nobody but
                 the caller (HybridEP's drop-and-flag).
+            use_fp8: ``x`` (bf16/fp16/fp32, H a multiple of 128) travels as its fp8 pair
+                (``moe_dispatch.ops.quant.per_token_cast_to_fp8``: e4m3 with one fp32 scale per
+                1x128 block, H + H/32 bytes per row instead of 2H for bf16) and ``recv_x``
+                comes back dequantized to x's dtype; differentiable, the gradient passing the
+                quantization straight through (the backward combine moves it in its own dtype,
+                as DeepEP's fp8 dispatch in training). The rows are dequantized on the caller's
+                stream, so the call completes before it returns (CUDA: the current stream waits
+                for the communication stream, the host does not), whatever ``async_finish`` says.
+                Not with ``handle=``, ``return_recv_hook`` or an fp8 tuple ``x``.
 
         Returns:
             ``recv_x [R, H]`` (x's dtype, or the fp8 tuple), ``recv_topk_idx [R, K]`` (topk_idx's dtype, this
@@ -428,13 +439,14 @@ class Buffer:
             try:
                 mode = self._check_call(async_finish, return_recv_hook, previous_event)
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
+                self._check_fp8_wire(x, use_fp8, handle, return_recv_hook)
             except (TypeError, ValueError) as err:
                 if handle is not None:
                     self._transfers.refuse(err, "dispatch", "cached dispatch")
                 worst = _truthy(num_worst_tokens)  # the peers' exchange, as far as it can be told
                 what = "dispatch (num_worst_tokens)" if worst else "dispatch (metadata)"
                 self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
-            call = self._launch(mode, previous_event, allocate_on_comm_stream)
+            call = self._launch("sync" if use_fp8 else mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
             fp8 = isinstance(x, tuple)
             if handle is not None:
@@ -443,12 +455,15 @@ class Buffer:
                 else:
                     recv_x = autograd.ReplayDispatchFn.apply(self._transfers, handle.slot, call, x)
                 return (recv_x, None, None, None, handle, *self._completion(call))
-            routing = self._fresh(call, x, topk_idx, topk_weights, num_experts, num_worst_tokens, on_overflow)
+            wire = per_token_cast_to_fp8(x) if use_fp8 else None
+            routing = self._fresh(
+                call, x if wire is None else wire, topk_idx, topk_weights, num_experts, num_worst_tokens, on_overflow
+            )
             if fp8:  # fp8 is a forward-only format: no autograd
                 *recv_x, recv_weights = self._transfers.dispatch(call, list(x), topk_weights)
                 recv_x = tuple(recv_x)
             else:
-                recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+                recv_x, recv_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights, wire)
             return (
                 recv_x,
                 routing.recv_topk_idx,
@@ -468,6 +483,9 @@ class Buffer:
         pad_multiple: int = 1,
         num_permuted_tokens: int | None = None,
         expert_capacity: int | None = None,
+        num_worst_tokens: int = 0,
+        on_overflow: str = "raise",
+        use_fp8: bool = False,
         async_finish: bool = False,
         previous_event: EventOverlap | None = None,
         allocate_on_comm_stream: bool = False,
@@ -484,16 +502,27 @@ class Buffer:
 
         Args:
             x, topk_idx, topk_weights, num_experts: as in :meth:`dispatch` (``x`` one
-                bf16/fp16/fp32 tensor; fp8 is not fused).
+                bf16/fp16/fp32 tensor: an fp8 pair is :meth:`dispatch`'s; see ``use_fp8``).
             pad_multiple: each local expert's block is padded with zero rows to a multiple of this.
             num_permuted_tokens: static P: the output has exactly P rows (no host wait on the
                 receive side); copies beyond it are dropped and ``handle.permute.overflow`` set.
             expert_capacity: fixed blocks of exactly this many rows per local expert (P =
                 E/W x expert_capacity; a multiple of ``pad_multiple``); excludes
                 ``num_permuted_tokens``. Copies beyond a block are dropped and flagged.
+            num_worst_tokens, on_overflow: a static receive, as in :meth:`dispatch` (rows past
+                ``num_worst_tokens`` in receive order dropped or raised, ``handle.overflow``):
+                the rows are received in receive order, then permuted on the caller's stream
+                (:func:`moe_dispatch.ops.permute.permute`; later operations on the handle
+                (un)permute around their transfers the same way, bit for bit the fused layout
+                of the rows kept), and the call returns complete. With ``transport="kernels"``
+                and a static P (``num_permuted_tokens`` or ``expert_capacity``) nothing on the
+                dispatch, its combine or their backward passes waits for the host (the way to
+                a CUDA graph); on other transports it only bounds the receive.
+            use_fp8: ``x`` travels as fp8 and lands dequantized, as in :meth:`dispatch` (the
+                pair is permuted, then dequantized: the same bits).
             async_finish, previous_event, allocate_on_comm_stream, wgrad_store: as in
-                :meth:`dispatch`; without a static P the call returns complete (the output size
-                follows the received ids), whatever ``async_finish`` says.
+                :meth:`dispatch`; without a static P, with ``num_worst_tokens`` or with
+                ``use_fp8`` the call returns complete, whatever ``async_finish`` says.
 
         Returns:
             ``permuted_x [P, H]`` (x's dtype; zero padding rows), ``permuted_weights [P]`` fp32 (the
@@ -506,6 +535,7 @@ class Buffer:
         Raises:
             ValueError/TypeError: as :meth:`dispatch`; bad pad_multiple, num_permuted_tokens or
                 expert_capacity.
+            BudgetOverflowError: as :meth:`dispatch` (``num_worst_tokens``, ``on_overflow="raise"``).
             RuntimeError, CommError: as :meth:`dispatch`.
         """
         with self._transfers.queue.entered("dispatch"):
@@ -514,19 +544,31 @@ class Buffer:
                 with checking("x", self.rank):
                     if isinstance(x, tuple):
                         raise TypeError(
-                            "dispatch_to_experts takes x as one bf16/fp16/fp32 tensor; dispatch fp8 with dispatch()"
+                            "dispatch_to_experts takes x as one bf16/fp16/fp32 tensor (use_fp8=True sends it as "
+                            "fp8); dispatch an fp8 pair with dispatch()"
                         )
-                self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, 0, "raise")
+                self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, num_worst_tokens, on_overflow)
+                self._check_fp8_wire(x, use_fp8)
                 layout = (pad_multiple, num_permuted_tokens, expert_capacity)
                 with checking("arguments", self.rank):  # the layout's arguments together
                     check_permute_args(topk_idx, num_experts // self.world_size, *layout)
             except (TypeError, ValueError) as err:
-                what = "dispatch (metadata)"
+                what = "dispatch (num_worst_tokens)" if _truthy(num_worst_tokens) else "dispatch (metadata)"
                 self._transfers.refuse(err, what, what, refusing_fields(DISPATCH_FIELDS))
-            call = self._launch(mode, previous_event, allocate_on_comm_stream)
+            call = self._launch("sync" if use_fp8 else mode, previous_event, allocate_on_comm_stream)
             call.wgrad_store = wgrad_store
-            self._fresh(call, x, topk_idx, topk_weights, num_experts, 0, permute=layout)
-            permuted_x, permuted_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights)
+            wire = per_token_cast_to_fp8(x) if use_fp8 else None
+            self._fresh(
+                call,
+                x if wire is None else wire,
+                topk_idx,
+                topk_weights,
+                num_experts,
+                num_worst_tokens,
+                on_overflow,
+                permute=layout,
+            )
+            permuted_x, permuted_weights = autograd.DispatchFn.apply(self._transfers, call, x, topk_weights, wire)
             sizes = call.dispatch.layout.tokens_per_expert
             return (permuted_x, permuted_weights, sizes, self._handle(call), *self._completion(call))
 
@@ -814,6 +856,29 @@ class Buffer:
         """``(event,)``, or ``(event, hook)`` for the hook variant."""
         event = call.event if call.event is not None else EventOverlap()
         return (event, call.hook) if call.mode == "hook" else (event,)
+
+    def _check_fp8_wire(self, x, use_fp8, handle=None, return_recv_hook: bool = False) -> None:
+        """``use_fp8`` of a dispatch whose ``x`` was checked: a bool, and with True a fresh
+        dispatch of one tensor whose rows split into 1x128 blocks, completed by the call."""
+        with checking("use_fp8", self.rank):
+            if not isinstance(use_fp8, bool):
+                raise TypeError(f"use_fp8 must be a bool, got {type(use_fp8).__name__}")
+            if not use_fp8:
+                return
+            if isinstance(x, tuple) or handle is not None:
+                raise ValueError(
+                    "use_fp8=True quantizes a bf16/fp16/fp32 x for a fresh dispatch: pass x as one tensor and no "
+                    "handle (an fp8 pair travels as it is without use_fp8)"
+                )
+            if return_recv_hook:
+                raise ValueError(
+                    "use_fp8=True dequantizes the rows as the call completes: not with return_recv_hook=True"
+                )
+            if x.shape[1] % FP8_BLOCK:
+                raise ValueError(
+                    f"use_fp8=True quantizes rows in 1x{FP8_BLOCK} blocks, but x has hidden size {x.shape[1]}: "
+                    f"dispatch it in {str(x.dtype).removeprefix('torch.')}, or pad it to a multiple of {FP8_BLOCK}"
+                )
 
     def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
         if isinstance(x, list):

@@ -296,7 +296,7 @@ def _check_sync_free_static_shape(ep: int, seed: int):
         import functools
         from unittest import mock
 
-        import moe_dispatch.megatron.manager as mgr
+        import moe_dispatch.runtime.transfers as transfers
         from moe_dispatch.testing.sync import no_host_sync
 
         x, routing_map, probs = _even_inputs(rank, seed)
@@ -309,10 +309,12 @@ def _check_sync_free_static_shape(ep: int, seed: int):
             _dispatcher(_config(ep, "custom", transport="kernels"))._comm_manager, hidden, routing_map, probs
         )
         _manager_step(manager, hidden, routing_map, probs)  # the first call of each signature: checked
-        # The permute as on a GPU: its Triton kernels (interpreted here), not the CPU reference,
-        # which validates on the host.
-        triton = {name: functools.partial(getattr(mgr, name), backend="triton") for name in ("permute", "unpermute")}
-        with mock.patch.multiple(mgr, **triton), no_host_sync():
+        # The permute after the static receive as on a GPU: its Triton kernels (interpreted here),
+        # not the CPU reference, which validates on the host.
+        triton = {
+            name: functools.partial(getattr(transfers, name), backend="triton") for name in ("permute", "unpermute")
+        }
+        with mock.patch.multiple(transfers, **triton), no_host_sync():
             got = _manager_step(manager, hidden, routing_map, probs)
         assert got[3] == budget and not bool(manager.over_budget)  # every row of the static buffer
         for name, g, w in zip(("output", "grad hidden", "grad probs"), got[:3], want[:3]):

@@ -34,6 +34,10 @@ class PlanSlot:
             ``plan.num_recv_tokens``, or ``plan.recv_count`` on the device when that is None).
         permute: a fused permute's handle (set once the top-k ids arrived): then the receive-side
             row tensors of every operation on this slot are expert-major, ``[P, ...]``.
+        permuted_after: ``permute`` lays out rows that a ``num_worst_tokens`` dispatch received in
+            receive order (``num_rows`` of them): every operation on this slot moves rows in
+            receive order and (un)permutes them on the caller's stream (:mod:`moe_dispatch.ops.permute`,
+            no host sync with a static P), instead of landing them expert-major.
         dispatch_id: the dispatch's operation number on its Buffer, equal on every rank of a
             consistent program (combine and cached dispatch compare it across ranks: on the host,
             or, with the kernels, in their operation header on the device); set when the
@@ -46,6 +50,7 @@ class PlanSlot:
     num_rows: int
     plan: Plan | None = None
     permute: PermuteHandle | None = None
+    permuted_after: bool = False
     dispatch_id: int = -1
     overflow: torch.Tensor | None = None
 

@@ -15,7 +15,7 @@ from ..control import ControlPlane, agreement
 from ..control.agreement import DISPATCH_FIELDS, DispatchId, Field
 from ..errors import ArgumentTypeError, BudgetOverflowError, CommError, MismatchError, error_name
 from ..ops.layout import localize_topk_idx_cpu
-from ..ops.permute import permute_map_cpu, permute_map_triton
+from ..ops.permute import permute, permute_map_cpu, permute_map_triton, unpermute
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
 from ..semantics.validation import dense
 from ..topology import Topology
@@ -332,11 +332,14 @@ class Transfers:
         topk_weights (``[T, K]`` fp32 or None) into them; converts topk_idx to local numbering
         into ``call.dispatch.recv_topk_idx`` (-1 for other ranks' experts), zeroes the weights
         of other ranks' experts and counts ``num_recv_tokens_per_expert``. A slot without a
-        plan (static ``num_worst_tokens`` size) gets it here, first, and pads the outputs.
+        plan (static ``num_worst_tokens`` size) gets it here, first, and pads the outputs. With
+        a layout (``call.dispatch.layout``) the x tensors and the weights come back expert-major:
+        landed so where the plan is known, else (``num_worst_tokens``) permuted once the call
+        completed (:meth:`_permute_received`; the call then returns complete).
 
         Returns:
             The received x tensors (``[num_rows, ...]`` each), then the received weights
-            ``[num_rows, K]`` (or None).
+            ``[num_rows, K]`` (or None); with a layout ``[P, ...]`` and ``[P]``.
 
         Raises (where the operation completes: here, the event or the hook):
             BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (``on_overflow="raise"``).
@@ -344,9 +347,11 @@ class Transfers:
         routing = call.dispatch
         xs = x if isinstance(x, list) else [x]
         tensors = [dense(t) for t in [*xs, routing.topk_idx] + ([topk_weights] if topk_weights is not None else [])]
-        if routing.layout is not None:
-            return self._dispatch_permuted(call, tensors, len(xs))
         slot = routing.slot
+        if routing.layout is not None:
+            if slot.plan is not None:
+                return self._dispatch_permuted(call, tensors, len(xs))
+            call.mode = "sync"  # permuted on the caller's stream once the rows are in
         out = self.queue.alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
         out[len(xs)] = recv_idx = routing.recv_topk_idx
         budget = slot.plan is None  # num_worst_tokens: the plan comes with the transfer
@@ -386,7 +391,33 @@ class Transfers:
         what = "dispatch" if slot.plan is not None else "dispatch (num_worst_tokens)"
         self._run(steps(), call, [*tensors, *out], what)
         slot.dispatch_id = call.seq
-        return [*out[: len(xs)], out[-1] if topk_weights is not None else None]
+        received = [*out[: len(xs)], out[-1] if topk_weights is not None else None]
+        return received if routing.layout is None else self._permute_received(routing, received)
+
+    @staticmethod
+    def _permute_received(routing: FreshDispatch, received: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The expert-major layout (``routing.layout``) of a completed ``num_worst_tokens``
+        dispatch's rows (``received``: the x tensors, then the weights or None), on the caller's
+        stream: sets ``slot.permute`` (``permuted_after``) and the layout's ``tokens_per_expert``;
+        returns the permuted x tensors, then the permuted weights ``[P]`` (or None).
+        :func:`~moe_dispatch.ops.permute.permute` of the received ids (this rank's own, localized:
+        not checked again), so with a static P nothing waits for the host on CUDA."""
+        layout, slot = routing.layout, routing.slot
+        *xs, weights = received
+        result = permute(
+            tuple(xs) if len(xs) > 1 else xs[0],  # several x tensors: the fp8 pair
+            routing.recv_topk_idx,
+            weights,
+            num_local_experts=layout.num_local_experts,
+            pad_multiple=layout.pad_multiple,
+            num_permuted_tokens=layout.num_permuted_tokens,
+            expert_capacity=layout.expert_capacity,
+            validate=False,
+        )
+        slot.permute, slot.permuted_after = result.handle, True
+        layout.tokens_per_expert.copy_(result.tokens_per_expert)
+        permuted = list(result.permuted_x) if len(xs) > 1 else [result.permuted_x]
+        return [*permuted, result.permuted_probs]
 
     def _overflow(self, rows: int, num_rows: int) -> None:
         raise BudgetOverflowError(
@@ -466,10 +497,13 @@ class Transfers:
     def forward(self, slot: PlanSlot, tensors: list[torch.Tensor], call: Call, what: str) -> list[torch.Tensor]:
         """Replays a plan's dispatch for row tensors ``[T, ...]`` into new ``[num_rows, ...]``
         outputs (rows past the received ones zero), or, on a fused permute's slot, into
-        ``[P, ...]`` expert-major ones; returns them."""
+        ``[P, ...]`` expert-major ones (landed so, or, where the slot was ``permuted_after``,
+        permuted on the caller's stream once the call completed); returns them."""
         tensors = [dense(t) for t in tensors]
-        permute = slot.permute
-        num_rows = slot.num_rows if permute is None else permute.num_rows
+        landed = None if slot.permuted_after else slot.permute  # expert-major as the rows land
+        num_rows = slot.num_rows if landed is None else landed.num_rows
+        if slot.permuted_after:
+            call.mode = "sync"  # permuted on the caller's stream once the rows are in
         out = self.queue.alloc(call, [(t, (num_rows, *t.shape[1:])) for t in tensors])
 
         def steps():
@@ -479,8 +513,8 @@ class Transfers:
                 yield from self.transport.forward(tensors, slot.plan, out, what, check=check)
                 _pad_rows(out, _padding(slot))
                 return
-            if permute is not None:
-                yield from self.transport.forward(tensors, slot.plan, out, what, permuted=permute, check=check)
+            if landed is not None:
+                yield from self.transport.forward(tensors, slot.plan, out, what, permuted=landed, check=check)
                 return
             stored, over = min(rows, slot.num_rows), rows > slot.num_rows
             # scratch: the rows a drop left out arrive too
@@ -492,7 +526,12 @@ class Transfers:
                 o[stored:].zero_()
 
         self._run(steps(), call, [*tensors, *out], what)
-        return out
+        if not slot.permuted_after:
+            return out
+        handle = slot.permute
+        rows = tuple(out) if len(out) > 1 else out[0]  # several tensors: the fp8 pair
+        permuted = permute(rows, None, num_local_experts=handle.num_local_experts, handle=handle).permuted_x
+        return list(permuted) if len(out) > 1 else [permuted]
 
     def combine(
         self,
@@ -508,13 +547,17 @@ class Transfers:
         outputs; returns them. Rows a ``num_worst_tokens`` dispatch dropped contribute zero. On a
         fused permute's slot a tensor flagged in ``expert_major`` (default: every tensor there)
         is ``[P, ...]`` expert-major: each received row is the fp32 sum of its copies
-        (unpermute), fused into the transfer where the transport can."""
+        (unpermute), fused into the transfer where the transport can, or on the caller's stream
+        first where the slot was ``permuted_after``."""
         tensors = [dense(t) for t in tensors]
+        if expert_major is None:
+            expert_major = [slot.permute is not None] * len(tensors)
+        if slot.permuted_after:
+            tensors = [unpermute(t, slot.permute) if major else t for t, major in zip(tensors, expert_major)]
+            expert_major = [False] * len(tensors)
         scales = [None if sc is None else dense(sc) for sc in scales]
         out = self.queue.alloc(call, [(t, (slot.num_tokens, *t.shape[1:])) for t in tensors])
         uses = [*tensors, *[sc for sc in scales if sc is not None], *out]
-        if expert_major is None:
-            expert_major = [slot.permute is not None] * len(tensors)
 
         def steps():
             check = self._agree("combine", slot, tensors, sum(sc is not None for sc in scales), what)

@@ -368,10 +368,7 @@ class _Megatron:
         local = preset.num_experts // pg.ep.size()
         cls = MoEFlexTokenDispatcher if kind == "ours" else MoEAlltoAllTokenDispatcher
         experts = list(range(pg.ep.rank() * local, (pg.ep.rank() + 1) * local))
-        dispatcher = cls(local, experts, config=cfg, pg_collection=pg)
-        if kind == "ours":
-            dispatcher._comm_manager.buffer_for(torch.device("cpu"))  # made collectively now, not in a timed call
-        return dispatcher
+        return cls(local, experts, config=cfg, pg_collection=pg)  # "ours" makes its Buffer here, not in a timed call
 
 
 def _megatron_calls(dispatcher, x: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
