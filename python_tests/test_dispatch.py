@@ -142,6 +142,7 @@ def _cases(ranks_per_node: int) -> dict:
     cases["fp8-tuple"] = _fp8
     cases["backward-with-empty-rank"] = _backward_empty_rank
     cases["dispatch-to-experts"] = _dispatch_to_experts
+    cases["dispatch-to-experts-empty-rank"] = _dispatch_to_experts_empty_rank
     cases["dispatch-to-experts-backward"] = _dispatch_to_experts_backward
     cases["dispatch-to-experts-static-receive"] = _dispatch_to_experts_static_receive
     cases["fp8-wire"] = _fp8_wire
@@ -324,13 +325,30 @@ def _dispatch_to_experts(rank, world_size, buf):
     """The fused permute equals permute(dispatch(...)) bit for bit (rows, weights, split sizes,
     row map), and a combine of its expert-major rows equals the oracle's combine of each rank's
     unpermuted rows: dropless, padded, with a budget that drops copies, and fixed blocks."""
-    L = buf.topology.ranks_per_node
     num_tokens = [20 + 3 * r for r in range(world_size)]
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=41)
-    xs = make_x(num_tokens, 32, torch.bfloat16, seed=41)
+    _check_dispatch_to_experts(rank, world_size, buf, idxs, ws, num_experts, EXPERT_LAYOUTS)
+
+
+def _dispatch_to_experts_empty_rank(rank, world_size, buf):
+    """A rank whose experts no token picks (ordinary in training) receives no rows: its
+    dispatch_to_experts returns empty expert-major rows, and every rank's results equal the
+    oracle's, dropless and padded."""
+    num_tokens = [12 + r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=44)
+    last = num_experts - num_experts // world_size  # the last rank's first expert
+    idxs = [torch.where(i >= last, -1, i) for i in idxs]
+    _check_dispatch_to_experts(rank, world_size, buf, idxs, ws, num_experts, EXPERT_LAYOUTS[:2])
+
+
+def _check_dispatch_to_experts(rank, world_size, buf, idxs, ws, num_experts, layouts):
+    """dispatch_to_experts (then combine and a cached dispatch) against the oracle for each of
+    ``layouts`` (see :func:`_dispatch_to_experts`)."""
+    L = buf.topology.ranks_per_node
+    xs = make_x([i.shape[0] for i in idxs], 32, torch.bfloat16, seed=41)
     refs = reference.dispatch(xs, idxs, ws, num_experts, L)
     per_rank = num_experts // world_size
-    for layout in EXPERT_LAYOUTS:
+    for layout in layouts:
         want = _permuted_oracle(refs, rank, layout, per_rank)
         px, pw, sizes, handle, _ = buf.dispatch_to_experts(xs[rank], idxs[rank], ws[rank], num_experts, **layout)
         assert torch.equal(px, want.permuted_x) and torch.equal(pw, want.permuted_probs), layout
