@@ -40,9 +40,8 @@ What synchronises the host (per rank, on a GPU):
   read, ``Buffer.check_errors()``, a buffer resize; on the CPU backend after each launch.
 
 Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
-zero-padded; fp16 combines on CPU run as fp32 rows (the same fp32 sum, rounded once). The
-buffers grow, on every rank, when an operation needs wider rows than they hold (a collective
-set-up: every rank sees the same, checked sizes). ``Buffer.close()`` frees them.
+zero-padded. The buffers grow, on every rank, when an operation needs wider rows than they hold
+(a collective set-up: every rank sees the same, checked sizes). ``Buffer.close()`` frees them.
 """
 
 from __future__ import annotations
@@ -387,8 +386,6 @@ class KernelTransport(Transport):
             if y.dtype not in COMBINE_DTYPES:
                 raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
             row_bytes = math.prod(y.shape[1:]) * y.element_size()  # the header's: the caller's row
-            if y.dtype == torch.float16 and self.device.type == "cpu":
-                y = y.float()  # the CPU backend sums fp16 as fp32 rows: the same fp32 sum, rounded once below
             y2d = _rows16(_flat(y))
             kernels = self._sized(_row_elements(y2d), 0, "combine")
             scale = scale.contiguous() if scale is not None else None
