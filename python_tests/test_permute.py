@@ -434,10 +434,12 @@ cases = [
     (P._unpermute_gather_kernel, dict(y_ptr="*bf16", row_id_map_ptr="*i32", row_weights_ptr="*fp32",
         out_ptr="*bf16", num_tokens=i, hidden=i),
         dict(NUM_TOPK=8, TOPK_PAD=8, BLOCK_R=4, BLOCK_H=1024, HAS_WEIGHTS=True), 4),
-    (Q._per_token_cast_to_fp8_kernel, dict(x_ptr="*bf16", x_fp8_ptr="*u8", scales_ptr="*fp32", num_tokens=i,
-        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8, USE_UE8M0=True), 4),
-    (Q._per_token_cast_back_kernel, dict(x_fp8_ptr="*u8", scales_ptr="*fp32", out_ptr="*bf16", num_tokens=i,
-        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8), 4),
+    (Q._per_token_cast_kernel, dict(src_ptr="*bf16", scales_ptr="*fp32", dst_ptr="*u8", num_tokens=i,
+        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8, TO_FP8=True,
+        USE_UE8M0=True), 4),
+    (Q._per_token_cast_kernel, dict(src_ptr="*u8", scales_ptr="*fp32", dst_ptr="*bf16", num_tokens=i,
+        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8, TO_FP8=False,
+        USE_UE8M0=False), 4),
 ]
 for kernel, types, constexprs, num_warps in cases:
     build(kernel, types, constexprs, num_warps)
