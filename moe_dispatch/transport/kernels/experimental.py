@@ -36,7 +36,7 @@ import torch
 
 from ..._ext import require_extension
 from .header import OP_CACHED_DISPATCH, OP_DISPATCH
-from .internode import InternodeDispatch, InternodeEngines, skipper
+from .internode import InternodeDispatch, InternodeEngines
 from .intranode import IntranodeHandle, launch_dispatch, run_notify
 from .intranode import run_combine as run_intranode_combine
 from .launcher import (
@@ -49,6 +49,7 @@ from .launcher import (
     dispatch_header,
     dispatch_shape,
     ptr,
+    skipper,
 )
 
 __all__ = ["StagedInternodeHandle", "empty_staged_handle", "staged_combine", "staged_dispatch"]

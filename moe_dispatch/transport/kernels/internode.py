@@ -70,6 +70,7 @@ from .launcher import (
     ptr,
     recorded,
     resolve_device,
+    skipper,
     slot_bytes_for,
 )
 from .launcher import describe_internode_timeout as describe_timeout
@@ -337,10 +338,6 @@ class InternodeEngines:
         """Raises a recorded timeout, then a recorded mismatch (a host sync)."""
         self.check_timeouts()
         self.check_mismatches()
-
-
-def skipper(skip_rank: int | None, skip_phase: str | None):
-    return lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
 
 
 def _fused_dispatch(

@@ -66,6 +66,7 @@ from .launcher import (
     ptr,
     recorded,
     resolve_device,
+    skipper,
     slot_bytes_for,
 )
 from .launcher import describe_intranode_timeout as describe_timeout
@@ -223,9 +224,10 @@ def run_dispatch(
     statuses: dict[int, int] | None = None,
 ) -> list[RankDispatch]:
     """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and
-    dispatch. ``dispatch_ids``: per rank the fresh dispatch's identity (None: the engine's next);
-    ``statuses``: rank -> non-zero header status (that rank refuses: its inputs are empty)."""
-    skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
+    dispatch (``skip_rank``'s blocks skip ``skip_phase``'s, None: "dispatch"). ``dispatch_ids``:
+    per rank the fresh dispatch's identity (None: the engine's next); ``statuses``: rank ->
+    non-zero header status (that rank refuses: its inputs are empty)."""
+    skip = skipper(skip_rank, skip_phase or "dispatch")
     experts_per_rank = num_experts // engine.world_size
     dispatch_shape(inputs, engine.slot_bytes)
     if handles is None:

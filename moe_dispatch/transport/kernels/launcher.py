@@ -401,6 +401,12 @@ class Launcher:
         return record if record[0] or record[1] else None
 
 
+def skipper(skip_rank: int | None, skip_phase: str):
+    """Tests withhold a rank from one launch: ``skip(phase)`` is the launch's ``skip_rank`` (that
+    rank's blocks skip it) for phase ``skip_phase``, None for every other phase."""
+    return lambda phase: skip_rank if skip_phase == phase else None
+
+
 def check_num_sms(num_sms: int, config: Config) -> int:
     """The channels of a call with ``num_sms`` SMs (even, at most ``config.num_sms``); ValueError otherwise."""
     if not isinstance(num_sms, int) or num_sms < 2 or num_sms % 2 or num_sms > config.num_sms:
