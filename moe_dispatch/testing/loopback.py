@@ -14,6 +14,8 @@ kernel efficiency of the whole protocol; with ``device="cpu"`` the same role cod
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -25,7 +27,15 @@ from ..transport.kernels.internode import InternodeEngines, RdmaEngine, check_rd
 from ..transport.kernels.internode import run_combine as run_internode_combine
 from ..transport.kernels.internode import run_dispatch as run_internode_dispatch
 from ..transport.kernels.intranode import IntranodeEngine, run_combine, run_dispatch
-from ..transport.kernels.launcher import RankInput, default_timeout_s, prepare_input, resolve_device, slot_bytes_for
+from ..transport.kernels.launcher import (
+    CombineCall,
+    DispatchCall,
+    RankInput,
+    default_timeout_s,
+    prepare_input,
+    resolve_device,
+    slot_bytes_for,
+)
 
 __all__ = ["InternodeLoopback", "Loopback"]
 
@@ -36,14 +46,19 @@ class _Harness:
     buffers, a mismatch clears the records: the buffers stay usable).
 
     A harness sets ``_engines`` (every engine it launches on, the first one's timeout the
-    harness's) and ``_control`` (per buffer, the bytes of its control region), and runs an
-    operation through its topology's ``run_dispatch`` / ``run_combine``.
+    harness's), ``_control`` (per buffer, the bytes of its control region) and ``_runs_on``
+    (what its topology's operations take: the engine, or the internode engines), and names
+    those operations (``_dispatch``, ``_combine``: its topology's ``run_dispatch`` /
+    ``run_combine``).
     """
 
     _min_topk = 0  # the fewest top-k entries a slot holds
     _timeout_error: type[Exception] = IntranodeTimeoutError
+    _dispatch: ClassVar[Callable]
+    _combine: ClassVar[Callable]
     _engines: list
     _control: list[tuple[torch.Tensor, int]]
+    _runs_on: object
 
     def __init__(
         self,
@@ -144,16 +159,16 @@ class _Harness:
         inputs = refusing_inputs(
             prepare_inputs(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles), status
         )
-        options = dict(
+        call = DispatchCall(
+            inputs=inputs,
+            num_experts=num_experts,
             num_sms=num_sms or self.config.num_sms,
             handles=handles,
             num_worst_tokens=num_worst_tokens,
-            skip_rank=withhold_rank,
-            skip_phase=withhold_phase,
             dispatch_ids=dispatch_ids,
-            statuses=status,
+            **_launch_fields(status, withhold_rank, withhold_phase, check),
         )
-        return self._guard(lambda: self._run_dispatch(inputs, num_experts, check, options), check)
+        return self._guard(lambda: self._dispatch(self._runs_on, call), check)
 
     def combine(
         self,
@@ -171,15 +186,14 @@ class _Harness:
         no rank held). ``status``: as in :meth:`dispatch`; ``withhold_phase``: the internode
         pipelines' (fused "combine", the default; staged "combine" (stage 2) or "node_combine",
         the default); the intranode combine is one launch."""
-        return self._guard(
-            lambda: self._run_combine(ys, handles, row_scales, withhold_rank, withhold_phase, status, check), check
+        call = CombineCall(
+            rank_begin=0,
+            ys=ys,
+            handles=handles,
+            row_scales=row_scales,
+            **_launch_fields(status, withhold_rank, withhold_phase, check),
         )
-
-    def _run_dispatch(self, inputs: list[RankInput], num_experts: int, check: bool, options: dict) -> list:
-        raise NotImplementedError
-
-    def _run_combine(self, ys, handles, row_scales, skip_rank, skip_phase, statuses, check) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return self._guard(lambda: self._combine(self._runs_on, call), check)
 
     def check(self) -> None:
         """Synchronises, then raises a recorded timeout (resetting the buffers) or mismatch
@@ -240,6 +254,9 @@ class Loopback(_Harness):
             GPU, or the extension is not built.
     """
 
+    _dispatch = staticmethod(run_dispatch)
+    _combine = staticmethod(run_combine)
+
     def _build(self, slot_bytes: int, backend: str, timeout_s: float, cpu_options: dict | None) -> None:
         W = self.world_size
         self.layout = require_extension().intranode_buffer_layout(
@@ -258,19 +275,13 @@ class Loopback(_Harness):
             cpu_options,
             records=Records(W, self.device),
         )
-        self._engines = [self.engine]
+        self._engines, self._runs_on = [self.engine], self.engine
         self._control = [(b, self.layout.queue_offset) for b in self._buffers]
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes of each simulated rank's communication buffer."""
         return self.layout.total_bytes
-
-    def _run_dispatch(self, inputs: list[RankInput], num_experts: int, check: bool, options: dict) -> list:
-        return run_dispatch(self.engine, inputs, num_experts, **options)
-
-    def _run_combine(self, ys, handles, row_scales, skip_rank, skip_phase, statuses, check) -> list[torch.Tensor]:
-        return run_combine(self.engine, 0, ys, handles, row_scales, skip_rank, statuses=statuses)
 
     def _raise_timeouts(self) -> None:
         self.engine.raise_if_timed_out()
@@ -306,6 +317,8 @@ class InternodeLoopback(_Harness):
 
     _min_topk = 1
     _timeout_error = InternodeTimeoutError
+    _dispatch = staticmethod(run_internode_dispatch)
+    _combine = staticmethod(run_internode_combine)
 
     def __init__(self, num_nodes: int, ranks_per_node: int, hidden: int, num_topk: int, **options):
         for name, value in (("num_nodes", num_nodes), ("ranks_per_node", ranks_per_node)):
@@ -365,7 +378,7 @@ class InternodeLoopback(_Harness):
             else {}
         )
         self.engines = InternodeEngines(N, L, rdma, nodes)
-        self._engines = [rdma, *nodes.values()]
+        self._engines, self._runs_on = [rdma, *nodes.values()], self.engines
         self._control = [(b, self.rdma_layout.recv_offset) for b in self._rdma_buffers]
         self._control += [(b, self.nvl_layout.queue_offset) for b in self._nvl_buffers]
 
@@ -374,17 +387,17 @@ class InternodeLoopback(_Harness):
         """(RDMA, NVLink) bytes of each simulated rank's communication buffers."""
         return self.rdma_layout.total_bytes, self.nvl_layout.total_bytes
 
-    def _run_dispatch(self, inputs: list[RankInput], num_experts: int, check: bool, options: dict) -> list:
-        return run_internode_dispatch(self.engines, inputs, num_experts, check=check, **options)
-
-    def _run_combine(self, ys, handles, row_scales, skip_rank, skip_phase, statuses, check) -> list[torch.Tensor]:
-        return run_internode_combine(self.engines, 0, ys, handles, row_scales, skip_rank, skip_phase, statuses, check)
-
     def _raise_timeouts(self) -> None:
         self.engines.check_timeouts()
 
     def _raise_mismatches(self) -> None:
         self.engines.check_mismatches()
+
+
+def _launch_fields(status, withhold_rank, withhold_phase, check: bool) -> dict:
+    """A harness operation's test keywords as the kernels' calls name them
+    (:class:`~moe_dispatch.transport.kernels.launcher.LaunchCall`)."""
+    return {"statuses": status, "skip_rank": withhold_rank, "skip_phase": withhold_phase, "check": check}
 
 
 def check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:
