@@ -424,7 +424,7 @@ class Transfers:
         slot, layout = routing.slot, routing.layout
         xs, weighted = tensors[:k], len(tensors) > k + 1
         rows = slot.num_rows  # the plan is known: no num_worst_tokens here
-        static = layout.num_rows
+        static = layout.static_rows
         if static is None:
             call.mode = "sync"
         recv = self.queue.alloc(call, [(t, (rows, *t.shape[1:])) for t in tensors[k + 1 :]])
@@ -437,13 +437,8 @@ class Transfers:
             # The top-k ids arrived: the permute's index phase, then (dynamic P) its outputs.
             self._localize(routing, recv[0] if recv else None)
             # the ids are this rank's own (localized above): no second check on the host
-            handle = (permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_cpu)(
-                routing.recv_topk_idx,
-                layout.num_local_experts,
-                layout.pad_multiple,
-                layout.num_permuted_tokens,
-                layout.expert_capacity,
-            )
+            index_phase = permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_cpu
+            handle = index_phase(routing.recv_topk_idx, layout)
             slot.permute = handle
             layout.tokens_per_expert.copy_(handle.tokens_per_expert)
             if static is None:
