@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..control.agreement import Field
-from ..semantics.permute import PermuteHandle
+from ..semantics.permute import PermuteHandle, PermuteLayout
 from ..transport.base import Plan
 
 if TYPE_CHECKING:
@@ -56,25 +56,14 @@ class PlanSlot:
 
 
 @dataclasses.dataclass(eq=False)
-class ExpertLayout:
+class ExpertLayout(PermuteLayout):
     """A fused permute's layout (``Buffer.dispatch_to_experts``): the received rows land in
-    expert-major blocks for the local experts, as :func:`moe_dispatch.ops.permute.permute` defines
-    them (``pad_multiple``, the static budget ``num_permuted_tokens`` or the fixed blocks
-    ``expert_capacity``). ``tokens_per_expert`` ``[E_local]`` int64 is an output: the blocks'
-    rows, written once the top-k ids arrived."""
+    expert-major blocks for the local experts, the
+    :class:`~moe_dispatch.semantics.permute.PermuteLayout` of
+    :func:`moe_dispatch.ops.permute.permute`. ``tokens_per_expert`` ``[E_local]`` int64 is an
+    output: the blocks' rows, written once the top-k ids arrived."""
 
-    num_local_experts: int
-    pad_multiple: int = 1
-    num_permuted_tokens: int | None = None
-    expert_capacity: int | None = None
     tokens_per_expert: torch.Tensor | None = None
-
-    @property
-    def num_rows(self) -> int | None:
-        """P when static (a budget or fixed blocks), else None (it follows the received ids)."""
-        if self.expert_capacity is not None:
-            return self.num_local_experts * self.expert_capacity
-        return self.num_permuted_tokens
 
 
 @dataclasses.dataclass(eq=False)

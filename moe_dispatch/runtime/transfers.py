@@ -19,7 +19,7 @@ from ..ops.permute import permute, permute_map_cpu, permute_map_triton, unpermut
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
 from ..semantics.validation import dense
 from ..topology import Topology
-from ..transport.base import Plan, Transport
+from ..transport.base import Plan, PlanRequest, Transfer, Transport
 from .calls import Call, FreshDispatch, PlanSlot
 from .queue import OperationQueue, drive, stream_order_wait
 
@@ -246,7 +246,7 @@ class Transfers:
             if operation == "dispatch (metadata)":
                 self.plan(call, empty, fields, status=status)
             elif operation == "dispatch (num_worst_tokens)":
-                self._run(self._plan(empty, fields, None, None, call, status), call, [], what)
+                self._run(self._plan(PlanRequest(empty, fields, status=status), call), call, [], what)
             else:
                 self._run(self._check({"operation": operation}, what, status), call, [], what)
         except (ValueError, TypeError) as refused:  # the refusal itself, which every rank raises
@@ -286,7 +286,7 @@ class Transfers:
             call.seq = call.seq or self.queue.next_seq()
             self.transport.progress.mark("caller", call.seq, "dispatch (metadata)")
             steps = self._marked(
-                self._plan(is_token_in_rank, fields, topk_idx, None, call, status, rows),
+                self._plan(PlanRequest(is_token_in_rank, fields, status=status, rows=rows, topk_idx=topk_idx), call),
                 call.seq,
                 "dispatch (metadata)",
             )
@@ -296,35 +296,17 @@ class Transfers:
             self.queue.join()
             return plan
 
-    def _plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        topk_idx: torch.Tensor | None,
-        num_rows: int | None,
-        call: Call,
-        status: int = 0,
-        rows: list[torch.Tensor] | None = None,
-    ):
+    def _plan(self, request: PlanRequest, call: Call):
         """Steps of a fresh dispatch's plan on the communication thread/stream: where the
         transport's plan does not compare the fields itself (``checks_in_plan``: torch_dist's
         counts carry them), the argument check first (:meth:`_check`; a refusal is the
         transport's plan's own check), then the plan, with the dispatch's identity
-        (``call.seq``)."""
-        if not (self.transport.capabilities.checks_in_plan or status):
+        (``call.seq``, taken when the steps run)."""
+        if not (self.transport.capabilities.checks_in_plan or request.status):
             # The operation first, so it is told apart from a combine's check.
-            yield from self._check({"operation": "dispatch (metadata)", **fields}, "dispatch")
-        return (
-            yield from self.transport.plan(
-                is_token_in_rank,
-                fields,
-                status=status,
-                rows=rows,
-                topk_idx=topk_idx,
-                num_rows=num_rows,
-                dispatch_id=call.seq,
-            )
-        )
+            yield from self._check({"operation": "dispatch (metadata)", **request.fields}, "dispatch")
+        request.dispatch_id = call.seq
+        return (yield from self.transport.plan(request))
 
     def dispatch(self, call: Call, x, topk_weights: torch.Tensor | None) -> list[torch.Tensor | None]:
         """A fresh dispatch (``call.dispatch`` says where to): allocates the outputs and moves x
@@ -358,12 +340,15 @@ class Transfers:
 
         def steps():
             if budget:
-                slot.plan = yield from self._plan(
-                    routing.is_token_in_rank, routing.fields, routing.topk_idx, slot.num_rows, call
+                request = PlanRequest(
+                    routing.is_token_in_rank, routing.fields, topk_idx=routing.topk_idx, num_rows=slot.num_rows
                 )
+                slot.plan = yield from self._plan(request, call)
             rows = slot.plan.num_recv_tokens
             if rows is None:  # the count is on the device: the kernels filled every row, padding too
-                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, out)
+                yield from self.transport.dispatch(
+                    Transfer(tensors, slot.plan, out, "dispatch"), routing.is_token_in_rank
+                )
                 slot.overflow = slot.plan.overflow != 0
                 _pad_rows(out, _padding(slot), recv_idx)
                 if routing.on_overflow == "raise" and bool(slot.overflow):  # a host read, as asked
@@ -373,7 +358,9 @@ class Transfers:
                 # scratch; they are dropped, or the overflow raised once the transfer is complete.
                 stored, over = min(rows, slot.num_rows), rows > slot.num_rows
                 dst = [o.new_empty((rows, *o.shape[1:])) for o in out] if over else [o[:rows] for o in out]
-                yield from self.transport.dispatch(tensors, routing.is_token_in_rank, slot.plan, dst)
+                yield from self.transport.dispatch(
+                    Transfer(tensors, slot.plan, dst, "dispatch"), routing.is_token_in_rank
+                )
                 self._raise_recorded()  # the host read the counts: a point that synchronises anyway
                 if budget:
                     slot.overflow = torch.full((1,), over, dtype=torch.bool, device=self.device)
@@ -455,7 +442,7 @@ class Transfers:
         slot, layout = routing.slot, routing.layout
         xs, weighted = tensors[:k], len(tensors) > k + 1
         rows = slot.num_rows  # the plan is known: no num_worst_tokens here
-        static = layout.num_rows
+        static = layout.static_rows
         if static is None:
             call.mode = "sync"
         recv = self.queue.alloc(call, [(t, (rows, *t.shape[1:])) for t in tensors[k + 1 :]])
@@ -468,13 +455,8 @@ class Transfers:
             # The top-k ids arrived: the permute's index phase, then (dynamic P) its outputs.
             self._localize(routing, recv[0] if recv else None)
             # the ids are this rank's own (localized above): no second check on the host
-            handle = (permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_cpu)(
-                routing.recv_topk_idx,
-                layout.num_local_experts,
-                layout.pad_multiple,
-                layout.num_permuted_tokens,
-                layout.expert_capacity,
-            )
+            index_phase = permute_map_triton if routing.recv_topk_idx.is_cuda else permute_map_cpu
+            handle = index_phase(routing.recv_topk_idx, layout)
             slot.permute = handle
             layout.tokens_per_expert.copy_(handle.tokens_per_expert)
             if static is None:
@@ -484,9 +466,8 @@ class Transfers:
             return handle
 
         def steps():
-            yield from self.transport.dispatch(
-                tensors, routing.is_token_in_rank, slot.plan, dst, permute=(k, expert_layout)
-            )
+            transfer = Transfer(tensors, slot.plan, dst, "dispatch")
+            yield from self.transport.dispatch(transfer, routing.is_token_in_rank, permute=(k, expert_layout))
             if weighted:
                 gather_rows(recv[0].view(-1, 1), permuted_sources(slot.permute)[1], out=permuted[-1].view(-1, 1))
 
@@ -510,16 +491,16 @@ class Transfers:
             check = self._agree("dispatch", slot, tensors, 0, what)
             rows = slot.plan.num_recv_tokens
             if rows is None:  # the count is on the device (budget mode: no fused permute there)
-                yield from self.transport.forward(tensors, slot.plan, out, what, check=check)
+                yield from self.transport.forward(Transfer(tensors, slot.plan, out, what), check=check)
                 _pad_rows(out, _padding(slot))
                 return
             if landed is not None:
-                yield from self.transport.forward(tensors, slot.plan, out, what, permuted=landed, check=check)
+                yield from self.transport.forward(Transfer(tensors, slot.plan, out, what), landed, check)
                 return
             stored, over = min(rows, slot.num_rows), rows > slot.num_rows
             # scratch: the rows a drop left out arrive too
             dst = [o.new_empty((rows, *o.shape[1:])) for o in out] if over else [o[:rows] for o in out]
-            yield from self.transport.forward(tensors, slot.plan, dst, what, check=check)
+            yield from self.transport.forward(Transfer(tensors, slot.plan, dst, what), check=check)
             for o, d in zip(out, dst):
                 if over:  # a dispatch that dropped rows: the same rows again
                     o.copy_(d[:stored])
@@ -563,13 +544,13 @@ class Transfers:
             check = self._agree("combine", slot, tensors, sum(sc is not None for sc in scales), what)
             rows = slot.plan.num_recv_tokens
             if rows is None:  # the kernels read only the rows they stored (budget mode: no fused permute)
-                yield from self.transport.combine(tensors, scales, slot.plan, out, what, check=check)
+                yield from self.transport.combine(Transfer(tensors, slot.plan, out, what, scales), check=check)
                 return
             # the received rows, the ones a dropping dispatch left out as zeros
             ins = [t if major else _rows(t, rows) for t, major in zip(tensors, expert_major)]
             row_scales = [None if sc is None else _rows(sc, rows) for sc in scales]
             permuted = [slot.permute if major else None for major in expert_major]
-            yield from self.transport.combine(ins, row_scales, slot.plan, out, what, permuted=permuted, check=check)
+            yield from self.transport.combine(Transfer(ins, slot.plan, out, what, row_scales), permuted, check)
 
         self._run(steps(), call, uses, what)
         return out

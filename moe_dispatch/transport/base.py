@@ -84,6 +84,61 @@ class Plan(Protocol):
     def intranode_rows(self) -> int: ...
 
 
+@dataclasses.dataclass(eq=False)
+class PlanRequest:
+    """A fresh dispatch's routing, what :meth:`Transport.plan` exchanges.
+
+    Attributes:
+        is_token_in_rank: ``[T, W]`` bool layout of the sent tokens (``[0, W]`` for a refusing
+            rank).
+        fields: the arguments every rank must agree on (compared by the plan where the
+            transport ``checks_in_plan``, else by the runtime first).
+        what: the operation, for messages.
+        status: 0, or this rank's refusal: its fields are -1, and every rank raises ValueError
+            after the exchange.
+        rows: the row tensors the dispatch will move (its :class:`Transfer`'s), which may travel
+            with the counts (torch_dist; others ignore them), or None.
+        topk_idx: ``[T, K]`` global expert ids, for a transport that routes on the device (the
+            kernels' notify; others ignore it), or None.
+        num_rows: a static receive size (``num_worst_tokens``), or None.
+        dispatch_id: the dispatch's operation number, the same on every rank.
+    """
+
+    is_token_in_rank: torch.Tensor
+    fields: dict[str, Field]
+    what: str = "dispatch"
+    status: int = 0
+    rows: list[torch.Tensor] | None = None
+    topk_idx: torch.Tensor | None = None
+    num_rows: int | None = None
+    dispatch_id: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Transfer:
+    """The rows one operation moves on a plan, what the runtime hands a transport's dispatch,
+    forward and combine (and the ``*_rows`` methods).
+
+    Attributes:
+        tensors: the row tensors: ``[T, ...]`` each for a dispatch or forward (dispatch:
+            ``[x, (fp8 scales), topk_idx, (topk_weights)]``); for a combine floating ``[R, ...]``
+            in dispatch's receive order, or ``[P, ...]`` expert-major where a permute handle
+            says so.
+        plan: the dispatch's :class:`Plan`.
+        out: per tensor its output, allocated by the runtime and written by the steps
+            (``[R, ...]``, or ``[P, ...]`` expert-major; combine: ``[T, ...]``).
+        what: the operation, for messages.
+        scales: combine only: per tensor None or its ``[R]`` fp32 row scales, applied in fp32
+            before summing.
+    """
+
+    tensors: list[torch.Tensor]
+    plan: Plan
+    out: list[torch.Tensor]
+    what: str
+    scales: list[torch.Tensor | None] | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a transport does beyond the contract's minimum (read by the runtime, set once by
@@ -185,47 +240,20 @@ class Transport(abc.ABC):
         return self.control.check(fields, what, status)
 
     @abc.abstractmethod
-    def plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        what: str = "dispatch",
-        *,
-        status: int = 0,
-        rows: list[torch.Tensor] | None = None,
-        topk_idx: torch.Tensor | None = None,
-        num_rows: int | None = None,
-        dispatch_id: int = 0,
-    ) -> Steps[Plan]:
-        """Steps exchanging a fresh dispatch's routing; returns the :class:`Plan`.
-
-        Args:
-            is_token_in_rank: ``[T, W]`` bool layout of the sent tokens (``[0, W]`` for a
-                refusing rank).
-            fields: the arguments every rank must agree on (compared here where the transport
-                ``checks_in_plan``, else by the runtime first).
-            status: 0, or this rank's refusal: its fields are -1, and every rank raises
-                ValueError after the exchange.
-            rows: the row tensors the dispatch will move (as :meth:`dispatch` gets them), which
-                may travel with the counts (torch_dist; others ignore them).
-            topk_idx: ``[T, K]`` global expert ids, for a transport that routes on the device
-                (the kernels' notify; others ignore it).
-            num_rows: a static receive size (``num_worst_tokens``), or None.
-            dispatch_id: the dispatch's operation number, the same on every rank.
-        """
+    def plan(self, request: PlanRequest) -> Steps[Plan]:
+        """Steps exchanging a fresh dispatch's routing (:class:`PlanRequest`); returns the
+        :class:`Plan`."""
 
     def dispatch(
         self,
-        tensors: list[torch.Tensor],
+        transfer: Transfer,
         is_token_in_rank: torch.Tensor,
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str = "dispatch",
         permute: tuple[int, Callable[[], PermuteHandle]] | None = None,
     ) -> Steps[None]:
-        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` (``[T, ...]``
-        each) into ``out`` (``[R, ...]`` each) in (source rank, source token) order; top-k ids
-        arrive in global numbering.
+        """Steps moving ``transfer.tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]``
+        (``[T, ...]`` each, laid out by ``is_token_in_rank`` ``[T, W]``) into ``transfer.out``
+        (``[R, ...]`` each) in (source rank, source token) order; top-k ids arrive in global
+        numbering.
 
         ``permute = (k, layout)``: ``tensors[:k]`` land expert-major into ``out[:k]``
         (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle` ``layout()``
@@ -233,50 +261,40 @@ class Transport(abc.ABC):
         reads the received top-k ids). Here: the rows land in receive order, then one gather.
         """
         if permute is None:
-            yield from self.dispatch_rows(tensors, is_token_in_rank, plan, out, what)
+            yield from self.dispatch_rows(transfer, is_token_in_rank)
             return
         k, layout = permute
+        out = transfer.out
         rows = out[k].shape[0]  # the received top-k ids: R rows
-        scratch = [t.new_empty((rows, *t.shape[1:])) for t in tensors[:k]]
-        yield from self.dispatch_rows(tensors, is_token_in_rank, plan, [*scratch, *out[k:]], what)
+        scratch = [t.new_empty((rows, *t.shape[1:])) for t in transfer.tensors[:k]]
+        yield from self.dispatch_rows(dataclasses.replace(transfer, out=[*scratch, *out[k:]]), is_token_in_rank)
         handle = layout()  # may replace out[:k] (a P known only now)
         _gather_permuted(scratch, handle, out[:k])
 
     def forward(
-        self,
-        tensors: list[torch.Tensor],
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str,
-        permuted: PermuteHandle | None = None,
-        check: Steps | None = None,
+        self, transfer: Transfer, permuted: PermuteHandle | None = None, check: Steps | None = None
     ) -> Steps[None]:
-        """Steps replaying ``plan``'s dispatch for row tensors ``[T, ...]`` into ``out``
+        """Steps replaying the plan's dispatch for row tensors ``[T, ...]`` into ``transfer.out``
         ``[R, ...]`` (cached dispatch, combine's backward); with ``permuted`` (the permute handle
         of the received rows) into ``[P, ...]`` outputs in its expert-major layout. ``check``:
         the argument check's steps, run before any row moves (or None)."""
         if check is not None:
             yield from check
         if permuted is None:
-            yield from self.forward_rows(tensors, plan, out, what)
+            yield from self.forward_rows(transfer)
             return
-        rows = plan.num_recv_tokens
-        scratch = [o.new_empty((rows, *o.shape[1:])) for o in out]
-        yield from self.forward_rows(tensors, plan, scratch, what)
-        _gather_permuted(scratch, permuted, out)
+        scratch = [o.new_empty((transfer.plan.num_recv_tokens, *o.shape[1:])) for o in transfer.out]
+        yield from self.forward_rows(dataclasses.replace(transfer, out=scratch))
+        _gather_permuted(scratch, permuted, transfer.out)
 
     def combine(
         self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str,
+        transfer: Transfer,
         permuted: list[PermuteHandle | None] | None = None,
         check: Steps | None = None,
     ) -> Steps[None]:
         """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any) in
-        fp32 onto their source tokens in ``out`` ``[T, ...]``, in the order of
+        fp32 onto their source tokens in ``transfer.out`` ``[T, ...]``, in the order of
         ``moe_dispatch.reference.combine``. ``permuted``: per tensor None, or the permute handle
         of the received rows: the tensor is then ``[P, ...]`` expert-major and each received row
         the fp32 sum of its copies (ascending), rounded (the unpermute). ``check``: the
@@ -284,34 +302,23 @@ class Transport(abc.ABC):
         if check is not None:
             yield from check
         if permuted is not None:
-            tensors = [t if h is None else ordered_sum(unpermute_plan(h), t) for t, h in zip(tensors, permuted)]
-        yield from self.combine_rows(tensors, scales, plan, out, what)
+            tensors = [
+                t if h is None else ordered_sum(unpermute_plan(h), t) for t, h in zip(transfer.tensors, permuted)
+            ]
+            transfer = dataclasses.replace(transfer, tensors=tensors)
+        yield from self.combine_rows(transfer)
 
     # -- what a transport moves (the base class's operations call these) ---------------------
-    def dispatch_rows(
-        self,
-        tensors: list[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str,
-    ) -> Steps[None]:
+    def dispatch_rows(self, transfer: Transfer, is_token_in_rank: torch.Tensor) -> Steps[None]:
         """:meth:`dispatch` without a permute. A transport implements the ``*_rows`` methods, or
         overrides the operations that call them."""
         raise NotImplementedError(f"{type(self).__name__} implements dispatch itself")
 
-    def forward_rows(self, tensors: list[torch.Tensor], plan: Plan, out: list[torch.Tensor], what: str) -> Steps[None]:
+    def forward_rows(self, transfer: Transfer) -> Steps[None]:
         """:meth:`forward` in receive order, without a check."""
         raise NotImplementedError(f"{type(self).__name__} implements forward itself")
 
-    def combine_rows(
-        self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str,
-    ) -> Steps[None]:
+    def combine_rows(self, transfer: Transfer) -> Steps[None]:
         """:meth:`combine` of rows in receive order, without a check."""
         raise NotImplementedError(f"{type(self).__name__} implements combine itself")
 

@@ -59,7 +59,7 @@ from ...control.agreement import DISPATCH_FIELDS, Field, status_of
 from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError, error_name
 from ...kernel_layout import MAX_RANKS, MAX_TOPK
 from ...topology import Topology
-from ..base import Capabilities, Steps, Transport, TransportOptions, completed
+from ..base import Capabilities, PlanRequest, Steps, Transfer, Transport, TransportOptions, completed
 from .header import (
     FIELD_STATUS,
     OP_CACHED_DISPATCH,
@@ -237,23 +237,12 @@ class KernelTransport(Transport):
             check_rdma_config(Config() if config is None or config == "auto" else config)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        what: str = "dispatch",
-        *,
-        status: int = 0,
-        rows: list[torch.Tensor] | None = None,
-        topk_idx: torch.Tensor | None = None,
-        num_rows: int | None = None,
-        dispatch_id: int = 0,
-    ) -> Steps:
+    def plan(self, request: PlanRequest) -> Steps:
         """Steps that size the buffers and run notify; returns the :class:`KernelPlan`. The
         Buffer compares the arguments across ranks first (the first call of a signature; the
         kernels' header every later one).
 
-        Args:
+        What it reads of ``request`` (:class:`~moe_dispatch.transport.base.PlanRequest`):
             is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
             fields: the dispatch's checked arguments (``hidden``, ``x dtype``, ``top-k``,
                 ``num_experts``, ``topk_weights given``): what notify's header carries.
@@ -263,10 +252,11 @@ class KernelTransport(Transport):
             dispatch_id: the dispatch's identity, the same on every rank.
             status: this rank's refusal (non-zero): it takes part in the argument check with it
                 (``agreement``), and every rank raises ValueError there, before any launch.
-            rows: unused (the payload moves in :meth:`dispatch_rows`).
+            (``rows`` is unused: the payload moves in :meth:`dispatch_rows`.)
         """
-        if status:
-            yield from self.agree({"operation": "dispatch (metadata)", **fields}, what, status)
+        fields, topk_idx, is_token_in_rank = request.fields, request.topk_idx, request.is_token_in_rank
+        if request.status:
+            yield from self.agree({"operation": "dispatch (metadata)", **fields}, request.what, request.status)
         yield from ()  # steps that wait for nothing: the launches are enqueued when driven
         if self.config == "auto":
             self.config = _auto_config(fields, self.topology)
@@ -281,7 +271,7 @@ class KernelTransport(Transport):
                 self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank),
                 num_experts,
                 num_sms=self.config.num_sms,
-                dispatch_id=dispatch_id,
+                dispatch_id=request.dispatch_id,
             )
             self._after_launch(mismatches=True)  # this plan's dispatch is an operation of its own
             return KernelPlan(result.handle, experts_per_rank, self.topology, result.handle.num_rows)
@@ -292,7 +282,7 @@ class KernelTransport(Transport):
         )
         weights = stand_in(num_topk, torch.float32) if fields["topk_weights given"] else None
         inp = self._input(stand_in(fields["hidden"], fields["x dtype"]), None, topk_idx, weights, is_token_in_rank)
-        budget, scratch = num_rows, None
+        budget, scratch = request.num_rows, None
         if budget is not None:  # the padding rows notify fills, and the dispatch launch's tables
             scratch = {
                 "x": torch.empty(budget, 0, device=self.device),
@@ -307,7 +297,7 @@ class KernelTransport(Transport):
             num_experts,
             num_sms=self.config.num_sms,
             num_worst_tokens=budget,
-            dispatch_id=dispatch_id,
+            dispatch_id=request.dispatch_id,
             outs=scratch,
         )
         # A timeout now (on a GPU the count read synchronised); a mismatch once the dispatch launch
@@ -318,17 +308,12 @@ class KernelTransport(Transport):
             self._after_launch(mismatches=False)
         return KernelPlan(handle, experts_per_rank, self.topology, handle.num_rows, scratch)
 
-    def dispatch_rows(
-        self,
-        tensors: list[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        plan: KernelPlan,
-        out: list[torch.Tensor],
-        what: str = "dispatch",
-    ) -> Steps:
-        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``out``
-        (the same list, ``[plan.num_rows, ...]``); top-k ids arrive in global numbering (-1 where
-        the expert is another rank's, and in rows past the received ones), weights 0 there."""
+    def dispatch_rows(self, transfer: Transfer, is_token_in_rank: torch.Tensor) -> Steps:
+        """Steps moving ``transfer.tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into
+        ``transfer.out`` (the same list, ``[plan.num_rows, ...]``); top-k ids arrive in global
+        numbering (-1 where the expert is another rank's, and in rows past the received ones),
+        weights 0 there."""
+        tensors, plan, out = transfer.tensors, transfer.plan, transfer.out
         k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
         x, scales = tensors[0], (tensors[1] if k == 2 else None)
         topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
@@ -351,9 +336,10 @@ class KernelTransport(Transport):
             self._check_errors()
         return completed()
 
-    def forward_rows(self, tensors: list[torch.Tensor], plan: KernelPlan, out: list[torch.Tensor], what: str) -> Steps:
-        """Steps replaying ``plan`` for row tensors ``[T, ...]`` into ``out`` ``[num_rows, ...]``
-        (an fp8 pair travels as one row)."""
+    def forward_rows(self, transfer: Transfer) -> Steps:
+        """Steps replaying the plan for row tensors ``[T, ...]`` into ``transfer.out``
+        ``[num_rows, ...]`` (an fp8 pair travels as one row)."""
+        tensors, plan, out = transfer.tensors, transfer.plan, transfer.out
         fp8 = len(tensors) == 2 and tensors[0].dtype == torch.float8_e4m3fn
         groups = [(tensors, out)] if fp8 else [([t], [o]) for t, o in zip(tensors, out)]
         for (x, *scales), (dst, *dst_scales) in groups:
@@ -371,18 +357,12 @@ class KernelTransport(Transport):
             )
         return completed()
 
-    def combine_rows(
-        self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: KernelPlan,
-        out: list[torch.Tensor],
-        what: str,
-    ) -> Steps:
+    def combine_rows(self, transfer: Transfer) -> Steps:
         """Steps summing each tensor's rows ``[num_rows, ...]`` (times its fp32 scale, if any)
-        onto their source tokens in ``out`` ``[T, ...]``; rows past the received ones are not
-        read."""
-        for y, scale, dst in zip(tensors, scales, out):
+        onto their source tokens in ``transfer.out`` ``[T, ...]``; rows past the received ones
+        are not read."""
+        plan, what = transfer.plan, transfer.what
+        for y, scale, dst in zip(transfer.tensors, transfer.scales, transfer.out):
             if y.dtype not in COMBINE_DTYPES:
                 raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
             row_bytes = math.prod(y.shape[1:]) * y.element_size()  # the header's: the caller's row

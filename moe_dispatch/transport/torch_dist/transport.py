@@ -77,7 +77,7 @@ from ...control import ControlPlane
 from ...control.agreement import AGREE_WORDS, Field
 from ...semantics.permute import PermuteHandle
 from ...topology import Topology
-from ..base import Capabilities, Steps, Transport, TransportOptions
+from ..base import Capabilities, PlanRequest, Steps, Transfer, Transport, TransportOptions
 from .blocks import Agreement, Blocks, begin, complete
 from .collectives import ALL_COMM, Collectives
 from .packing import Carried, field_views, land, packed_width, specs_of
@@ -191,24 +191,13 @@ class TorchDistTransport(Transport):
         choose_route(plan, row_bytes, self.topology, self.num_chunks, self.comm.agree_kind == ALL_COMM, self._links)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        what: str = "dispatch",
-        *,
-        status: int = 0,
-        rows: list[torch.Tensor] | None = None,
-        topk_idx: torch.Tensor | None = None,
-        num_rows: int | None = None,
-        dispatch_id: int = 0,
-    ) -> Steps:
+    def plan(self, request: PlanRequest) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan` (its route
         is chosen by the first payload transfer); one block exchange on the all-ranks group, the
         one every argument check uses (:meth:`agree`), so the blocks have the same size whatever
         operation a peer runs, and the operation is the first field compared.
 
-        Args:
+        What it reads of ``request`` (:class:`~moe_dispatch.transport.base.PlanRequest`):
             is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
                 per-node counts are taken per sub-range of the tokens from it.
             fields: arguments that must agree on every rank (ints, bools, dtypes, the same keys
@@ -223,20 +212,20 @@ class TorchDistTransport(Transport):
                 :data:`.tuning.FUSED_BYTES`) they travel with the counts, and if every rank's did
                 and the route is flat, :meth:`dispatch` only lands them: one collective per
                 dispatch.
-            topk_idx, num_rows, dispatch_id: unused (the counts size the receive; see
-                :meth:`~moe_dispatch.transport.base.Transport.plan`).
+            (``topk_idx``, ``num_rows``, ``dispatch_id`` are unused: the counts size the receive.)
 
         Raises (from the steps):
             ValueError: a rank refused (naming each and quoting its error), or naming the first
                 field and the EP ranks that differ from this rank.
         """
+        is_token_in_rank, fields, what, rows = request.is_token_in_rank, request.fields, request.what, request.rows
         topo = self.topology
         world = topo.world_size
         device, num_tokens = is_token_in_rank.device, is_token_in_rank.shape[0]
         subs = self._subs
         bounds = [c * num_tokens // subs for c in range(subs + 1)]
         checked = {"operation": "dispatch (metadata)", **fields}
-        head = self.blocks.headers(checked, status, device)
+        head = self.blocks.headers(checked, request.status, device)
         sizes_at = AGREE_WORDS + 1  # header words: agreement row, carried rows, sizes, counts
         per_sub, in_node, send_idx = dispatch_counts(is_token_in_rank, bounds, topo, head, sizes_at)
         fused = None
@@ -267,21 +256,20 @@ class TorchDistTransport(Transport):
 
     def dispatch(
         self,
-        tensors: list[torch.Tensor],
+        transfer: Transfer,
         is_token_in_rank: torch.Tensor,
-        plan: TorchDistPlan,
-        out: list[torch.Tensor],
-        what: str = "dispatch",
         permute: tuple[int, Callable[[], PermuteHandle]] | None = None,
     ) -> Steps:
         """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
-        them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); the first
-        payload chooses the plan's route, and two-stage ones fill the chunks' stage-2 indices.
+        them, in (source rank, source token) order, into ``transfer.out`` (``[R, ...]`` each);
+        the first payload chooses the plan's route, and two-stage ones fill the chunks' stage-2
+        indices.
 
         ``permute = (k, layout)`` fuses a permute: ``tensors[:k]`` land expert-major into
         ``out[:k]`` (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
         ``layout()`` lays the received rows out (zero padding rows); ``layout`` is called once
         ``out[k:]`` hold their rows (it reads the received top-k ids)."""
+        tensors, plan, out, what = transfer.tensors, transfer.plan, transfer.out, transfer.what
         width = packed_width(tensors)
         self._route(plan, width)
         self.blocks.resize(plan, width, self._links)
@@ -295,20 +283,13 @@ class TorchDistTransport(Transport):
         recv2 = yield from two_stage_dispatch(self.comm, tensors, is_token_in_rank, plan, what)
         land(recv2, plan.recv_perm, specs_of(tensors), out, permute)
 
-    def forward(
-        self,
-        tensors: list[torch.Tensor],
-        plan: TorchDistPlan,
-        out: list[torch.Tensor],
-        what: str,
-        permuted: PermuteHandle | None = None,
-        check: Steps | None = None,
-    ) -> Steps:
-        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
-        (cached dispatch, combine's backward); with ``permuted`` (a permute handle of the received
-        rows) into ``[P, ...]`` outputs in its expert-major layout (a fused permute's replay).
-        ``check``: the argument check, started before the first payload is packed and completed
-        before it moves."""
+    def forward(self, transfer: Transfer, permuted: PermuteHandle | None = None, check: Steps | None = None) -> Steps:
+        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into
+        ``transfer.out`` (cached dispatch, combine's backward); with ``permuted`` (a permute
+        handle of the received rows) into ``[P, ...]`` outputs in its expert-major layout (a
+        fused permute's replay). ``check``: the argument check, started before the first payload
+        is packed and completed before it moves."""
+        tensors, plan, out, what = transfer.tensors, transfer.plan, transfer.out, transfer.what
         if plan.flat:
             yield from flat_dispatch(self.comm, self.blocks, tensors, plan, out, what, None, permuted, check)
             return
@@ -317,26 +298,18 @@ class TorchDistTransport(Transport):
 
     # -- combine -----------------------------------------------------------------------------
     def combine(
-        self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: TorchDistPlan,
-        out: list[torch.Tensor],
-        what: str = "combine",
-        permuted: list[PermuteHandle | None] | None = None,
-        check: Steps | None = None,
+        self, transfer: Transfer, permuted: list[PermuteHandle | None] | None = None, check: Steps | None = None
     ) -> Steps:
         """Steps summing received rows back onto their source tokens.
 
         Args:
-            tensors: floating row tensors: ``[R, ...]`` in dispatch's receive order, or, where
-                ``permuted`` gives a permute handle of the received rows, ``[P, ...]`` in its
-                expert-major layout (padding rows ignored): a received row is then the fp32 sum of
-                its copies in ascending row order (unpermute), rounded.
-            scales: per tensor, None or ``[R]`` fp32 row scales applied (in fp32) before summing.
-            plan: the dispatch's plan.
-            out: per tensor ``[T, ...]`` in its dtype, written with the sums in the order of the
-                module docstring.
+            transfer: its ``tensors``, floating row tensors: ``[R, ...]`` in dispatch's receive
+                order, or, where ``permuted`` gives a permute handle of the received rows,
+                ``[P, ...]`` in its expert-major layout (padding rows ignored): a received row is
+                then the fp32 sum of its copies in ascending row order (unpermute), rounded; its
+                ``scales``, per tensor None or ``[R]`` fp32 row scales applied (in fp32) before
+                summing; its ``out``, per tensor ``[T, ...]`` in its dtype, written with the sums
+                in the order of the module docstring.
             permuted: per tensor None or the handle; None = all None.
             check: the argument check, started before the first payload is prepared and
                 completed before it moves.
@@ -344,6 +317,7 @@ class TorchDistTransport(Transport):
         Raises:
             ValueError: row scales given with an expert-major tensor.
         """
+        tensors, scales, plan, out, what = transfer.tensors, transfer.scales, transfer.plan, transfer.out, transfer.what
         permuted = permuted if permuted is not None else [None] * len(tensors)
         if any(s is not None for s in scales) and any(p is not None for p in permuted):
             raise ValueError("combine: row scales apply to received rows, not to expert-major ones")
