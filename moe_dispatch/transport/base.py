@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
@@ -355,5 +356,6 @@ def _gather_permuted(rows: list[torch.Tensor], handle: PermuteHandle, out: list[
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[rows, ...]`` contiguous -> its ``[rows, bytes]`` uint8 view (row gathers of any dtype)."""
-    return t.view(t.shape[0], -1).view(torch.uint8)
+    """``[rows, ...]`` contiguous -> its ``[rows, bytes]`` uint8 view (row gathers of any dtype;
+    the width is spelled out: -1 is ambiguous for a rank that received no rows)."""
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
