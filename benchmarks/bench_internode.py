@@ -37,32 +37,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import loopback_bench as bench
 import torch
-from loopback_bench import (
-    TIMING_COLUMNS,
-    Shape,
-    add_run_args,
-    add_variant_args,
-    bench_parser,
-    cached_cases,
-    cell,
-    launch_device,
-    make_inputs,
-    model_ops,
-    print_cpu_check,
-    print_estimate,
-    print_fresh_goal,
-    print_model_goal,
-    print_rows,
-    ratio,
-    shapes_for,
-    time_copy,
-    time_variants,
-    timer,
-    timing_cells,
-    variant_names,
-    write_json,
-)
 
 from moe_dispatch import costmodel
 from moe_dispatch.config import VARIANTS, Config
@@ -72,6 +48,8 @@ from moe_dispatch.transport.kernels.internode import cross_node_bytes
 GOAL_BOUND = 1.00
 GOAL_VS_COPY = 0.4  # 2x4
 FRESH_BUDGET = "fresh dispatch bf16 (budget)"
+# the plan's flags when not given: (on a GPU, on CPU)
+DEVICE_DEFAULTS = {"worlds": (["2x4", "4x2"], ["2x2"]), "num_sms": ([6, 12, 24], [2])}
 MODEL_OPS = {
     "dispatch bf16": ("dispatch", False),
     "dispatch fp8": ("dispatch", True),
@@ -85,36 +63,20 @@ def fused_variant(name: str) -> bool:
     return Config().with_variant(name).fused_copy and VARIANTS[name] != {"slot_flags": True}
 
 
-@dataclasses.dataclass
-class Row:
-    shape: str
+@dataclasses.dataclass(kw_only=True)
+class Row(bench.Row):
+    """A row of one world (``NxL``) and pipeline ("-": the copy baseline); cross-node rate and bytes
+    over the lower bound (None: the baseline)."""
+
     world: str
     pipeline: str
-    num_sms: int
-    op: str
-    variant: str
-    median_us: float
-    p20_us: float
-    p80_us: float
-    bytes: int
-    gbps: float
-    vs_copy: float | None
-    vs_current: float | None
-    model_us: float | None
-    xnode_gbps_per_rank: float | None
-    xnode_vs_bound: float | None
-    world_size: int = 0
-
-    @property
-    def gbps_per_sm(self) -> float | None:
-        return self.gbps / (self.world_size * self.num_sms) if self.num_sms else None
-
-    @property
-    def model_ratio(self) -> float | None:
-        return ratio(self.model_us, self.median_us)
+    xnode_gbps_per_rank: float | None = None
+    xnode_vs_bound: float | None = None
 
 
-def predicted_us(op: str, shape: Shape, num_nodes: int, ranks_per_node: int, rows: float | None, config, num_sms: int):
+def predicted_us(
+    op: str, shape: bench.Shape, num_nodes: int, ranks_per_node: int, rows: float | None, config, num_sms: int
+):
     """The cost model's time of a fused row (None for the ops it does not model)."""
     if op not in MODEL_OPS and op != FRESH_BUDGET:
         return None
@@ -138,7 +100,7 @@ def lower_bound_rows(handles, num_nodes: int, ranks_per_node: int) -> int:
 
 
 def bench_world(
-    shape: Shape,
+    shape: bench.Shape,
     num_nodes: int,
     ranks_per_node: int,
     num_sms_list: list[int],
@@ -156,13 +118,13 @@ def bench_world(
     lb = InternodeLoopback(
         num_nodes, ranks_per_node, shape.hidden, shape.topk, config=config, device=device, timeout_s=args.timeout_s
     )
-    xs, xs8, idxs, ws = make_inputs(shape, W, device)
-    time_case = timer(args, device)
+    xs, xs8, idxs, ws = bench.make_inputs(shape, W, device)
+    time_case = bench.timer(args, device)
     rows: list[Row] = []
     copy_rate = None
     for num_sms in num_sms_list:
         lb.set_variant("current")
-        handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
+        handles, received, cases = bench.cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
         if pipeline == "fused":
             budget = max(h.num_rows for h in handles) + 64
@@ -188,46 +150,56 @@ def bench_world(
         bound = lower_bound_rows(handles, num_nodes, ranks_per_node)
         xnode_ratio = xnode_rows / bound if bound else 1.0
         if on_gpu and copy_rate is None:
-            med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
-            rows.append(
-                Row(
-                    *(shape.name, world, "-", 0, "d2d copy (torch)", "-", med, p20, p80, bytes_bf16, copy_rate),
-                    *(1.0, None, None, None, None, W),
-                )
-            )
+            rows.append(bench.copy_row(Row, shape, W, bytes_bf16, device, args, world=world, pipeline="-"))
+            copy_rate = rows[-1].gbps
         timed = [(op, nbytes, row_bytes, lambda fn=fn: time_case(fn)) for op, nbytes, row_bytes, fn in cases]
-        for variant, (op, nbytes, row_bytes, _), (med, p20, p80), vs_current in time_variants(
-            lb, variants if pipeline == "fused" else ["current"], timed, "bench_internode", f"{world} x {num_sms} SMs"
+        labels = {"shape": shape.name, "world_size": W, "num_sms": num_sms, "world": world, "pipeline": pipeline}
+        for (op, _, row_bytes, _), fields in bench.time_variants(
+            lb,
+            variants if pipeline == "fused" else ["current"],
+            timed,
+            "bench_internode",
+            f"{world} x {num_sms} SMs",
+            **labels,
         ):
-            rate = nbytes / (med * 1e-6) / 1e9
             model = None
             if on_gpu and pipeline == "fused":
                 model = predicted_us(op, shape, num_nodes, ranks_per_node, received / W, lb.config, num_sms)
+            xnode_gbps = xnode_rows * row_bytes / W / (fields["median_us"] * 1e-6) / 1e9
             rows.append(
                 Row(
-                    *(shape.name, world, pipeline, num_sms, op, variant, med, p20, p80, nbytes, rate),
-                    *(ratio(rate, copy_rate), vs_current, model),
-                    *(xnode_rows * row_bytes / W / (med * 1e-6) / 1e9, xnode_ratio, W),
+                    **fields,
+                    copy_gbps=copy_rate,
+                    model_us=model,
+                    xnode_gbps_per_rank=xnode_gbps,
+                    xnode_vs_bound=xnode_ratio,
                 )
             )
     lb.engines.check()  # a wait that timed out during the timings fails the benchmark here
     return rows
 
 
-def plan_estimate(shapes, worlds, num_sms_list, pipelines, variants, args) -> list[tuple[str, float]]:
-    """(what, predicted GPU seconds) per world of the plan: every timed fused launch at the model's
-    time for the expected routing, a staged one at twice the fused (2026-11-30: the staged
+def parse_worlds(worlds: list[str]) -> list[tuple[int, int]]:
+    """``NxL`` worlds as (N, L)."""
+    return [tuple(int(v) for v in w.split("x")) for w in worlds]
+
+
+def plan_estimate(args, variants: list[str]) -> list[tuple[str, float]]:
+    """(what, predicted GPU seconds) per world of the flags' plan: every timed fused launch at the
+    model's time for the expected routing, a staged one at twice the fused (2026-11-30: the staged
     pipeline ran at 0.19 of a copy, stage by stage), plus 2 s per world and 10 s to start."""
-    runs = args.warmup + args.iters
+    runs, num_sms_list = args.warmup + args.iters, args.num_sms
     steps = [("process start, CUDA and Triton warm-up", 10.0)]
-    for shape in shapes:
-        for num_nodes, ranks_per_node in worlds:
+    for shape in bench.shapes_for(args):
+        for num_nodes, ranks_per_node in parse_worlds(args.worlds):
             total = 2.0
-            for pipeline in pipelines:
+            for pipeline in args.pipelines:
                 config = Config(num_sms=max(num_sms_list), num_slots=args.slots, chunk_tokens=args.chunk)
                 for num_sms in num_sms_list:
                     for variant in variants if pipeline == "fused" else ["current"]:
-                        for op in model_ops(shape, [*MODEL_OPS, FRESH_BUDGET] if pipeline == "fused" else MODEL_OPS):
+                        for op in bench.model_ops(
+                            shape, [*MODEL_OPS, FRESH_BUDGET] if pipeline == "fused" else MODEL_OPS
+                        ):
                             t = predicted_us(
                                 op, shape, num_nodes, ranks_per_node, None, config.with_variant(variant), num_sms
                             )
@@ -237,18 +209,21 @@ def plan_estimate(shapes, worlds, num_sms_list, pipelines, variants, args) -> li
 
 
 def print_table(rows: list[Row]) -> None:
-    print_rows(
+    bench.print_rows(
         "internode loopback",
         [
-            *("shape", "world", "pipeline", "sms", "op", "variant", *TIMING_COLUMNS),
-            *("vs copy", "vs current", "model us", "model/meas", "xnode GB/s/rank", "xnode/bound"),
+            "shape",
+            "world",
+            "pipeline",
+            "sms",
+            *bench.TIMING_COLUMNS,
+            *bench.MODEL_COLUMNS,
+            "xnode GB/s/rank",
+            "xnode/bound",
         ],
         [
-            [
-                *(r.shape, r.world, r.pipeline, str(r.num_sms), r.op, r.variant, *timing_cells(r)),
-                *(cell(r.vs_copy, ".2f"), cell(r.vs_current, ".2f"), cell(r.model_us, ".1f")),
-                *(cell(r.model_ratio, ".2f"), cell(r.xnode_gbps_per_rank, ".1f"), cell(r.xnode_vs_bound, ".2f")),
-            ]
+            [r.shape, r.world, r.pipeline, str(r.num_sms), *r.timing_cells(), *r.model_cells()]
+            + [bench.cell(r.xnode_gbps_per_rank, ".1f"), bench.cell(r.xnode_vs_bound, ".2f")]
             for r in rows
         ],
     )
@@ -260,22 +235,15 @@ def print_table(rows: list[Row]) -> None:
         if r.pipeline == "fused" and (key := (r.shape, r.world, r.num_sms, r.op)) in staged
     ]
     if ratios:
-        print_rows(
+        bench.print_rows(
             "internode fused/staged (staged time / fused time)", ["shape", "world", "sms", "op", "ratio"], ratios
         )
-    variants = list(dict.fromkeys(r.variant for r in rows if r.pipeline == "fused"))
-    if len(variants) > 1:
-        keys = list(dict.fromkeys((r.shape, r.world, r.num_sms, r.op) for r in rows if r.pipeline == "fused"))
-        by = {(r.shape, r.world, r.num_sms, r.op, r.variant): r for r in rows if r.pipeline == "fused"}
-        print_rows(
-            "fused variants: current time / variant time (> 1: faster), same run",
-            ["shape", "world", "sms", "op", *variants],
-            [
-                [k[0], k[1], str(k[2]), k[3]]
-                + [cell(by[(*k, v)].vs_current if (*k, v) in by else None, ".2f") for v in variants]
-                for k in keys
-            ],
-        )
+    bench.print_variant_ratios(
+        "fused variants: current time / variant time (> 1: faster), same run",
+        [r for r in rows if r.pipeline == "fused"],
+        ["shape", "world", "sms", "op"],
+        lambda r: (r.shape, r.world, str(r.num_sms), r.op),
+    )
 
 
 def print_goals(rows: list[Row]) -> None:
@@ -286,11 +254,11 @@ def print_goals(rows: list[Row]) -> None:
         if b := max((r for r in at2x4 if r.op == op), key=lambda r: r.vs_copy or 0, default=None):
             verdict = "met" if (b.vs_copy or 0) >= GOAL_VS_COPY else "MISSED"
             print(
-                f"goal: internode 2x4 {op} >= {GOAL_VS_COPY} of a copy: {verdict}, best {cell(b.vs_copy, '.2f')} "
+                f"goal: internode 2x4 {op} >= {GOAL_VS_COPY} of a copy: {verdict}, best {bench.cell(b.vs_copy, '.2f')} "
                 f"({b.variant}, {b.shape}, {b.num_sms} SMs)"
             )
     cached = {(r.shape, r.world, r.num_sms, r.variant): r.median_us for r in fused if r.op == "dispatch bf16"}
-    print_fresh_goal(
+    bench.print_fresh_goal(
         f"internode {FRESH_BUDGET}",
         [
             (f"{r.variant}, {r.shape} {r.world}", r.median_us / cached[k])
@@ -298,46 +266,30 @@ def print_goals(rows: list[Row]) -> None:
             if r.op == FRESH_BUDGET and (k := (r.shape, r.world, r.num_sms, r.variant)) in cached
         ],
     )
-    print_model_goal("fused rows", [r.model_ratio for r in fused if r.model_ratio is not None])
+    bench.print_model_goal("fused rows", [r.model_ratio for r in fused if r.model_ratio is not None])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__doc__)
+    parser = bench.bench_parser(__doc__)
     parser.add_argument("--worlds", nargs="+", default=None, help="NxL worlds (default: 2x4 4x2 on GPU, 2x2 on CPU)")
-    parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 8 16 24 on GPU, 2 on CPU")
+    parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 6 12 24 on GPU, 2 on CPU")
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--pipelines", nargs="+", default=["fused", "staged"], choices=["fused", "staged"])
-    add_variant_args(parser)
-    add_run_args(parser, warmup=2, iters=10)
+    bench.add_variant_args(parser)
+    bench.add_run_args(parser, warmup=2, iters=10)
     args = parser.parse_args(argv)
-    variants = variant_names(args.variants, fused_variant)
+    variants = bench.variant_names(args.variants, fused_variant)
 
-    if args.estimate_only:
-        gpu = torch.device("cuda")
-        worlds = [tuple(int(v) for v in w.split("x")) for w in (args.worlds or ["2x4", "4x2"])]
-        steps = plan_estimate(
-            shapes_for(args, gpu), worlds, args.num_sms or [6, 12, 24], args.pipelines, variants, args
-        )
-        print_estimate("bench_internode", steps)
-        return 0
-    device = launch_device("bench_internode")
-    if device is None:
-        return 1
+    device = bench.start("bench_internode", args, "figures", DEVICE_DEFAULTS, lambda: plan_estimate(args, variants))
     on_gpu = device.type == "cuda"
-    shapes = shapes_for(args, device)
-    worlds = [tuple(int(v) for v in w.split("x")) for w in (args.worlds or (["2x4", "4x2"] if on_gpu else ["2x2"]))]
-    num_sms_list = args.num_sms or ([6, 12, 24] if on_gpu else [2])
-    if on_gpu:
-        print_estimate("bench_internode", plan_estimate(shapes, worlds, num_sms_list, args.pipelines, variants, args))
     if not on_gpu:
-        print_cpu_check("bench_internode", "figures")
         args.slots, args.chunk = min(args.slots, 4), min(args.chunk, 2)
     rows: list[Row] = []
-    for shape in shapes:
-        for num_nodes, ranks_per_node in worlds:
+    for shape in bench.shapes_for(args):
+        for num_nodes, ranks_per_node in parse_worlds(args.worlds):
             for pipeline in args.pipelines:
-                rows += bench_world(shape, num_nodes, ranks_per_node, num_sms_list, args, device, pipeline, variants)
+                rows += bench_world(shape, num_nodes, ranks_per_node, args.num_sms, args, device, pipeline, variants)
     print_table(rows)
     if on_gpu:
         print_goals(rows)
@@ -347,16 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\ngoal: cross-node bytes = the de-dup lower bound (1.00): "
         f"{'met' if worst < 1e-9 else 'MISSED'} ({min(bounds):.2f}..{max(bounds):.2f} over {len(bounds)} rows)"
     )
-    if args.json:
-        write_json(
-            args.json,
-            device,
-            rows,
-            slots=args.slots,
-            chunk=args.chunk,
-            variants=variants,
-            byte_formula="payload rows delivered x row bytes; xnode = stage-1 rows from other nodes",
-        )
+    formula = "payload rows delivered x row bytes; xnode = stage-1 rows from other nodes"
+    bench.write_json(args.json, device, rows, variants, formula, slots=args.slots, chunk=args.chunk)
     return 0
 
 

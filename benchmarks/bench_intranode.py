@@ -45,35 +45,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import loopback_bench as bench
 import torch
-from loopback_bench import (
-    GOAL_GBPS_PER_SM,
-    TIMING_COLUMNS,
-    Shape,
-    add_run_args,
-    add_variant_args,
-    bench_parser,
-    cached_cases,
-    cell,
-    launch_device,
-    make_inputs,
-    model_ops,
-    print_cpu_check,
-    print_estimate,
-    print_fresh_goal,
-    print_model_goal,
-    print_rows,
-    ratio,
-    shapes_for,
-    time_copy,
-    time_host,
-    time_variants,
-    timed_runs,
-    timer,
-    timing_cells,
-    variant_names,
-    write_json,
-)
 
 from moe_dispatch import costmodel
 from moe_dispatch.config import Config
@@ -82,6 +55,8 @@ from moe_dispatch.testing.loopback import Loopback
 GOAL_TWO_HOP = 0.9  # of the two-hop HBM bound, 16 SMs, without l2_discard
 GOAL_L2_COPY = 0.6  # of the copy, 16 SMs, l2_discard and rings that fit in L2
 FRESH_HOST, FRESH_BUDGET = "fresh dispatch bf16 (host read)", "fresh dispatch bf16 (budget)"
+# the plan's flags when not given: (on a GPU, on CPU)
+DEVICE_DEFAULTS = {"world_sizes": ([8], [4]), "num_sms": ([4, 8, 16, 24], [2, 4])}
 # op -> (cost model op, fp8, fresh mode)
 MODEL_OPS = {
     "dispatch bf16": ("dispatch", False, None),
@@ -92,39 +67,23 @@ MODEL_OPS = {
 }
 
 
-@dataclasses.dataclass
-class Row:
-    shape: str
-    world_size: int
+@dataclasses.dataclass(kw_only=True)
+class Row(bench.Row):
+    """A row of one ring configuration (``rings``: depth x chunk tokens, "-" for the copy baseline)
+    and ``l2_discard`` setting; ``fits_l2``: its rings fit in L2."""
+
     rings: str
     l2_discard: bool
-    num_sms: int
-    op: str
-    variant: str
-    median_us: float
-    p20_us: float
-    p80_us: float
-    bytes: int
-    gbps: float
-    vs_copy: float | None
-    vs_current: float | None
-    model_us: float | None
     fits_l2: bool
-
-    @property
-    def gbps_per_sm(self) -> float | None:
-        return self.gbps / (self.world_size * self.num_sms) if self.num_sms else None
 
     @property
     def vs_two_hop(self) -> float | None:
         return None if self.vs_copy is None or self.num_sms == 0 else 2 * self.vs_copy
 
-    @property
-    def model_ratio(self) -> float | None:
-        return ratio(self.model_us, self.median_us)
 
-
-def predicted_us(op: str, shape: Shape, world_size: int, rows_per_rank: float | None, config, num_sms: int) -> float:
+def predicted_us(
+    op: str, shape: bench.Shape, world_size: int, rows_per_rank: float | None, config, num_sms: int
+) -> float:
     kind, fp8, fresh = MODEL_OPS[op]
     workload = costmodel.Workload(
         shape.tokens, shape.hidden, shape.topk, shape.num_experts, world_size, fp8=fp8, rows=rows_per_rank
@@ -137,15 +96,15 @@ def base_config(rings: str, l2_discard: bool, num_sms_list: list[int]) -> Config
     return Config(num_sms=max(num_sms_list), num_slots=num_slots, chunk_tokens=chunk_tokens, l2_discard=l2_discard)
 
 
-def fits_l2(shape: Shape, world_size: int, config: Config, num_sms: int) -> bool:
-    from moe_dispatch.config import max_slot_bytes
+def fits_l2(shape: bench.Shape, world_size: int, config: Config, num_sms: int) -> bool:
+    from moe_dispatch.kernel_layout import max_slot_bytes
 
     slot = -(-max_slot_bytes(shape.hidden, shape.topk) // 128) * 128
     return world_size * world_size * (num_sms // 2) * config.num_slots * slot <= costmodel.H200.l2_bytes
 
 
 def bench_config(
-    shape: Shape,
+    shape: bench.Shape,
     world_size: int,
     rings: str,
     l2_discard: bool,
@@ -160,28 +119,24 @@ def bench_config(
     on_gpu = device.type == "cuda"
     config = base_config(rings, l2_discard, num_sms_list)
     lb = Loopback(world_size, shape.hidden, shape.topk, config=config, device=device, timeout_s=args.timeout_s)
-    xs, xs8, idxs, ws = make_inputs(shape, world_size, device)
-    time_case = timer(args, device)
+    xs, xs8, idxs, ws = bench.make_inputs(shape, world_size, device)
+    time_case = bench.timer(args, device)
     rows: list[Row] = []
     for num_sms in num_sms_list:
         lb.set_variant("current")
-        handles, received, cases = cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
+        handles, received, cases = bench.cached_cases(lb, shape, xs, xs8, idxs, ws, num_sms)
         bytes_bf16 = received * shape.hidden * 2
         budget = max(h.num_rows for h in handles) + 64
         fits = fits_l2(shape, world_size, config, num_sms)
         if on_gpu and copy_rate is None:  # the baseline, once per shape: same byte count
-            med, p20, p80, copy_rate = time_copy(bytes_bf16, device, args)
-            rows.append(
-                Row(
-                    *(shape.name, world_size, "-", False, 0, "d2d copy (torch)", "-", med, p20, p80),
-                    *(bytes_bf16, copy_rate, 1.0, None, None, False),
-                )
-            )
+            baseline = {"rings": "-", "l2_discard": False, "fits_l2": False}
+            rows.append(bench.copy_row(Row, shape, world_size, bytes_bf16, device, args, **baseline))
+            copy_rate = rows[-1].gbps
         fresh = [
             (
                 FRESH_HOST,
                 bytes_bf16,
-                lambda: time_host(
+                lambda: bench.time_host(
                     lambda: lb.dispatch(xs, idxs, ws, shape.num_experts, num_sms=num_sms, check=False, validate=False),
                     1,
                     max(3, args.iters // 4),
@@ -204,30 +159,25 @@ def bench_config(
         ]
         timed = [(op, nbytes, lambda fn=fn: time_case(fn)) for op, nbytes, _, fn in cases] + fresh
         where = f"{world_size} x {num_sms} SMs"
-        for variant, (op, nbytes, _), (med, p20, p80), vs_current in time_variants(
-            lb, variants, timed, "bench_intranode", where
+        labels = {"shape": shape.name, "world_size": world_size, "num_sms": num_sms, "rings": rings}
+        for (op, _, _), fields in bench.time_variants(
+            lb, variants, timed, "bench_intranode", where, **labels, l2_discard=l2_discard, fits_l2=fits
         ):
-            rate = nbytes / (med * 1e-6) / 1e9
             model = predicted_us(op, shape, world_size, received / world_size, lb.config, num_sms) if on_gpu else None
-            rows.append(
-                Row(
-                    *(shape.name, world_size, rings, l2_discard, num_sms, op, variant, med, p20, p80),
-                    *(nbytes, rate, ratio(rate, copy_rate), vs_current, model, fits),
-                )
-            )
+            rows.append(Row(**fields, copy_gbps=copy_rate, model_us=model))
         del handles, cases
     lb.check()  # a wait that timed out during the timings fails the benchmark here
     return rows, copy_rate
 
 
-def plan_estimate(shapes, world_sizes, rings_list, discards, num_sms_list, variants, args) -> list[tuple[str, float]]:
-    """(what, predicted GPU seconds) per shape and W of the plan: every timed launch at the
+def plan_estimate(args, variants: list[str]) -> list[tuple[str, float]]:
+    """(what, predicted GPU seconds) per shape and W of the flags' plan: every timed launch at the
     model's time for the expected routing, the copy baseline, and a fixed 2 s per configuration
     (buffers, inputs, the first dispatch, Triton's first layout launch) plus 10 s to start."""
-    runs = args.warmup + args.iters
+    runs, rings_list, discards, num_sms_list = args.warmup + args.iters, args.rings, args.l2_discard, args.num_sms
     steps = [("process start, CUDA and Triton warm-up", 10.0)]
-    for shape in shapes:
-        for world_size in world_sizes:
+    for shape in bench.shapes_for(args):
+        for world_size in args.world_sizes:
             total = 2.0 * len(rings_list) * len(discards)
             workload = costmodel.Workload(shape.tokens, shape.hidden, shape.topk, shape.num_experts, world_size)
             total += runs * workload.payload_bytes("dispatch") * world_size / (costmodel.H200.copy_gbps * 1e3) * 1e-6
@@ -237,7 +187,7 @@ def plan_estimate(shapes, world_sizes, rings_list, discards, num_sms_list, varia
                     for num_sms in num_sms_list:
                         for variant in variants:
                             c = config.with_variant(variant)
-                            for op in model_ops(shape, MODEL_OPS):
+                            for op in bench.model_ops(shape, MODEL_OPS):
                                 n = 1 + max(3, args.iters // 4) if op == FRESH_HOST else runs
                                 total += n * predicted_us(op, shape, world_size, None, c, num_sms) * 1e-6
             steps.append((f"{shape.name} W={world_size}", total))
@@ -245,42 +195,24 @@ def plan_estimate(shapes, world_sizes, rings_list, discards, num_sms_list, varia
 
 
 def print_table(rows: list[Row]) -> None:
-    print_rows(
+    bench.print_rows(
         "intranode loopback",
+        ["shape", "W", "rings", "l2 discard", "sms", *bench.TIMING_COLUMNS, "vs 2-hop", *bench.MODEL_COLUMNS],
         [
-            *("shape", "W", "rings", "l2 discard", "sms", "op", "variant", *TIMING_COLUMNS),
-            *("vs copy", "vs 2-hop", "vs current", "model us", "model/meas"),
-        ],
-        [
-            [
-                *(r.shape, str(r.world_size), r.rings, ("on" if r.l2_discard else "off") if r.num_sms else "-"),
-                *(str(r.num_sms), r.op, r.variant, *timing_cells(r)),
-                *(cell(r.vs_copy, ".2f"), cell(r.vs_two_hop, ".2f")),
-                *(cell(r.vs_current, ".2f"), cell(r.model_us, ".1f"), cell(r.model_ratio, ".2f")),
-            ]
+            [r.shape, str(r.world_size), r.rings, ("on" if r.l2_discard else "off") if r.num_sms else "-"]
+            + [str(r.num_sms), *r.timing_cells(), bench.cell(r.vs_two_hop, ".2f"), *r.model_cells()]
             for r in rows
         ],
     )
 
 
-def print_variants(rows: list[Row], variants: list[str]) -> None:
-    """The variants side by side: per configuration and op, the current kernels' time over each
-    variant's (> 1: the variant is faster; "-": not timed, e.g. not resident)."""
-    if len(variants) < 2:
-        return
-    keys = list(
-        dict.fromkeys((r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.op) for r in rows if r.num_sms)
-    )
-    by = {(r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.op, r.variant): r for r in rows}
-    print()
-    print_rows(
+def print_variants(rows: list[Row]) -> None:
+    """The variants side by side (the copy baseline left out)."""
+    bench.print_variant_ratios(
         "variants: current time / variant time (> 1: faster), same run",
-        ["shape", "W", "rings", "l2", "sms", "op", *variants],
-        [
-            [k[0], str(k[1]), k[2], "on" if k[3] else "off", str(k[4]), k[5]]
-            + [cell(by[(*k, v)].vs_current if (*k, v) in by else None, ".2f") for v in variants]
-            for k in keys
-        ],
+        [r for r in rows if r.num_sms],
+        ["shape", "W", "rings", "l2", "sms", "op"],
+        lambda r: (r.shape, str(r.world_size), r.rings, "on" if r.l2_discard else "off", str(r.num_sms), r.op),
     )
 
 
@@ -292,7 +224,7 @@ def print_discard_ratios(rows: list[Row]) -> None:
     pairs = [(keep[key(r)], r) for r in rows if r.l2_discard and key(r) in keep]
     if pairs:
         print()
-        print_rows(
+        bench.print_rows(
             "l2_discard: time on / time off, same run",
             ["shape", "W", "rings", "sms", "op", "variant", "ratio"],
             [
@@ -315,9 +247,9 @@ def print_goals(rows: list[Row]) -> None:
     per_sm = [r for r in timed if r.world_size == 4 and r.num_sms <= 4 and r.op in kernel_ops]
     for op in kernel_ops:
         if b := best([r for r in per_sm if r.op == op], lambda r: r.gbps_per_sm):
-            verdict = "met" if b.gbps_per_sm >= GOAL_GBPS_PER_SM else "MISSED"
+            verdict = "met" if b.gbps_per_sm >= bench.GOAL_GBPS_PER_SM else "MISSED"
             print(
-                f"goal: {op} >= {GOAL_GBPS_PER_SM:g} GB/s per SM (4 ranks, 2-4 SMs): {verdict}, best "
+                f"goal: {op} >= {bench.GOAL_GBPS_PER_SM:g} GB/s per SM (4 ranks, 2-4 SMs): {verdict}, best "
                 f"{b.gbps_per_sm:.1f} ({b.variant}, {b.shape}, {b.num_sms} SMs, rings {b.rings})"
             )
     at16 = [r for r in timed if r.world_size == 8 and r.num_sms == 16 and r.op in ("dispatch bf16", "combine bf16")]
@@ -326,13 +258,13 @@ def print_goals(rows: list[Row]) -> None:
             verdict = "met" if (b.vs_two_hop or 0) >= GOAL_TWO_HOP else "MISSED"
             print(
                 f"goal: {op} >= {GOAL_TWO_HOP} of the two-hop bound (8 ranks, 16 SMs, no l2_discard): {verdict}, "
-                f"best {cell(b.vs_two_hop, '.2f')} ({b.variant}, {b.shape}, rings {b.rings})"
+                f"best {bench.cell(b.vs_two_hop, '.2f')} ({b.variant}, {b.shape}, rings {b.rings})"
             )
         if b := best([r for r in at16 if r.op == op and r.l2_discard and r.fits_l2], lambda r: r.vs_copy or 0):
             verdict = "met" if (b.vs_copy or 0) >= GOAL_L2_COPY else "MISSED"
             print(
                 f"goal: {op} >= {GOAL_L2_COPY} of a copy (8 ranks, 16 SMs, l2_discard, rings in L2): {verdict}, "
-                f"best {cell(b.vs_copy, '.2f')} ({b.variant}, {b.shape}, rings {b.rings})"
+                f"best {bench.cell(b.vs_copy, '.2f')} ({b.variant}, {b.shape}, rings {b.rings})"
             )
     cached = {
         (r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.variant): r
@@ -340,7 +272,7 @@ def print_goals(rows: list[Row]) -> None:
         if r.op == "dispatch bf16"
     }
     for op in (FRESH_BUDGET, FRESH_HOST):
-        print_fresh_goal(
+        bench.print_fresh_goal(
             op,
             [
                 (f"{r.variant}, {r.shape}, W={r.world_size}, {r.num_sms} SMs", r.median_us / cached[k].median_us)
@@ -348,11 +280,11 @@ def print_goals(rows: list[Row]) -> None:
                 if r.op == op and (k := (r.shape, r.world_size, r.rings, r.l2_discard, r.num_sms, r.variant)) in cached
             ],
         )
-    print_model_goal("rows", [r.model_ratio for r in timed if r.model_ratio is not None])
+    bench.print_model_goal("rows", [r.model_ratio for r in timed if r.model_ratio is not None])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__doc__)
+    parser = bench.bench_parser(__doc__)
     parser.add_argument("--world-sizes", nargs="+", type=int, default=None, help="default: 8 on GPU, 4 on CPU")
     parser.add_argument("--num-sms", nargs="+", type=int, default=None, help="default: 4 8 16 24 on GPU, 2 4 on CPU")
     parser.add_argument(
@@ -368,62 +300,36 @@ def main(argv: list[str] | None = None) -> int:
         default=["off", "on"],
         help="Config.l2_discard per configuration (default: off on, side by side)",
     )
-    add_variant_args(parser)
-    add_run_args(parser, warmup=3, iters=20)
+    bench.add_variant_args(parser)
+    bench.add_run_args(parser, warmup=3, iters=20)
     args = parser.parse_args(argv)
-    variants = variant_names(args.variants)
+    variants = bench.variant_names(args.variants)
 
-    if args.estimate_only:
-        gpu = torch.device("cuda")
-        shapes = shapes_for(args, gpu)
-        plan = (args.world_sizes or [8], args.rings, args.l2_discard, args.num_sms or [4, 8, 16, 24], variants)
-        print_estimate("bench_intranode", plan_estimate(shapes, *plan, args))
-        return 0
-    device = launch_device("bench_intranode")
-    if device is None:
-        return 1
+    device = bench.start("bench_intranode", args, "goals", DEVICE_DEFAULTS, lambda: plan_estimate(args, variants))
     on_gpu = device.type == "cuda"
-    shapes = shapes_for(args, device)
-    world_sizes = args.world_sizes or ([8] if on_gpu else [4])
-    num_sms_list = args.num_sms or ([4, 8, 16, 24] if on_gpu else [2, 4])
-    if not on_gpu:
-        print_cpu_check("bench_intranode", "goals")
-    print_estimate(
-        "bench_intranode",
-        plan_estimate(shapes, world_sizes, args.rings, args.l2_discard, num_sms_list, variants, args)
-        if on_gpu
-        else [("(a GPU run of this plan)", 0.0)],
-    )
     rows: list[Row] = []
-    for shape in shapes:
-        for world_size in world_sizes:
+    for shape in bench.shapes_for(args):
+        for world_size in args.world_sizes:
             copy_rate = None
             for rings in args.rings:
                 for l2_discard in args.l2_discard:
                     new, copy_rate = bench_config(
-                        shape, world_size, rings, l2_discard == "on", num_sms_list, variants, args, device, copy_rate
+                        shape, world_size, rings, l2_discard == "on", args.num_sms, variants, args, device, copy_rate
                     )
                     rows += new
     print_table(rows)
-    print_variants(rows, variants)
+    print_variants(rows)
     print_discard_ratios(rows)
     if on_gpu:
         print_goals(rows)
     else:
+        runs = bench.timed_runs(args, device)
         print(
-            f"\nbench_intranode: CPU backend ({timed_runs(args, device)} runs a case): the times check the script "
+            f"\nbench_intranode: CPU backend ({runs} runs a case): the times check the script "
             "only (l2_discard writes a poison pattern there; the variants' CPU ratios above say nothing about a GPU)"
         )
-    if args.json:
-        write_json(
-            args.json,
-            device,
-            rows,
-            rings=args.rings,
-            l2_discard=args.l2_discard,
-            variants=variants,
-            byte_formula="payload rows delivered x row bytes",
-        )
+    formula = "payload rows delivered x row bytes"
+    bench.write_json(args.json, device, rows, variants, formula, rings=args.rings, l2_discard=args.l2_discard)
     return 0
 
 

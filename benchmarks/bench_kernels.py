@@ -91,9 +91,11 @@ class Row:
 # ---------------------------------------------------------------------------------------------
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, graph: bool = False):
-    """(median, p20, p80) in microseconds. GPU: triton's do_bench (L2 flushed before each run,
-    CUDA events), or do_bench_cudagraph for graph-safe calls. CPU: perf_counter."""
+def time_fn(fn: Callable[[], object], device: torch.device, args, graph: bool = False):
+    """(median, p20, p80) in microseconds, over ``args.warmup`` and ``args.iters``. GPU: triton's
+    do_bench (L2 flushed before each run, CUDA events), or do_bench_cudagraph for graph-safe
+    calls. CPU: perf_counter."""
+    warmup, iters = args.warmup, args.iters
     if device.type == "cuda":
         import triton.testing
 
@@ -114,21 +116,21 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
     return statistics.median(times), pick(0.2), pick(0.8)
 
 
-def try_time(what: str, fn, device, warmup, iters):
+def try_time(what: str, fn, device, args):
     """Times an optional baseline; None (with a note on stderr) when it fails to run."""
     try:
-        return time_fn(fn, device, warmup, iters)
+        return time_fn(fn, device, args)
     except Exception as exc:  # noqa: BLE001 - baselines are optional
         print(f"{what} baseline failed: {exc!r}", file=sys.stderr)
         return None
 
 
-def copy_bandwidth(nbytes: int, device: torch.device, warmup: int, iters: int) -> float:
+def copy_bandwidth(nbytes: int, device: torch.device, args) -> float:
     """GB/s of a device-to-device copy of ``nbytes`` (read + write counted)."""
     src = torch.empty(max(nbytes // 2, 1), dtype=torch.bfloat16, device=device)
     src.uniform_()
     dst = torch.empty_like(src)
-    med, _, _ = time_fn(lambda: dst.copy_(src), device, warmup, iters)
+    med, _, _ = time_fn(lambda: dst.copy_(src), device, args)
     return 2 * src.numel() * 2 / (med * 1e-6) / 1e9
 
 
@@ -213,9 +215,9 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
             else (lambda: get_dispatch_layout(idx, shape.num_experts, shape.ep, shape.ranks_per_node))
         )
         goal = "<= 20 us (4096 x 8, H100/H200)" if device.type == "cuda" else "not measured (no GPU)"
-        add("layout", "ours (eager)", time_fn(fn, device, args.warmup, args.iters), nbytes, goal=goal)
+        add("layout", "ours (eager)", time_fn(fn, device, args), nbytes, goal=goal)
         if device.type == "cuda":
-            t = time_fn(fn, device, args.warmup, args.iters, graph=True)
+            t = time_fn(fn, device, args, graph=True)
             add("layout", "ours (CUDA graph)", t, nbytes, goal=goal, note="PASS" if t[0] <= 20 else "above goal")
 
     # -- permute / unpermute ------------------------------------------------------------------
@@ -227,7 +229,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
         handle = make_permute_handle(recv, num_local, backend=backend)
         num_rows = handle.num_rows
         copies = int((recv >= 0).sum())
-        copy_gbps = copy_bandwidth(num_rows * shape.hidden * b, device, args.warmup, args.iters)
+        copy_gbps = copy_bandwidth(num_rows * shape.hidden * b, device, args)
         add(
             "copy",
             "torch copy_ (same run)",
@@ -241,10 +243,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
             nbytes = num_recv * shape.hidden * b + num_rows * shape.hidden * b + recv.numel() * 12 + 4 * num_rows
             goal = ">= 80% copy, >= 1.5x megatron" if device.type == "cuda" else "not measured (no GPU)"
             ours_full = time_fn(
-                lambda: permute(x, recv, probs, num_local_experts=num_local, backend=backend),
-                device,
-                args.warmup,
-                args.iters,
+                lambda: permute(x, recv, probs, num_local_experts=num_local, backend=backend), device, args
             )
             ours_rows = time_fn(
                 lambda: (
@@ -253,8 +252,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
                     else permute_reference.permute_rows_reference(x, handle, probs)
                 ),
                 device,
-                args.warmup,
-                args.iters,
+                args,
             )
             mg = te = None
             if mu is not None:
@@ -262,16 +260,14 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
                     "megatron permute",
                     lambda: mu.permute(x, routing_map, merged_probs, num_out_tokens=copies),
                     device,
-                    args.warmup,
-                    args.iters,
+                    args,
                 )
                 if te_ok:
                     te = try_time(
                         "TE permute",
                         lambda: mu.permute(x, routing_map, merged_probs, num_out_tokens=copies, fused=True),
                         device,
-                        args.warmup,
-                        args.iters,
+                        args,
                     )
             for impl, t, note in (
                 ("ours (index + data)", ours_full, "incl. the host sync that sizes P"),
@@ -304,8 +300,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
                         backend=backend,
                     ),
                     device,
-                    args.warmup,
-                    args.iters,
+                    args,
                     graph=False,
                 )
                 add("permute", f"ours pad={pad}, static budget", t, nbytes, copy_gbps, note="no host sync")
@@ -314,7 +309,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
             y = torch.randn(num_rows, shape.hidden, device=device, dtype=dtype, generator=gen)
             nbytes = num_rows * shape.hidden * b + num_recv * shape.hidden * b + 4 * recv.numel()
             goal = ">= 80% copy, >= 1.5x megatron" if device.type == "cuda" else "not measured (no GPU)"
-            ours = time_fn(lambda: unpermute(y, handle, backend=backend), device, args.warmup, args.iters)
+            ours = time_fn(lambda: unpermute(y, handle, backend=backend), device, args)
             mg = te = None
             if mu is not None:
                 _, _, sorted_indices, _, _ = mu.permute(x, routing_map, None, num_out_tokens=copies)
@@ -323,18 +318,13 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
                     "megatron unpermute",
                     lambda: mu.unpermute(y_mg, sorted_indices, x.shape, routing_map=routing_map),
                     device,
-                    args.warmup,
-                    args.iters,
+                    args,
                 )
                 if te_ok:
                     try:
                         _, _, row_id_map, _, _ = mu.permute(x, routing_map, None, num_out_tokens=copies, fused=True)
                         te = try_time(
-                            "TE unpermute",
-                            lambda: mu.unpermute(y_mg, row_id_map, x.shape, fused=True),
-                            device,
-                            args.warmup,
-                            args.iters,
+                            "TE unpermute", lambda: mu.unpermute(y_mg, row_id_map, x.shape, fused=True), device, args
                         )
                     except Exception as exc:  # noqa: BLE001 - optional baseline
                         print(f"TE unpermute baseline failed: {exc!r}", file=sys.stderr)
@@ -352,7 +342,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
             add(
                 "unpermute",
                 "ours (weighted)",
-                time_fn(lambda: unpermute(y, handle, w, backend=backend), device, args.warmup, args.iters),
+                time_fn(lambda: unpermute(y, handle, w, backend=backend), device, args),
                 nbytes + 4 * num_rows,
                 copy_gbps,
             )
@@ -365,27 +355,27 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
     if "quant" in args.kernels:
         hidden = shape.hidden - shape.hidden % 128
         x = torch.randn(shape.tokens, hidden, device=device, dtype=dtype, generator=gen)
-        copy_gbps = copy_bandwidth(x.numel() * b, device, args.warmup, args.iters)
+        copy_gbps = copy_bandwidth(x.numel() * b, device, args)
         groups = hidden // 128
         q_bytes = x.numel() * (b + 1) + 4 * shape.tokens * groups
         add(
             "quantize",
             "ours",
-            time_fn(lambda: per_token_cast_to_fp8(x, backend=backend), device, args.warmup, args.iters),
+            time_fn(lambda: per_token_cast_to_fp8(x, backend=backend), device, args),
             q_bytes,
             copy_gbps,
         )
         add(
             "quantize",
             "ours (ue8m0)",
-            time_fn(lambda: per_token_cast_to_fp8(x, use_ue8m0=True, backend=backend), device, args.warmup, args.iters),
+            time_fn(lambda: per_token_cast_to_fp8(x, use_ue8m0=True, backend=backend), device, args),
             q_bytes,
             copy_gbps,
         )
         add(
             "quantize",
             "torch reference",
-            time_fn(lambda: quant_reference.per_token_cast_to_fp8_reference(x), device, args.warmup, args.iters),
+            time_fn(lambda: quant_reference.per_token_cast_to_fp8_reference(x), device, args),
             q_bytes,
             copy_gbps,
         )
@@ -393,7 +383,7 @@ def bench_shape(shape: Shape, device: torch.device, args, rows: list[Row]) -> No
         add(
             "dequantize",
             "ours",
-            time_fn(lambda: per_token_cast_back(q, s, dtype, backend=backend), device, args.warmup, args.iters),
+            time_fn(lambda: per_token_cast_back(q, s, dtype, backend=backend), device, args),
             q_bytes,
             copy_gbps,
         )
@@ -414,7 +404,7 @@ def sweep(shape: Shape, device: torch.device, args) -> list[dict]:
     out = []
     for br, bh, nw in ((4, 1024, 4), (8, 1024, 4), (16, 512, 4), (8, 2048, 8), (2, 2048, 4), (1, 4096, 8)):
         permute_mod.GPU_CONFIG.update(num_warps=nw)
-        t = time_fn(lambda: permute_rows_triton(x, handle, block_r=br, block_h=bh), device, args.warmup, args.iters)
+        t = time_fn(lambda: permute_rows_triton(x, handle, block_r=br, block_h=bh), device, args)
         out.append(
             {
                 "shape": shape.name,
@@ -425,12 +415,7 @@ def sweep(shape: Shape, device: torch.device, args) -> list[dict]:
                 "median_us": t[0],
             }
         )
-        t = time_fn(
-            lambda: permute_mod.unpermute_rows_triton(y, handle, block_r=br, block_h=bh),
-            device,
-            args.warmup,
-            args.iters,
-        )
+        t = time_fn(lambda: permute_mod.unpermute_rows_triton(y, handle, block_r=br, block_h=bh), device, args)
         out.append(
             {
                 "shape": shape.name,
@@ -445,10 +430,7 @@ def sweep(shape: Shape, device: torch.device, args) -> list[dict]:
     for bt, gpp, nw in ((16, 8, 4), (8, 8, 4), (32, 4, 4), (16, 56, 4), (4, 16, 2)):
         quant_mod.GPU_CONFIG.update(num_warps=nw)
         t = time_fn(
-            lambda: quant_mod.per_token_cast_to_fp8_triton(xq, block_t=bt, groups_per_program=gpp),
-            device,
-            args.warmup,
-            args.iters,
+            lambda: quant_mod.per_token_cast_to_fp8_triton(xq, block_t=bt, groups_per_program=gpp), device, args
         )
         out.append(
             {

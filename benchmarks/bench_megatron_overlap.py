@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch.testing.launch import launch_ranks, retain_freed_memory
+from moe_dispatch.testing.models import moe_config_fields
 from moe_dispatch.tools.quiet import NOTE as QUIET_NOTE
 from moe_dispatch.tools.quiet import filter_known_warnings
 
@@ -52,7 +53,8 @@ class _CommTimer:
     passes while ``active`` (GPU: synchronising before and after each)."""
 
     def __init__(self) -> None:
-        from moe_dispatch import autograd, buffer
+        from moe_dispatch import buffer
+        from moe_dispatch.runtime import autograd
 
         self.active, self.seconds = False, 0.0
         targets = [(buffer.Buffer, "dispatch"), (buffer.Buffer, "combine")]
@@ -84,21 +86,17 @@ def _build(args, overlap: bool):
 
     import moe_dispatch.megatron as mdm
 
+    shape = {name: getattr(args, name) for name in ("layers", "hidden", "heads", "experts", "topk", "ffn")}
     cfg = TransformerConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        num_moe_experts=args.experts,
-        moe_router_topk=args.topk,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        ffn_hidden_size=args.ffn,
-        moe_ffn_hidden_size=args.ffn,
-        expert_model_parallel_size=dist.get_world_size(),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **moe_config_fields(
+            **shape,
+            dtype=torch.bfloat16,
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            expert_model_parallel_size=dist.get_world_size(),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
     )
     mdm.configure(
         cfg, ranks_per_node=args.ranks_per_node, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap

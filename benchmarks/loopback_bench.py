@@ -1,6 +1,6 @@
 """What the loopback benchmarks (bench_intranode.py, bench_internode.py) share: the shapes, the
 inputs, the timers, the first (fresh) dispatch, the timed cached cases, the d2d copy baseline,
-the command line they have in common and the JSON they write."""
+the rows and their tables, the command line they have in common and the JSON they write."""
 
 from __future__ import annotations
 
@@ -35,6 +35,55 @@ SHAPES = {
 }
 GOAL_GBPS_PER_SM = 25.0  # issue 21: payload per SM where HBM does not bind (DeepEP V2: 643 GB/s / 24 SMs)
 MODEL_GOOD = (0.7, 1.3)  # model / measurement counted as a good prediction
+
+
+@dataclasses.dataclass(kw_only=True)
+class Row:
+    """One timed row; each script's Row adds its configuration's fields. ``num_sms``: SMs per
+    simulated rank (0: the copy baseline); times in microseconds; ``bytes``: the payload
+    delivered; ``copy_gbps``: the copy baseline's rate (None where not timed), which gives
+    ``vs_copy``; ``vs_current``: the current kernels' time over this row's (None for the current
+    kernels' own rows until they ran); ``model_us``: the cost model's time (None: not modelled)."""
+
+    shape: str
+    world_size: int
+    num_sms: int
+    op: str
+    variant: str
+    median_us: float
+    p20_us: float
+    p80_us: float
+    bytes: int
+    copy_gbps: dataclasses.InitVar[float | None]
+    vs_current: float | None = None
+    model_us: float | None = None
+    gbps: float = dataclasses.field(init=False)
+    vs_copy: float | None = dataclasses.field(init=False)
+
+    def __post_init__(self, copy_gbps: float | None) -> None:
+        self.gbps = self.bytes / (self.median_us * 1e-6) / 1e9
+        self.vs_copy = ratio(self.gbps, copy_gbps)
+
+    @property
+    def gbps_per_sm(self) -> float | None:
+        return self.gbps / (self.world_size * self.num_sms) if self.num_sms else None
+
+    @property
+    def model_ratio(self) -> float | None:
+        return ratio(self.model_us, self.median_us)
+
+    def timing_cells(self) -> list[str]:
+        """The cells under :data:`TIMING_COLUMNS`."""
+        times = [f"{self.median_us:.1f}", f"{self.p20_us:.1f}-{self.p80_us:.1f}", f"{self.gbps:.1f}"]
+        return [self.op, self.variant, *times, cell(self.gbps_per_sm, ".1f"), cell(self.vs_copy, ".2f")]
+
+    def model_cells(self) -> list[str]:
+        """The cells under :data:`MODEL_COLUMNS`."""
+        return [cell(self.vs_current, ".2f"), cell(self.model_us, ".1f"), cell(self.model_ratio, ".2f")]
+
+
+TIMING_COLUMNS = ["op", "variant", "median us", "p20-p80 us", "GB/s", "GB/s/SM", "vs copy"]
+MODEL_COLUMNS = ["vs current", "model us", "model/meas"]
 
 
 def time_gpu(fn, warmup: int, iters: int) -> tuple[float, float, float]:
@@ -160,12 +209,13 @@ def not_resident(err: Exception) -> bool:
     return isinstance(err, ValueError) and "resident at once" in str(err)
 
 
-def time_variants(lb, variants: list[str], cases: list[tuple], prog: str, where: str):
-    """Times every case ``(op, ..., run)`` (``run()`` gives median, p20, p80 in us) under each
-    kernel variant (the loopback's ``set_variant``), yielding ``(variant, case, (median, p20,
-    p80), vs_current)``: vs_current is the current kernels' median over this one (None until the
-    current kernels ran the op). A variant whose blocks are not all resident is skipped (said on
-    stdout: ``prog: variant at where: not resident, skipped``). Ends on the current kernels."""
+def time_variants(lb, variants: list[str], cases: list[tuple], prog: str, where: str, **fields):
+    """Times every case ``(op, payload bytes, ..., run)`` (``run()`` gives median, p20, p80 in us)
+    under each kernel variant (the loopback's ``set_variant``), yielding ``(case, row fields)``:
+    ``fields`` (the configuration's) with the op, variant, times, bytes and vs_current (the
+    current kernels' median over this one; None until the current kernels ran the op). A variant
+    whose blocks are not all resident is skipped (said on stdout: ``prog: variant at where: not
+    resident, skipped``). Ends on the current kernels."""
     current: dict[str, float] = {}
     for variant in variants:
         lb.set_variant(variant)
@@ -180,21 +230,9 @@ def time_variants(lb, variants: list[str], cases: list[tuple], prog: str, where:
                 raise
             if variant == "current":
                 current[op] = med
-            yield variant, case, (med, p20, p80), ratio(current.get(op), med)
+            timing = {"op": op, "variant": variant, "median_us": med, "p20_us": p20, "p80_us": p80, "bytes": case[1]}
+            yield case, {**fields, **timing, "vs_current": ratio(current.get(op), med)}
     lb.set_variant("current")
-
-
-TIMING_COLUMNS = ["median us", "p20-p80 us", "GB/s", "GB/s/SM"]
-
-
-def timing_cells(row) -> list[str]:
-    """A row's cells under :data:`TIMING_COLUMNS` (its median_us, p20_us, p80_us, gbps, gbps_per_sm)."""
-    return [
-        f"{row.median_us:.1f}",
-        f"{row.p20_us:.1f}-{row.p80_us:.1f}",
-        f"{row.gbps:.1f}",
-        cell(row.gbps_per_sm, ".1f"),
-    ]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -237,12 +275,25 @@ def print_estimate(name: str, steps: list[tuple[str, float]]) -> None:
         print(f"  {what}: {t:.1f} s")
 
 
-def time_copy(nbytes: int, device: torch.device, args) -> tuple[float, float, float, float]:
-    """The baseline: a torch device-to-device copy of ``nbytes``: (median, p20, p80 us, GB/s)."""
+def copy_row(row_type: type[Row], shape: Shape, world_size: int, nbytes: int, device: torch.device, args, **fields):
+    """The baseline, a ``row_type`` row: a torch device-to-device copy of ``nbytes`` timed with
+    CUDA events; ``fields``: the script's own ("-" where a configuration does not apply)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     med, p20, p80 = time_gpu(lambda: dst.copy_(src), args.warmup, args.iters)
-    return med, p20, p80, nbytes / (med * 1e-6) / 1e9
+    times = {"median_us": med, "p20_us": p20, "p80_us": p80}
+    rate = nbytes / (med * 1e-6) / 1e9
+    return row_type(
+        **times,
+        shape=shape.name,
+        world_size=world_size,
+        num_sms=0,
+        op="d2d copy (torch)",
+        variant="-",
+        bytes=nbytes,
+        copy_gbps=rate,
+        **fields,
+    )
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:
@@ -268,19 +319,38 @@ def add_run_args(parser, warmup: int, iters: int) -> None:
     parser.add_argument("--json", default=None, help="write the rows and the environment here")
 
 
-def launch_device(name: str) -> torch.device | None:
-    """The device to run on (a GPU when there is one, else CPU); None, after saying why on
-    stderr, when the extension is not built."""
+def start(name: str, args, unmeasured: str, defaults: dict[str, tuple], plan) -> torch.device:
+    """The device to run on, a GPU when there is one, else CPU (saying that such a run checks the
+    script and measures no GPU ``unmeasured``), with the flags left unset at its defaults
+    (:func:`set_defaults`), after printing the predicted GPU time of the run (``plan()``: its
+    ``(what, predicted GPU seconds)`` steps; a placeholder on CPU). With ``--estimate-only`` it
+    prints that of the GPU's plan and exits 0; it exits 1, saying why on stderr, when the
+    extension is not built."""
+    if args.estimate_only:
+        set_defaults(args, True, defaults)
+        print_estimate(name, plan())
+        raise SystemExit(0)
     if not _ext.extension_status().built:
         print(f"{name}: the extension is not built ({_ext.extension_status().error})", file=sys.stderr)
-        return None
+        raise SystemExit(1)
     on_gpu = _ext.cuda_available() and torch.cuda.is_available()
+    if not on_gpu:
+        print(
+            f"{name}: no GPU: running the CPU backend on a tiny shape to check the script; "
+            f"GPU {unmeasured} not measured"
+        )
+    set_defaults(args, on_gpu, defaults)
+    print_estimate(name, plan() if on_gpu else [("(a GPU run of this plan)", 0.0)])
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
-def print_cpu_check(name: str, unmeasured: str) -> None:
-    """What a run without a GPU is for."""
-    print(f"{name}: no GPU: running the CPU backend on a tiny shape to check the script; GPU {unmeasured} not measured")
+def set_defaults(args, on_gpu: bool, defaults: dict[str, tuple]) -> None:
+    """Sets each flag of ``args`` left None to its default on a GPU (``on_gpu``) or CPU:
+    ``defaults`` maps a flag to its ``(GPU, CPU)`` defaults; ``--shapes``: deepseek-v3 gpt-oss
+    on a GPU, tiny on CPU."""
+    for flag, (gpu, cpu) in {"shapes": (["deepseek-v3", "gpt-oss"], ["tiny"]), **defaults}.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, gpu if on_gpu else cpu)
 
 
 def model_ops(shape: Shape, ops) -> list[str]:
@@ -288,13 +358,34 @@ def model_ops(shape: Shape, ops) -> list[str]:
     return [op for op in ops if op != "dispatch fp8" or shape.hidden % 128 == 0]
 
 
-def shapes_for(args, device: torch.device) -> list[Shape]:
-    return [SHAPES[s] for s in (args.shapes or (["deepseek-v3", "gpt-oss"] if device.type == "cuda" else ["tiny"]))]
+def shapes_for(args) -> list[Shape]:
+    """The shapes of ``--shapes`` (after :func:`set_defaults`)."""
+    return [SHAPES[s] for s in args.shapes]
 
 
 def cell(value: float | None, spec: str) -> str:
     """A table cell: ``value`` formatted by ``spec``, or "-" for None."""
     return "-" if value is None else format(value, spec)
+
+
+def print_variant_ratios(title: str, rows: list[Row], columns: list[str], key) -> None:
+    """The variants of ``rows`` side by side, when there are several: per configuration and op
+    (``key(row)``, a tuple of the cells under ``columns``), the current kernels' time over each
+    variant's (> 1: the variant is faster; "-": not timed there, e.g. not resident), after a
+    blank line."""
+    variants = list(dict.fromkeys(r.variant for r in rows))
+    if len(variants) < 2:
+        return
+    print()
+    by = {(key(r), r.variant): r for r in rows}
+    print_rows(
+        title,
+        [*columns, *variants],
+        [
+            [*k, *(cell(by[k, v].vs_current if (k, v) in by else None, ".2f") for v in variants)]
+            for k in dict.fromkeys(key(r) for r in rows)
+        ],
+    )
 
 
 def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -317,15 +408,22 @@ def print_rows(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console(width=240).print(table)
 
 
-def write_json(path: str, device: torch.device, rows: list, **env) -> None:
-    """The rows (the scripts' Row dataclasses, with their derived gbps_per_sm and model_ratio) and
-    the environment (``env`` after device, torch, gpu) to ``path``."""
+def write_json(
+    path: str | None, device: torch.device, rows: list[Row], variants: list[str], byte_formula: str, **env
+) -> None:
+    """The rows (with their derived gbps_per_sm and model_ratio) and the environment (device,
+    torch, gpu, ``env``, the kernel variants timed, the byte formula) to ``path``; nothing
+    without a path."""
+    if path is None:
+        return
     on_gpu = device.type == "cuda"
     env = {
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
         "torch": torch.__version__,
         "gpu": on_gpu,
         **env,
+        "variants": variants,
+        "byte_formula": byte_formula,
     }
     with open(path, "w") as f:
         json.dump(

@@ -66,43 +66,58 @@ import torch._dynamo
 import torch.distributed as dist
 
 from moe_dispatch.testing.launch import launch_ranks
+from moe_dispatch.testing.models import moe_config_fields
 from moe_dispatch.tools.quiet import NOTE as QUIET_NOTE
 from moe_dispatch.tools.quiet import filter_known_warnings
 
 DISPATCHERS = ("alltoall", "custom")
 
 
+def _flag(default, help: str | None = None, **argparse_kwargs):
+    """A :class:`RunConfig` field that the flag ``--<name>`` (dashes for underscores) sets, of
+    ``default``'s type (a bool: ``--name`` / ``--no-name``); ``argparse_kwargs`` go to argparse."""
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
 @dataclasses.dataclass
 class RunConfig:
-    """Everything that defines a training run (both dispatchers use the same one)."""
+    """Everything that defines a training run (both dispatchers use the same one). The fields with
+    a default are the command-line flags of their names; the first three are derived."""
 
-    steps: int
-    seq_len: int
-    micro_batch_size: int
-    microbatches: int
-    hidden: int
-    layers: int
-    heads: int
-    experts: int
-    topk: int
-    ffn_hidden: int
-    lr: float
-    warmup: int
-    aux_loss_coeff: float
-    clip_grad: float
-    seed: int
-    log_every: int
-    pp: int
-    vpp: int
-    ep: int
-    ep_overlap: bool
-    delay_wgrad: bool
-    dtype: str
-    ranks_per_node: int
+    ranks_per_node: int  # --ranks-per-node on CPU, LOCAL_WORLD_SIZE under torchrun; at most --ep
     simulated_nodes: bool  # CPU: declare ranks_per_node; torchrun: derived from LOCAL_WORLD_SIZE
-    corpus_bytes: int
-    data_dir: str
-    pad_multiple: int
+    corpus_bytes: int  # --corpus-mb
+    steps: int = _flag(200)
+    seq_len: int = _flag(64)
+    micro_batch_size: int = _flag(2, "sequences per micro-batch")
+    microbatches: int = _flag(4, "micro-batches per data-parallel rank and step (>= --pp)")
+    hidden: int = _flag(64)
+    layers: int = _flag(4)
+    heads: int = _flag(4)
+    experts: int = _flag(8)
+    topk: int = _flag(2)
+    ffn_hidden: int = _flag(128)
+    lr: float = _flag(3e-3)
+    warmup: int = _flag(20)
+    aux_loss_coeff: float = _flag(1e-2)
+    clip_grad: float = _flag(1.0)
+    pad_multiple: int = _flag(1, "custom backend: pad expert blocks (>1 fuses the permute into dispatch)")
+    seed: int = _flag(1234)
+    log_every: int = _flag(25, "print the loss every N steps")
+    pp: int = _flag(2, "pipeline-parallel size")
+    vpp: int = _flag(2, "virtual pipeline stages per rank (1: no interleaving)")
+    ep: int = _flag(2, "expert-parallel size")
+    ep_overlap: bool = _flag(
+        True,
+        "overlap_moe_expert_parallel_comm (Megatron's combined-1F1B schedule; needs bf16, and --vpp > 1 when --pp > 1)",
+    )
+    delay_wgrad: bool = _flag(
+        True, "delay_wgrad_compute: expert weight gradients in MoELayer.backward_dw() (needs --ep-overlap)"
+    )
+    dtype: str = _flag("bf16", "parameters and activations", choices=("bf16", "fp32"))
+    data_dir: str = _flag(
+        sysconfig.get_paths()["stdlib"], "folder of Python sources (default: this interpreter's standard library)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,14 +171,9 @@ def build_model(cfg: RunConfig, dispatcher: str, device: torch.device) -> list:
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
     overlap = {"overlap_moe_expert_parallel_comm": cfg.ep_overlap, "delay_wgrad_compute": cfg.delay_wgrad}
+    shape = {name: getattr(cfg, name) for name in ("layers", "hidden", "heads", "experts", "topk")}
     config = TransformerConfig(
-        num_layers=cfg.layers,
-        hidden_size=cfg.hidden,
-        num_attention_heads=cfg.heads,
-        ffn_hidden_size=cfg.ffn_hidden,
-        moe_ffn_hidden_size=cfg.ffn_hidden,
-        num_moe_experts=cfg.experts,
-        moe_router_topk=cfg.topk,
+        **moe_config_fields(**shape, ffn=cfg.ffn_hidden, dtype=dtype),
         moe_aux_loss_coeff=cfg.aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_shared_expert_overlap=False,
@@ -174,8 +184,6 @@ def build_model(cfg: RunConfig, dispatcher: str, device: torch.device) -> list:
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         init_method_std=0.02,
         normalization="RMSNorm",
@@ -606,78 +614,33 @@ def parallel_layout(cfg: dict, world: int) -> str:
     )
 
 
+# The flags that are not RunConfig fields: (flag, default, help)
+RUN_FLAGS = (
+    ("--ranks", 4, "CPU world size (ignored under torchrun)"),
+    ("--ranks-per-node", 1, "simulated node size on CPU (default 1: each EP group spans nodes, as EP overlap assumes)"),
+    ("--corpus-mb", 4.0, None),
+    ("--tolerance", 0.05, "largest allowed difference of the two curves' trailing means (nats)"),
+    ("--smooth", 20, "window of the trailing means compared"),
+    ("--min-drop", 0.75, "final loss (mean of the last 10 steps) must be below this fraction of the initial one"),
+    ("--out", "bench_results/train/", None),
+    ("--timeout-s", 3600.0, None),
+)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags (see ``--help``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
-    p.add_argument(
-        "--microbatches", type=int, default=4, help="micro-batches per data-parallel rank and step (>= --pp)"
-    )
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--ffn-hidden", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--aux-loss-coeff", type=float, default=1e-2)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument(
-        "--pad-multiple",
-        type=int,
-        default=1,
-        help="custom backend: pad expert blocks (>1 fuses the permute into dispatch)",
-    )
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-every", type=int, default=25, help="print the loss every N steps")
-    p.add_argument("--ranks", type=int, default=4, help="CPU world size (ignored under torchrun)")
-    p.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=1,
-        help="simulated node size on CPU (default 1: each EP group spans nodes, as EP overlap assumes)",
-    )
-    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
-    p.add_argument("--vpp", type=int, default=2, help="virtual pipeline stages per rank (1: no interleaving)")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel size")
-    p.add_argument(
-        "--ep-overlap",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="overlap_moe_expert_parallel_comm (Megatron's combined-1F1B schedule; needs bf16, and --vpp > 1 "
-        "when --pp > 1)",
-    )
-    p.add_argument(
-        "--delay-wgrad",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="delay_wgrad_compute: expert weight gradients in MoELayer.backward_dw() (needs --ep-overlap)",
-    )
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameters and activations")
-    p.add_argument("--corpus-mb", type=float, default=4.0)
-    p.add_argument(
-        "--data-dir",
-        default=sysconfig.get_paths()["stdlib"],
-        help="folder of Python sources (default: this interpreter's standard library)",
-    )
-    p.add_argument(
-        "--tolerance",
-        type=float,
-        default=0.05,
-        help="largest allowed difference of the two curves' trailing means (nats)",
-    )
-    p.add_argument("--smooth", type=int, default=20, help="window of the trailing means compared")
-    p.add_argument(
-        "--min-drop",
-        type=float,
-        default=0.75,
-        help="final loss (mean of the last 10 steps) must be below this fraction of the initial one",
-    )
-    p.add_argument("--out", default="bench_results/train/")
-    p.add_argument("--timeout-s", type=float, default=3600.0)
+    for field in dataclasses.fields(RunConfig):
+        if field.default is dataclasses.MISSING:
+            continue  # derived
+        kwargs = dict(field.metadata)
+        if isinstance(field.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.setdefault("type", type(field.default))
+        p.add_argument("--" + field.name.replace("_", "-"), default=field.default, **kwargs)
+    for flag, default, text in RUN_FLAGS:
+        p.add_argument(flag, type=type(default), default=default, help=text)
     args = p.parse_args(argv)
     return args
 
@@ -725,35 +688,13 @@ def main(argv=None) -> int:
         return 2
     if not under_torchrun or int(os.environ["RANK"]) == 0:
         print(QUIET_NOTE, flush=True)
-    cfg = RunConfig(
-        steps=args.steps,
-        seq_len=args.seq_len,
-        micro_batch_size=args.micro_batch_size,
-        microbatches=args.microbatches,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        experts=args.experts,
-        topk=args.topk,
-        ffn_hidden=args.ffn_hidden,
-        lr=args.lr,
-        warmup=args.warmup,
-        aux_loss_coeff=args.aux_loss_coeff,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
-        log_every=args.log_every,
-        pp=args.pp,
-        vpp=args.vpp,
-        ep=args.ep,
-        ep_overlap=args.ep_overlap,
-        delay_wgrad=args.delay_wgrad,
-        dtype=args.dtype,
-        ranks_per_node=min(local, args.ep),
-        simulated_nodes=not under_torchrun,
-        corpus_bytes=int(args.corpus_mb * 1e6),
-        data_dir=args.data_dir,
-        pad_multiple=args.pad_multiple,
-    )
+    derived = {
+        "ranks_per_node": min(local, args.ep),
+        "simulated_nodes": not under_torchrun,
+        "corpus_bytes": int(args.corpus_mb * 1e6),
+    }
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name not in derived}
+    cfg = RunConfig(**derived, **flags)
     rank_args = {"force_terminal": None}
     start = time.perf_counter()
     if not under_torchrun:

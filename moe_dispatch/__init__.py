@@ -12,12 +12,16 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "ArgumentError": ".errors",
+    "ArgumentTypeError": ".errors",
     "BudgetOverflowError": ".errors",
     "Buffer": ".buffer",
     "CommError": ".errors",
     "Config": ".config",
     "DispatchHandle": ".buffer",
     "EventOverlap": ".buffer",
+    "InvalidArgumentError": ".errors",
+    "MismatchError": ".errors",
     "Topology": ".topology",
     "cuda_available": "._ext",
 }

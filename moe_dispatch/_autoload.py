@@ -10,12 +10,12 @@ the names:
 
 - ``MoELayer.__init__`` (``megatron.core.transformer.moe.moe_layer``): a layer whose config names
   ``moe_flex_dispatcher_backend="custom"`` imports ``moe_dispatch.megatron`` (which patches
-  Megatron-Core: ``moe_dispatch.megatron.compat``) and is built by
-  ``compat.build_moe_layer`` (config checks, delayed expert wgrads). Other layers run
+  Megatron-Core: ``moe_dispatch.megatron.backend``) and is built by
+  ``backend.build_moe_layer`` (config checks, delayed expert wgrads). Other layers run
   Megatron's code alone.
 - Bridge's ``apply_flex_dispatcher_backend`` and ``validate_flex_dispatcher_backend``
   (``megatron.bridge.training.flex_dispatcher_backend``): for "custom" they run
-  ``compat.bridge_apply`` / ``compat.bridge_validate``; other names reach Bridge's own code, which
+  ``backend.bridge_apply`` / ``backend.bridge_validate``; other names reach Bridge's own code, which
   skips names it does not know with only a log line.
 
 This module imports only the standard library: Python's start-up is not slowed, and every import
@@ -64,9 +64,9 @@ def _moe_layer_init(original):
         config = kwargs["config"] if "config" in kwargs else args[0] if args else None
         if not names_backend(config):
             return original(self, *args, **kwargs)
-        from .megatron import compat  # installs the backend on first use
+        from .megatron import backend  # installs the backend on first use
 
-        return compat.build_moe_layer(original, self, args, kwargs)
+        return backend.build_moe_layer(original, self, args, kwargs)
 
     return __init__
 
@@ -75,9 +75,9 @@ def _bridge_apply(original):
     def apply_flex_dispatcher_backend(model_config, moe_flex_dispatcher_backend=None, *args, **kwargs):
         if moe_flex_dispatcher_backend != BACKEND_NAME:
             return original(model_config, moe_flex_dispatcher_backend, *args, **kwargs)
-        from .megatron import compat
+        from .megatron import backend
 
-        return compat.bridge_apply(model_config)
+        return backend.bridge_apply(model_config)
 
     return apply_flex_dispatcher_backend
 
@@ -86,9 +86,9 @@ def _bridge_validate(original):
     def validate_flex_dispatcher_backend(model_config, *args, **kwargs):
         if not names_backend(model_config):
             return original(model_config, *args, **kwargs)
-        from .megatron import compat
+        from .megatron import backend
 
-        return compat.bridge_validate(model_config)
+        return backend.bridge_validate(model_config)
 
     return validate_flex_dispatcher_backend
 

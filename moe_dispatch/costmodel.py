@@ -41,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .kernel_layout import max_slot_bytes
+
 WARPS = 16  # warps of a dispatch / combine block (csrc/kernels/intranode.cuh kNumWarps)
 BULK_PIECE = 2048  # csrc/kernels/intranode_device.cuh kBulkPiece, kBulkStages, kBulkMinBytes
 BULK_STAGES = 3
@@ -184,8 +186,6 @@ def _row_rounds(workload: Workload, op: str, config) -> float:
 
 
 def _ring_bytes(workload: Workload, config, channels: int, loopback: bool) -> float:
-    from .config import max_slot_bytes
-
     slot = -(-max_slot_bytes(workload.hidden, workload.topk) // 128) * 128
     ranks = workload.world_size if loopback else 1
     return ranks * workload.world_size * channels * config.num_slots * slot

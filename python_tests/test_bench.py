@@ -10,6 +10,8 @@ import torch
 from moe_dispatch.testing import routing
 from moe_dispatch.tools import bench, bench_page
 
+from .worlds import TINY_BENCH_RUN
+
 
 # -- routing ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(routing.PRESETS))
@@ -132,12 +134,7 @@ def test_bench_tiny_world_checks_and_writes_figures(tmp_path, capsys, monkeypatc
             "4",
             "--num-tokens",
             "96",
-            "--hidden-scale",
-            "0.01",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
+            *TINY_BENCH_RUN,
             "--timeout-s",
             "120",
             "--json",

@@ -142,7 +142,10 @@ def _cases(ranks_per_node: int) -> dict:
     cases["fp8-tuple"] = _fp8
     cases["backward-with-empty-rank"] = _backward_empty_rank
     cases["dispatch-to-experts"] = _dispatch_to_experts
+    cases["dispatch-to-experts-empty-rank"] = _dispatch_to_experts_empty_rank
     cases["dispatch-to-experts-backward"] = _dispatch_to_experts_backward
+    cases["dispatch-to-experts-static-receive"] = _dispatch_to_experts_static_receive
+    cases["fp8-wire"] = _fp8_wire
     cases["close"] = _close  # last: the Buffer is done afterwards
     return cases
 
@@ -322,13 +325,30 @@ def _dispatch_to_experts(rank, world_size, buf):
     """The fused permute equals permute(dispatch(...)) bit for bit (rows, weights, split sizes,
     row map), and a combine of its expert-major rows equals the oracle's combine of each rank's
     unpermuted rows: dropless, padded, with a budget that drops copies, and fixed blocks."""
-    L = buf.topology.ranks_per_node
     num_tokens = [20 + 3 * r for r in range(world_size)]
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=41)
-    xs = make_x(num_tokens, 32, torch.bfloat16, seed=41)
+    _check_dispatch_to_experts(rank, world_size, buf, idxs, ws, num_experts, EXPERT_LAYOUTS)
+
+
+def _dispatch_to_experts_empty_rank(rank, world_size, buf):
+    """A rank whose experts no token picks (ordinary in training) receives no rows: its
+    dispatch_to_experts returns empty expert-major rows, and every rank's results equal the
+    oracle's, dropless and padded."""
+    num_tokens = [12 + r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=44)
+    last = num_experts - num_experts // world_size  # the last rank's first expert
+    idxs = [torch.where(i >= last, -1, i) for i in idxs]
+    _check_dispatch_to_experts(rank, world_size, buf, idxs, ws, num_experts, EXPERT_LAYOUTS[:2])
+
+
+def _check_dispatch_to_experts(rank, world_size, buf, idxs, ws, num_experts, layouts):
+    """dispatch_to_experts (then combine and a cached dispatch) against the oracle for each of
+    ``layouts`` (see :func:`_dispatch_to_experts`)."""
+    L = buf.topology.ranks_per_node
+    xs = make_x([i.shape[0] for i in idxs], 32, torch.bfloat16, seed=41)
     refs = reference.dispatch(xs, idxs, ws, num_experts, L)
     per_rank = num_experts // world_size
-    for layout in EXPERT_LAYOUTS:
+    for layout in layouts:
         want = _permuted_oracle(refs, rank, layout, per_rank)
         px, pw, sizes, handle, _ = buf.dispatch_to_experts(xs[rank], idxs[rank], ws[rank], num_experts, **layout)
         assert torch.equal(px, want.permuted_x) and torch.equal(pw, want.permuted_probs), layout
@@ -374,6 +394,70 @@ def _dispatch_to_experts_backward(rank, world_size, buf):
         got = torch.where(row >= 0, g[row.clamp(min=0)], torch.zeros(()))
         per_entry.append(torch.where(r.recv_topk_idx >= 0, got, torch.zeros(())))
     assert torch.equal(w.grad, reference.combine(per_entry, idxs, num_experts, L, ranks=[rank])[0]), "grad w"
+
+
+def _dispatch_to_experts_static_receive(rank, world_size, buf):
+    """num_worst_tokens: an ample static receive gives the fused layout's bits (rows, combine,
+    gradients); a tight one (on_overflow="drop") permutes the rows the plain dispatch keeps."""
+    L = buf.topology.ranks_per_node
+    num_tokens, idxs, ws, num_experts, xs = _world_inputs(world_size, seed=44)
+    refs = reference.dispatch(xs, idxs, ws, num_experts, L)
+    per_rank = num_experts // world_size
+    gen = torch.Generator().manual_seed(45)
+    for layout in ({"pad_multiple": 4}, {"num_permuted_tokens": 9, "pad_multiple": 2}):
+        want = _permuted_oracle(refs, rank, layout, per_rank)
+        g = torch.randn(want.permuted_x.shape, generator=gen)
+        grads = []
+        for worst in (0, sum(num_tokens)):  # the fused layout, then an ample static receive
+            x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+            px, pw, sizes, handle, _ = buf.dispatch_to_experts(
+                x, idxs[rank], w, num_experts, **layout, num_worst_tokens=worst, on_overflow="drop"
+            )
+            assert torch.equal(px, want.permuted_x) and torch.equal(pw, want.permuted_probs), (layout, worst)
+            assert torch.equal(sizes, want.tokens_per_expert), (layout, worst)
+            out, _ = buf.combine(px * g, handle)
+            (out.square().sum() + (pw * px.sum(1)).sum()).backward()
+            grads.append((out.detach(), x.grad, w.grad))
+        for got, ref in zip(*grads):
+            assert torch.equal(got, ref), layout
+        recv_x, recv_idx, recv_w, *_, handle, _ = buf.dispatch(
+            xs[rank], idxs[rank], ws[rank], num_experts, num_worst_tokens=3, on_overflow="drop"
+        )
+        tight = permute(recv_x, recv_idx, recv_w, num_local_experts=per_rank, backend="torch", **layout)
+        px, pw, _, handle, _ = buf.dispatch_to_experts(
+            xs[rank], idxs[rank], ws[rank], num_experts, **layout, num_worst_tokens=3, on_overflow="drop"
+        )
+        assert torch.equal(px, tight.permuted_x) and torch.equal(pw, tight.permuted_probs), layout
+        assert bool(handle.overflow) == (refs[rank].recv_x.shape[0] > 3)
+
+
+def _fp8_wire(rank, world_size, buf):
+    """use_fp8: x travels as its fp8 pair and lands dequantized (the oracle's fp8 dispatch, then
+    per_token_cast_back; permuted by dispatch_to_experts); the gradient passes straight through."""
+    from moe_dispatch.ops.quant import per_token_cast_back, per_token_cast_to_fp8
+
+    L = buf.topology.ranks_per_node
+    num_tokens = [12 + r for r in range(world_size)]
+    idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=46)
+    xs = make_x(num_tokens, 128, torch.bfloat16, seed=46)
+    pairs = [per_token_cast_to_fp8(x) for x in xs]
+    bits = reference.dispatch([p[0].view(torch.uint8) for p in pairs], idxs, ws, num_experts, L)[rank]
+    scales = reference.dispatch([p[1] for p in pairs], idxs, None, num_experts, L, ranks=[rank])[0]
+    arrived = per_token_cast_back(bits.recv_x.view(torch.float8_e4m3fn), scales.recv_x, torch.bfloat16)
+    x = xs[rank].clone().requires_grad_()
+    recv_x, *_, handle, _ = buf.dispatch(x, idxs[rank], ws[rank], num_experts, use_fp8=True, async_finish=True)
+    assert recv_x.dtype == torch.bfloat16 and torch.equal(recv_x, arrived)
+    g = make_x([recv_x.shape[0]], 128, torch.bfloat16, seed=47)[0]
+    (recv_x * g).sum().backward()
+    assert torch.equal(x.grad, buf.combine(g, handle)[0]), "the gradient passes the quantization straight through"
+    layout = {"pad_multiple": 4}
+    want = permute(
+        arrived, bits.recv_topk_idx, bits.recv_topk_weights, num_local_experts=num_experts // world_size, **layout
+    )
+    px, pw, *_ = buf.dispatch_to_experts(xs[rank], idxs[rank], ws[rank], num_experts, **layout, use_fp8=True)
+    assert torch.equal(px, want.permuted_x) and torch.equal(pw, want.permuted_probs)
+    with pytest.raises(ValueError, match=r"use_fp8=True quantizes rows in 1x128 blocks, but x has hidden size 64"):
+        buf.dispatch(xs[rank][:, :64].contiguous(), idxs[rank], ws[rank], num_experts, use_fp8=True)
 
 
 def _close(rank, world_size, buf):
@@ -527,7 +611,7 @@ def _mismatch_named_by_the_plan(rank, world_size, buf):
     idxs, ws, num_experts = make_routing(world_size, num_tokens, seed=32, num_experts=12 * world_size)
     x = make_x(num_tokens, 8 + 8 * rank, torch.float32, seed=32)[rank]
     other = 1 - rank
-    if getattr(buf.transport, "device_checks", False):
+    if buf.transport.capabilities.device_checks:
         match = rf"rank {other} disagrees on the row bytes: {32 + 32 * other} on rank {other}, {32 + 32 * rank} "
     else:
         match = f"hidden is {8 + 8 * rank} here but {8 + 8 * other} on EP rank {other}"

@@ -382,7 +382,7 @@ def test_arguments_differ_across_ranks():
 def _ranks_per_node_entry(rank, world_size):
     import torch.distributed as dist
 
-    from moe_dispatch.buffer import default_ranks_per_node
+    from moe_dispatch.runtime.arguments import default_ranks_per_node
 
     groups = {"all": [0, 1, 2, 3], "strided": [0, 2], "one node": [0, 1], "uneven": [0, 1, 2]}
     made = {name: dist.new_group(ranks) for name, ranks in groups.items()}  # every rank creates every group
@@ -444,7 +444,7 @@ def test_store_host_stays_until_every_rank_returned():
 def test_progress_keys_follow_each_group_not_the_process():
     """A rank in two EP groups numbers each group's Buffers on its own, so ranks that made
     Buffers for other groups first still agree on the keys of a shared group."""
-    from moe_dispatch.transport.progress import Progress
+    from moe_dispatch.control.progress import Progress
 
     def index(p):
         return int(p._prefix.rsplit("/", 1)[1])
@@ -456,39 +456,50 @@ def test_progress_keys_follow_each_group_not_the_process():
 
 # -- the agreement's codes and messages (no world) -----------------------------------------------------
 def test_agreement_codes_and_messages():
-    """Status codes name the argument and the error type; check() names every refusing rank with
-    its posted text (or its code), else the first differing field with every rank that differs."""
-    from moe_dispatch.transport import agreement as ag
+    """Status codes carry the argument and the error type of an ArgumentError (its fields, never
+    its text); check() names every refusing rank with its posted text (or its code) and raises the
+    lowest refusing rank's kind, argument and rank, else the first differing field with every rank
+    that differs."""
+    from moe_dispatch.control import agreement as ag
+    from moe_dispatch.errors import ArgumentTypeError, InvalidArgumentError
 
-    status = ag.status_of(TypeError("topk_weights must have dtype in (float32), got float16"))
+    status = ag.status_of(ArgumentTypeError("topk_weights must have dtype in (float32)", argument="topk_weights"))
     assert ag.describe_status(status) == "a bad topk_weights (TypeError)"
-    assert ag.describe_status(ag.status_of(ValueError("dispatch needs topk_idx and num_experts"))).startswith(
-        "a bad topk_idx"
-    )
-    assert ag.describe_status(ag.status_of(ValueError("something else"))) == "bad arguments (ValueError)"
+    assert ag.decode_status(status) == ("topk_weights", TypeError)
+    named = InvalidArgumentError("dispatch needs topk_idx and num_experts", argument="topk_idx")
+    assert ag.describe_status(ag.status_of(named)).startswith("a bad topk_idx")
+    # a plain error names no argument, whatever its text says
+    assert ag.describe_status(ag.status_of(ValueError("topk_idx is bad"))) == "bad arguments (ValueError)"
     fields = {"operation": "combine", "handle": ag.DispatchId(3), "hidden": 16, "dtype": torch.bfloat16}
     good = ag.row(fields, 0, ag.AGREE_WORDS)
     assert len(good) == ag.AGREE_WORDS and good[:5] == [0, 1, 3, 16, 2]
+    bad_y = ag.status_of(InvalidArgumentError("y has shape [3, 4]", argument="y"))
+    refused_y = ag.row(ag.refusing_fields(list(fields)), bad_y, ag.AGREE_WORDS)
     refused = ag.row(ag.refusing_fields(list(fields)), status, ag.AGREE_WORDS)
     with pytest.raises(
         ValueError,
         match=r"EP rank 0: combine refused by EP ranks 1 \(ValueError: y has shape .*\), "
         r"2 \(a bad topk_weights \(TypeError\)\); every rank raises",
-    ):
+    ) as err:
         ag.check(
-            [good, refused, refused],
+            [good, refused_y, refused],
             fields,
             rank=0,
             what="combine",
             refusals=lambda ranks: {1: "ValueError: y has shape [3, 4]"},
         )
+    assert isinstance(err.value, InvalidArgumentError) and (err.value.argument, err.value.rank) == ("y", 1)
+    with pytest.raises(ArgumentTypeError, match=r"refused by EP ranks 1 \(a bad topk_weights") as err:
+        ag.check([good, refused, refused_y], fields, rank=0, what="combine", refusals=lambda ranks: {})
+    assert (err.value.argument, err.value.rank) == ("topk_weights", 1)
     other = ag.row({**fields, "handle": ag.DispatchId(5)}, 0, ag.AGREE_WORDS)
     with pytest.raises(
         ValueError,
         match=r"handle is dispatch #3 here but dispatch #5 on EP rank 1, dispatch #5 on EP "
         r"rank 2; every rank must pass the same operation, handle, hidden, dtype",
-    ):
+    ) as err:
         ag.check([good, other, other], fields, rank=0, what="combine", refusals=lambda ranks: {})
+    assert isinstance(err.value, InvalidArgumentError) and (err.value.argument, err.value.rank) == ("handle", 1)
     ag.check([good, good], fields, rank=1, what="combine", refusals=lambda ranks: {})
     with pytest.raises(ValueError, match=r"'cached combine' cannot travel in an argument check"):
         ag.row({"operation": "cached combine"})
@@ -504,7 +515,7 @@ def test_lost_peer_diagnosis_waits_for_late_notes():
 
     import torch.distributed as dist
 
-    from moe_dispatch.transport import progress as pg
+    from moe_dispatch.control import progress as pg
 
     store = dist.HashStore()
     mine, peers = pg.Progress([10, 11, 12, 13], 0), [pg.Progress([10, 11, 12, 13], r) for r in (1, 2, 3)]
@@ -512,8 +523,8 @@ def test_lost_peer_diagnosis_waits_for_late_notes():
         p._store, p._prefix = store, mine._prefix
     seq = 5
     mine.mark("caller", seq, "combine")
-    peers[0]._post("failed", seq, "combine")  # EP rank 1 failed at once; EP rank 3 never answers
-    late = threading.Timer(0.5, peers[1]._post, ("failed", seq, "combine"))  # EP rank 2, late
+    peers[0]._note_failure(seq, "combine")  # EP rank 1 failed at once; EP rank 3 never answers
+    late = threading.Timer(0.5, peers[1]._note_failure, (seq, "combine"))  # EP rank 2, late
     late.start()
     start = time.monotonic()
     message = mine.describe_peers([1, 2, 3], lost=True)

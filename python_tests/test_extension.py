@@ -61,41 +61,42 @@ def test_module_attributes():
 
 @built
 def test_config_mirror_matches_extension():
-    """config.py's hand mirror (the pure-Python wheel's only source) equals what _C reports."""
-    from moe_dispatch import config
+    """kernel_layout.py's hand mirror (the pure-Python wheel's only source) equals what _C reports."""
+    from moe_dispatch import kernel_layout
     from moe_dispatch.transport.kernels.header import header_words
 
     intranode, internode = _ext._C.intranode_limits, _ext._C.internode_limits
     mirror = {
-        "max_ranks": config.MAX_RANKS,
-        "max_channels": config.MAX_CHANNELS,
-        "max_topk": config.MAX_TOPK,
-        "field_align": config.FIELD_ALIGN,
-        "line": config.LINE,
-        "error_record_ints": config.ERROR_RECORD_INTS,
-        "mismatch_record_words": config.MISMATCH_RECORD_WORDS,
-        "header_words": config.HEADER_WORDS,
-        "max_rows_in_flight": config.MAX_ROWS_IN_FLIGHT,
-        "combine_warps": list(config.COMBINE_WARPS),
+        "max_ranks": kernel_layout.MAX_RANKS,
+        "max_channels": kernel_layout.MAX_CHANNELS,
+        "max_topk": kernel_layout.MAX_TOPK,
+        "field_align": kernel_layout.FIELD_ALIGN,
+        "line": kernel_layout.LINE,
+        "error_record_ints": kernel_layout.ERROR_RECORD_INTS,
+        "mismatch_record_words": kernel_layout.MISMATCH_RECORD_WORDS,
+        "header_words": kernel_layout.HEADER_WORDS,
+        "max_rows_in_flight": kernel_layout.MAX_ROWS_IN_FLIGHT,
+        "combine_warps": list(kernel_layout.COMBINE_WARPS),
     }
     assert {k: intranode[k] for k in mirror} == mirror
     assert (internode["max_nodes"], internode["max_ranks_per_node"], internode["max_launch_ranks"]) == (
-        config.MAX_NODES,
-        config.MAX_RANKS_PER_NODE,
-        config.MAX_LAUNCH_RANKS,
+        kernel_layout.MAX_NODES,
+        kernel_layout.MAX_RANKS_PER_NODE,
+        kernel_layout.MAX_LAUNCH_RANKS,
     )
-    assert internode["max_channels"] == config.MAX_CHANNELS
+    assert internode["max_channels"] == kernel_layout.MAX_CHANNELS
     assert _ext._C.intranode_limits["max_rows_in_flight"] == 2
     compiled = [tuple(v) for v in _ext._C.copy_variants]
-    assert compiled == [(a, b, int(c), int(d), int(e)) for a, b, c, d, e in config.COPY_VARIANTS]
-    assert len(header_words(1, 2, 3, torch.bfloat16, 4, 5, 6)) == config.HEADER_WORDS
+    assert compiled == [(a, b, int(c), int(d), int(e)) for a, b, c, d, e in kernel_layout.COPY_VARIANTS]
+    assert len(header_words(1, 2, 3, torch.bfloat16, 4, 5, 6)) == kernel_layout.HEADER_WORDS
     assert (
-        config.buffer_layout(8, 8, 32, 14640, 2).__dict__
+        kernel_layout.buffer_layout(8, 8, 32, 14640, 2).__dict__
         == _ext._C.intranode_buffer_layout(8, 8, 32, 14640, 2).to_dict()
     )
-    assert config.slot_layout(7168, 224, 8).__dict__ == _ext._C.intranode_slot_layout(7168, 224, 8).to_dict()
+    assert kernel_layout.slot_layout(7168, 224, 8).__dict__ == _ext._C.intranode_slot_layout(7168, 224, 8).to_dict()
     assert (
-        config.rdma_layout(2, 8, 8, 32, 14640).__dict__ == _ext._C.internode_rdma_layout(2, 8, 8, 32, 14640).to_dict()
+        kernel_layout.rdma_layout(2, 8, 8, 32, 14640).__dict__
+        == _ext._C.internode_rdma_layout(2, 8, 8, 32, 14640).to_dict()
     )
 
 
@@ -122,7 +123,7 @@ def test_header_and_record_codes_match_extension():
 def test_argument_structs_are_typed():
     """The launch structs take each field by keyword in its C++ type; a missing, unknown or
     too wide field is refused naming the struct and the field."""
-    from moe_dispatch.config import HEADER_WORDS as words
+    from moe_dispatch.kernel_layout import HEADER_WORDS as words
 
     C = _ext._C
     check = C.Check(header=list(range(words)), mismatch=64)

@@ -27,14 +27,15 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import HEADER_WORDS, VARIANTS, Config, max_slot_bytes, rdma_layout
+from moe_dispatch.config import VARIANTS, Config
+from moe_dispatch.errors import InternodeTimeoutError
+from moe_dispatch.kernel_layout import HEADER_WORDS, max_slot_bytes, rdma_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.loopback import InternodeLoopback
 from moe_dispatch.transport.kernels.experimental import StagedInternodeHandle
 from moe_dispatch.transport.kernels.internode import (
     InternodeHandle,
-    InternodeTimeoutError,
     cross_node_bytes,
     describe_timeout,
     fused_channels,
@@ -47,6 +48,7 @@ from python_tests.test_intranode_cuda import (
     header_cases,
     make_world,
     rank_roundtrips,
+    replay_budget_dispatch,
     run_roundtrip,
     seed_of,
     transport_header_cases,
@@ -560,18 +562,7 @@ def _shm_headers(rank, world_size, ranks_per_node):
     hidden, num_topk, num_experts = 64, 2, 4 * world_size
     xs, idxs, ws = make_world(49, world_size, [30, 12, 0, 25, 18, 9][:world_size], hidden, num_topk, num_experts)
     transport = _shm_transport(rank, world_size, ranks_per_node, "fused", hidden, num_topk)
-    try:
-        transport_header_cases(
-            transport,
-            rank,
-            xs,
-            idxs,
-            ws,
-            num_experts,
-            lambda: rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, ranks_per_node, rounds=1),
-        )
-    finally:
-        transport.close()
+    transport_header_cases(transport, rank, xs, idxs, ws, num_experts, ranks_per_node)
 
 
 def _shm_withheld(rank, world_size, ranks_per_node):
@@ -696,19 +687,7 @@ def test_gpu_fused_budget_mode_in_a_cuda_graph():
     N, L, hidden, E = 2, 4, 2880, 64
     lb = InternodeLoopback(N, L, hidden, 4, config=Config(num_sms=12, num_slots=16, chunk_tokens=4), timeout_s=20)
     xs, idxs, ws = make_world(8, N * L, 256, hidden, 4, E, device="cuda")
-    refs = reference.dispatch(cpu(xs), cpu(idxs), cpu(ws), E, L)
-    budget = max(r.src_idx.numel() for r in refs) + 16
-    lb.dispatch(xs, idxs, ws, E, num_worst_tokens=budget, validate=False)  # warm-up: Triton compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = lb.dispatch(xs, idxs, ws, E, num_worst_tokens=budget, check=False, validate=False)
-        outs = lb.combine([r.recv_x for r in captured], [r.handle for r in captured], check=False)
-    graph.replay()
-    torch.cuda.synchronize()
-    lb.check()
-    assert_dispatch_equal(captured, refs, num_rows=budget)
-    assert all(int(r.handle.overflow) == 0 for r in captured)
+    refs, outs = replay_budget_dispatch(lb, xs, idxs, ws, E, L, combine=True)
     want = reference.combine([ref.recv_x for ref in refs], cpu(idxs), E, L)
     for o, w in zip(cpu(outs), want):
         assert torch.equal(o, w)

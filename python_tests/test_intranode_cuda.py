@@ -29,24 +29,24 @@ import pytest
 import torch
 
 from moe_dispatch import BudgetOverflowError, _ext
-from moe_dispatch.config import VARIANTS, Config, buffer_layout, max_slot_bytes, slot_layout
+from moe_dispatch.config import VARIANTS, Config
+from moe_dispatch.control.agreement import status_of
+from moe_dispatch.errors import ArgumentTypeError, IntranodeTimeoutError, MismatchError
+from moe_dispatch.kernel_layout import buffer_layout, max_slot_bytes, slot_layout
 from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.loopback import Loopback
 from moe_dispatch.testing.ranks import IntranodeRank
 from moe_dispatch.transport.kernels.header import (
+    FIELD_STATUS,
     STATUS_INVALID_ARGUMENTS,
     STATUS_TEST,
-    MismatchError,
     describe_mismatch,
     header_words,
+    refusal_status,
 )
-from moe_dispatch.transport.kernels.intranode import (
-    IntranodeHandle,
-    IntranodeTimeoutError,
-    describe_timeout,
-)
+from moe_dispatch.transport.kernels.intranode import IntranodeHandle, describe_timeout
 from python_tests.conftest import needs_gpu
 from python_tests.tsan import build_tsan_driver
 from python_tests.worlds import assert_case, run_cases, world_results
@@ -576,13 +576,25 @@ def test_gpu_budget_mode_in_a_cuda_graph():
     world_size, hidden, num_experts = 4, 2880, 32
     lb = Loopback(world_size, hidden, 4, config=Config(num_sms=8, num_slots=16, chunk_tokens=4), timeout_s=20)
     xs, idxs, ws = make_world(8, world_size, 256, hidden, 4, num_experts, device="cuda")
-    refs = reference.dispatch(cpu(xs), cpu(idxs), cpu(ws), num_experts, world_size)
+    replay_budget_dispatch(lb, xs, idxs, ws, num_experts, world_size)
+
+
+def replay_budget_dispatch(lb, xs, idxs, ws, num_experts: int, ranks_per_node: int, *, combine: bool = False):
+    """A budget-mode (``num_worst_tokens``) dispatch of the loopback ``lb`` and, with ``combine``,
+    the combine of its rows, captured in a CUDA graph after a warm-up (Triton compiles), replayed
+    after the inputs were rewritten in place with their own values: the rows must equal the oracle,
+    with no overflow. Returns the oracle's dispatch and the combined outputs (None without
+    ``combine``)."""
+    refs = reference.dispatch(cpu(xs), cpu(idxs), cpu(ws), num_experts, ranks_per_node)
     budget = max(r.src_idx.numel() for r in refs) + 16
     lb.dispatch(xs, idxs, ws, num_experts, num_worst_tokens=budget, validate=False)  # warm-up: Triton compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    outs = None
     with torch.cuda.graph(graph):
         captured = lb.dispatch(xs, idxs, ws, num_experts, num_worst_tokens=budget, check=False, validate=False)
+        if combine:
+            outs = lb.combine([r.recv_x for r in captured], [r.handle for r in captured], check=False)
     for x in xs:
         x.mul_(1)  # same inputs: a replay must reproduce the oracle
     graph.replay()
@@ -590,6 +602,7 @@ def test_gpu_budget_mode_in_a_cuda_graph():
     lb.check()
     assert_dispatch_equal(captured, refs, num_rows=budget)
     assert all(int(r.handle.overflow) == 0 for r in captured)
+    return refs, outs
 
 
 @needs_gpu
@@ -674,7 +687,21 @@ def test_mismatch_message_names_ranks_and_field():
     assert describe_mismatch([0] * 8) is None
     message, fields = describe_mismatch([1, 3, 1, 1, 7, 9, -1, 0])
     assert "rank 1 disagrees on the dispatch id (handle): 9 on rank 1, 7 on rank 3" in message
-    assert fields == {"rank": 3, "peer": 1, "field": "dispatch id (handle)", "mine": 7, "theirs": 9, "via": None}
+    assert fields == {
+        "rank": 3,
+        "peer": 1,
+        "field": "dispatch id (handle)",
+        "mine": 7,
+        "theirs": 9,
+        "via": None,
+        "refuser": None,
+        "argument": None,
+        "kind": None,
+    }
+    # a refusal's record carries the refuser's argument and kind as data (no message text parsed)
+    refused = refusal_status(status_of(ArgumentTypeError("x must be a tensor", argument="x")))
+    _, fields = describe_mismatch([1, 2, 0, FIELD_STATUS, 0, refused, -1, 0])
+    assert (fields["refuser"], fields["argument"], fields["kind"]) == (0, "x", TypeError), fields
     message, fields = describe_mismatch([1, 5, 0, 7, 0, STATUS_INVALID_ARGUMENTS, 4, 0])
     assert "rank 0 refused the operation: its arguments were invalid" in message and fields["via"] == 4
     message, _ = describe_mismatch([1, 0, 2, 3, 0, 2, -1, 0])
@@ -759,36 +786,40 @@ def expect_mismatch(
         assert info.value.field == field and (info.value.peer == culprit) == (rank != culprit), str(info.value)
 
 
-def transport_header_cases(transport, rank: int, xs, idxs, ws, num_experts: int, roundtrip) -> None:
+def transport_header_cases(transport, rank: int, xs, idxs, ws, num_experts: int, ranks_per_node: int) -> None:
     """One rank's part of the header cases over a one-process-per-rank transport: a handle of
     another dispatch on rank 1, a hidden size of its own on rank 1, a bad argument on rank 1 in
-    dispatch, cached dispatch and combine; then ``roundtrip()`` must still equal the oracle."""
-    device = transport.device
-    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
-    first = transport.dispatch(x, idx, w, num_experts)
-    second = transport.dispatch(x, idx, w, num_experts)
-    mine = first.handle if rank == 1 else second.handle
-    expect_mismatch(lambda: transport.combine(second.recv_x, mine), rank, 1, "dispatch id (handle)")
-    expect_mismatch(
-        lambda: transport.dispatch(x, None, None, num_experts, handle=mine), rank, 1, "dispatch id (handle)"
-    )
-    y = second.recv_x[:, : x.shape[1] // 2].contiguous() if rank == 1 else second.recv_x  # fits the slots too
-    expect_mismatch(lambda: transport.combine(y, second.handle), rank, 1, "row bytes")
-    bad_idx = torch.full_like(idx, num_experts) if rank == 1 else idx  # out of range on rank 1
-    expect_mismatch(lambda: transport.dispatch(x, bad_idx, w, num_experts), rank, 1, "status", refusing=ValueError)
-    bad_x = x[:-1] if rank == 1 else x  # one token short of the handle
-    expect_mismatch(
-        lambda: transport.dispatch(bad_x, None, None, num_experts, handle=second.handle),
-        rank,
-        1,
-        "status",
-        refusing=ValueError,
-    )
-    bad_y = second.recv_x[:-1] if rank == 1 and second.recv_x.shape[0] else second.recv_x
-    if rank == 1 and not second.recv_x.shape[0]:
-        bad_y = torch.zeros(1, x.shape[1], dtype=x.dtype, device=device)
-    expect_mismatch(lambda: transport.combine(bad_y, second.handle), rank, 1, "status", refusing=ValueError)
-    roundtrip()
+    dispatch, cached dispatch and combine; then a round of :func:`rank_roundtrips` must still
+    equal the oracle. Closes ``transport``."""
+    try:
+        device = transport.device
+        x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+        first = transport.dispatch(x, idx, w, num_experts)
+        second = transport.dispatch(x, idx, w, num_experts)
+        mine = first.handle if rank == 1 else second.handle
+        expect_mismatch(lambda: transport.combine(second.recv_x, mine), rank, 1, "dispatch id (handle)")
+        expect_mismatch(
+            lambda: transport.dispatch(x, None, None, num_experts, handle=mine), rank, 1, "dispatch id (handle)"
+        )
+        y = second.recv_x[:, : x.shape[1] // 2].contiguous() if rank == 1 else second.recv_x  # fits the slots too
+        expect_mismatch(lambda: transport.combine(y, second.handle), rank, 1, "row bytes")
+        bad_idx = torch.full_like(idx, num_experts) if rank == 1 else idx  # out of range on rank 1
+        expect_mismatch(lambda: transport.dispatch(x, bad_idx, w, num_experts), rank, 1, "status", refusing=ValueError)
+        bad_x = x[:-1] if rank == 1 else x  # one token short of the handle
+        expect_mismatch(
+            lambda: transport.dispatch(bad_x, None, None, num_experts, handle=second.handle),
+            rank,
+            1,
+            "status",
+            refusing=ValueError,
+        )
+        bad_y = second.recv_x[:-1] if rank == 1 and second.recv_x.shape[0] else second.recv_x
+        if rank == 1 and not second.recv_x.shape[0]:
+            bad_y = torch.zeros(1, x.shape[1], dtype=x.dtype, device=device)
+        expect_mismatch(lambda: transport.combine(bad_y, second.handle), rank, 1, "status", refusing=ValueError)
+        rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, ranks_per_node, rounds=1)
+    finally:
+        transport.close()
 
 
 def _shm_world_headers(rank, world_size):
@@ -797,18 +828,7 @@ def _shm_world_headers(rank, world_size):
     hidden, num_topk, num_experts = 64, 2, 4 * world_size
     xs, idxs, ws = make_world(48, world_size, [40, 12, 0, 33][:world_size], hidden, num_topk, num_experts)
     transport = cpu_transport(rank, hidden, num_topk, timeout_s=20)
-    try:
-        transport_header_cases(
-            transport,
-            rank,
-            xs,
-            idxs,
-            ws,
-            num_experts,
-            lambda: rank_roundtrips(transport, rank, xs, idxs, ws, num_experts, world_size, rounds=1),
-        )
-    finally:
-        transport.close()
+    transport_header_cases(transport, rank, xs, idxs, ws, num_experts, world_size)
 
 
 def _shm_entry(rank, world_size):

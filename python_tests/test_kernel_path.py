@@ -27,10 +27,10 @@ import torch
 
 from moe_dispatch import BudgetOverflowError, Buffer, CommError, _ext
 from moe_dispatch.config import Config
+from moe_dispatch.errors import MismatchError
 from moe_dispatch.semantics import reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.sync import HostSyncError, no_host_sync
-from moe_dispatch.transport.kernels.header import MismatchError
 from moe_dispatch.transport.kernels.launcher import TIMEOUT_ENV
 
 from . import test_async, test_dispatch

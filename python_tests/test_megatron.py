@@ -29,7 +29,9 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
-from .worlds import assert_case, run_cases, world_results  # noqa: E402
+from moe_dispatch.testing.models import moe_config_fields  # noqa: E402
+
+from .worlds import assert_case, run_megatron_cases, world_results  # noqa: E402
 
 WORLD_SIZE = 4
 HIDDEN = 16
@@ -61,20 +63,18 @@ def _config(ep: int, dispatcher: str, etp: int = 1, **knobs):
     import moe_dispatch.megatron as mdm
 
     cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=2,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=True,
-        moe_aux_loss_coeff=1e-2,
-        add_bias_linear=False,
-        params_dtype=torch.float32,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        moe_ffn_hidden_size=24,
-        ffn_hidden_size=24,
+        **moe_config_fields(
+            hidden=HIDDEN,
+            experts=NUM_EXPERTS,
+            topk=TOPK,
+            ffn=24,
+            moe_token_dispatcher_type="alltoall",
+            use_cpu_initialization=True,
+            moe_aux_loss_coeff=1e-2,
+            add_bias_linear=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
     )
     if dispatcher == "custom":
         mdm.configure(cfg, **knobs)
@@ -296,7 +296,7 @@ def _check_sync_free_static_shape(ep: int, seed: int):
         import functools
         from unittest import mock
 
-        import moe_dispatch.megatron.manager as mgr
+        import moe_dispatch.runtime.transfers as transfers
         from moe_dispatch.testing.sync import no_host_sync
 
         x, routing_map, probs = _even_inputs(rank, seed)
@@ -309,10 +309,12 @@ def _check_sync_free_static_shape(ep: int, seed: int):
             _dispatcher(_config(ep, "custom", transport="kernels"))._comm_manager, hidden, routing_map, probs
         )
         _manager_step(manager, hidden, routing_map, probs)  # the first call of each signature: checked
-        # The permute as on a GPU: its Triton kernels (interpreted here), not the CPU reference,
-        # which validates on the host.
-        triton = {name: functools.partial(getattr(mgr, name), backend="triton") for name in ("permute", "unpermute")}
-        with mock.patch.multiple(mgr, **triton), no_host_sync():
+        # The permute after the static receive as on a GPU: its Triton kernels (interpreted here),
+        # not the CPU reference, which validates on the host.
+        triton = {
+            name: functools.partial(getattr(transfers, name), backend="triton") for name in ("permute", "unpermute")
+        }
+        with mock.patch.multiple(transfers, **triton), no_host_sync():
             got = _manager_step(manager, hidden, routing_map, probs)
         assert got[3] == budget and not bool(manager.over_budget)  # every row of the static buffer
         for name, g, w in zip(("output", "grad hidden", "grad probs"), got[:3], want[:3]):
@@ -476,27 +478,24 @@ def _check_ranks_per_node(ep: int):
     return case
 
 
-def gpt_config(num_layers: int, hidden: int, heads: int, ffn: int, **fields):
+def gpt_config(**fields):
     """A bf16 GPT TransformerConfig with NUM_EXPERTS experts (top-TOPK), EP = the world, no bias,
-    no dropout, CPU initialisation; ``fields`` adds to it (or sets another EP size)."""
+    no dropout, CPU initialisation; ``fields``: its size (``layers``, ``hidden``, ``heads``,
+    ``ffn`` of :func:`moe_config_fields`) and what to add (or another EP size)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        use_cpu_initialization=True,
-        moe_aux_loss_coeff=1e-2,
-        add_bias_linear=False,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        ffn_hidden_size=ffn,
-        moe_ffn_hidden_size=ffn,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **{"expert_model_parallel_size": torch.distributed.get_world_size(), **fields},
+        **moe_config_fields(
+            experts=NUM_EXPERTS,
+            topk=TOPK,
+            dtype=torch.bfloat16,
+            use_cpu_initialization=True,
+            moe_aux_loss_coeff=1e-2,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **{"expert_model_parallel_size": torch.distributed.get_world_size(), **fields},
+        )
     )
 
 
@@ -529,7 +528,7 @@ def _train_step(overlap: bool, seed: int, run_wgrad: str | None = None, **knobs)
     import moe_dispatch.megatron as mdm
     from moe_dispatch.megatron.schedule import run_gpt_step
 
-    cfg = gpt_config(2, HIDDEN, 2, 24)
+    cfg = gpt_config(layers=2, hidden=HIDDEN, ffn=24)
     mdm.configure(cfg, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap, **knobs)
     model = gpt_model(cfg, seed, vocab_size=32, max_sequence_length=8)
     stores = mdm.enable_delayed_wgrad(model, run_wgrad=run_wgrad) if run_wgrad else {}
@@ -603,15 +602,7 @@ ALL_CASES = {**_phase(4, EP4_CASES), **_phase(2, EP2_CASES), **_phase(2, ETP2_CA
 
 
 def world_entry(rank: int, world_size: int):
-    import torch._dynamo
-
-    import moe_dispatch.megatron.cpu as mcpu
-
-    # torch.compile (Megatron's jit_fuser wraps dispatch_preprocess) costs seconds per rank and
-    # changes nothing here; test_setup_metadata_compiles checks our part compiles without breaks.
-    torch._dynamo.config.disable = True
-    mcpu.enable()
-    return run_cases(rank, world_size, ALL_CASES)
+    return run_megatron_cases(rank, world_size, ALL_CASES)
 
 
 @pytest.mark.world

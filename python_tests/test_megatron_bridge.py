@@ -57,7 +57,9 @@ except importlib.metadata.PackageNotFoundError:
         allow_module_level=True,
     )
 
-from .worlds import assert_case, run_cases, world_results  # noqa: E402
+from moe_dispatch.testing.models import moe_config_fields  # noqa: E402
+
+from .worlds import assert_case, run_megatron_cases, world_results  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -85,18 +87,11 @@ def import_bridge_flex_module():
 def _config(dispatcher: str = "alltoall", **fields):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_moe_experts=4,
-        moe_router_topk=2,
+    base = moe_config_fields(
         moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=WORLD_SIZE,
         use_cpu_initialization=True,
         add_bias_linear=False,
-        moe_ffn_hidden_size=32,
-        ffn_hidden_size=32,
         moe_aux_loss_coeff=1e-2,
     )
     return TransformerConfig(**{**base, **fields})
@@ -191,14 +186,7 @@ CASES = {"patched_helpers": _patched_helpers, "bridge_config_builds_our_layer": 
 
 
 def world_entry(rank: int, world_size: int):
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True
-    first = run_cases(rank, world_size, FIRST_CASES)
-    import moe_dispatch.megatron.cpu as mcpu  # imports the backend
-
-    mcpu.enable()
-    return {**first, **run_cases(rank, world_size, CASES)}
+    return run_megatron_cases(rank, world_size, CASES, before_shims=FIRST_CASES)
 
 
 def test_bridge_version():
@@ -245,18 +233,7 @@ def bridge():
 def _custom_provider(bridge, **fields):
     """A bf16 GPTModelProvider (EP 2, 8 experts) set to "custom" by Bridge's helper, then ``fields``
     set as a recipe would override them (after the helper, which turns shared-expert overlap off)."""
-    base = dict(
-        num_layers=4,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        expert_model_parallel_size=2,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        ffn_hidden_size=32,
-        moe_ffn_hidden_size=32,
-    )
+    base = moe_config_fields(layers=4, experts=8, dtype=torch.bfloat16, expert_model_parallel_size=2)
     model = bridge.GPTModelProvider(**base)  # Bridge defers Megatron's __post_init__ to finalize()
     bridge.flex.apply_flex_dispatcher_backend(model, "custom")
     assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "custom")

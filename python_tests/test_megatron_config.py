@@ -29,6 +29,7 @@ from moe_dispatch.megatron.config import (  # noqa: E402
     resolve_kernel_config,
     resolve_num_sms,
 )
+from moe_dispatch.testing.models import moe_config_fields  # noqa: E402
 
 # TransformerConfig fields that some supported megatron-core version lacks (configure() names the version)
 VERSION_DEPENDENT_FIELDS = sorted(
@@ -39,20 +40,9 @@ VERSION_DEPENDENT_FIELDS = sorted(
 def _config(**fields):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(
-        num_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        expert_model_parallel_size=2,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        ffn_hidden_size=32,
-        moe_ffn_hidden_size=32,
+    return TransformerConfig(
+        **moe_config_fields(layers=2, experts=8, dtype=torch.bfloat16, **{"expert_model_parallel_size": 2, **fields})
     )
-    base.update(fields)
-    return TransformerConfig(**base)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from .worlds import assert_case, run_cases, world_results  # noqa: E402
+from moe_dispatch.testing.models import moe_config_fields  # noqa: E402
+
+from .worlds import assert_case, run_megatron_cases, world_results  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.world]
 
@@ -114,27 +116,25 @@ def _config(
 
     late = {name: fields.pop(name) for name in ("fp8", "moe_router_padding_for_quantization") if name in fields}
     cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        num_moe_experts=num_experts,
-        moe_router_topk=topk,
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.1,
-        moe_router_dtype="fp32",
-        moe_token_dispatcher_type="alltoall",
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp,
-        sequence_parallel=tp > 1,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        moe_ffn_hidden_size=ffn,
-        ffn_hidden_size=ffn,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        **fields,
+        **moe_config_fields(
+            hidden=hidden,
+            heads=4,
+            experts=num_experts,
+            topk=topk,
+            ffn=ffn,
+            dtype=dtype,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=0.1,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall",
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            **fields,
+        )
     )
     if dispatcher == "custom":
         # fp8 here only enables the router's padding: the tokens travel in bf16, as the alltoall
@@ -354,13 +354,7 @@ ALL_CASES, SKIPPED = _cases()
 
 
 def world_entry(rank: int, world_size: int):
-    import torch._dynamo
-
-    import moe_dispatch.megatron.cpu as mcpu
-
-    torch._dynamo.config.disable = True  # Megatron's jit_fuser: seconds of compiling per rank for nothing here
-    mcpu.enable()
-    return run_cases(rank, world_size, ALL_CASES)
+    return run_megatron_cases(rank, world_size, ALL_CASES)
 
 
 @pytest.mark.parametrize("case", list(ALL_CASES) + list(SKIPPED))

@@ -47,7 +47,7 @@ from .test_megatron import (  # noqa: E402
     gpt_config,
     gpt_model,
 )
-from .worlds import assert_case, run_cases, world_results  # noqa: E402
+from .worlds import assert_case, run_megatron_cases, world_results  # noqa: E402
 
 WORLD_SIZE = 4
 NUM_MICROBATCHES = 3
@@ -300,6 +300,12 @@ def _check_auto_deferral(seed: int, **knobs):
 
 
 PP_MICROBATCHES = 4
+# PP 2 x VPP 2 x EP 2: the parallel state and the models' configs
+PIPELINE = {
+    "pipeline_model_parallel_size": 2,
+    "virtual_pipeline_model_parallel_size": 2,
+    "expert_model_parallel_size": 2,
+}
 
 
 def _init_pipeline(rank, world_size):
@@ -311,9 +317,7 @@ def _init_pipeline(rank, world_size):
 
     mdm.clear_buffers()
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2
-    )
+    ps.initialize_model_parallel(**PIPELINE)
     model_parallel_cuda_manual_seed(1234)
     # Megatron's process-wide MoE metrics (the routers' aux losses) are sized by the first model's
     # layer count (the earlier cases' 2); these models have 4
@@ -342,14 +346,12 @@ def _pipeline_losses(dispatcher: str, seed: int, batches, **fields):
 
     overlap = {k: fields.pop(k) for k in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute") if k in fields}
     cfg = gpt_config(
-        4,
-        64,
-        4,
-        64,
+        layers=4,
+        hidden=64,
+        heads=4,
+        ffn=64,
         moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=2,
-        pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=2,
+        **PIPELINE,
         pipeline_dtype=torch.bfloat16,
         moe_shared_expert_overlap=False,
         **(overlap if dispatcher == "alltoall" else {}),
@@ -454,13 +456,7 @@ CPU_CASES = {
 
 
 def world_entry(rank: int, world_size: int):
-    import torch._dynamo
-
-    import moe_dispatch.megatron.cpu as mcpu
-
-    torch._dynamo.config.disable = True  # as test_megatron.py: compiling costs seconds, changes nothing
-    mcpu.enable()
-    return run_cases(rank, world_size, CPU_CASES)
+    return run_megatron_cases(rank, world_size, CPU_CASES)
 
 
 @pytest.mark.world
@@ -482,7 +478,7 @@ def _gpu_losses(dispatcher: str, seed: int) -> list[float]:
     import moe_dispatch.megatron as mdm
     from moe_dispatch.megatron.schedule import run_gpt_step
 
-    cfg = gpt_config(NUM_LAYERS, 64, 4, 128, moe_token_dispatcher_type="alltoall")
+    cfg = gpt_config(layers=NUM_LAYERS, hidden=64, heads=4, ffn=128, moe_token_dispatcher_type="alltoall")
     if dispatcher == "custom":
         mdm.configure(cfg, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
     model = gpt_model(cfg, seed, vocab_size=128, max_sequence_length=64).cuda()

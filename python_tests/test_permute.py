@@ -23,6 +23,7 @@ from moe_dispatch.ops.permute import (
 )
 from moe_dispatch.semantics.permute import (
     PermuteHandle,
+    PermuteLayout,
     permute_map_reference,
     permute_rows_reference,
     permuted_sources,
@@ -172,8 +173,8 @@ def test_blocks_not_dividing_tokens(gen):
     idx = random_local_topk(203, 5, 7, gen)
     x = torch.randn(203, 45, generator=gen)
     probs = torch.rand(203, 5, generator=gen)
-    want = permute_map_reference(idx, 7, 16)
-    got = permute_map_triton(idx, 7, 16, block_r=16)
+    want = permute_map_reference(idx, PermuteLayout(7, 16))
+    got = permute_map_triton(idx, PermuteLayout(7, 16), block_r=16)
     assert_handles_equal(got, want)
     out, pp = permute_rows_triton(x, got, probs, block_r=16, block_h=16, block_z=32)
     ref_out, ref_pp = permute_rows_reference(x, want, probs)
@@ -434,10 +435,12 @@ cases = [
     (P._unpermute_gather_kernel, dict(y_ptr="*bf16", row_id_map_ptr="*i32", row_weights_ptr="*fp32",
         out_ptr="*bf16", num_tokens=i, hidden=i),
         dict(NUM_TOPK=8, TOPK_PAD=8, BLOCK_R=4, BLOCK_H=1024, HAS_WEIGHTS=True), 4),
-    (Q._per_token_cast_to_fp8_kernel, dict(x_ptr="*bf16", x_fp8_ptr="*u8", scales_ptr="*fp32", num_tokens=i,
-        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8, USE_UE8M0=True), 4),
-    (Q._per_token_cast_back_kernel, dict(x_fp8_ptr="*u8", scales_ptr="*fp32", out_ptr="*bf16", num_tokens=i,
-        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8), 4),
+    (Q._per_token_cast_kernel, dict(src_ptr="*bf16", scales_ptr="*fp32", dst_ptr="*u8", num_tokens=i,
+        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8, TO_FP8=True,
+        USE_UE8M0=True), 4),
+    (Q._per_token_cast_kernel, dict(src_ptr="*u8", scales_ptr="*fp32", dst_ptr="*bf16", num_tokens=i,
+        hidden=i, num_groups=i), dict(BLOCK_T=16, BLOCK_SIZE=128, GROUPS_PER_PROGRAM=8, TO_FP8=False,
+        USE_UE8M0=False), 4),
 ]
 for kernel, types, constexprs, num_warps in cases:
     build(kernel, types, constexprs, num_warps)
@@ -485,8 +488,8 @@ def test_cpu_index_phase_equals_the_reference(gen, index_dtype):
         if num_tokens:
             idx[0, 0] = e + 3  # outside the local experts: none
             idx[1, :2] = idx[1, 0].clamp(min=0)  # a repeated expert
-        want = permute_map_reference(idx, e, pad, budget, capacity)
-        got = permute_map_cpu(idx, e, pad, budget, capacity)
+        want = permute_map_reference(idx, PermuteLayout(e, pad, budget, capacity))
+        got = permute_map_cpu(idx, PermuteLayout(e, pad, budget, capacity))
         assert_handles_equal(got, want)
         for g, w in zip(got.sources, permuted_sources(want)):
             assert torch.equal(g[w >= 0], w[w >= 0]) and torch.equal(g < 0, w < 0)

@@ -22,10 +22,10 @@ import torch
 
 from moe_dispatch import Buffer, CommError, _ext
 from moe_dispatch.config import Config
+from moe_dispatch.errors import MismatchError
 from moe_dispatch.ops.quant import per_token_cast_to_fp8
 from moe_dispatch.semantics import reference
 from moe_dispatch.testing.resources import process_resources
-from moe_dispatch.transport.kernels.header import MismatchError
 
 from .test_dispatch import check_roundtrip, expert, make_routing, make_x
 from .worlds import assert_case, run_cases, world_results
@@ -483,7 +483,7 @@ def _buffers_entry(rank, world_size, transport, closed):
         warnings.simplefilter("always", ResourceWarning)
         for _ in range(NUM_BUFFERS):
             buf = one()
-            keys = [buf.transport.progress._key(rank, t) for t in ("caller", "comm")]
+            keys = [buf.transport.progress._key(rank, "state")]
             if closed:
                 buf.close()
             del buf
@@ -706,7 +706,7 @@ def test_kill_names_the_dead_rank(victim, tmp_path):
         if victim == 0:
             assert "the store died with rank 0: EP rank 0 is gone" in message, message
         else:
-            # Its last mark may be an earlier operation's: marks are flushed every FLUSH_INTERVAL_S.
+            # Its last mark may be an earlier operation's: marks are stored every WRITE_INTERVAL_S.
             assert re.search(
                 rf"the connection to a peer was lost, and EP rank {victim} \(last at #\d+ .*?\) is the only peer "
                 r"that neither failed in this operation nor passed it: most likely it died",

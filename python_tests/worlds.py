@@ -12,6 +12,10 @@ import traceback
 
 from moe_dispatch.testing.launch import _resolve, free_port, init_rank, spawn_world
 
+# moe-dispatch-bench's options of a tiny run (seconds in a CPU world): hidden sizes at 1% of the
+# models', 1 warm-up and 2 timed iterations
+TINY_BENCH_RUN = ["--hidden-scale", "0.01", "--iters", "2", "--warmup", "1"]
+
 
 def run_cases(rank: int, world_size: int, cases: dict, *args) -> dict[str, str | None]:
     """Runs ``cases[name](rank, world_size, *args)`` in order on this rank, catching failures."""
@@ -23,6 +27,22 @@ def run_cases(rank: int, world_size: int, cases: dict, *args) -> dict[str, str |
         except Exception:  # noqa: BLE001 - reported per case
             results[name] = f"[rank {rank}] " + traceback.format_exc()
     return results
+
+
+def run_megatron_cases(rank: int, world_size: int, cases: dict, before_shims: dict | None = None) -> dict:
+    """:func:`run_cases` for Megatron cases: ``before_shims`` first, then ``cases`` with the CPU
+    shims of ``moe_dispatch.megatron.cpu`` on (importing them imports the backend, which cases
+    about its import must run before). torch.compile is off: Megatron's jit_fuser wraps
+    dispatch_preprocess, seconds of compiling per rank that change nothing here
+    (test_setup_metadata_compiles checks our part compiles without breaks)."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    first = run_cases(rank, world_size, before_shims or {})
+    import moe_dispatch.megatron.cpu as mcpu
+
+    mcpu.enable()
+    return {**first, **run_cases(rank, world_size, cases)}
 
 
 @functools.cache

@@ -51,20 +51,17 @@ fail() {
 }
 
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || fail 2 "$1 needs a value (see --help)"; }
+# shellcheck source=launch_options.sh source-path=SCRIPTDIR
+source "$REPO_ROOT/benchmarks/multinode/launch_options.sh"
 
 while [[ $# -gt 0 ]]; do
+  if node_option "$@"; then shift "$OPTION_WORDS"; continue; fi
   case "$1" in
     --nnodes) need_value "$@"; NNODES_ARG="$2"; shift 2 ;;
     --nproc-per-node) need_value "$@"; NPROC_ARG="$2"; shift 2 ;;
     --node-rank) need_value "$@"; NODE_RANK_ARG="$2"; shift 2 ;;
     --master-addr) need_value "$@"; MASTER_ADDR_ARG="$2"; shift 2 ;;
     --master-port) need_value "$@"; MASTER_PORT_ARG="$2"; shift 2 ;;
-    --rdzv) need_value "$@"; RDZV="$2"; shift 2 ;;
-    --rdzv-timeout-s) need_value "$@"; RDZV_TIMEOUT_S="$2"; shift 2 ;;
-    --wall-s) need_value "$@"; WALL_S="$2"; shift 2 ;;
-    --log-dir) need_value "$@"; LOG_DIR="$2"; shift 2 ;;
-    --no-env-report) ENV_REPORT=0; shift ;;
-    --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) fail 2 "unknown option '$1' (benchmark arguments go after --; see --help)" ;;

@@ -39,19 +39,7 @@ usage() { sed -n '/^# moe-dispatch-bench on a Slurm/,/^set -euo/p' "${BASH_SOURC
 RDZV="static" RDZV_TIMEOUT_S=300 WALL_S="" LOG_DIR="" ENV_REPORT=1 DRY_RUN=0
 BENCH_ARGS=()
 need_value() { [[ $# -ge 2 && -n "$2" ]] || fail arguments "$1 needs a value (see --help)"; }
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --rdzv) need_value "$@"; RDZV="$2"; shift 2 ;;
-    --rdzv-timeout-s) need_value "$@"; RDZV_TIMEOUT_S="$2"; shift 2 ;;
-    --wall-s) need_value "$@"; WALL_S="$2"; shift 2 ;;
-    --log-dir) need_value "$@"; LOG_DIR="$2"; shift 2 ;;
-    --no-env-report) ENV_REPORT=0; shift ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    --) shift; BENCH_ARGS=("$@"); break ;;
-    *) fail arguments "unknown option '$1' (benchmark arguments go after --; see --help)" ;;
-  esac
-done
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { usage; exit 0; }  # before the checkout is needed
 
 # -- the checkout ----------------------------------------------------------------------------
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -61,6 +49,17 @@ else REPO="${SLURM_SUBMIT_DIR:-$PWD}"
 fi
 LAUNCHER="$REPO/benchmarks/multinode/run_torchrun.sh"
 [[ -f "$LAUNCHER" ]] || fail checkout "no $LAUNCHER: submit from the repository root or set MOE_DISPATCH_REPO"
+# shellcheck source=launch_options.sh source-path=SCRIPTDIR
+source "$REPO/benchmarks/multinode/launch_options.sh"
+
+while [[ $# -gt 0 ]]; do
+  if node_option "$@"; then shift "$OPTION_WORDS"; continue; fi
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --) shift; BENCH_ARGS=("$@"); break ;;
+    *) fail arguments "unknown option '$1' (benchmark arguments go after --; see --help)" ;;
+  esac
+done
 
 # -- the allocation --------------------------------------------------------------------------
 NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"

@@ -214,15 +214,8 @@ def cmd_faults(args, console) -> int:
 
     outcomes, problems = [], []
     for scenario in args.scenarios:
-        outcome = run_fault(
-            scenario,
-            num_nodes=args.nodes,
-            ranks_per_node=args.ranks_per_node,
-            timeout_s=args.timeout_s,
-            rate_mbit=args.rate_mbit,
-            slack_s=args.slack_s,
-            log=lambda m: say(console, m),
-        )
+        knobs = {name: getattr(args, name) for name in ("ranks_per_node", "timeout_s", "rate_mbit", "slack_s")}
+        outcome = run_fault(scenario, num_nodes=args.nodes, **knobs, log=lambda m: say(console, m))
         outcomes.append(outcome)
         table = Table(
             title=f"{scenario}: {outcome.fault}; Buffer(timeout_s={args.timeout_s:g}); "

@@ -204,7 +204,7 @@ def fault_main(argv: list[str]) -> int:
             mark("combine", it)
             buf.combine(recv_x, handle)
         mark("done", args.max_iters)
-    except CommError as err:
+    except BaseException as err:  # noqa: BLE001 - reported to the harness, then out
         _write_json(
             run_dir / f"fault-rank{rank}.json",
             {
@@ -218,21 +218,8 @@ def fault_main(argv: list[str]) -> int:
         )
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(FAULT_EXIT_CODE)  # no teardown collectives: the world is broken
-    except BaseException as err:  # noqa: BLE001 - reported to the harness, then out
-        _write_json(
-            run_dir / f"fault-rank{rank}.json",
-            {
-                "rank": rank,
-                "op": phase["op"],
-                "iteration": phase["iteration"],
-                "time": time.time(),
-                "error": type(err).__name__,
-                "message": str(err),
-            },
-        )
-        sys.stderr.flush()
-        os._exit(OTHER_ERROR_EXIT_CODE)
+        # no teardown collectives: the world may be broken (it is after a CommError)
+        os._exit(FAULT_EXIT_CODE if isinstance(err, CommError) else OTHER_ERROR_EXIT_CODE)
     os._exit(0)  # no fault came (the harness reports a survivor without an error as a failure)
 
 

@@ -21,7 +21,8 @@
 // row over its holders in ascending local rank in fp32 and rounds once to y's dtype (the node
 // partial); stage 1 puts each node partial back once; the source sums a token's partials in
 // ascending node order in fp32 (scale 1, exact steps) and rounds once. Fixed orders, no
-// atomics: results are deterministic and equal moe_dispatch.reference bit for bit.
+// atomics: results are deterministic and equal moe_dispatch.reference bit for bit. The order's
+// definition: moe_dispatch/semantics/summation.py.
 //
 // Two pipelines run this design (Config.internode_pipeline):
 //

@@ -20,7 +20,8 @@
 //       from (s, c) are contiguous in y, so it streams rows [prefix[s][c], prefix[s][c+1]).
 //   combine receiver (source s, channel c): worker warps take the channel's tokens round
 //       robin; for token t they add the holders' rows in ascending rank order in fp32 and
-//       round once; a coordinator warp frees queue slots (`head`) behind the slowest worker.
+//       round once (the summation order, moe_dispatch/semantics/summation.py); a coordinator
+//       warp frees queue slots (`head`) behind the slowest worker.
 //
 // ---------------------------------------------------------------------------------------------
 // Queue protocol (per queue q = (src -> dst, channel); S = num_slots, K = chunk_tokens):
@@ -389,7 +390,8 @@ MOE_HD uint16_t float_to_f16(float f) {
 }
 
 // The combine's reduction step: acc + value * scale, each rounded to fp32 (no FMA), as
-// torch computes `partial += y.float() * w` in the oracle. scale = 1 is exact.
+// torch computes `partial += y.float() * w` in the oracle (moe_dispatch/semantics/summation.py,
+// sum_level). scale = 1 is exact.
 MOE_HD float combine_step(float acc, float value, float scale) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(acc, __fmul_rn(value, scale));

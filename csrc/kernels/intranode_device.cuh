@@ -552,8 +552,9 @@ struct DeviceCtxT {
   __device__ float queue_f32(const char* p) const { return __int_as_float(queue_i32(p)); }
 
   // Bytes [offset, offset + bytes) of out = sum over rows h (in order) of float(rows[h]) *
-  // scales[h], fp32, rounded once. Policy::kReduceVecs vectors per lane per step keep as many
-  // loads per holder in flight (2: the current reducer).
+  // scales[h], fp32, rounded once: a level of the summation order (moe_dispatch/semantics/summation.py).
+  // Policy::kReduceVecs vectors per lane per step keep as many loads per holder in flight (2: the
+  // current reducer).
   template <class T>
   __device__ void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int offset,
                               int bytes) const {

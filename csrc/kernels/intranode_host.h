@@ -241,6 +241,8 @@ struct HostCtxT {
     return v;
   }
 
+  // Bytes [offset, offset + bytes) of out: DeviceCtxT::reduce_rows's sums, element by element (the
+  // summation order's level, moe_dispatch/semantics/summation.py).
   template <class T>
   void reduce_rows(char* out, char* const* rows, const float* scales, int num_rows, int offset, int bytes) const {
     using E = HostElem<T>;

@@ -1,10 +1,10 @@
 // The routing layout on the CPU, each in one pass: Megatron's routing_map to top-k form,
 // topk_idx's value check, is_token_in_rank, the received ids in local numbering with their
-// per-expert counts, and the torch_dist transport's dispatch counts (moe_dispatch/transport/
-// torch_dist.py's plan: the per-rank and per-node counts of each token sub-range, written straight
-// into the header rows, and the flat route's send order) and its flat combine's (token, node)
-// pairs. The torch versions take a few tensor operations per step (min, max, a sort, a top-k, a
-// scatter, cumulative sums, nonzero); these are a host call each.
+// per-expert counts, and the torch_dist transport's dispatch counts (dispatch_counts() in
+// moe_dispatch/transport/torch_dist/plan.py: the per-rank and per-node counts of each token
+// sub-range, written straight into the header rows, and the flat route's send order) and its flat
+// combine's (token, node) pairs. The torch versions take a few tensor operations per step (min,
+// max, a sort, a top-k, a scatter, cumulative sums, nonzero); these are a host call each.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

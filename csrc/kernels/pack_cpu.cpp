@@ -1,7 +1,8 @@
 // The torch_dist transport's blocks on the CPU, written in one pass: for each destination its
-// header, then its rows, each the row tensors' fields side by side (moe_dispatch/transport/
-// torch_dist.py's _pack layout: every field padded to 8 bytes, padding zeroed), gathered from
-// the sources by an index. Torch needs a gather into a packed buffer, then a copy per destination.
+// header, then its rows, each the row tensors' fields side by side (the layout of pack() in
+// moe_dispatch/transport/torch_dist/packing.py: every field padded to 8 bytes, padding zeroed),
+// gathered from the sources by an index. Torch needs a gather into a packed buffer, then a copy
+// per destination.
 // And the reverse: the received blocks' rows landed field by field straight into their outputs,
 // in arrival order or gathered by an index (the fused permute's expert-major layout), instead of
 // a concatenation of the blocks, then a gather per field.

@@ -1,4 +1,5 @@
-// The ordered row sums of moe_dispatch/semantics/sums.py on the CPU, each in one pass over the rows:
+// The ordered row sums of moe_dispatch/semantics/sums.py on the CPU (levels of the summation order that
+// moe_dispatch/semantics/summation.py defines), each in one pass over the rows:
 // - ordered_sum_cpu: every output's rows, ascending as the plan lists them, added into an fp32
 //   accumulator (each row times its fp32 scale first, when given) and rounded once;
 // - grouped_sum_cpu: sums of such sums (a combine's node partials, each rounded, then their sum);

@@ -28,7 +28,8 @@ machine without a GPU, for tests and debugging; it is not a training path.
 
 Supported megatron-core versions: 0.16.x (tested 0.16.1, Python 3.11), 0.19.x (tested 0.19.2) and 0.20
 (Megatron-LM main, checked by hand: docs/megatron-main.md);
-what differs between them is handled in ``moe_dispatch.megatron.compat``.
+what differs between them is in ``moe_dispatch.megatron.compat``, applied by
+``moe_dispatch.megatron.backend``.
 
 Raises (on import):
     ImportError: megatron-core is not installed (``pip install 'moe-dispatch[megatron]'``).
@@ -49,7 +50,8 @@ except ImportError as _err:  # pragma: no cover - exercised only without megatro
         "it): pip install 'moe-dispatch[megatron]'"
     ) from _err
 
-from .compat import UnsupportedMegatronVersionError, install, installed, megatron_core_version, patch_bridge  # noqa: E402
+from .backend import install, installed, patch_bridge  # noqa: E402
+from .compat import UnsupportedMegatronVersionError, megatron_core_version  # noqa: E402
 from .config import (  # noqa: E402
     BACKEND_NAME,
     OPTIONS_ATTR,

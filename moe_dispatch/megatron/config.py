@@ -40,11 +40,12 @@ from typing import Any
 
 from .._autoload import BACKEND_NAME
 from ..config import Config, num_sms_error
+from ..semantics.quant import FP8_BLOCK
 from ..semantics.validation import check_timeout_s
+from ..transport import TRANSPORT_NAMES
 from . import compat
 
 OPTIONS_ATTR = "moe_dispatch_options"
-FP8_BLOCK = 128  # elements per fp32 scale of the fp8 dispatch format
 
 
 def _is_int(value) -> bool:
@@ -110,12 +111,10 @@ class CustomBackendOptions:
     fp8_dispatch: bool | None = None
 
     def __post_init__(self) -> None:
-        from ..transport import TRANSPORTS
-
         if self.fp8_dispatch is not None and not isinstance(self.fp8_dispatch, bool):
             raise ValueError(f"fp8_dispatch must be True, False or None (follow config.fp8), got {self.fp8_dispatch!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS} (the Buffer's), got {self.transport!r}")
+        if self.transport not in TRANSPORT_NAMES:
+            raise ValueError(f"transport must be one of {TRANSPORT_NAMES} (the Buffer's), got {self.transport!r}")
         if (
             self.kernel_config is not None
             and self.kernel_config != "auto"

@@ -77,6 +77,7 @@ from collections.abc import Iterable
 import torch
 
 from ..overlap import DelayedWgrad
+from .manager import CustomDispatchManager
 
 RUN_WGRAD_MODES = ("backward_dw", "dispatch_backward")
 STORE_ATTR = "moe_dispatch_wgrad_store"
@@ -275,8 +276,6 @@ def _expert_linears(name: str, layer) -> list[torch.nn.Module]:
 
 
 def _custom_manager(layer):
-    from .manager import CustomDispatchManager
-
     manager = getattr(getattr(layer, "token_dispatcher", None), "_comm_manager", None)
     return manager if isinstance(manager, CustomDispatchManager) else None
 
@@ -416,7 +415,7 @@ def expert_wgrad_owner(experts) -> str:
 
 def defer_built_layer(layer) -> ExpertWgradStore | None:
     """Makes a just-built ``MoELayer`` with ``delay_wgrad_compute=True`` defer its expert weight
-    gradients to ``MoELayer.backward_dw()`` (run by ``moe_dispatch.megatron.compat.build_moe_layer``
+    gradients to ``MoELayer.backward_dw()`` (run by ``moe_dispatch.megatron.backend.build_moe_layer``
     for the "custom" backend): this module's deferral for Megatron's local experts, nothing where
     Transformer Engine defers (see :func:`expert_wgrad_owner`).
 

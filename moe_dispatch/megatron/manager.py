@@ -8,11 +8,13 @@ micro-batch and layer (the semantics come from megatron-core's ``token_dispatche
    probs); ``dispatch_preprocess`` hands ``token_probs`` on as "the probs".
 2. ``dispatch(hidden [T, H])``: the hierarchical dispatch (differentiable; its backward is a
    combine). Fused (HybridEP layout, the default: ``Buffer.dispatch_to_experts``): the received
-   rows land in expert-major blocks straight from the receive buffer, padded to
-   ``pad_multiple``, optionally into a static budget of ``P`` rows or (drop-and-pad) into blocks
-   of exactly ``capacity x group size`` rows, and ``dispatched_probs [P]`` follows the rows.
-   Unfused (DeepEP layout, ``fuse_permute=False``): the received rows come back as is (``[R, H]``,
-   source rank then source token) with ``dispatched_probs [R, K]``.
+   rows land in expert-major blocks (straight from the receive buffer, or permuted after the
+   kernels' static receive), padded to ``pad_multiple``, optionally into a static budget of
+   ``P`` rows or (drop-and-pad) into blocks of exactly ``capacity x group size`` rows, and
+   ``dispatched_probs [P]`` follows the rows. Unfused (DeepEP layout, ``fuse_permute=False``:
+   ``Buffer.dispatch``): the received rows come back as is (``[R, H]``, source rank then source
+   token) with ``dispatched_probs [R, K]``. The budget and fp8 are the Buffer's keywords
+   either way.
 3. ``get_permuted_hidden_states_by_experts(hidden)`` -> ``(tokens [P, H], probs [P])``: the
    permute when unfused, the identity when fused. Experts multiply by the probs themselves.
 4. ``get_number_of_tokens_per_expert()`` -> ``[E_local]`` int64 split sizes of the rows.
@@ -41,12 +43,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from ..buffer import Buffer, DispatchHandle, default_ranks_per_node
+from ..buffer import Buffer, DispatchHandle
 from ..config import Config
 from ..errors import BudgetOverflowError
 from ..ops.layout import routing_map_to_topk
 from ..ops.permute import PermuteHandle, check_permute_overflow, permute, unpermute
-from ..ops.quant import per_token_cast_back, per_token_cast_to_fp8
+from ..runtime.arguments import default_ranks_per_node
 from ..transport import TRANSPORT_ALIASES
 from .config import (
     get_options,
@@ -65,7 +67,7 @@ _BUFFERS: dict[tuple, Buffer] = {}
 
 def ep_ranks_per_node(group: dist.ProcessGroup, explicit: int | None = None) -> int:
     """EP ranks per node of ``group`` for the Buffer's hierarchy: ``explicit`` when given (it
-    must divide the group size), else :func:`moe_dispatch.buffer.default_ranks_per_node`."""
+    must divide the group size), else :func:`moe_dispatch.runtime.arguments.default_ranks_per_node`."""
     world_size = dist.get_world_size(group)
     if explicit is not None:
         if world_size % explicit != 0:
@@ -125,17 +127,16 @@ class InflightDispatch:
     """Routing state of one dispatch, from ``dispatch`` to its ``combine``.
 
     Attributes:
-        handle: the Buffer's :class:`~moe_dispatch.DispatchHandle` (combine replays it backwards).
+        handle: the Buffer's :class:`~moe_dispatch.DispatchHandle` (combine replays it backwards;
+            ``handle.recv_topk_idx``: the received rows' local expert ids).
         num_tokens: T, tokens this rank dispatched.
-        recv_topk_idx: ``[R, K]`` local expert ids of the received rows (-1 elsewhere).
+        fused: whether dispatch returned permuted rows.
         permute_handle: the :class:`~moe_dispatch.semantics.permute.PermuteHandle` once permuted.
         tokens_per_expert: ``[E_local]`` int64 rows of each expert block (grouped-GEMM splits).
-        fused: whether dispatch returned permuted rows.
     """
 
     handle: DispatchHandle
     num_tokens: int
-    recv_topk_idx: torch.Tensor
     fused: bool
     permute_handle: PermuteHandle | None = None
     tokens_per_expert: torch.Tensor | None = None
@@ -147,6 +148,17 @@ class CustomDispatchManager(_DispatchManager):
     Built by ``MoEFlexTokenDispatcher.__init__`` (patched by ``moe_dispatch.megatron.install``)
     once per MoE layer, over the TP x EP group (any size > 1: EP only, expert TP only, or both),
     with the experts and top-k folded over TP as Megatron does for DeepEP.
+
+    Collective construction: the manager makes its group's ``Buffer`` here (:func:`get_buffer`:
+    collective over the group the first time, reused by the group's later managers). Here,
+    because Megatron builds the flex dispatcher, and so this manager, in ``MoELayer.__init__``
+    on every rank, and the ranks of one TP x EP group (one pipeline stage) build the same layers
+    in the same order before any forward: they all reach the group's first construction
+    together. Inside the first dispatch the collective would rest on the schedule bringing
+    every rank to it together, and its cost would land in the first step. The device is known
+    here too: Megatron keeps the activations on the current CUDA device when torch sees a GPU
+    (``torch.cuda.set_device`` comes first), else on the CPU (gloo, ``moe_dispatch.megatron.cpu``);
+    a gloo group on a GPU is processes sharing it (``transport="kernels"``).
 
     Args:
         group: the TP x EP process group (``pg_collection.tp_ep``).
@@ -180,8 +192,13 @@ class CustomDispatchManager(_DispatchManager):
             (0.19's runner does the same). ``configure``'s own budget knobs do not go through it.
         budget_floor: None, or the fewest rows of the static budget (:meth:`grow_recv_capacity`).
 
+    Attributes (ours):
+        buffer: the group's :class:`~moe_dispatch.Buffer`.
+
     Raises:
-        ValueError: an invalid config (see ``validate_config``), or E' not divisible by the group.
+        ValueError: an invalid config (see ``validate_config``), or E' not divisible by the group;
+            from ``Buffer()`` (on every rank alike), arguments it refuses.
+        CommError: a rank of the group did not construct its manager within ``timeout_s``.
     """
 
     def __init__(
@@ -204,60 +221,33 @@ class CustomDispatchManager(_DispatchManager):
         self.pad_multiple = resolve_pad_multiple(config)
         self.drop_and_pad = is_drop_and_pad(config)
         self.fused = resolve_fuse_permute(config)
-        self.kernel_config = resolve_kernel_config(config)
         self.fp8_dispatch = resolve_fp8_dispatch(config)
         if getattr(config, "fp8", None) and not self.fp8_dispatch:
             _log_once(
                 f"config.fp8={config.fp8!r} but the 'custom' backend dispatches in the model dtype "
-                f"(fp8_dispatch={get_options(config).fp8_dispatch}, hidden_size={config.hidden_size}: fp8 rows "
+                f"(fp8_dispatch={self.options.fp8_dispatch}, hidden_size={config.hidden_size}: fp8 rows "
                 "need a multiple of 128)"
             )
         self.router_dtype = getattr(config, "moe_router_dtype", None)
-        backend = str(dist.get_backend(group))
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if "nccl" in backend and torch.cuda.is_available()
-            else torch.device("cpu")
+        self.buffer = get_buffer(  # collective on the group's first manager (see the class docstring)
+            group,
+            ranks_per_node=self.options.ranks_per_node,
+            config=resolve_kernel_config(config),
+            timeout_s=self.options.timeout_s,
+            transport=self.options.transport,
+            device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
         )
-        self.over_budget = torch.zeros(1, dtype=torch.bool, device=self._device)
-        self.required_recv = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self.over_budget = torch.zeros(1, dtype=torch.bool, device=self.buffer.device)
+        self.required_recv = torch.zeros(1, dtype=torch.int64, device=self.buffer.device)
         self.moe_expert_rank_capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
         self.budget_floor: int | None = None
         self.token_indices: torch.Tensor | None = None
         self.token_probs: torch.Tensor | None = None
         self.dispatched_probs: torch.Tensor | None = None
         self._inflight: InflightDispatch | None = None
-        self._buffer: Buffer | None = None
         self.wgrad_store = None  # a DelayedWgrad, set by delayed_wgrad.enable_delayed_wgrad
 
-    # -- helpers ---------------------------------------------------------------------------
-    @property
-    def buffer(self) -> Buffer:
-        """The EP group's Buffer (created by the first dispatch, on its tensors' device)."""
-        if self._buffer is None:
-            raise RuntimeError(
-                "the manager's Buffer is made by its first dispatch (on the tokens' device) or by buffer_for(device)"
-            )
-        return self._buffer
-
-    def buffer_for(self, device: torch.device) -> Buffer:
-        """The Buffer for tokens on ``device`` (made on first use; collective then): the group's
-        backend decides by default (NCCL: CUDA), a gloo group with CUDA tokens is processes
-        sharing a GPU (``transport="kernels"``)."""
-        if self._buffer is None:
-            self._buffer = get_buffer(
-                self.group,
-                ranks_per_node=self.options.ranks_per_node,
-                config=self.kernel_config,
-                timeout_s=self.options.timeout_s,
-                transport=self.options.transport,
-                device=device,
-            )
-        if self.over_budget.device != device:  # the flags follow the tokens (no transfer per dispatch)
-            self.over_budget = self.over_budget.to(device)
-            self.required_recv = self.required_recv.to(device)
-        return self._buffer
-
+    # -- the expert input's layout ----------------------------------------------------------
     def budget(self, num_tokens: int) -> int | None:
         """Static rows P of the permuted expert input for T dispatched tokens, or None (dropless):
         ``num_permuted_tokens``, or ``ceil(T * topk * factor)`` for the rank capacity factor
@@ -326,10 +316,10 @@ class CustomDispatchManager(_DispatchManager):
 
     def _permute(self, state: InflightDispatch, hidden: torch.Tensor, probs: torch.Tensor):
         """The DeepEP layout's permute of the received rows (unfused)."""
-        # recv_topk_idx comes from Buffer.dispatch (checked there, local ids): no second host check
+        # the received ids come from Buffer.dispatch (checked there, local ids): no second host check
         res = permute(
             hidden,
-            state.recv_topk_idx,
+            state.handle.recv_topk_idx,
             probs,
             num_local_experts=self.num_local_experts,
             validate=False,
@@ -339,7 +329,8 @@ class CustomDispatchManager(_DispatchManager):
         return res.permuted_x, res.permuted_probs
 
     def _blocks(self, state: InflightDispatch, handle: PermuteHandle) -> None:
-        """Keeps a permute's handle and split sizes on ``state``; records (or raises) an overflow."""
+        """Keeps a permute's handle and split sizes on ``state``; records (or raises) an overflow
+        of the static receive or of the expert input."""
         state.permute_handle, state.tokens_per_expert = handle, handle.tokens_per_expert
         budget = handle.num_permuted_tokens
         if budget is not None:
@@ -350,13 +341,13 @@ class CustomDispatchManager(_DispatchManager):
             tokens_per_expert = handle.tokens_per_expert.clone()
             tokens_per_expert[-1] += budget - tokens_per_expert.sum()
             state.tokens_per_expert = tokens_per_expert
-        if budget is not None:
             torch.maximum(self.required_recv, self.rows_needed(state, handle), out=self.required_recv)
+            self.over_budget |= state.handle.overflow  # rows past a static receive (the kernels)
         if budget is not None or handle.expert_capacity is not None:
-            self.over_budget |= handle.overflow.to(self.over_budget.device)
+            self.over_budget |= handle.overflow
             if self.options.raise_on_overflow:  # host reads: the permute's flag, then the dispatch's
                 check_permute_overflow(handle)
-                if state.handle.overflow is not None and bool(state.handle.overflow):
+                if bool(state.handle.overflow):
                     raise BudgetOverflowError(
                         f"dispatch received {int(state.handle.recv_count)} rows, more than the static expert input "
                         f"holds (num_permuted_tokens={budget}); the rows past it were dropped before the permute: "
@@ -405,18 +396,22 @@ class CustomDispatchManager(_DispatchManager):
     ) -> torch.Tensor:
         """Dispatches ``hidden_states [T, H]`` (bf16/fp16/fp32) to the ranks of their experts.
 
-        Collective over the TP x EP group. Without a static budget (dropless, drop-and-pad) it
-        synchronises the host once (receive sizes). With one (P rows, from ``configure`` or
-        Megatron's ``moe_expert_rank_capacity_factor``) the Buffer
-        dispatches into a static receive of P rows (``num_worst_tokens``; rows past it are
-        dropped and flagged in ``over_budget``), so with ``transport="kernels"`` nothing waits
-        for the host and the step can be captured in a CUDA graph: the experts get the whole
-        fixed-size buffer, as Megatron's static shapes (0.19: ``moe_ncclep_static_shape``;
-        main: ``moe_expert_rank_capacity_factor`` alone). ``async_finish`` launches
-        the Buffer asynchronously and makes the current stream wait for it before returning
-        (what Megatron's DeepEP wrapper does); ``allocate_on_comm_stream`` allocates the outputs
-        from the Buffer's communication stream (CUDA). With ``fp8_dispatch`` the rows travel as
-        fp8 with 1x128 scales and arrive dequantized to ``hidden_states``' dtype.
+        Collective over the TP x EP group. Fused (the default): ``Buffer.dispatch_to_experts``;
+        unfused: ``Buffer.dispatch`` (the permute follows in
+        :meth:`get_permuted_hidden_states_by_experts`). Without a static budget (dropless,
+        drop-and-pad) it synchronises the host once (receive sizes). With one (P rows, from
+        ``configure`` or Megatron's ``moe_expert_rank_capacity_factor``) on a transport that
+        keeps the receive count on the device (``transport="kernels"``), the receive is static
+        too (``num_worst_tokens=P``: a received row takes at least one row of the expert input,
+        so more rows than P overflow that input anyway; the rows past it are dropped and flagged
+        in ``over_budget``): nothing waits for the host and the step can be captured in a CUDA
+        graph, the experts getting the whole fixed-size buffer, as Megatron's static shapes
+        (0.19: ``moe_ncclep_static_shape``; main: ``moe_expert_rank_capacity_factor`` alone).
+        ``async_finish`` launches the Buffer asynchronously and makes the current stream wait
+        for it before returning (what Megatron's DeepEP wrapper does); ``allocate_on_comm_stream``
+        allocates the outputs from the Buffer's communication stream (CUDA). With
+        ``fp8_dispatch`` the rows travel as fp8 with 1x128 scales and arrive dequantized to
+        ``hidden_states``' dtype (``use_fp8``).
 
         Returns:
             fused: ``[P, H]`` expert-major rows (zero padding rows), ``dispatched_probs [P]``;
@@ -424,68 +419,34 @@ class CustomDispatchManager(_DispatchManager):
 
         Raises:
             BudgetOverflowError: with ``raise_on_overflow``, more rows arrived than the static
-                receive holds (a host read).
+                receive or the expert input holds (a host read).
         """
         if self.token_indices is None or self.token_probs is None:
             raise RuntimeError("dispatch called before setup_metadata: Megatron's dispatch_preprocess sets the routing")
         probs = self.token_probs if self.token_probs.dtype == torch.float32 else self.token_probs.float()
         num_tokens = hidden_states.shape[0]
-        buffer = self.buffer_for(hidden_states.device)
-        async_finish = self._async(async_finish, hidden_states.device)
-        if self.fused and not self.fp8_dispatch and getattr(buffer.transport, "fuses_layout", False):
-            # the rows land expert-major straight from the receive buffer (torch_dist)
-            out, self.dispatched_probs, _, handle, event = buffer.dispatch_to_experts(
-                hidden_states.contiguous(),
-                self.token_indices,
-                probs.contiguous(),
-                self.num_experts,
-                **self._layout(num_tokens),
-                async_finish=async_finish,
-                allocate_on_comm_stream=allocate_on_comm_stream,
-                wgrad_store=self.wgrad_store,
-            )
-            event.current_stream_wait()
-            state = InflightDispatch(
-                handle=handle, num_tokens=num_tokens, recv_topk_idx=handle.recv_topk_idx, fused=True
-            )
-            self._blocks(state, handle.permute)
-            self._inflight = state
-            return out
-        # The kernels (a static receive in budget mode: no host sync) and fp8 rows: permuted after.
-        # The receive is static with the expert input's budget P: a received row holds at least
-        # one (token, local expert) pair, each taking a row of the expert input, so more rows than
-        # P overflow that input anyway (drop-and-pad drops per expert in the permute instead).
         budget = self.budget(num_tokens)
-        launch = {
-            "async_finish": async_finish,
-            "allocate_on_comm_stream": allocate_on_comm_stream,
-            "num_worst_tokens": budget or 0,
-            "on_overflow": "drop",
-        }
-        args = (
-            hidden_states.contiguous(),
-            probs.contiguous(),
-            buffer,
-            self.token_indices,
-            self.num_experts,
-            self.wgrad_store,
-            launch,
+        static_receive = budget is not None and self.buffer.transport.capabilities.budget_on_device
+        args = (hidden_states.contiguous(), self.token_indices, probs.contiguous(), self.num_experts)
+        launch = dict(
+            num_worst_tokens=budget if static_receive else 0,
+            on_overflow="drop",
+            use_fp8=self.fp8_dispatch,
+            async_finish=self._async(async_finish, hidden_states.device),
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            wgrad_store=self.wgrad_store,
         )
-        routed: dict = {}
-        if self.fp8_dispatch:
-            recv_x, recv_probs = _Fp8DispatchFn.apply(*args, routed)
-        else:
-            recv_x, recv_probs = _dispatch(*args, routed)
-        handle, recv_idx = routed["handle"], routed["recv_topk_idx"]
-        if budget is not None:  # raised with the permute's own check (raise_on_overflow)
-            self.over_budget |= handle.overflow
-        state = InflightDispatch(handle=handle, num_tokens=num_tokens, recv_topk_idx=recv_idx, fused=self.fused)
-        self._inflight = state
         if self.fused:
-            out, self.dispatched_probs = self._permute(state, recv_x, recv_probs)
-            return out
-        self.dispatched_probs = recv_probs
-        return recv_x
+            out, self.dispatched_probs, _, handle, event = self.buffer.dispatch_to_experts(
+                *args, **self._layout(num_tokens), **launch
+            )
+        else:
+            out, _, self.dispatched_probs, _, handle, event = self.buffer.dispatch(*args, **launch)
+        event.current_stream_wait()
+        self._inflight = InflightDispatch(handle=handle, num_tokens=num_tokens, fused=self.fused)
+        if self.fused:
+            self._blocks(self._inflight, handle.permute)
+        return out
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
         """``(tokens [P, H], probs [P])`` for the experts, expert-major (identity when fused).
@@ -534,10 +495,7 @@ class CustomDispatchManager(_DispatchManager):
         """
         state = self._state("combine")
         self._inflight = None
-        if state.fused and state.handle.permute is None:  # permuted here after the dispatch
-            hidden_states = unpermute(hidden_states, state.permute_handle)
-        # else fused by the Buffer: it sums each token's expert-major copies as it returns them
-        out, event = self.buffer.combine(
+        out, event = self.buffer.combine(  # fused: the Buffer sums each token's expert-major copies
             hidden_states.contiguous(),
             state.handle,
             async_finish=self._async(async_finish, hidden_states.device),
@@ -546,63 +504,6 @@ class CustomDispatchManager(_DispatchManager):
         event.current_stream_wait()
         self.dispatched_probs = None
         return out
-
-
-def _dispatch(hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict, routed: dict):
-    """``buffer.dispatch`` of ``hidden`` as is (differentiable); ``routed`` receives the handle
-    and the received top-k ids. Returns ``(recv_x, recv_probs)``."""
-    recv_x, recv_idx, recv_probs, _, handle, event = buffer.dispatch(
-        hidden, topk_idx, probs, num_experts, wgrad_store=wgrad_store, **launch
-    )
-    event.current_stream_wait()
-    routed.update(handle=handle, recv_topk_idx=recv_idx)
-    return recv_x, recv_probs
-
-
-class _Fp8DispatchFn(torch.autograd.Function):
-    """Dispatch of ``hidden [T, H]`` as fp8 ``(x_fp8, scales)`` (1x128 blocks,
-    ``moe_dispatch.ops.quant.per_token_cast_to_fp8``), dequantized on arrival to hidden's
-    dtype; ``probs [T, K]`` fp32 travel with it.
-
-    Why dequantize: megatron-core 0.19.2's experts take the activations as a tensor of the model
-    dtype (its DeepEP and HybridEP wrappers dispatch bf16: ``fused_a2a`` refuses fp8 dispatch),
-    and with fp8 training Transformer Engine quantizes them itself inside ``GroupedLinear``, by
-    the config's recipe (a pre-quantized input would also need the column-wise copy TE's weight
-    gradient reads). So the fp8 rows save wire bytes (H + H/32 instead of 2H per row for bf16)
-    and the experts get what they get from any dispatcher, with or without Transformer Engine
-    installed.
-
-    Backward: the combine of the gradients in their own dtype, the quantization passed straight
-    through (as DeepEP's fp8 dispatch in training); the delayed weight gradients run while it
-    is in flight, as in ``moe_dispatch.autograd.DispatchFn``.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, hidden, probs, buffer: Buffer, topk_idx, num_experts: int, wgrad_store, launch: dict, routed: dict
-    ):
-        (x_fp8, scales), recv_idx, recv_probs, _, handle, event = buffer.dispatch(
-            per_token_cast_to_fp8(hidden), topk_idx, probs, num_experts, **launch
-        )
-        event.current_stream_wait()
-        routed.update(handle=handle, recv_topk_idx=recv_idx)
-        ctx.buffer, ctx.handle, ctx.recv_idx, ctx.wgrad_store = buffer, handle, recv_idx, wgrad_store
-        return per_token_cast_back(x_fp8, scales, hidden.dtype), recv_probs
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_probs):
-        store = ctx.wgrad_store
-        grad_hidden, event = ctx.buffer.combine(grad_x.contiguous(), ctx.handle, async_finish=store is not None)
-        grad_p = None
-        if grad_probs is not None:  # only the rank owning expert topk_idx[t, k] holds its gradient
-            mine = ctx.recv_idx >= 0
-            grad_p = ctx.buffer.combine(
-                torch.where(mine, grad_probs, torch.zeros_like(grad_probs)).contiguous(), ctx.handle
-            )[0]
-        if store is not None:
-            store.backward_dw()
-        event.current_stream_wait()
-        return grad_hidden, grad_p, None, None, None, None, None, None
 
 
 _LOGGED: set[str] = set()

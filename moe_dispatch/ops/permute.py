@@ -19,6 +19,7 @@ from .. import _ext
 from ..errors import BudgetOverflowError
 from ..semantics.permute import (
     PermuteHandle,
+    PermuteLayout,
     permute_map_reference,
     permute_rows_reference,
     unpermute_rows_reference,
@@ -146,6 +147,17 @@ def _permute_finalize_kernel(
 
 
 @triton.jit
+def _store_rows(out_ptr, rows, values, row_mask, cols, col_mask, hidden):
+    """``out[rows[i], cols] = values[i]`` where ``row_mask[i]`` (a ``[N, BLOCK_H]`` tile of a
+    ``[*, hidden]`` row-major output)."""
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+        values,
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+@triton.jit
 def _permute_scatter_kernel(
     x_ptr,
     row_id_map_ptr,
@@ -187,11 +199,7 @@ def _permute_scatter_kernel(
         for k in tl.static_range(NUM_TOPK):
             dst = tl.load(row_id_map_ptr + rows * NUM_TOPK + k, mask=token_mask, other=-1)
             dst_mask = dst >= 0
-            tl.store(
-                out_ptr + dst.to(tl.int64)[:, None] * hidden + cols[None, :],
-                tile,
-                mask=dst_mask[:, None] & col_mask[None, :],
-            )
+            _store_rows(out_ptr, dst, tile, dst_mask, cols, col_mask, hidden)
             if HAS_PROBS:
                 if pid_h == 0:
                     p = tl.load(probs_ptr + rows * NUM_TOPK + k, mask=dst_mask)
@@ -209,11 +217,7 @@ def _permute_scatter_kernel(
         hole = (tl.max(filled.to(tl.int32), axis=1) == 0) & (out_rows < num_rows)
         if tl.max(hole.to(tl.int32), axis=0) > 0:
             zeros = tl.zeros([BLOCK_Z, BLOCK_H], out_ptr.dtype.element_ty)
-            tl.store(
-                out_ptr + out_rows.to(tl.int64)[:, None] * hidden + cols[None, :],
-                zeros,
-                mask=hole[:, None] & col_mask[None, :],
-            )
+            _store_rows(out_ptr, out_rows, zeros, hole, cols, col_mask, hidden)
             if HAS_PROBS:
                 if pid_h == 0:
                     tl.store(
@@ -296,21 +300,13 @@ def _index_block(num_tokens: int, experts_pad: int, on_gpu: bool) -> int:
     return max(16, min(_next_pow2(max(num_tokens, 1)), tile // experts_pad, cap))
 
 
-def permute_map_triton(
-    topk_idx: torch.Tensor,
-    num_local_experts: int,
-    pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None,
-    expert_capacity: int | None = None,
-    *,
-    block_r: int | None = None,
-) -> PermuteHandle:
+def permute_map_triton(topk_idx: torch.Tensor, layout: PermuteLayout, *, block_r: int | None = None) -> PermuteHandle:
     """Triton index phase; same result as :func:`permute_map_reference`. Two kernels (block
-    counts and ranks, then block prefixes). Synchronises the host only when neither
-    ``num_permuted_tokens`` nor ``expert_capacity`` is given (to size the output)."""
+    counts and ranks, then block prefixes). Synchronises the host only where the layout has no
+    static size (neither ``num_permuted_tokens`` nor ``expert_capacity``: to size the output)."""
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
-    e = num_local_experts
+    e, expert_capacity, static = layout.num_local_experts, layout.expert_capacity, layout.static_rows
     experts_pad = _next_pow2(e)
     row_id_map = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
     alloc = torch.empty if num_tokens > 0 else torch.zeros  # the kernels write every table
@@ -319,10 +315,7 @@ def permute_map_triton(
     expert_offsets = alloc(e, dtype=torch.int32, device=device)
     num_rows_needed = alloc((), dtype=torch.int64, device=device)
     overflow = alloc((), dtype=torch.bool, device=device)
-    if expert_capacity is not None:
-        budget = e * expert_capacity
-    else:
-        budget = _INT32_MAX if num_permuted_tokens is None else num_permuted_tokens
+    budget = _INT32_MAX if static is None else static
     if num_tokens > 0:
         block = block_r or _index_block(num_tokens, experts_pad, topk_idx.is_cuda)
         num_blocks = triton.cdiv(num_tokens, block)
@@ -353,7 +346,7 @@ def permute_map_triton(
                 num_blocks,
                 budget,
                 e,
-                pad_multiple,
+                layout.pad_multiple,
                 -1 if expert_capacity is None else expert_capacity,
                 NUM_TOPK=num_topk,
                 BLOCK_R=block,
@@ -365,11 +358,8 @@ def permute_map_triton(
         tokens_per_expert.fill_(expert_capacity)
         expert_offsets.copy_(torch.arange(e, dtype=torch.int32, device=device) * expert_capacity)
         num_rows_needed.fill_(budget)
-    if expert_capacity is not None:
-        num_rows = budget
-    else:
-        num_rows = int(num_rows_needed) if num_permuted_tokens is None else num_permuted_tokens
     return PermuteHandle(
+        **layout.layout_fields(),
         row_id_map=row_id_map,
         tokens_per_expert=tokens_per_expert,
         num_tokens_per_expert=num_tokens_per_expert,
@@ -377,36 +367,23 @@ def permute_map_triton(
         num_rows_needed=num_rows_needed,
         overflow=overflow,
         num_tokens=num_tokens,
-        num_rows=num_rows,
-        num_local_experts=e,
-        pad_multiple=pad_multiple,
-        num_permuted_tokens=num_permuted_tokens,
-        expert_capacity=expert_capacity,
+        num_rows=layout.resolve_rows(num_rows_needed),
     )
 
 
-def permute_map_cpu(
-    topk_idx: torch.Tensor,
-    num_local_experts: int,
-    pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None,
-    expert_capacity: int | None = None,
-) -> PermuteHandle:
+def permute_map_cpu(topk_idx: torch.Tensor, layout: PermuteLayout) -> PermuteHandle:
     """The index phase on CPU in two passes over ``topk_idx`` (``csrc/kernels/permute_cpu.cpp``),
     with :func:`~moe_dispatch.semantics.permute.permuted_sources` filled in: the handle of
     :func:`~moe_dispatch.semantics.permute.permute_map_reference` (same arguments), which runs
     where ``moe_dispatch._C`` is not built or ``topk_idx`` is not a CPU tensor."""
     if topk_idx.device.type != "cpu" or not _ext.extension_status().built:
-        return permute_map_reference(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
+        return permute_map_reference(topk_idx, layout)
     topk_idx = topk_idx.contiguous()
     num_tokens, num_topk = topk_idx.shape
-    e = num_local_experts
-    if expert_capacity is not None:
-        most = e * expert_capacity
-    elif num_permuted_tokens is not None:
-        most = num_permuted_tokens
-    else:  # every copy, each block padded
-        most = num_tokens * num_topk + e * (pad_multiple - 1)
+    e, budget, capacity = layout.num_local_experts, layout.num_permuted_tokens, layout.expert_capacity
+    most = layout.static_rows
+    if most is None:  # every copy, each block padded
+        most = num_tokens * num_topk + e * (layout.pad_multiple - 1)
     row_id_map = torch.empty((num_tokens, num_topk), dtype=torch.int32)
     counts, tokens_per_expert = torch.empty((2, e), dtype=torch.int64)
     expert_offsets = torch.empty(e, dtype=torch.int32)
@@ -417,9 +394,9 @@ def permute_map_cpu(
         num_tokens=num_tokens,
         num_topk=num_topk,
         num_experts=e,
-        pad_multiple=pad_multiple,
-        num_permuted_tokens=-1 if num_permuted_tokens is None else num_permuted_tokens,
-        expert_capacity=-1 if expert_capacity is None else expert_capacity,
+        pad_multiple=layout.pad_multiple,
+        num_permuted_tokens=-1 if budget is None else budget,
+        expert_capacity=-1 if capacity is None else capacity,
         row_id_map=row_id_map.data_ptr(),
         num_tokens_per_expert=counts.data_ptr(),
         tokens_per_expert=tokens_per_expert.data_ptr(),
@@ -429,6 +406,7 @@ def permute_map_cpu(
         sources_size=most,
     )
     return PermuteHandle(
+        **layout.layout_fields(),
         row_id_map=row_id_map,
         tokens_per_expert=tokens_per_expert,
         num_tokens_per_expert=counts,
@@ -437,10 +415,6 @@ def permute_map_cpu(
         overflow=torch.tensor(needed > num_rows),
         num_tokens=num_tokens,
         num_rows=num_rows,
-        num_local_experts=e,
-        pad_multiple=pad_multiple,
-        num_permuted_tokens=num_permuted_tokens,
-        expert_capacity=expert_capacity,
         sources=(src[:num_rows], entry[:num_rows]),
     )
 
@@ -451,17 +425,27 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def _row_blocks(
+    rows: int, hidden: int, on_gpu: bool, gpu: tuple[int, int], tile: int, block_r=None, block_h=None
+) -> tuple[int, int]:
+    """``(block_r, block_h)`` of a data kernel over ``rows`` x ``hidden``: explicit values win; on
+    GPU ``gpu`` (rows, at most that many columns); under the interpreter few programs, big tiles
+    (up to 8192 columns, ``tile`` elements)."""
+    if on_gpu:
+        block_h = block_h or min(_next_pow2(hidden), gpu[1])
+        block_r = block_r or gpu[0]
+    else:
+        block_h = block_h or min(_next_pow2(hidden), 8192)
+        block_r = block_r or max(1, min(_next_pow2(max(rows, 1)), tile // block_h))
+    return block_r, block_h
+
+
 def permute_rows_triton(
-    x: torch.Tensor,
-    handle: PermuteHandle,
-    probs: torch.Tensor | None = None,
-    *,
-    block_r: int | None = None,
-    block_h: int | None = None,
-    block_z: int | None = None,
+    x: torch.Tensor, handle: PermuteHandle, probs: torch.Tensor | None = None, **blocks
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton data phase; same result as :func:`permute_rows_reference` (bit-exact). One launch,
-    no host synchronisation."""
+    no host synchronisation. ``blocks``: the launch shape's ``block_r``, ``block_h`` and
+    ``block_z`` (rows per zero program), where given (tests, benchmarks)."""
     num_tokens, hidden = x.shape
     num_rows = handle.num_rows
     out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
@@ -470,14 +454,12 @@ def permute_rows_triton(
         permuted_probs = torch.empty(num_rows, dtype=probs.dtype, device=probs.device)
     if num_rows == 0 or hidden == 0:
         return out, permuted_probs
-    on_gpu = x.is_cuda
+    on_gpu, block_z = x.is_cuda, blocks.pop("block_z", None)
+    gpu = (GPU_CONFIG["scatter_block_r"], max(16, GPU_CONFIG["scatter_block_bytes"] // x.element_size()))
+    block_r, block_h = _row_blocks(num_tokens, hidden, on_gpu, gpu, 1 << 20, **blocks)
     if on_gpu:
-        block_h = block_h or min(_next_pow2(hidden), max(16, GPU_CONFIG["scatter_block_bytes"] // x.element_size()))
-        block_r = block_r or GPU_CONFIG["scatter_block_r"]
         block_z = block_z or GPU_CONFIG["zero_block"]
     else:  # the interpreter: few programs, big tiles
-        block_h = block_h or min(_next_pow2(hidden), 8192)
-        block_r = block_r or max(1, min(_next_pow2(max(num_tokens, 1)), (1 << 20) // block_h))
         block_z = block_z or max(1, min(_next_pow2(num_rows), (1 << 20) // block_h))
     num_token_blocks = triton.cdiv(num_tokens, block_r)
     grid = (num_token_blocks + triton.cdiv(num_rows, block_z), triton.cdiv(hidden, block_h))
@@ -509,27 +491,19 @@ def permute_rows_triton(
 
 
 def unpermute_rows_triton(
-    y: torch.Tensor,
-    handle: PermuteHandle,
-    row_weights: torch.Tensor | None = None,
-    *,
-    block_r: int | None = None,
-    block_h: int | None = None,
+    y: torch.Tensor, handle: PermuteHandle, row_weights: torch.Tensor | None = None, **blocks
 ) -> torch.Tensor:
     """Triton unpermute; matches :func:`unpermute_rows_reference` up to fp32 rounding (on GPU
-    the multiply-add may fuse into an FMA). No host synchronisation."""
+    the multiply-add may fuse into an FMA). No host synchronisation. ``blocks``: the launch
+    shape's ``block_r`` and ``block_h``, where given (tests, benchmarks)."""
     num_tokens = handle.num_tokens
     hidden = y.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
     if num_tokens == 0 or hidden == 0:
         return out
     num_topk = handle.row_id_map.shape[1]
-    if y.is_cuda:
-        block_h = block_h or min(_next_pow2(hidden), GPU_CONFIG["gather_block_h"])
-        block_r = block_r or GPU_CONFIG["gather_block_r"]
-    else:
-        block_h = block_h or min(_next_pow2(hidden), 8192)
-        block_r = block_r or max(1, min(_next_pow2(num_tokens), (1 << 19) // block_h))
+    gpu = (GPU_CONFIG["gather_block_r"], GPU_CONFIG["gather_block_h"])
+    block_r, block_h = _row_blocks(num_tokens, hidden, y.is_cuda, gpu, 1 << 19, **blocks)
     grid = (triton.cdiv(num_tokens, block_r), triton.cdiv(hidden, block_h))
     with _device_of(y):
         _unpermute_gather_kernel[grid](
@@ -681,7 +655,7 @@ def make_permute_handle(
     if validate or not use_triton:
         check_topk_idx(topk_idx, num_local_experts)
     build = permute_map_triton if use_triton else permute_map_cpu
-    return build(topk_idx, num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity)
+    return build(topk_idx, PermuteLayout(num_local_experts, pad_multiple, num_permuted_tokens, expert_capacity))
 
 
 def permute(
@@ -689,13 +663,9 @@ def permute(
     topk_idx: torch.Tensor,
     probs: torch.Tensor | None = None,
     *,
-    num_local_experts: int,
-    pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None,
-    expert_capacity: int | None = None,
     handle: PermuteHandle | None = None,
-    validate: bool | None = None,
     backend: str = "auto",
+    **index_phase,
 ) -> PermuteResult:
     """Received tokens -> expert-major, padded rows (fused: one kernel moves the data).
 
@@ -706,14 +676,15 @@ def permute(
             :func:`make_permute_handle`). Ignored when ``handle`` is given.
         probs: ``[R, K]`` floating weights of the slots, or None; permuted alongside
             (differentiable).
-        num_local_experts: E_local.
-        pad_multiple: zero-row padding multiple per expert block.
-        num_permuted_tokens: static budget P: output rows fixed, no host synchronisation,
-            overflow flagged in ``handle.overflow`` (check with :func:`check_permute_overflow`).
-        expert_capacity: fixed expert blocks of this many rows (see :func:`make_permute_handle`).
-        handle: reuse a handle from :func:`make_permute_handle` / an earlier permute.
-        validate: see :func:`make_permute_handle`.
+        handle: reuse a handle from :func:`make_permute_handle` / an earlier permute (then
+            ``index_phase`` is not read).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        index_phase: the keywords of :func:`make_permute_handle` after ``topk_idx``:
+            ``num_local_experts`` (E_local, required), ``pad_multiple`` (zero-row padding
+            multiple per expert block), ``num_permuted_tokens`` (static budget P: output rows
+            fixed, no host synchronisation, overflow flagged in ``handle.overflow``: check with
+            :func:`check_permute_overflow`), ``expert_capacity`` (fixed expert blocks of this
+            many rows), ``validate``.
 
     Returns:
         :class:`PermuteResult` ``(permuted_x [P, H], permuted_probs [P] | None,
@@ -734,15 +705,7 @@ def permute(
     else:
         check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if handle is None:
-        handle = make_permute_handle(
-            topk_idx,
-            num_local_experts,
-            pad_multiple=pad_multiple,
-            num_permuted_tokens=num_permuted_tokens,
-            expert_capacity=expert_capacity,
-            validate=validate,
-            backend=backend,
-        )
+        handle = make_permute_handle(topk_idx, backend=backend, **index_phase)
     if data.shape[0] != handle.num_tokens:
         raise ValueError(f"x has {data.shape[0]} rows but topk_idx has {handle.num_tokens} tokens")
     if handle.row_id_map.device != data.device:

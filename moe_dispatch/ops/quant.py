@@ -104,90 +104,95 @@ def _e4m3_bits_to_fp32(code):
 
 
 @triton.jit
-def _group_block(
-    i, num_tokens, hidden, num_groups, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr
-):
-    """Block ``i`` of program (p, q): rows ``[p*BLOCK_T, ...)`` of group ``q*GROUPS_PER_PROGRAM + i``.
-    Returns the elements' offsets ``[BLOCK_T, BLOCK_SIZE]``, the rows' mask ``[BLOCK_T]``
-    (rows and groups in range) and the rows' scale offsets ``[BLOCK_T]`` (int64)."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    g = tl.program_id(1) * GROUPS_PER_PROGRAM + i
-    rows = tokens.to(tl.int64)
-    offs = rows[:, None] * hidden + g * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
-    # both sides as [BLOCK_T] int1 (a scalar operand of & made an int32 mask in Triton 3.9's interpreter)
-    in_range = (tokens < num_tokens) & (tl.full((BLOCK_T,), g, tl.int32) < num_groups)
-    return offs, in_range, rows * num_groups + g
-
-
-@triton.jit
-def _per_token_cast_to_fp8_kernel(
-    x_ptr,
-    x_fp8_ptr,
+def _per_token_cast_kernel(
+    src_ptr,
     scales_ptr,
+    dst_ptr,
     num_tokens,
     hidden,
     num_groups,
     BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
+    TO_FP8: tl.constexpr,
     USE_UE8M0: tl.constexpr,
 ):
-    """Program (i, j) quantizes rows ``[i*BLOCK_T, ...)`` x blocks ``[j*GROUPS_PER_PROGRAM, ...)``."""
+    """Program (p, q) converts rows ``[p*BLOCK_T, ...)`` x blocks ``[q*GROUPS_PER_PROGRAM, ...)``:
+    to fp8 when ``TO_FP8`` (src: x, scales written, dst: the e4m3 codes), else back (src: the
+    codes, scales read, dst: the output). One kernel walks the blocks for both directions."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tokens.to(tl.int64)
     for i in range(GROUPS_PER_PROGRAM):
-        offs, mask, scale_offs = _group_block(
-            i, num_tokens, hidden, num_groups, BLOCK_T, BLOCK_SIZE, GROUPS_PER_PROGRAM
-        )
-        x = tl.load(x_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
-        finite = tl.abs(x) <= 3.4028234663852886e38  # False for NaN and +-Inf
-        amax = tl.maximum(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), 1e-4)
-        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        if USE_UE8M0:  # round up to a power of two: bump the exponent unless the mantissa is 0
-            sb = scale.to(tl.int32, bitcast=True)
-            sb = tl.where((sb & 0x7FFFFF) != 0, (sb & 0x7F800000) + 0x800000, sb)
-            scale = sb.to(tl.float32, bitcast=True)
-        code = _fp32_to_e4m3_bits(tl.div_rn(x, scale[:, None]))
-        code = tl.where(finite, code, 0x7F)
-        tl.store(x_fp8_ptr + offs, code.to(tl.uint8), mask=mask[:, None])
-        tl.store(scales_ptr + scale_offs, scale, mask=mask)
-
-
-@triton.jit
-def _per_token_cast_back_kernel(
-    x_fp8_ptr,
-    scales_ptr,
-    out_ptr,
-    num_tokens,
-    hidden,
-    num_groups,
-    BLOCK_T: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    GROUPS_PER_PROGRAM: tl.constexpr,
-):
-    for i in range(GROUPS_PER_PROGRAM):
-        offs, mask, scale_offs = _group_block(
-            i, num_tokens, hidden, num_groups, BLOCK_T, BLOCK_SIZE, GROUPS_PER_PROGRAM
-        )
-        code = tl.load(x_fp8_ptr + offs, mask=mask[:, None], other=0).to(tl.int32)
-        scale = tl.load(scales_ptr + scale_offs, mask=mask, other=0.0)
-        val = _e4m3_bits_to_fp32(code) * scale[:, None]
-        tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+        g = tl.program_id(1) * GROUPS_PER_PROGRAM + i
+        offs = rows[:, None] * hidden + g * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+        # rows and group in range, both sides [BLOCK_T] int1 (a scalar operand of & made an int32
+        # mask in Triton 3.9's interpreter, which it refuses)
+        mask = (tokens < num_tokens) & (tl.full((BLOCK_T,), g, tl.int32) < num_groups)
+        scale_offs = rows * num_groups + g
+        if TO_FP8:
+            x = tl.load(src_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+            finite = tl.abs(x) <= 3.4028234663852886e38  # False for NaN and +-Inf
+            amax = tl.maximum(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), 1e-4)
+            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            if USE_UE8M0:  # round up to a power of two: bump the exponent unless the mantissa is 0
+                sb = scale.to(tl.int32, bitcast=True)
+                sb = tl.where((sb & 0x7FFFFF) != 0, (sb & 0x7F800000) + 0x800000, sb)
+                scale = sb.to(tl.float32, bitcast=True)
+            code = _fp32_to_e4m3_bits(tl.div_rn(x, scale[:, None]))
+            code = tl.where(finite, code, 0x7F)
+            tl.store(dst_ptr + offs, code.to(tl.uint8), mask=mask[:, None])
+            tl.store(scales_ptr + scale_offs, scale, mask=mask)
+        else:
+            code = tl.load(src_ptr + offs, mask=mask[:, None], other=0).to(tl.int32)
+            scale = tl.load(scales_ptr + scale_offs, mask=mask, other=0.0)
+            val = _e4m3_bits_to_fp32(code) * scale[:, None]
+            tl.store(dst_ptr + offs, val.to(dst_ptr.dtype.element_ty), mask=mask[:, None])
 
 
 # Launch configuration on GPU (benchmarks/bench_kernels.py may override).
 GPU_CONFIG = {"block_t": 16, "groups_per_program": 8, "num_warps": 4}
 
 
-def _grid(
-    num_tokens: int, num_groups: int, block_size: int, on_gpu: bool, block_t: int | None = None, gpp: int | None = None
-):
-    """(rows per program, blocks per program, grid); explicit values win."""
-    if on_gpu:
+def _cast(
+    src: torch.Tensor,
+    scales: torch.Tensor,
+    dst: torch.Tensor,
+    block_size: int | None,
+    to_fp8: bool,
+    use_ue8m0: bool = False,
+    block_t: int | None = None,
+    gpp: int | None = None,
+) -> None:
+    """Launches :func:`_per_token_cast_kernel` over ``src`` ``[T, H]`` (fp8 codes as uint8) in
+    ``[T, H / block_size]`` blocks (``block_size`` None: ``H / scales.shape[1]``); nothing for
+    an empty one. Explicit ``block_t`` / ``gpp`` (groups per program) win over the launch
+    configuration."""
+    num_tokens, hidden = src.shape
+    num_groups = scales.shape[1]
+    if not (num_tokens and num_groups):
+        return
+    block_size = block_size or hidden // num_groups
+    if src.is_cuda:
         block_t = block_t or GPU_CONFIG["block_t"]
         gpp = gpp or min(GPU_CONFIG["groups_per_program"], num_groups)
     else:  # the interpreter: one column of programs, each looping over every block of its rows
         block_t = block_t or max(1, min(_next_pow2(num_tokens), (1 << 17) // block_size))
         gpp = gpp or num_groups
-    return block_t, gpp, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_groups, gpp))
+    with _device_of(src):
+        _per_token_cast_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(num_groups, gpp))](
+            src,
+            scales,
+            dst,
+            num_tokens,
+            hidden,
+            num_groups,
+            BLOCK_T=block_t,
+            BLOCK_SIZE=block_size,
+            GROUPS_PER_PROGRAM=gpp,
+            TO_FP8=to_fp8,
+            USE_UE8M0=use_ue8m0,
+            num_warps=GPU_CONFIG["num_warps"] if src.is_cuda else 4,
+        )
 
 
 def per_token_cast_to_fp8_triton(
@@ -202,25 +207,9 @@ def per_token_cast_to_fp8_triton(
     validation, no host synchronisation. ``block_t``/``groups_per_program`` override the
     launch shape (tests)."""
     num_tokens, hidden = x.shape
-    num_groups = hidden // block_size
     x_fp8 = torch.empty(num_tokens, hidden, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(num_tokens, num_groups, dtype=torch.float32, device=x.device)
-    if num_tokens and num_groups:
-        block_t, gpp, grid = _grid(num_tokens, num_groups, block_size, x.is_cuda, block_t, groups_per_program)
-        with _device_of(x):
-            _per_token_cast_to_fp8_kernel[grid](
-                x,
-                x_fp8.view(torch.uint8),
-                scales,
-                num_tokens,
-                hidden,
-                num_groups,
-                BLOCK_T=block_t,
-                BLOCK_SIZE=block_size,
-                GROUPS_PER_PROGRAM=gpp,
-                USE_UE8M0=use_ue8m0,
-                num_warps=GPU_CONFIG["num_warps"] if x.is_cuda else 4,
-            )
+    scales = torch.empty(num_tokens, hidden // block_size, dtype=torch.float32, device=x.device)
+    _cast(x, scales, x_fp8.view(torch.uint8), block_size, True, use_ue8m0, block_t, groups_per_program)
     return x_fp8, scales
 
 
@@ -234,25 +223,8 @@ def per_token_cast_back_triton(
 ) -> torch.Tensor:
     """Triton dequantization; matches :func:`per_token_cast_back_reference` exactly in fp32
     (bf16/fp16 outputs differ by the final rounding under the interpreter, which truncates)."""
-    num_tokens, hidden = x_fp8.shape
-    num_groups = scales.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=dtype, device=x_fp8.device)
-    if num_tokens and num_groups:
-        block_size = hidden // num_groups
-        block_t, gpp, grid = _grid(num_tokens, num_groups, block_size, x_fp8.is_cuda, block_t, groups_per_program)
-        with _device_of(x_fp8):
-            _per_token_cast_back_kernel[grid](
-                x_fp8.view(torch.uint8),
-                scales,
-                out,
-                num_tokens,
-                hidden,
-                num_groups,
-                BLOCK_T=block_t,
-                BLOCK_SIZE=block_size,
-                GROUPS_PER_PROGRAM=gpp,
-                num_warps=GPU_CONFIG["num_warps"] if x_fp8.is_cuda else 4,
-            )
+    out = torch.empty(x_fp8.shape, dtype=dtype, device=x_fp8.device)
+    _cast(x_fp8.view(torch.uint8), scales, out, None, False, block_t=block_t, gpp=groups_per_program)
     return out
 
 

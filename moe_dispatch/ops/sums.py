@@ -1,5 +1,6 @@
-"""The transports' row sums: :func:`moe_dispatch.semantics.sums.ordered_sum`, in one pass on the
-CPU (``csrc/kernels/sums_cpu.cpp``) where it can run, its torch reference elsewhere.
+"""The transports' row sums: :func:`moe_dispatch.semantics.sums.ordered_sum` (one level of the
+summation order, :mod:`moe_dispatch.semantics.summation`), in one pass on the CPU
+(``csrc/kernels/sums_cpu.cpp``) where it can run, its torch path elsewhere.
 
 On CPU with ``moe_dispatch._C`` built, :func:`plan_sum` and :func:`plan_sum_by_output` return a
 :class:`OnePassPlan` (each output's rows, ascending, made in one pass: a counting sort) and

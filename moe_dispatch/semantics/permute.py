@@ -41,8 +41,44 @@ from .sums import SumPlan, ordered_sum, plan_sum_by_output
 
 
 @dataclasses.dataclass(eq=False)
-class PermuteHandle:
-    """Everything unpermute (and the backward passes) needs; one per micro-batch.
+class PermuteLayout:
+    """The expert-major layout a permute asks for (see the module doc).
+
+    Attributes:
+        num_local_experts: E_local.
+        pad_multiple: each expert block's row count is rounded up to a multiple of this.
+        num_permuted_tokens: the static budget P, or None.
+        expert_capacity: C, rows of every expert block (P = E_local * C; excludes a budget), or None.
+    """
+
+    num_local_experts: int
+    pad_multiple: int = 1
+    num_permuted_tokens: int | None = None
+    expert_capacity: int | None = None
+
+    @property
+    def static_rows(self) -> int | None:
+        """P when it is fixed before the index phase (fixed blocks or a budget), else None (it
+        follows the ids)."""
+        if self.expert_capacity is not None:
+            return self.num_local_experts * self.expert_capacity
+        return self.num_permuted_tokens
+
+    def resolve_rows(self, needed: torch.Tensor) -> int:
+        """P: :attr:`static_rows`, else the rows the padded layout ``needed`` (``[]`` int64: a
+        host read)."""
+        static = self.static_rows
+        return int(needed) if static is None else static
+
+    def layout_fields(self) -> dict:
+        """This layout's own fields (a subclass's too: what a :class:`PermuteHandle` of it carries)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(PermuteLayout)}
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class PermuteHandle(PermuteLayout):
+    """Everything unpermute (and the backward passes) needs; one per micro-batch: the
+    :class:`PermuteLayout` it was made for (its fields) and the index phase's tables.
 
     Attributes:
         row_id_map: ``[R, K]`` int32, output row of (received token r, slot k); ``-1`` where the
@@ -58,10 +94,6 @@ class PermuteHandle:
             fixed blocks).
         num_tokens: R.
         num_rows: P, rows of the permuted output.
-        num_local_experts: E_local.
-        pad_multiple: the padding multiple.
-        num_permuted_tokens: the static budget, or None.
-        expert_capacity: rows of every expert block (fixed blocks), or None.
         sources: ``(src, entry)`` of :func:`permuted_sources`, once computed.
         sum_plans: unpermute's sum plans (:func:`unpermute_plan`), once computed.
     """
@@ -74,38 +106,25 @@ class PermuteHandle:
     overflow: torch.Tensor
     num_tokens: int
     num_rows: int
-    num_local_experts: int
-    pad_multiple: int
-    num_permuted_tokens: int | None
-    expert_capacity: int | None = None
     # Derived once per handle, on first use (permuted_sources, unpermute_plan):
     sources: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
     sum_plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
-def permute_map_reference(
-    topk_idx: torch.Tensor,
-    num_local_experts: int,
-    pad_multiple: int = 1,
-    num_permuted_tokens: int | None = None,
-    expert_capacity: int | None = None,
-) -> PermuteHandle:
+def permute_map_reference(topk_idx: torch.Tensor, layout: PermuteLayout) -> PermuteHandle:
     """Torch reference of the index phase: the row of every (token, slot) (see module doc).
 
     Args:
         topk_idx: ``[R, K]`` int32/int64 local expert ids, ``-1`` = none (ids outside
             ``[0, E_local)`` count as none; validation is the caller's).
-        num_local_experts: E_local.
-        pad_multiple: each expert block's row count is rounded up to a multiple of this.
-        num_permuted_tokens: static budget P, or None for exactly the rows needed.
-        expert_capacity: C, rows of every expert block (P = E_local * C; excludes a budget), or None.
+        layout: the :class:`PermuteLayout` (no budget: exactly the rows needed).
 
     Returns:
         :class:`PermuteHandle` on topk_idx's device.
     """
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
-    e = num_local_experts
+    e, pad_multiple, expert_capacity = layout.num_local_experts, layout.pad_multiple, layout.expert_capacity
     idx = topk_idx.t()  # slot-major [K, R]: the one-hot below is indexed by it without copies
     col = torch.where((idx >= 0) & (idx < e), idx, e).long().contiguous()  # expert e: none
     # hits[x, t]: token t has a copy for expert x (no expert twice in a row); the copies of x in
@@ -120,16 +139,14 @@ def permute_map_reference(
     needed = torch.maximum(padded, rounded).sum()
     flat = col.flatten()
     row = torch.cat([start, start.new_zeros(1)]).to(torch.int32).index_select(0, flat).view_as(rank) + rank
-    if expert_capacity is not None:
-        num_rows = e * expert_capacity
-    else:
-        num_rows = int(needed) if num_permuted_tokens is None else num_permuted_tokens
+    num_rows = layout.resolve_rows(needed)
     keep = col < e
-    if num_permuted_tokens is not None or expert_capacity is not None:  # else every copy has a row
+    if layout.static_rows is not None:  # else every copy has a row
         padded_ext = torch.cat([padded, padded.new_zeros(1)]).to(torch.int32).index_select(0, flat).view_as(rank)
         keep &= (row < num_rows) & (rank < padded_ext)
     row = torch.where(keep, row, -1)
     return PermuteHandle(
+        **layout.layout_fields(),
         row_id_map=row.t().contiguous(),
         tokens_per_expert=torch.minimum(torch.clamp(num_rows - start, min=0), padded),
         num_tokens_per_expert=counts,
@@ -138,10 +155,6 @@ def permute_map_reference(
         overflow=(needed > num_rows).reshape(()),
         num_tokens=num_tokens,
         num_rows=num_rows,
-        num_local_experts=e,
-        pad_multiple=pad_multiple,
-        num_permuted_tokens=num_permuted_tokens,
-        expert_capacity=expert_capacity,
     )
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_BLOCK = 128  # elements per fp32 scale of the dispatch format (the block_size every caller passes)
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 

@@ -5,11 +5,8 @@ document (``moe_dispatch/buffer.py``); tests compare each transport against it b
 is deliberately written per rank and per node with boolean masks, independently of the
 transports' index plans.
 
-Combine's reduction order is part of the semantics (so results are deterministic and equal
-on every transport): for a token of source rank s, the holders inside each node n are summed
-in fp32 in ascending local rank, the node's partial is rounded to y's dtype (it is what
-crosses the inter-node link), then the partials are summed in fp32 in ascending node order
-and rounded to y's dtype.
+Combine's summation order is part of the semantics (so results are deterministic and equal
+on every transport): :mod:`.summation` defines it, and :func:`combine` computes it there.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import dataclasses
 import torch
 
 from .layout import get_dispatch_layout_reference
+from .summation import combine_sum
 
 
 @dataclasses.dataclass
@@ -105,7 +103,7 @@ def combine(
         ys: per rank ``[R_r, H]``, rows in the order :func:`dispatch` produced.
         topk_idxs: the source ranks' ``[T_s, K]`` routing used by that dispatch.
         num_experts: E.
-        ranks_per_node: L; fixes the reduction order (module docstring).
+        ranks_per_node: L; fixes the summation order (:mod:`.summation`).
         weights: per rank ``[R_r]`` fp32 row scales applied before the sum, or None.
         ranks: source ranks to compute (default all W).
 
@@ -113,28 +111,14 @@ def combine(
         per entry of ``ranks`` ``[T_s, H]`` in y's dtype; zero rows for tokens no rank held.
     """
     world_size = len(ys)
-    num_nodes = world_size // ranks_per_node
     in_rank = _layouts(topk_idxs, num_experts, ranks_per_node)
-    dtype, hidden = ys[0].dtype, ys[0].shape[1]
     # Row offset of source rank s's block inside each receiver's rows.
     counts = torch.stack([m.sum(0) for m in in_rank])  # [src, dst]
     starts = torch.cumsum(counts, 0) - counts
     outs = []
     for s in range(world_size) if ranks is None else ranks:
-        num_tokens = in_rank[s].shape[0]
-        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-        for n in range(num_nodes):
-            partial = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-            held = torch.zeros(num_tokens, dtype=torch.bool)
-            for r in range(n * ranks_per_node, (n + 1) * ranks_per_node):
-                mask = in_rank[s][:, r]
-                lo = int(starts[s, r])
-                rows = slice(lo, lo + int(counts[s, r]))
-                contrib = ys[r][rows].float()
-                if weights is not None:
-                    contrib = contrib * weights[r][rows].unsqueeze(1)
-                partial[mask] += contrib
-                held |= mask
-            acc[held] += partial[held].to(dtype).float()
-        outs.append(acc.to(dtype))
+        held = [slice(int(starts[s, r]), int(starts[s, r] + counts[s, r])) for r in range(world_size)]
+        rows = [ys[r][held[r]] for r in range(world_size)]
+        scales = None if weights is None else [weights[r][held[r]] for r in range(world_size)]
+        outs.append(combine_sum(rows, in_rank[s], ranks_per_node, scales))
     return outs

@@ -1,12 +1,13 @@
-"""Row sums in a fixed order: the one reduction of combine and unpermute.
+"""Row sums in a fixed order, fast: one level of the summation order (:mod:`.summation`), the
+reduction of the transports' combine and of unpermute.
 
 ``ordered_sum(plan, rows)`` computes, for every output row ``o``,
 
     out[o] = round(+0.0 + rows[i_1] + rows[i_2] + ...)     (i_1 < i_2 < ... the rows that map to o)
 
 with every addition in fp32 (each row optionally multiplied by its fp32 scale first) and one rounding
-to the rows' dtype at the end: the order ``moe_dispatch.reference.combine`` and
-``unpermute_rows_reference`` define (ascending row = ascending local rank, node or expert there).
+to the rows' dtype at the end: the bits of :func:`.summation.sum_by_index` for bf16, fp16 and fp32
+rows (``test_sums`` compares them), where ascending row is ascending local rank, node or expert.
 Outputs no row maps to are +0.0.
 
 How, without an fp32 copy of whole blocks:

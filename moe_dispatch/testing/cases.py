@@ -16,16 +16,13 @@ import random
 
 import torch
 
+from ..errors import OracleMismatch
 from ..ops.quant import per_token_cast_to_fp8
 from ..semantics import reference
 
 MODES = ("sync", "async", "hook", "num_worst_tokens", "cached", "weighted", "backward")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_MODES = ("sync", "num_worst_tokens", "cached")  # fp8 is a dispatch-only, forward-only format
-
-
-class OracleMismatch(AssertionError):
-    """A result differs from the oracle's (the message names the output and the case)."""
 
 
 def expert(recv_x: torch.Tensor, rank: int) -> torch.Tensor:

@@ -14,19 +14,23 @@ kernel efficiency of the whole protocol; with ``device="cpu"`` the same role cod
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from .._ext import require_extension
-from ..config import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS, Config
+from ..config import Config
+from ..errors import InternodeTimeoutError, IntranodeTimeoutError
+from ..kernel_layout import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS
 from ..transport.kernels.header import Records
-from ..transport.kernels.internode import InternodeDispatch, InternodeEngines, RdmaEngine, check_rdma_config
+from ..transport.kernels.internode import InternodeEngines, RdmaEngine, check_rdma_config
 from ..transport.kernels.internode import run_combine as run_internode_combine
 from ..transport.kernels.internode import run_dispatch as run_internode_dispatch
-from ..transport.kernels.intranode import IntranodeEngine, IntranodeHandle, RankDispatch, run_combine, run_dispatch
+from ..transport.kernels.intranode import IntranodeEngine, run_combine, run_dispatch
 from ..transport.kernels.launcher import (
-    InternodeTimeoutError,
-    IntranodeTimeoutError,
+    CombineCall,
+    DispatchCall,
     RankInput,
     default_timeout_s,
     prepare_input,
@@ -37,7 +41,199 @@ from ..transport.kernels.launcher import (
 __all__ = ["InternodeLoopback", "Loopback"]
 
 
-class Loopback:
+class _Harness:
+    """What both harnesses share: the set-up of their engines' shapes, dispatch and combine for
+    every simulated rank, and raising what the launches recorded (a timeout first resets the
+    buffers, a mismatch clears the records: the buffers stay usable).
+
+    A harness sets ``_engines`` (every engine it launches on, the first one's timeout the
+    harness's), ``_control`` (per buffer, the bytes of its control region) and ``_runs_on``
+    (what its topology's operations take: the engine, or the internode engines), and names
+    those operations (``_dispatch``, ``_combine``: its topology's ``run_dispatch`` /
+    ``run_combine``).
+    """
+
+    _min_topk = 0  # the fewest top-k entries a slot holds
+    _timeout_error: type[Exception] = IntranodeTimeoutError
+    _dispatch: ClassVar[Callable]
+    _combine: ClassVar[Callable]
+    _engines: list
+    _control: list[tuple[torch.Tensor, int]]
+    _runs_on: object
+
+    def __init__(
+        self,
+        world_size: int,
+        hidden: int,
+        num_topk: int,
+        *,
+        config: Config | None = None,
+        device: torch.device | str = "cuda",
+        element_bytes: int = 2,
+        timeout_s: float | None = None,
+        cpu_options: dict | None = None,
+    ):
+        if not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size!r}")
+        self.world_size = world_size
+        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=self._min_topk)
+        self.config = config or Config()
+        self.device, backend = resolve_device(device)
+        self._build(slot_bytes, backend, default_timeout_s(timeout_s), cpu_options)
+
+    def _build(self, slot_bytes: int, backend: str, timeout_s: float, cpu_options: dict | None) -> None:
+        """Allocates the buffers and makes the engines over them."""
+        raise NotImplementedError
+
+    @property
+    def timeout_s(self) -> float:
+        """Bound, in seconds, of every wait inside the launches (settable)."""
+        return self._engines[0].timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        for engine in self._engines:
+            engine.set_timeout(value)
+
+    def set_variant(self, name: str) -> None:
+        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
+        operation on, over the same buffers (their layout does not depend on the variant fields);
+        handles of earlier dispatches stay valid. Raises ValueError for an unknown name."""
+        self.config = self.config.with_variant(name)
+        for engine in self._engines:
+            engine.config = self.config
+
+    def dispatch(
+        self,
+        xs: list,
+        topk_idxs: list[torch.Tensor] | None,
+        topk_weights: list[torch.Tensor] | None,
+        num_experts: int,
+        *,
+        num_sms: int | None = None,
+        handles: list | None = None,
+        num_worst_tokens: int | None = None,
+        dispatch_ids: list[int] | None = None,
+        status: dict[int, int] | None = None,
+        withhold_rank: int | None = None,
+        withhold_phase: str | None = None,
+        check: bool = True,
+        validate: bool = True,
+    ) -> list:
+        """Dispatch for all W ranks (see the module doc).
+
+        Args:
+            xs: per rank ``[T_r, H]`` bf16/fp16/fp32, or ``(x_fp8 [T_r, H], scales [T_r, H/128])``.
+            topk_idxs: per rank ``[T_r, K]`` int32/int64 global expert ids, -1 = none (None with
+                ``handles``: only x travels and ``recv_topk_idx`` is None).
+            topk_weights: per rank ``[T_r, K]`` fp32, or None.
+            num_experts: E, divisible by W.
+            num_sms: SMs per simulated rank for this call (default ``config.num_sms``; the fused
+                internode pipeline runs ``max(1, num_sms // 3)`` channels of three blocks).
+            handles: previous results' handles: a cached dispatch (no notify, same routing).
+            num_worst_tokens: budget mode (not the staged pipeline): this many rows per rank,
+                nothing waits for the host, rows past it are dropped and ``handle.overflow`` is set
+                (None or 0: off).
+            dispatch_ids: per rank the fresh dispatch's identity (default: the next of a count
+                shared by all ranks), carried by the handles.
+            status: tests: rank -> a non-zero header status; that rank refuses (no tokens) and the
+                others record it (:class:`~moe_dispatch.transport.kernels.header.MismatchError` from
+                :meth:`check`).
+            withhold_rank, withhold_phase: tests: that rank's blocks skip a launch: intranode and
+                fused "notify" or "dispatch" (default); staged "node_notify", "node_dispatch"
+                (default), "notify" or "dispatch" (stage 2).
+            check: synchronise and raise the topology's timeout error if a wait timed out, or
+                :class:`~moe_dispatch.transport.kernels.header.MismatchError` if ranks disagreed.
+            validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
+
+        Returns:
+            per rank a :class:`~moe_dispatch.transport.kernels.intranode.RankDispatch` (intranode)
+            or :class:`~moe_dispatch.transport.kernels.internode.InternodeDispatch`; rows ordered
+            by source rank, then source token.
+        """
+        W = self.world_size
+        topk_idxs = check_world_args(W, xs, topk_idxs, num_experts)
+        if handles is not None and len(handles) != W:
+            raise ValueError(f"pass one handle per rank ({W}), got {len(handles)}")
+        if dispatch_ids is not None and len(dispatch_ids) != W:
+            raise ValueError(f"pass one dispatch id per rank ({W}), got {len(dispatch_ids)}")
+        inputs = refusing_inputs(
+            prepare_inputs(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles), status
+        )
+        call = DispatchCall(
+            inputs=inputs,
+            num_experts=num_experts,
+            num_sms=num_sms or self.config.num_sms,
+            handles=handles,
+            num_worst_tokens=num_worst_tokens,
+            dispatch_ids=dispatch_ids,
+            **_launch_fields(status, withhold_rank, withhold_phase, check),
+        )
+        return self._guard(lambda: self._dispatch(self._runs_on, call), check)
+
+    def combine(
+        self,
+        ys: list[torch.Tensor],
+        handles: list,
+        row_scales: list[torch.Tensor | None] | None = None,
+        *,
+        status: dict[int, int] | None = None,
+        withhold_rank: int | None = None,
+        withhold_phase: str | None = None,
+        check: bool = True,
+    ) -> list[torch.Tensor]:
+        """Combine for all W ranks: ``out[s] [T_s, H]`` in y's dtype, the fp32 sum over holders
+        of ``y * row_scale`` in the order of the module doc, rounded once (zero rows for tokens
+        no rank held). ``status``: as in :meth:`dispatch`; ``withhold_phase``: the internode
+        pipelines' (fused "combine", the default; staged "combine" (stage 2) or "node_combine",
+        the default); the intranode combine is one launch."""
+        call = CombineCall(
+            rank_begin=0,
+            ys=ys,
+            handles=handles,
+            row_scales=row_scales,
+            **_launch_fields(status, withhold_rank, withhold_phase, check),
+        )
+        return self._guard(lambda: self._combine(self._runs_on, call), check)
+
+    def check(self) -> None:
+        """Synchronises, then raises a recorded timeout (resetting the buffers) or mismatch
+        (clearing the records: the buffers stay usable)."""
+        self._guard(lambda: None, True)
+
+    def _guard(self, fn, check: bool):
+        """``fn()``, then (``check``) the recorded timeouts and mismatches raised; a timeout
+        resets the buffers first."""
+        try:
+            result = fn()
+            if check:
+                self._raise_timeouts()
+        except self._timeout_error:
+            self.reset()
+            raise
+        if check:
+            self._raise_mismatches()
+        return result
+
+    def _raise_timeouts(self) -> None:
+        """Raises a timeout the engines recorded (a host sync)."""
+        raise NotImplementedError
+
+    def _raise_mismatches(self) -> None:
+        """Raises a mismatch the engines recorded, clearing the records."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Zeroes the control regions, the error records and the mismatch records (after a
+        timeout left them dirty)."""
+        for buffer, control_bytes in self._control:
+            buffer[:control_bytes].zero_()
+        for engine in self._engines:
+            engine.error.zero_()
+            engine.records.clear()
+
+
+class Loopback(_Harness):
     """W simulated ranks on one device; each operation is one launch serving all of them.
 
     On a GPU the "peer" buffers are W allocations of that GPU, so one H200 checks correctness
@@ -59,171 +255,43 @@ class Loopback:
             GPU, or the extension is not built.
     """
 
-    def __init__(
-        self,
-        world_size: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        device: torch.device | str = "cuda",
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        cpu_options: dict | None = None,
-    ):
-        if not isinstance(world_size, int) or not 1 <= world_size <= MAX_RANKS:
-            raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size!r}")
-        self.world_size = world_size
-        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config)
-        self.config = config or Config()
-        self.device, backend = resolve_device(device)
+    _dispatch = staticmethod(run_dispatch)
+    _combine = staticmethod(run_combine)
+
+    def _build(self, slot_bytes: int, backend: str, timeout_s: float, cpu_options: dict | None) -> None:
+        W = self.world_size
         self.layout = require_extension().intranode_buffer_layout(
-            world_size, self.config.num_channels, self.config.num_slots, slot_bytes
+            W, self.config.num_channels, self.config.num_slots, slot_bytes
         )
-        self._buffers = [
-            torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device) for _ in range(world_size)
-        ]
-        error = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)
+        self._buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device) for _ in range(W)]
         self.engine = IntranodeEngine(
-            world_size,
+            W,
             self.config,
             slot_bytes,
             [b.data_ptr() for b in self._buffers],
-            error,
+            torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device),
             None,
             backend,
-            default_timeout_s(timeout_s),
+            timeout_s,
             cpu_options,
-            records=Records(world_size, self.device),
+            records=Records(W, self.device),
         )
-
-    @property
-    def timeout_s(self) -> float:
-        """Bound, in seconds, of every wait inside the launches (settable)."""
-        return self.engine.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self.engine.set_timeout(value)
+        self._engines, self._runs_on = [self.engine], self.engine
+        self._control = [(b, self.layout.queue_offset) for b in self._buffers]
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes of each simulated rank's communication buffer."""
         return self.layout.total_bytes
 
-    def set_variant(self, name: str) -> None:
-        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
-        operation on, over the same buffers (their layout does not depend on the variant fields);
-        handles of earlier dispatches stay valid. Raises ValueError for an unknown name."""
-        self.config = self.engine.config = self.config.with_variant(name)
+    def _raise_timeouts(self) -> None:
+        self.engine.raise_if_timed_out()
 
-    def dispatch(
-        self,
-        xs: list,
-        topk_idxs: list[torch.Tensor] | None,
-        topk_weights: list[torch.Tensor] | None,
-        num_experts: int,
-        *,
-        num_sms: int | None = None,
-        handles: list[IntranodeHandle] | None = None,
-        num_worst_tokens: int | None = None,
-        dispatch_ids: list[int] | None = None,
-        status: dict[int, int] | None = None,
-        withhold_rank: int | None = None,
-        withhold_phase: str = "dispatch",
-        check: bool = True,
-        validate: bool = True,
-    ) -> list[RankDispatch]:
-        """Dispatch for all W ranks (see the module doc).
-
-        Args:
-            xs: per rank ``[T_r, H]`` bf16/fp16/fp32, or ``(x_fp8 [T_r, H], scales [T_r, H/128])``.
-            topk_idxs: per rank ``[T_r, K]`` int32/int64 global expert ids, -1 = none (None with
-                ``handles``: only x travels and ``recv_topk_idx`` is None).
-            topk_weights: per rank ``[T_r, K]`` fp32, or None.
-            num_experts: E, divisible by W.
-            num_sms: SMs per simulated rank for this call (default ``config.num_sms``).
-            handles: previous results' handles: a cached dispatch (no notify, same routing).
-            num_worst_tokens: budget mode: this many rows per rank, no host sync (None or 0: off).
-            dispatch_ids: per rank the fresh dispatch's identity (default: the next of a count
-                shared by all ranks), carried by the handles.
-            status: tests: rank -> a non-zero header status; that rank refuses (no tokens) and the
-                others record it (:class:`~moe_dispatch.transport.kernels.header.MismatchError` from
-                :meth:`check`).
-            withhold_rank, withhold_phase: tests: that rank's blocks skip "notify", "dispatch".
-            check: synchronise and raise :class:`IntranodeTimeoutError` if a wait timed out, or
-                :class:`~moe_dispatch.transport.kernels.header.MismatchError` if ranks disagreed.
-            validate: check topk_idx values (a host sync; pass False under CUDA-graph capture).
-
-        Returns:
-            per rank a :class:`RankDispatch`; rows ordered by source rank, then source token.
-        """
-        topk_idxs = check_world_args(self.world_size, xs, topk_idxs, num_experts)
-        if handles is not None and len(handles) != self.world_size:
-            raise ValueError(f"pass one handle per rank ({self.world_size}), got {len(handles)}")
-        if dispatch_ids is not None and len(dispatch_ids) != self.world_size:
-            raise ValueError(f"pass one dispatch id per rank ({self.world_size}), got {len(dispatch_ids)}")
-        inputs = prepare_inputs(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles)
-        inputs = refusing_inputs(inputs, status)
-        try:
-            results = run_dispatch(
-                self.engine,
-                inputs,
-                num_experts,
-                num_sms=num_sms or self.config.num_sms,
-                handles=handles,
-                num_worst_tokens=num_worst_tokens,
-                skip_rank=withhold_rank,
-                skip_phase=withhold_phase if withhold_rank is not None else None,
-                dispatch_ids=dispatch_ids,
-                statuses=status,
-            )
-        except IntranodeTimeoutError:
-            self.reset()
-            raise
-        if check:
-            self.check()
-        return results
-
-    def combine(
-        self,
-        ys: list[torch.Tensor],
-        handles: list[IntranodeHandle],
-        row_scales: list[torch.Tensor | None] | None = None,
-        *,
-        status: dict[int, int] | None = None,
-        withhold_rank: int | None = None,
-        check: bool = True,
-    ) -> list[torch.Tensor]:
-        """Combine for all W ranks: ``out[s] [T_s, H]`` in y's dtype, the fp32 sum over holders
-        in ascending rank order of ``y * row_scale``, rounded once (zero rows for tokens no rank
-        held). ``status``: as in :meth:`dispatch`."""
-        outs = run_combine(self.engine, 0, ys, handles, row_scales, withhold_rank, statuses=status)
-        if check:
-            self.check()
-        return outs
-
-    def check(self) -> None:
-        """Synchronises, then raises :class:`IntranodeTimeoutError` (and resets the buffers) if
-        a wait of a previous launch timed out, or
-        :class:`~moe_dispatch.transport.kernels.header.MismatchError` (clearing the records: the buffers
-        stay usable) if ranks disagreed."""
-        record = self.engine.read_error()
-        if record:
-            self.reset()
-            self.engine.raise_if_timed_out(record)
+    def _raise_mismatches(self) -> None:
         self.engine.records.raise_if_set()
 
-    def reset(self) -> None:
-        """Zeroes the control regions, the error record and the mismatch records (after a
-        timeout left them dirty)."""
-        for b in self._buffers:
-            b[: self.layout.queue_offset].zero_()
-        self.engine.error.zero_()
-        self.engine.records.clear()
 
-
-class InternodeLoopback:
+class InternodeLoopback(_Harness):
     """N nodes x L ranks simulated on one device: the internode kernels with every RDMA put
     replaced by a store into the peer's buffer (same device).
 
@@ -234,10 +302,9 @@ class InternodeLoopback:
 
     Args:
         num_nodes, ranks_per_node: N, L; W = N * L <= 16.
-        hidden, num_topk: the largest rows to move (sizes slots); ``element_bytes``: widest element.
-        config: :class:`Config` (``num_slots % chunk_tokens == 0``; ``internode_pipeline``).
-        device: a CUDA device, or CPU for the CPU backend.
-        timeout_s: bound of every wait (default ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` or 100 s).
+        hidden, num_topk: the largest rows to move (sizes slots); ``options``: the keywords of
+            :class:`Loopback` (``config``: ``num_slots % chunk_tokens == 0``, its
+            ``internode_pipeline`` the pipeline run).
 
     Attributes:
         engines: the :class:`~moe_dispatch.transport.kernels.internode.InternodeEngines` of every
@@ -249,42 +316,34 @@ class InternodeLoopback:
             or the extension is not built.
     """
 
-    def __init__(
-        self,
-        num_nodes: int,
-        ranks_per_node: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        device: torch.device | str = "cuda",
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        cpu_options: dict | None = None,
-    ):
+    _min_topk = 1
+    _timeout_error = InternodeTimeoutError
+    _dispatch = staticmethod(run_internode_dispatch)
+    _combine = staticmethod(run_internode_combine)
+
+    def __init__(self, num_nodes: int, ranks_per_node: int, hidden: int, num_topk: int, **options):
         for name, value in (("num_nodes", num_nodes), ("ranks_per_node", ranks_per_node)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_nodes * ranks_per_node > MAX_LAUNCH_RANKS:
             raise ValueError(f"loopback simulates at most {MAX_LAUNCH_RANKS} ranks, got {num_nodes} x {ranks_per_node}")
         self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
-        self.world_size = W = num_nodes * ranks_per_node
-        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=1)
-        self.config = config or Config()
+        super().__init__(num_nodes * ranks_per_node, hidden, num_topk, **options)
+
+    def _build(self, slot_bytes: int, backend: str, timeout_s: float, cpu_options: dict | None) -> None:
         check_rdma_config(self.config)
-        self.device, backend = resolve_device(device)
-        timeout = default_timeout_s(timeout_s)
+        N, L, W = self.num_nodes, self.ranks_per_node, self.world_size
         C, S = self.config.num_channels, self.config.num_slots
-        self.rdma_layout = require_extension().internode_rdma_layout(num_nodes, ranks_per_node, C, S, slot_bytes)
-        self.nvl_layout = require_extension().intranode_buffer_layout(ranks_per_node, C, S, slot_bytes, num_nodes)
+        self.rdma_layout = require_extension().internode_rdma_layout(N, L, C, S, slot_bytes)
+        self.nvl_layout = require_extension().intranode_buffer_layout(L, C, S, slot_bytes, N)
         zeros = lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device)  # noqa: E731
         self._rdma_buffers = [zeros(self.rdma_layout.total_bytes) for _ in range(W)]
         self._nvl_buffers = [zeros(self.nvl_layout.total_bytes) for _ in range(W)]  # rank r's: index r
         record = lambda: torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=self.device)  # noqa: E731
         nvl = [b.data_ptr() for b in self._nvl_buffers]
         rdma = RdmaEngine(
-            num_nodes,
-            ranks_per_node,
+            N,
+            L,
             self.config,
             slot_bytes,
             [b.data_ptr() for b in self._rdma_buffers],
@@ -295,11 +354,10 @@ class InternodeLoopback:
             None,
             backend,
             "loopback",
-            timeout,
+            timeout_s,
             cpu_options,
             records=Records(W, self.device),
         )
-        L = ranks_per_node
         nodes = (
             {
                 n: IntranodeEngine(
@@ -310,155 +368,37 @@ class InternodeLoopback:
                     record(),
                     None,
                     backend,
-                    timeout,
+                    timeout_s,
                     cpu_options,
                     records=Records(L, self.device),
-                    relay_nodes=num_nodes,
+                    relay_nodes=N,
                 )
-                for n in range(num_nodes)
+                for n in range(N)
             }
             if self.config.internode_pipeline == "staged"
             else {}
         )
-        self.engines = InternodeEngines(num_nodes, ranks_per_node, rdma, nodes)
-
-    @property
-    def timeout_s(self) -> float:
-        """Bound, in seconds, of every wait inside the launches (settable)."""
-        return self.engines.rdma.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self.engines.rdma.set_timeout(value)
-        for engine in self.engines.nodes.values():
-            engine.set_timeout(value)
+        self.engines = InternodeEngines(N, L, rdma, nodes)
+        self._engines, self._runs_on = [rdma, *nodes.values()], self.engines
+        self._control = [(b, self.rdma_layout.recv_offset) for b in self._rdma_buffers]
+        self._control += [(b, self.nvl_layout.queue_offset) for b in self._nvl_buffers]
 
     @property
     def buffer_bytes(self) -> tuple[int, int]:
         """(RDMA, NVLink) bytes of each simulated rank's communication buffers."""
         return self.rdma_layout.total_bytes, self.nvl_layout.total_bytes
 
-    def set_variant(self, name: str) -> None:
-        """Runs the named kernel variant (:data:`moe_dispatch.config.VARIANTS`) from the next
-        operation on, over the same buffers; handles of earlier dispatches stay valid. Raises
-        ValueError for an unknown name."""
-        self.config = self.engines.rdma.config = self.config.with_variant(name)
-        for engine in self.engines.nodes.values():
-            engine.config = self.config
+    def _raise_timeouts(self) -> None:
+        self.engines.check_timeouts()
 
-    def dispatch(
-        self,
-        xs: list,
-        topk_idxs: list[torch.Tensor] | None,
-        topk_weights: list[torch.Tensor] | None,
-        num_experts: int,
-        *,
-        num_sms: int | None = None,
-        handles: list | None = None,
-        num_worst_tokens: int | None = None,
-        dispatch_ids: list[int] | None = None,
-        status: dict[int, int] | None = None,
-        withhold_rank: int | None = None,
-        withhold_phase: str | None = None,
-        check: bool = True,
-        validate: bool = True,
-    ) -> list[InternodeDispatch]:
-        """Dispatch for all W ranks.
+    def _raise_mismatches(self) -> None:
+        self.engines.check_mismatches()
 
-        Args:
-            xs: per rank ``[T_r, H]`` bf16/fp16/fp32, or ``(x_fp8 [T_r, H], scales [T_r, H/128])``.
-            topk_idxs: per rank ``[T_r, K]`` int32/int64 global expert ids, -1 = none (None with
-                ``handles``: only x travels).
-            topk_weights: per rank ``[T_r, K]`` fp32, or None.
-            num_experts: E, divisible by W.
-            num_sms: SMs per simulated rank (default ``config.num_sms``; the fused pipeline runs
-                ``max(1, num_sms // 3)`` channels of three blocks).
-            handles: a previous result's handles: a cached dispatch (no notify, same routing).
-            num_worst_tokens: budget mode (fused pipeline): this many rows per rank, nothing
-                waits for the host, rows past it are dropped and ``handle.overflow`` is set.
-            dispatch_ids, status: as :meth:`Loopback.dispatch`.
-            withhold_rank, withhold_phase: tests: that rank's blocks skip a launch: fused
-                "notify" or "dispatch" (default); staged "node_notify", "node_dispatch"
-                (default), "notify" or "dispatch" (stage 2).
-            check: raise :class:`InternodeTimeoutError` or
-                :class:`~moe_dispatch.transport.kernels.header.MismatchError` (synchronises).
-            validate: check topk_idx values (a host sync).
 
-        Returns:
-            per rank an :class:`InternodeDispatch`; rows by source rank, then source token.
-        """
-        W = self.world_size
-        topk_idxs = check_world_args(W, xs, topk_idxs, num_experts)
-        if handles is not None and len(handles) != W:
-            raise ValueError(f"handles must be one handle per rank ({W}), got {len(handles)}")
-        if dispatch_ids is not None and len(dispatch_ids) != W:
-            raise ValueError(f"pass one dispatch id per rank ({W}), got {len(dispatch_ids)}")
-        inputs = refusing_inputs(
-            prepare_inputs(xs, topk_idxs, topk_weights, num_experts, self.device, validate, handles), status
-        )
-        return self._guard(
-            lambda: run_internode_dispatch(
-                self.engines,
-                inputs,
-                num_experts,
-                num_sms=num_sms or self.config.num_sms,
-                handles=handles,
-                num_worst_tokens=num_worst_tokens,
-                skip_rank=withhold_rank,
-                skip_phase=withhold_phase,
-                dispatch_ids=dispatch_ids,
-                statuses=status,
-                check=check,
-            ),
-            check,
-        )
-
-    def combine(
-        self,
-        ys: list[torch.Tensor],
-        handles: list,
-        row_scales: list[torch.Tensor | None] | None = None,
-        *,
-        status: dict[int, int] | None = None,
-        withhold_rank: int | None = None,
-        withhold_phase: str | None = None,
-        check: bool = True,
-    ) -> list[torch.Tensor]:
-        """Combine for all W ranks: ``out[s] [T_s, H]`` in y's dtype (see the module doc for the
-        summation order); ``withhold_phase``: fused "combine" (default); staged "combine"
-        (stage 2) or "node_combine" (default)."""
-        return self._guard(
-            lambda: run_internode_combine(
-                self.engines, 0, ys, handles, row_scales, withhold_rank, withhold_phase, status, check
-            ),
-            check,
-        )
-
-    def check(self) -> None:
-        """Synchronises; raises a recorded timeout (resetting the buffers) or mismatch."""
-        self._guard(lambda: None, True)
-
-    def _guard(self, fn, check: bool):
-        try:
-            result = fn()
-            if check:
-                self.engines.check_timeouts()
-        except InternodeTimeoutError:
-            self.reset()
-            raise
-        if check:
-            self.engines.check_mismatches()
-        return result
-
-    def reset(self) -> None:
-        """Zeroes the control regions, error and mismatch records (after a timeout left them dirty)."""
-        for b in self._rdma_buffers:
-            b[: self.rdma_layout.recv_offset].zero_()
-        for b in self._nvl_buffers:
-            b[: self.nvl_layout.queue_offset].zero_()
-        for engine in (self.engines.rdma, *self.engines.nodes.values()):
-            engine.error.zero_()
-            engine.records.clear()
+def _launch_fields(status, withhold_rank, withhold_phase, check: bool) -> dict:
+    """A harness operation's test keywords as the kernels' calls name them
+    (:class:`~moe_dispatch.transport.kernels.launcher.LaunchCall`)."""
+    return {"statuses": status, "skip_rank": withhold_rank, "skip_phase": withhold_phase, "check": check}
 
 
 def check_world_args(world_size: int, xs: list, topk_idxs: list | None, num_experts: int) -> list:

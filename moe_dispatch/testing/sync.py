@@ -42,16 +42,13 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ..transport.base import in_stream_order_wait
+from ..errors import HostSyncError
+from ..runtime.queue import in_stream_order_wait
 
 _LOCK = threading.Lock()
 _ACTIVE = [0]  # nesting depth of no_host_sync blocks (the patches are process-wide)
 _SAVED: list[tuple[object, str, object | None]] = []  # (owner, name, own attribute or None) to restore
 _TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-class HostSyncError(AssertionError):
-    """A call inside :func:`no_host_sync` would have synchronised a GPU's host."""
 
 
 def _caller() -> str:

@@ -53,10 +53,12 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..ops.permute import permute, unpermute
+from ..runtime.arguments import DEFAULT_TIMEOUT_S  # a rank that never joins fails the run after this
 from ..semantics import reference
 from ..semantics.layout import get_dispatch_layout_reference
 from ..testing import routing
 from ..testing.launch import launch_ranks, spawn_world
+from ..testing.models import moe_config_fields
 from ..transport.torch_dist import TorchDistTransport
 from . import bench_page
 from .env import source_commit
@@ -68,7 +70,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_HIDDEN_SCALE, CPU_ITERS, CPU_WARMUP, CPU_WORLD = 0.125, 7, 2, 4
 GPU_ITERS, GPU_WARMUP = 50, 10
 DEFAULT_TOKENS = (4096, 256)
-DEFAULT_TIMEOUT_S = 300.0  # Buffer's own default: a rank that never joins fails the run after this
 SIDES = ("ours", "alltoall", "buffer", "flat_floor", "two_stage_floor")
 # What the figures mean, stored in the JSON (the page prints a short legend: bench_page.LEGENDS).
 DEFINITIONS = {
@@ -348,31 +349,26 @@ class _Megatron:
 
         pg = get_default_pg_collection()
         cfg = TransformerConfig(
-            num_layers=1,
-            hidden_size=preset.hidden,
-            num_attention_heads=1,
-            num_moe_experts=preset.num_experts,
-            moe_router_topk=preset.topk,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_dtype="fp32",
-            expert_model_parallel_size=pg.ep.size(),
-            use_cpu_initialization=True,
-            add_bias_linear=False,
-            moe_ffn_hidden_size=16,
-            ffn_hidden_size=16,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
+            **moe_config_fields(
+                hidden=preset.hidden,
+                heads=1,
+                experts=preset.num_experts,
+                topk=preset.topk,
+                ffn=16,
+                dtype=dtype,
+                moe_token_dispatcher_type="alltoall",
+                moe_router_dtype="fp32",
+                expert_model_parallel_size=pg.ep.size(),
+                use_cpu_initialization=True,
+                add_bias_linear=False,
+            )
         )
         if kind == "ours":
             self.mdm.configure(cfg, ranks_per_node=ranks_per_node)
         local = preset.num_experts // pg.ep.size()
         cls = MoEFlexTokenDispatcher if kind == "ours" else MoEAlltoAllTokenDispatcher
         experts = list(range(pg.ep.rank() * local, (pg.ep.rank() + 1) * local))
-        dispatcher = cls(local, experts, config=cfg, pg_collection=pg)
-        if kind == "ours":
-            dispatcher._comm_manager.buffer_for(torch.device("cpu"))  # made collectively now, not in a timed call
-        return dispatcher
+        return cls(local, experts, config=cfg, pg_collection=pg)  # "ours" makes its Buffer here, not in a timed call
 
 
 def _megatron_calls(dispatcher, x: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):

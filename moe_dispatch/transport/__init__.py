@@ -1,4 +1,7 @@
-"""How bytes move. Every transport serves the contract of :mod:`.base` (``Transport``, ``Plan``).
+"""How bytes move. Every transport is a :class:`.base.Transport` (the contract: one signature per
+operation, :class:`.base.Capabilities`), registered by name in :data:`TRANSPORTS`, which
+``Buffer(transport=...)``, ``"auto"`` and the Megatron backend's options read: a new transport is
+one class and one entry here.
 
 - ``torch_dist`` (:mod:`.torch_dist`): the hierarchy on torch.distributed sub-group collectives
   (NCCL on GPU, gloo on CPU), any number of nodes.
@@ -15,9 +18,26 @@ import logging
 
 import torch
 
-# Every name Buffer(transport=...) accepts; TRANSPORT_ALIASES maps the old ones to theirs.
-TRANSPORTS = ("auto", "torch_dist", "kernels", "cuda")
-TRANSPORT_ALIASES = {"cuda": "kernels"}
+from .base import Transport
+from .kernels import KernelTransport
+from .torch_dist import TorchDistTransport
+
+TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (TorchDistTransport, KernelTransport)}
+TRANSPORT_ALIASES = {"cuda": "kernels"}  # old names
+# Every name Buffer(transport=...) accepts.
+TRANSPORT_NAMES = ("auto", *TRANSPORTS, *TRANSPORT_ALIASES)
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The transport registered as ``name`` (or its old name).
+
+    Raises:
+        ValueError: an unknown name (the message lists :data:`TRANSPORT_NAMES`).
+    """
+    cls = TRANSPORTS.get(TRANSPORT_ALIASES.get(name, name))
+    if cls is None:
+        raise ValueError(f"transport must be one of {TRANSPORT_NAMES}, got {name!r}")
+    return cls
 
 
 # Why transport="auto" does not pick the kernels on CUDA yet (README, python -m moe_dispatch.env).

@@ -1,34 +1,45 @@
-"""The contract between ``Buffer`` and its transports, written down.
+"""The contract between the runtime (``moe_dispatch.runtime``) and its transports.
 
-A transport moves rows between the ranks of one EP group; the ``Buffer`` builds everything
-else on it (argument checks, output allocation, autograd, ``async_finish``, receive hooks,
+A transport moves rows between the ranks of one EP group; the runtime builds everything else
+on it (argument checks, output allocation, autograd, ``async_finish``, receive hooks,
 ``num_worst_tokens``, cached dispatch). Every operation of a transport returns **steps**: a
 generator that yields each collective it waits for (an object with ``wait()``, or None) and
-returns its result. The Buffer drives the steps on its communication thread (CPU) or stream
-(CUDA), all of a Buffer's operations in one ordered queue: :func:`drive` runs them to the end,
-:func:`start` / :func:`finish` stop after the first yield and go on later (receive hooks). An
-operation that waits for nothing returns :func:`completed`.
+returns its result. The runtime drives the steps on its communication thread (CPU) or stream
+(CUDA), all of a Buffer's operations in one ordered queue. An operation that waits for nothing
+returns :func:`completed`.
 
-The Buffer calls each operation from inside the steps it drives, so an operation may do its
+The runtime calls each operation from inside the steps it drives, so an operation may do its
 work when called (the kernels enqueue their launches then) or when its steps are driven (the
 torch_dist collectives): either way it runs in queue order on the communication thread or
 stream.
+
+:class:`Transport` is the abstract base: one signature per operation. A transport moves rows
+in (source rank, source token) order (``dispatch_rows``, ``forward_rows``, ``combine_rows``);
+the base class lays them out expert-major around that (the unfused permute) and runs the
+argument check first. A transport that does either itself (torch_dist: the permute fused into
+its landing, the check's blocks carrying small calls' rows) overrides :meth:`Transport.dispatch`,
+:meth:`Transport.forward` and :meth:`Transport.combine`. What else a transport can do is its
+:class:`Capabilities`, a frozen record the runtime reads.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import threading
-from collections.abc import Generator
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+import math
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import torch
 
+from ..control.agreement import Field
+from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources, unpermute_plan
+from ..semantics.sums import ordered_sum
+
 if TYPE_CHECKING:
-    from ..buffer import EventOverlap, RecvHook
-    from ..overlap import DelayedWgrad
-    from ..semantics.permute import PermuteHandle
-    from .progress import Progress
+    from ..config import Config
+    from ..control import ControlPlane
+    from ..topology import Topology
 
 T = TypeVar("T")
 
@@ -41,66 +52,6 @@ class Waitable(Protocol):
 
 
 Steps = Generator["Waitable | None", None, T]
-
-# An argument compared across ranks before a payload moves (see Transport.agree).
-Field = int | bool | str | torch.dtype
-
-
-def drive(steps: Steps[T]) -> T:
-    """Runs an operation's steps to completion, waiting on each collective; returns its result.
-
-    Data movement is never differentiated here (the autograd Functions wire gradients), and
-    grad mode is per thread, so it is switched off explicitly for the communication thread.
-    """
-    with torch.no_grad():
-        try:
-            while True:
-                pending = next(steps)
-                if pending is not None:
-                    pending.wait()
-        except StopIteration as stop:
-            return stop.value
-
-
-def start(steps: Steps):
-    """Runs an operation up to its first collective (issued, not awaited); returns what
-    :func:`finish` needs."""
-    with torch.no_grad():
-        try:
-            return False, next(steps)
-        except StopIteration as stop:
-            return True, stop.value
-
-
-def finish(steps: Steps[T], started) -> T:
-    """Completes an operation begun with :func:`start`; returns its result."""
-    done, value = started
-    if done:
-        return value
-    if value is not None:
-        value.wait()
-    return drive(steps)
-
-
-_ORDERING = threading.local()  # .active: this thread is in stream_order_wait
-
-
-def stream_order_wait(future):
-    """``future.result()`` of a communication-thread future where, on a GPU, a stream would wait
-    for another instead of the host: on CPU the Buffer's communication thread stands in for its
-    CUDA stream, so this is the stand-in of ``wait_stream`` / ``wait_event``, not a host
-    synchronisation (``moe_dispatch.testing.sync`` lets these waits pass). Returns the result."""
-    previous = getattr(_ORDERING, "active", False)
-    _ORDERING.active = True
-    try:
-        return future.result()
-    finally:
-        _ORDERING.active = previous
-
-
-def in_stream_order_wait() -> bool:
-    """Whether this thread is inside :func:`stream_order_wait`."""
-    return getattr(_ORDERING, "active", False)
 
 
 def completed(value: T = None) -> Steps[T]:
@@ -134,215 +85,277 @@ class Plan(Protocol):
     def intranode_rows(self) -> int: ...
 
 
-class Transport(Protocol):
-    """What a ``Buffer`` asks of a transport (``TorchDistTransport``, ``KernelTransport``).
+@dataclasses.dataclass(eq=False)
+class PlanRequest:
+    """A fresh dispatch's routing, what :meth:`Transport.plan` exchanges.
+
+    Attributes:
+        is_token_in_rank: ``[T, W]`` bool layout of the sent tokens (``[0, W]`` for a refusing
+            rank).
+        fields: the arguments every rank must agree on (compared by the plan where the
+            transport ``checks_in_plan``, else by the runtime first).
+        what: the operation, for messages.
+        status: 0, or this rank's refusal: its fields are -1, and every rank raises ValueError
+            after the exchange.
+        rows: the row tensors the dispatch will move (its :class:`Transfer`'s), which may travel
+            with the counts (torch_dist; others ignore them), or None.
+        topk_idx: ``[T, K]`` global expert ids, for a transport that routes on the device (the
+            kernels' notify; others ignore it), or None.
+        num_rows: a static receive size (``num_worst_tokens``), or None.
+        dispatch_id: the dispatch's operation number, the same on every rank.
+    """
+
+    is_token_in_rank: torch.Tensor
+    fields: dict[str, Field]
+    what: str = "dispatch"
+    status: int = 0
+    rows: list[torch.Tensor] | None = None
+    topk_idx: torch.Tensor | None = None
+    num_rows: int | None = None
+    dispatch_id: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Transfer:
+    """The rows one operation moves on a plan, what the runtime hands a transport's dispatch,
+    forward and combine (and the ``*_rows`` methods).
+
+    Attributes:
+        tensors: the row tensors: ``[T, ...]`` each for a dispatch or forward (dispatch:
+            ``[x, (fp8 scales), topk_idx, (topk_weights)]``); for a combine floating ``[R, ...]``
+            in dispatch's receive order, or ``[P, ...]`` expert-major where a permute handle
+            says so.
+        plan: the dispatch's :class:`Plan`.
+        out: per tensor its output, allocated by the runtime and written by the steps
+            (``[R, ...]``, or ``[P, ...]`` expert-major; combine: ``[T, ...]``).
+        what: the operation, for messages.
+        scales: combine only: per tensor None or its ``[R]`` fp32 row scales, applied in fp32
+            before summing.
+    """
+
+    tensors: list[torch.Tensor]
+    plan: Plan
+    out: list[torch.Tensor]
+    what: str
+    scales: list[torch.Tensor | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a transport does beyond the contract's minimum (read by the runtime, set once by
+    the transport).
+
+    Attributes:
+        checks_in_plan: a fresh dispatch's :meth:`Transport.plan` compares the fields and
+            statuses itself (they ride with its counts: torch_dist); otherwise the runtime runs
+            the argument check before it (the kernels).
+        budget_on_device: with ``num_rows`` a plan keeps R on the device (``num_recv_tokens``
+            None, see :class:`Plan`): a ``num_worst_tokens`` dispatch never waits for the host.
+        device_checks: every launch compares the ranks' calls on the device, so the runtime
+            compares a call signature on the host only the first time it appears, and a rank
+            refusing its own arguments later takes part through :meth:`Transport.refuse`.
+        device_checked_fields: per operation kind (``"dispatch (metadata)"``, ``"dispatch"``,
+            ``"combine"``), the fields every launch's device check compares: they are left out
+            of a call signature (a difference on one rank must meet its peers in the device
+            check, not split them between the host check and the launch).
+    """
+
+    checks_in_plan: bool = False
+    budget_on_device: bool = False
+    device_checks: bool = False
+    device_checked_fields: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportOptions:
+    """What ``Buffer()`` hands every transport (each reads what it uses).
+
+    Attributes:
+        timeout_s: bound on every collective, in seconds.
+        device: the Buffer's device.
+        config: the kernels' launch shape (a :class:`~moe_dispatch.config.Config`, or
+            ``"auto"``); used by ``"kernels"``.
+        num_chunks: the torch_dist pipeline depth, or None (automatic); used by ``"torch_dist"``.
+    """
+
+    timeout_s: float
+    device: torch.device
+    config: Config | str | None = None
+    num_chunks: int | None = None
+
+
+class Transport(abc.ABC):
+    """What the runtime asks of a transport (``TorchDistTransport``, ``KernelTransport``).
 
     Shapes: T tokens sent by this rank, R rows received, W ranks. Row tensors are ``[rows, ...]``
-    of any dtype unless an operation says otherwise; ``out`` tensors are allocated by the Buffer
+    of any dtype unless an operation says otherwise; ``out`` tensors are allocated by the runtime
     and written by the steps. Every operation is collective over the EP group: every rank runs
     the same operations in the same order.
 
+    Args:
+        control: the EP group's control plane (process groups, argument checks, progress
+            marks): every transport's checks and records go through it.
+        topology: this rank's place in the group.
+        options: see :class:`TransportOptions`.
+
     Attributes:
-        plans_on_comm_thread: where a fresh dispatch's :meth:`plan` runs. False: on the
-            caller's thread, on a process group of its own, so the counts do not queue behind
-            payloads in flight. True: on the communication thread/stream, in the one queue with
-            every other operation (the kernels: their launches share one set of rings).
-        progress: the :class:`~moe_dispatch.transport.progress.Progress` records that name,
-            in a timeout's message, the operation each peer had reached.
+        name: the registry's name (``moe_dispatch.transport.TRANSPORTS``).
+        capabilities: see :class:`Capabilities`.
+        control: the control plane.
 
-    Optional capabilities, where a transport has them (read with ``getattr``, absent = False /
-    None):
-
-    - ``fuses_layout`` (torch_dist): :meth:`dispatch` takes ``permute=(k, layout)`` (its first
-      ``k`` tensors land expert-major as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
-      ``layout()`` lays the received rows out; ``layout`` is called once the other tensors
-      landed), :meth:`forward` takes ``permuted`` (a handle: every tensor lands so), :meth:`combine`
-      takes ``permuted`` (per tensor None, or a handle: the tensor is ``[P, ...]`` in its layout
-      and each received row is the fp32 sum of its copies, ascending), and :meth:`forward` and
-      :meth:`combine` take ``check``, the argument check (what :meth:`agree` returned), which
-      they run before their payload moves or which carries it; :meth:`plan` takes ``rows=``, the
-      dispatch's row tensors, which may travel with the counts. Without it the Buffer permutes
-      around the transport and runs the check first.
-    - ``routes_on_device``: :meth:`plan` takes ``topk_idx=``, ``num_rows=`` (a static receive
-      size) and ``dispatch_id=`` instead of ``status``; the Buffer runs the argument check
-      (:meth:`agree`, with this rank's status) before it.
-    - ``budget_on_device``: with ``num_rows`` the plan keeps R on the device
-      (``num_recv_tokens`` None, see :class:`Plan`).
-    - ``device_checks``: every launch compares the ranks' calls on the device, so the Buffer
-      compares a call signature on the host only the first time it appears.
-    - ``refuse(operation, err)``: takes part in an operation with no rows for a rank whose own
-      arguments were refused, so its peers finish at once.
-    - ``check_errors()``: raises what the device recorded (timeouts, mismatched calls),
-      reading host memory only.
+    Collective: construction, :meth:`close`.
     """
 
-    plans_on_comm_thread: bool
-    progress: Progress
+    name: ClassVar[str]
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, control: ControlPlane, topology: Topology, options: TransportOptions):
+        self.control, self.topology, self.options = control, topology, options
+
+    @classmethod  # noqa: B027 - a default
+    def check_options(cls, topology: Topology, options: TransportOptions) -> None:
+        """Raises unless this transport can serve ``topology`` with ``options`` here (run by
+        ``Buffer()`` on every rank before the ranks agree their arguments, so no rank fails
+        alone later). Nothing to check by default.
+
+        Raises:
+            ValueError, RuntimeError: what the transport cannot do (the message says the fix).
+        """
+
+    @property
+    def progress(self):
+        """The :class:`~moe_dispatch.control.progress.Progress` records of the EP group."""
+        return self.control.progress
 
     def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps[None]:
         """Steps comparing ``fields`` (the operation first) and every rank's ``status`` across
-        ranks before an operation whose sizes are not exchanged (combine, cached dispatch), on
-        every backend; ValueError names each refusing rank, or the first field and the ranks
-        that differ (:mod:`moe_dispatch.transport.agreement`). A refusing rank passes its
-        non-zero status and -1 fields, takes part, and raises its own error afterwards."""
+        ranks before an operation whose sizes are not exchanged (combine, cached dispatch): the
+        control plane's check (:meth:`~moe_dispatch.control.ControlPlane.check`). A refusing
+        rank passes its non-zero status and -1 fields, takes part, and raises its own error
+        afterwards.
 
-    def plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        what: str = "dispatch",
-        on_comm_thread: bool = False,
-        status: int = 0,
-    ) -> Steps[Plan]:
-        """Steps exchanging a fresh dispatch's counts (``is_token_in_rank [T, W]`` bool) and
-        comparing ``fields`` and every rank's ``status`` across ranks; returns the
-        :class:`Plan`. ``on_comm_thread``: the steps run on the communication thread, not the
-        caller's. A refusing rank (``status`` != 0) passes ``[0, W]`` and -1 fields; then
-        every rank raises ValueError after the exchange, as in :meth:`agree`."""
+        Raises (from the steps):
+            ValueError: naming each refusing rank, or the first field and the ranks that differ.
+            CommError: a peer failed or did not join within the timeout.
+        """
+        return self.control.check(fields, what, status)
+
+    @abc.abstractmethod
+    def plan(self, request: PlanRequest) -> Steps[Plan]:
+        """Steps exchanging a fresh dispatch's routing (:class:`PlanRequest`); returns the
+        :class:`Plan`."""
 
     def dispatch(
         self,
-        tensors: list[torch.Tensor],
+        transfer: Transfer,
         is_token_in_rank: torch.Tensor,
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str = "dispatch",
+        permute: tuple[int, Callable[[], PermuteHandle]] | None = None,
     ) -> Steps[None]:
-        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` (``[T, ...]``
-        each) into ``out`` (``[R, ...]`` each) in (source rank, source token) order; top-k ids
-        arrive in global numbering."""
+        """Steps moving ``transfer.tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]``
+        (``[T, ...]`` each, laid out by ``is_token_in_rank`` ``[T, W]``) into ``transfer.out``
+        (``[R, ...]`` each) in (source rank, source token) order; top-k ids arrive in global
+        numbering.
 
-    def forward(self, tensors: list[torch.Tensor], plan: Plan, out: list[torch.Tensor], what: str) -> Steps[None]:
-        """Steps replaying ``plan``'s dispatch for row tensors ``[T, ...]`` into ``out`` ``[R, ...]``
-        (cached dispatch, combine's backward)."""
+        ``permute = (k, layout)``: ``tensors[:k]`` land expert-major into ``out[:k]``
+        (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle` ``layout()``
+        lays the received rows out; ``layout`` is called once ``out[k:]`` hold their rows (it
+        reads the received top-k ids). Here: the rows land in receive order, then one gather.
+        """
+        if permute is None:
+            yield from self.dispatch_rows(transfer, is_token_in_rank)
+            return
+        k, layout = permute
+        out = transfer.out
+        rows = out[k].shape[0]  # the received top-k ids: R rows
+        scratch = [t.new_empty((rows, *t.shape[1:])) for t in transfer.tensors[:k]]
+        yield from self.dispatch_rows(dataclasses.replace(transfer, out=[*scratch, *out[k:]]), is_token_in_rank)
+        handle = layout()  # may replace out[:k] (a P known only now)
+        _gather_permuted(scratch, handle, out[:k])
+
+    def forward(
+        self, transfer: Transfer, permuted: PermuteHandle | None = None, check: Steps | None = None
+    ) -> Steps[None]:
+        """Steps replaying the plan's dispatch for row tensors ``[T, ...]`` into ``transfer.out``
+        ``[R, ...]`` (cached dispatch, combine's backward); with ``permuted`` (the permute handle
+        of the received rows) into ``[P, ...]`` outputs in its expert-major layout. ``check``:
+        the argument check's steps, run before any row moves (or None)."""
+        if check is not None:
+            yield from check
+        if permuted is None:
+            yield from self.forward_rows(transfer)
+            return
+        scratch = [o.new_empty((transfer.plan.num_recv_tokens, *o.shape[1:])) for o in transfer.out]
+        yield from self.forward_rows(dataclasses.replace(transfer, out=scratch))
+        _gather_permuted(scratch, permuted, transfer.out)
 
     def combine(
         self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: Plan,
-        out: list[torch.Tensor],
-        what: str,
+        transfer: Transfer,
+        permuted: list[PermuteHandle | None] | None = None,
+        check: Steps | None = None,
     ) -> Steps[None]:
         """Steps summing each tensor's rows ``[R, ...]`` (times its ``[R]`` fp32 scale, if any) in
-        fp32 onto their source tokens in ``out`` ``[T, ...]``, in the order of
-        ``moe_dispatch.reference.combine``."""
+        fp32 onto their source tokens in ``transfer.out`` ``[T, ...]``, in the order of
+        ``moe_dispatch.reference.combine``. ``permuted``: per tensor None, or the permute handle
+        of the received rows: the tensor is then ``[P, ...]`` expert-major and each received row
+        the fp32 sum of its copies (ascending), rounded (the unpermute). ``check``: the
+        argument check's steps, run before any row moves (or None)."""
+        if check is not None:
+            yield from check
+        if permuted is not None:
+            tensors = [
+                t if h is None else ordered_sum(unpermute_plan(h), t) for t, h in zip(transfer.tensors, permuted)
+            ]
+            transfer = dataclasses.replace(transfer, tensors=tensors)
+        yield from self.combine_rows(transfer)
 
+    # -- what a transport moves (the base class's operations call these) ---------------------
+    def dispatch_rows(self, transfer: Transfer, is_token_in_rank: torch.Tensor) -> Steps[None]:
+        """:meth:`dispatch` without a permute. A transport implements the ``*_rows`` methods, or
+        overrides the operations that call them."""
+        raise NotImplementedError(f"{type(self).__name__} implements dispatch itself")
+
+    def forward_rows(self, transfer: Transfer) -> Steps[None]:
+        """:meth:`forward` in receive order, without a check."""
+        raise NotImplementedError(f"{type(self).__name__} implements forward itself")
+
+    def combine_rows(self, transfer: Transfer) -> Steps[None]:
+        """:meth:`combine` of rows in receive order, without a check."""
+        raise NotImplementedError(f"{type(self).__name__} implements combine itself")
+
+    # -- errors and teardown -------------------------------------------------------------------
+    def refuse(self, operation: str, err: Exception) -> None:  # noqa: B027 - a default
+        """Takes part in ``operation`` ("dispatch", "cached dispatch" or "combine") with no rows,
+        for a rank whose own arguments were refused (``err``), so its peers finish at once: only
+        where the transport has ``device_checks`` (the runtime calls it there); nothing here."""
+
+    def refusal(self, err: Exception) -> Exception:
+        """The error a rank raises after :meth:`refuse` took part for it: what its peers raise
+        of its refusal (here ``err`` itself)."""
+        return err
+
+    def check_errors(self) -> None:  # noqa: B027 - a default
+        """Raises what the device recorded (timeouts, mismatched calls), reading host memory
+        only; nothing here (transports without device records raise where they fail)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
-        """Frees what the transport holds: its process groups, threads, store keys and buffers
-        (collective: every rank, after its last operation)."""
+        """Frees what the transport holds (collective: every rank, after its last operation)."""
 
+    @abc.abstractmethod
     def release(self) -> None:
         """Frees what needs no peer (local, no collective): for a broken Buffer's close() and
         a Buffer dropped without close(). Idempotent."""
 
 
-@dataclasses.dataclass(eq=False)
-class PlanSlot:
-    """A dispatch's index plan and the row counts around it.
-
-    ``plan`` is set when the dispatch returns, except for a ``num_worst_tokens`` dispatch: that
-    one computes it on the communication thread/stream, where every later user of the slot
-    runs after it (one ordered queue per Buffer).
-
-    Attributes:
-        num_tokens: T, tokens the source sent.
-        num_rows: rows of the receive-side tensors (R, or ``num_worst_tokens``).
-        plan: the transport's plan (its first ``min(R, num_rows)`` rows are valid; R is
-            ``plan.num_recv_tokens``, or ``plan.recv_count`` on the device when that is None).
-        permute: a fused permute's handle (set once the top-k ids arrived): then the receive-side
-            row tensors of every operation on this slot are expert-major, ``[P, ...]``.
-        dispatch_id: the dispatch's operation number on its Buffer, equal on every rank of a
-            consistent program (combine and cached dispatch compare it across ranks: on the host,
-            or, with the kernels, in their operation header on the device); set when the
-            dispatch is issued.
-        overflow: ``[1]`` bool on the device, for a dispatch with ``num_worst_tokens``: more
-            than ``num_rows`` rows arrived (set once the dispatch completed); None otherwise.
-    """
-
-    num_tokens: int
-    num_rows: int
-    plan: Plan | None = None
-    permute: PermuteHandle | None = None
-    dispatch_id: int = -1
-    overflow: torch.Tensor | None = None
+def _gather_permuted(rows: list[torch.Tensor], handle: PermuteHandle, out: list[torch.Tensor]) -> None:
+    """``out[j][p] = rows[j][source of p]`` for the expert-major layout ``handle`` (padding rows 0)."""
+    src, _ = permuted_sources(handle)
+    for r, o in zip(rows, out):
+        gather_rows(_bytes(r), src, out=_bytes(o))
 
 
-@dataclasses.dataclass(eq=False)
-class ExpertLayout:
-    """A fused permute's layout (``Buffer.dispatch_to_experts``): the received rows land in
-    expert-major blocks for the local experts, as :func:`moe_dispatch.ops.permute.permute` defines
-    them (``pad_multiple``, the static budget ``num_permuted_tokens`` or the fixed blocks
-    ``expert_capacity``). ``tokens_per_expert`` ``[E_local]`` int64 is an output: the blocks'
-    rows, written once the top-k ids arrived."""
-
-    num_local_experts: int
-    pad_multiple: int = 1
-    num_permuted_tokens: int | None = None
-    expert_capacity: int | None = None
-    tokens_per_expert: torch.Tensor | None = None
-
-    @property
-    def num_rows(self) -> int | None:
-        """P when static (a budget or fixed blocks), else None (it follows the received ids)."""
-        if self.expert_capacity is not None:
-            return self.num_local_experts * self.expert_capacity
-        return self.num_permuted_tokens
-
-
-@dataclasses.dataclass(eq=False)
-class FreshDispatch:
-    """The routing a fresh (not cached) dispatch carries to its data movement.
-
-    Attributes:
-        slot: where the plan goes (already set unless ``num_worst_tokens``).
-        fields: the arguments every rank must agree on (compared by the plan's steps).
-        is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
-        topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = none.
-        num_experts: E.
-        recv_topk_idx: ``[num_rows, K]`` output: local expert ids of the received rows, -1
-            elsewhere.
-        num_recv_tokens_per_expert: ``[E/W]`` int64 output.
-        layout: a fused permute's layout, or None (rows in receive order).
-        on_overflow: with ``num_worst_tokens``, what more rows than ``num_rows`` do: ``"raise"``
-            (BudgetOverflowError where the dispatch completes) or ``"drop"`` (the rows past
-            ``num_rows`` are left out, ``slot.overflow`` says so).
-    """
-
-    slot: PlanSlot
-    fields: dict[str, Field]
-    is_token_in_rank: torch.Tensor
-    topk_idx: torch.Tensor
-    num_experts: int
-    recv_topk_idx: torch.Tensor
-    num_recv_tokens_per_expert: torch.Tensor
-    layout: ExpertLayout | None = None
-    on_overflow: Literal["raise", "drop"] = "raise"
-
-
-@dataclasses.dataclass(eq=False)
-class Call:
-    """What one Buffer operation (a dispatch, a combine, or a backward pass) carries from its
-    entry point through the autograd Functions to the data movement, and what it hands back.
-
-    Attributes:
-        mode: ``"sync"`` (returns complete), ``"async"`` (returns as soon as the transfer is
-            queued, with :attr:`event`), ``"hook"`` (issues the first collective, returns with
-            :attr:`hook`).
-        allocate_on_comm_stream: on CUDA, outputs come from the communication stream's pool.
-        wgrad_store: a dispatch's ``DelayedWgrad``, run in its backward while the gradient
-            combine is in flight.
-        dispatch: a fresh dispatch's routing; None for every other operation.
-        seq: the operation's number when the entry point already took it (a fresh dispatch's
-            plan), else None (taken when the data moves).
-        event: set by the data movement in ``"async"`` mode: marks completion.
-        hook: set by the data movement in ``"hook"`` mode: completes the operation.
-    """
-
-    mode: Literal["sync", "async", "hook"] = "sync"
-    allocate_on_comm_stream: bool = False
-    wgrad_store: DelayedWgrad | None = None
-    dispatch: FreshDispatch | None = None
-    seq: int | None = None
-    event: EventOverlap | None = None
-    hook: RecvHook | None = None
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, ...]`` contiguous -> its ``[rows, bytes]`` uint8 view (row gathers of any dtype;
+    the width is spelled out: -1 is ambiguous for a rank that received no rows)."""
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)

@@ -36,20 +36,10 @@ import torch
 
 from ..._ext import require_extension
 from .header import OP_CACHED_DISPATCH, OP_DISPATCH
-from .internode import InternodeDispatch, InternodeEngines, skipper
+from .internode import InternodeDispatch, InternodeEngines
 from .intranode import IntranodeHandle, launch_dispatch, run_notify
 from .intranode import run_combine as run_intranode_combine
-from .launcher import (
-    RankInput,
-    alloc_outputs,
-    assemble_results,
-    check_budget,
-    check_num_sms,
-    combine_shape,
-    dispatch_header,
-    dispatch_shape,
-    ptr,
-)
+from .launcher import CombineCall, DispatchCall, RankInput, alloc_outputs, assemble_results, check_num_sms, ptr
 
 __all__ = ["StagedInternodeHandle", "empty_staged_handle", "staged_combine", "staged_dispatch"]
 
@@ -121,54 +111,51 @@ def _local_skip(t: InternodeEngines, node: int, skip_rank: int | None) -> int | 
     return skip_rank - node * L if skip_rank is not None and skip_rank // L == node else None
 
 
-def staged_dispatch(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    handles: list[StagedInternodeHandle] | None,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    dispatch_ids: list[int | None] | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-) -> list[InternodeDispatch]:
-    """The staged pipeline's dispatch for ranks ``inputs[i].rank`` (consecutive): stage 1 in one
-    launch per step, stage 2 one intranode launch per (node, source node); arguments as
-    :func:`~.internode.run_dispatch` (``skip_phase`` None: "node_dispatch").
+def _node_call(t: InternodeEngines, call, node: int, **fields):
+    """The call (of ``call``'s type: DispatchCall or CombineCall) of node ``node``'s stage-2
+    launches: ``fields`` (its members' rows), ``call``'s statuses and withheld rank numbered as
+    the node's intranode engine numbers them, and the withheld phase (a stage-2 phase only where
+    ``call`` names it: else the staged pipeline's main kernel)."""
+    main = "node_dispatch" if isinstance(call, DispatchCall) else "node_combine"
+    return type(call)(
+        statuses=_local_statuses(t, call.statuses),
+        skip_rank=_local_skip(t, node, call.skip_rank),
+        skip_phase=call.skip_phase or main,
+        **fields,
+    )
+
+
+def staged_dispatch(t: InternodeEngines, call: DispatchCall) -> list[InternodeDispatch]:
+    """The staged pipeline's dispatch for ranks ``call.inputs[i].rank`` (consecutive): stage 1 in
+    one launch per step, stage 2 one intranode launch per (node, source node)
+    (``call.skip_phase`` None: "node_dispatch").
 
     Raises:
         ValueError: a ``num_worst_tokens`` budget (the staged pipeline reads its counts on the
             host), or the launch checks' errors.
     """
-    if check_budget(num_worst_tokens) >= 0:
+    if call.budget >= 0:
         raise ValueError(
             "num_worst_tokens needs Config.internode_pipeline='fused' (the staged pipeline reads its "
             "counts on the host)"
         )
-    skip_phase = skip_phase or "node_dispatch"
+    inputs, handles, num_experts, statuses = call.inputs, call.handles, call.num_experts, call.statuses
     e, N, L, device = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device
-    _, num_topk, x_bytes, scale_bytes = dispatch_shape(
-        inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
-    )
     experts_per_node, experts_per_rank = num_experts // N, num_experts // t.world_size
     ranks = [inp.rank for inp in inputs]
-    skip, statuses = skipper(skip_rank, skip_phase), statuses or {}
     fresh = handles is None
     scratch = lambda n=1: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
     # Stage 1: node notify (fresh only) and node dispatch into the forwarders' staging rows.
     if fresh:
-        C = check_num_sms(num_sms, e.config)
-        ids = e.dispatch_ids(dispatch_ids, len(inputs))
+        C = check_num_sms(call.num_sms, e.config)
+        ids = e.dispatch_ids(call.dispatch_ids, len(inputs))
         in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
         node_prefix = [scratch(N * C + 1) for _ in inputs]
         node_ok = [scratch(N) for _ in inputs]
         outputs = [scratch(2) for _ in inputs]  # the count and overflow words notify writes (unused here)
         e.notify(
             "node",
-            e.common(C, ranks[0], skip("node_notify")),
+            e.common(C, ranks[0], call.skip("node_notify", "node_dispatch")),
             [
                 require_extension().NotifyRank(
                     is_token_in_rank=ptr(itn),
@@ -181,15 +168,13 @@ def staged_dispatch(
                     recv_src_idx=None,
                     num_tokens=inp.x.shape[0],
                     budget=-1,
-                    **e.check_fields(
-                        inp.rank, dispatch_header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0))
-                    ),
+                    **e.dispatch_check(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0)),
                 )
                 for i, (inp, itn, p, ok, out) in enumerate(zip(inputs, in_node, node_prefix, node_ok, outputs))
             ],
         )
         prefixes_host = torch.stack(node_prefix).tolist()  # one host sync for all launched ranks
-        if check:
+        if call.check:
             t.check()
         segments = [[p[m * C] for m in range(N + 1)] for p in prefixes_host]
     else:
@@ -202,7 +187,7 @@ def staged_dispatch(
     overflow = [scratch() for _ in inputs]
     e.dispatch(
         "node",
-        e.common(C, ranks[0], skip("node_dispatch")),
+        e.common(C, ranks[0], call.skip("node_dispatch", "node_dispatch")),
         [
             require_extension().DispatchRank(
                 x=ptr(inp.x),
@@ -221,26 +206,16 @@ def staged_dispatch(
                 peer_ok=node_ok[i].data_ptr() if fresh else None,
                 num_tokens=inp.x.shape[0],
                 num_rows=seg[-1],
-                **e.check_fields(
-                    inp.rank,
-                    dispatch_header(
-                        OP_DISPATCH if fresh else OP_CACHED_DISPATCH,
-                        ids[i],
-                        inp,
-                        num_experts,
-                        C,
-                        statuses.get(inp.rank, 0),
-                    ),
+                **e.dispatch_check(
+                    OP_DISPATCH if fresh else OP_CACHED_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0)
                 ),
             )
             for i, (inp, itn, p, s, o, seg) in enumerate(zip(inputs, in_node, node_prefix, staged, overflow, segments))
         ],
-        x_bytes,
-        scale_bytes,
-        num_topk,
+        call,
         experts_per_node,
     )
-    if check and e.backend == "cpu":
+    if call.check and e.backend == "cpu":
         t.check()
 
     # Stage 2: per node, one intranode operation per source node m over the forwarded rows.
@@ -269,25 +244,23 @@ def staged_dispatch(
         local: list[list[IntranodeHandle]] = [[] for _ in inputs]
         for node, engine, members in _node_groups(t, ranks):
             for m in range(N):
-                got, _ = run_notify(
-                    engine,
-                    [stage2_input(i, m, forward_in_rank[i]) for i in members],
-                    experts_per_rank,
-                    num_sms=num_sms,
-                    num_worst_tokens=None,
-                    skip_rank=_local_skip(t, node, skip("notify")),
+                stage2 = _node_call(
+                    t,
+                    call,
+                    node,
+                    inputs=[stage2_input(i, m, forward_in_rank[i]) for i in members],
+                    num_experts=experts_per_rank * L,
+                    num_sms=call.num_sms,
                     dispatch_ids=[ids[i] for i in members],
-                    statuses=_local_statuses(t, statuses),
-                )  # each reads R: the staged host syncs
-                for i, h in zip(members, got):
+                )
+                run_notify(engine, stage2)  # each reads R: the staged host syncs
+                for i, h in zip(members, stage2.handles):
                     local[i].append(h)
-        if check:
+        if call.check:
             t.check()
         handles = [
             StagedInternodeHandle(
-                num_tokens=inp.x.shape[0],
-                num_channels=C,
-                is_token_in_rank=inp.is_token_in_rank,
+                **call.handle_fields(inp, ids[i], C),
                 is_token_in_node=itn,
                 node_prefix=p,
                 node_peer_ok=ok,
@@ -295,9 +268,6 @@ def staged_dispatch(
                 forward_in_rank=fir,
                 local=loc,
                 num_rows=sum(h.num_rows for h in loc),
-                dispatch_id=ids[i],
-                num_experts=num_experts,
-                topk_dtype=inp.topk_dtype or torch.int64,
             )
             for i, (inp, itn, p, ok, seg, fir, loc) in enumerate(
                 zip(inputs, in_node, node_prefix, node_ok, segments, forward_in_rank, local)
@@ -326,65 +296,52 @@ def staged_dispatch(
                 )
             launch_dispatch(
                 engine,
-                launch_inputs,
-                [handles[i].local[m] for i in members],
-                launch_outs,
-                experts_per_rank,
-                skip_rank=_local_skip(t, node, skip("dispatch")),
-                statuses=_local_statuses(t, statuses),
+                _node_call(
+                    t,
+                    call,
+                    node,
+                    inputs=launch_inputs,
+                    num_experts=experts_per_rank * L,
+                    handles=[handles[i].local[m] for i in members],
+                    outs=launch_outs,
+                ),
             )
     return assemble_results(InternodeDispatch, inputs, handles, outs)
 
 
-def staged_combine(
-    t: InternodeEngines,
-    rank_begin: int,
-    ys: list[torch.Tensor],
-    handles: list[StagedInternodeHandle],
-    row_scales: list[torch.Tensor | None] | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-    row_bytes: int | None = None,
-) -> list[torch.Tensor]:
-    """The staged pipeline's combine for ranks ``rank_begin + i``: stage 2 backwards (one
+def staged_combine(t: InternodeEngines, call: CombineCall) -> list[torch.Tensor]:
+    """The staged pipeline's combine for ranks ``call.rank_begin + i``: stage 2 backwards (one
     intranode combine per source node into node partials), then stage 1 (each partial to its
-    source, summed there by ascending node); arguments as :func:`~.internode.run_combine`
-    (``skip_phase`` None: "node_combine")."""
-    skip_phase = skip_phase or "node_combine"
-    e, N, L, device, statuses = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device, statuses or {}
-    row_scales, hidden, dtype, y_bytes = combine_shape(
-        ys, handles, row_scales, rank_begin, device, e.slot_bytes, StagedInternodeHandle, slots="the buffers' slots"
-    )
-    C = handles[0].num_channels
-    ranks = list(range(rank_begin, rank_begin + len(ys)))
-    skip = skipper(skip_rank, skip_phase)
+    source, summed there by ascending node) (``call.skip_phase`` None: "node_combine")."""
+    e, N, L, device = t.rdma, t.num_nodes, t.ranks_per_node, t.rdma.device
+    handles, statuses = call.handles, call.statuses
+    hidden, dtype, y_bytes = e.prepare_combine(call, StagedInternodeHandle)
+    C, scales = handles[0].num_channels, call.row_scales
+    ranks = list(range(call.rank_begin, call.rank_begin + len(call.ys)))
     # Stage 2 backwards: node partials [R1, H] on every forwarder, one intranode combine per m.
     partials = [torch.empty(h.num_forward_rows, hidden, dtype=dtype, device=device) for h in handles]
     for node, engine, members in _node_groups(t, ranks):
         for m in range(N):
-            rows = [
-                slice(handles[i].row_base(m), handles[i].row_base(m) + handles[i].local[m].num_rows) for i in members
-            ]
+            bases = [handles[i].row_base(m) for i in members]
+            rows = [slice(b, b + handles[i].local[m].num_rows) for i, b in zip(members, bases)]
             segs = [slice(handles[i].segments[m], handles[i].segments[m + 1]) for i in members]
-            run_intranode_combine(
-                engine,
-                ranks[members[0]] % L,
-                [ys[i][r] for i, r in zip(members, rows)],
-                [handles[i].local[m] for i in members],
-                [row_scales[i][r].contiguous() if row_scales[i] is not None else None for i, r in zip(members, rows)],
-                _local_skip(t, node, skip("combine")),
-                statuses=_local_statuses(t, statuses),
+            stage2 = _node_call(
+                t,
+                call,
+                node,
+                rank_begin=ranks[members[0]] % L,
+                ys=[call.ys[i][r] for i, r in zip(members, rows)],
+                handles=[handles[i].local[m] for i in members],
+                row_scales=[None if scales[i] is None else scales[i][r].contiguous() for i, r in zip(members, rows)],
                 outs=[partials[i][s] for i, s in zip(members, segs)],
             )
-    if check and e.backend == "cpu":
+            run_intranode_combine(engine, stage2)
+    if call.check and e.backend == "cpu":
         t.check()
     # Stage 1 backwards: each partial once to its source, summed there by ascending node.
-    outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
     e.combine(
         "node",
-        e.common(C, rank_begin, skip("node_combine")),
+        e.common(C, call.rank_begin, call.skip("node_combine", "node_combine")),
         [
             require_extension().CombineRank(
                 y=ptr(p),
@@ -394,14 +351,16 @@ def staged_combine(
                 out=ptr(o),
                 num_tokens=h.num_tokens,
                 num_rows=h.num_forward_rows,
-                **e.combine_check(rank_begin + i, h, row_bytes or y_bytes, dtype, C, statuses.get(rank_begin + i, 0)),
+                **e.combine_check(
+                    call.rank_begin + i, h, call.row_bytes or y_bytes, dtype, C, statuses.get(call.rank_begin + i, 0)
+                ),
             )
-            for i, (p, h, o) in enumerate(zip(partials, handles, outs))
+            for i, (p, h, o) in enumerate(zip(partials, handles, call.outs))
         ],
         y_bytes,
         dtype,
     )
-    return outs
+    return call.outs
 
 
 def empty_staged_handle(t: InternodeEngines) -> StagedInternodeHandle:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from ...config import MISMATCH_RECORD_WORDS
+from ...control.agreement import decode_status, describe_status
+from ...errors import MismatchError
+from ...kernel_layout import MISMATCH_RECORD_WORDS
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OPS = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
@@ -69,6 +71,10 @@ STATUS_WRONG_HANDLE = 2
 # that does not grow too (its calls differ: every rank raises at once).
 STATUS_GROW = 3
 STATUS_TEST = 99  # the loopbacks' ``status=`` test knob
+# A Buffer's rank refusing its own arguments joins with STATUS_REFUSED + its argument check's status
+# (moe_dispatch.control.agreement.status_of: the argument and the error's kind), so its peers learn
+# both from the record, as they would from the host check.
+STATUS_REFUSED = 1000
 STATUS_NAMES = {
     STATUS_INVALID_ARGUMENTS: "its arguments were invalid",
     STATUS_WRONG_HANDLE: "its handle does not belong to this transport or shape",
@@ -106,20 +112,6 @@ def header_words(
     ]
 
 
-class MismatchError(ValueError):
-    """Ranks called a collective kernel operation with arguments that do not match.
-
-    Raised by the transport of a rank whose mismatch record is set (see
-    :func:`describe_mismatch`). Attributes: ``rank`` (the rank that recorded it), ``peer`` (the
-    rank whose header differs), ``field`` (its name), ``mine`` / ``theirs`` (both values), ``via``
-    (None, or the local rank that reported the peer's header: internode).
-    """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.__dict__.update(fields)
-
-
 def _value(field: int, value: int) -> str:
     if field == 0:
         return OPS.get(value, str(value))
@@ -130,15 +122,29 @@ def _value(field: int, value: int) -> str:
         flags += ", ready flags" if (value >> 16) & FLAG_SLOT_FLAGS else ""
         return f"{value & 0xFFFF} channels{flags}"
     if field == FIELD_STATUS:
-        return "0 (ok)" if value == 0 else f"{value} ({STATUS_NAMES.get(value, 'refused')})"
+        return "0 (ok)" if value == 0 else f"{value} ({_status_name(value)})"
     if field == FIELD_BUDGET:
         return str(value) if value else "0 (none)"
     return str(value)
 
 
+def refusal_status(code: int) -> int:
+    """The header status of a rank refusing its own arguments with the argument check's status
+    ``code`` (:func:`moe_dispatch.control.agreement.status_of`)."""
+    return STATUS_REFUSED + code
+
+
+def _status_name(status: int) -> str:
+    if status > STATUS_REFUSED:
+        return f"its arguments were invalid ({describe_status(status - STATUS_REFUSED)})"
+    return STATUS_NAMES.get(status, f"status {status}")
+
+
 def describe_mismatch(record: list[int]) -> tuple[str, dict] | None:
     """None for a clear record (``int64[8]``), else ``(message, fields)`` naming the ranks, the
-    first differing field and both values."""
+    first differing field and both values. For a refusal (the status field) ``fields`` also
+    holds ``refuser`` (its rank) and, where it refused through a Buffer, ``argument`` and
+    ``kind`` (``ValueError`` / ``TypeError``) decoded from its status; else both are None."""
     flag, rank, peer, field, mine, theirs, via = record[:7]
     if not flag:
         return None
@@ -156,9 +162,13 @@ def describe_mismatch(record: list[int]) -> tuple[str, dict] | None:
         holder = f"rank {via}"
     else:
         who, holder = f"rank {peer}", f"rank {rank}"
+    fields.update(refuser=None, argument=None, kind=None)
     if field == FIELD_STATUS:
         refuser, code = (peer, theirs) if theirs != 0 else ((via if via >= 0 else rank), mine)
-        what = f"rank {refuser} refused the operation: {STATUS_NAMES.get(code, f'status {code}')}"
+        fields["refuser"] = refuser
+        if code > STATUS_REFUSED:
+            fields["argument"], fields["kind"] = decode_status(code - STATUS_REFUSED)
+        what = f"rank {refuser} refused the operation: {_status_name(code)}"
     else:
         what = (
             f"{who} disagrees on the {name}: {_value(field, theirs)} on rank {peer}, {_value(field, mine)} on {holder}"

@@ -49,30 +49,12 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import ERROR_RECORD_INTS, Config
-from ...errors import BudgetOverflowError
+from ...config import Config
+from ...errors import BudgetOverflowError, InternodeTimeoutError
+from ...kernel_layout import ERROR_RECORD_INTS
 from .header import OP_DISPATCH, Records
 from .intranode import IntranodeBuffers, IntranodeEngine
-from .launcher import (
-    COMBINE_DTYPES,
-    InternodeTimeoutError,
-    Launcher,
-    RankBuffers,
-    RankInput,
-    alloc_outputs,
-    assemble_results,
-    check_budget,
-    check_num_sms,
-    combine_shape,
-    default_timeout_s,
-    dispatch_fields,
-    dispatch_header,
-    dispatch_shape,
-    ptr,
-    recorded,
-    resolve_device,
-    slot_bytes_for,
-)
+from .launcher import CombineCall, DispatchCall, Launcher, RankBuffers, check_num_sms, dispatch_through, ptr, recorded
 from .launcher import describe_internode_timeout as describe_timeout
 from .memory import SharedMemoryBuffer, map_peers
 from .nvshmem import NvshmemWorld, symmetric_heap_bytes
@@ -131,6 +113,8 @@ class RdmaEngine(Launcher):
         records, rank_begin: the launched ranks' mismatch records (rank r's at r - rank_begin).
     """
 
+    slots, fix = "the buffers' slots", "size the transport"
+
     def __init__(
         self,
         num_nodes: int,
@@ -188,17 +172,17 @@ class RdmaEngine(Launcher):
         (``ranks``: ``_C.FusedNotifyRank``, ``args``: num_topk)'s notify."""
         self._run(f"internode_{pipeline}_notify", common, ranks, *args, cpu_options=False)
 
-    def dispatch(
-        self, pipeline: str, common, ranks: list, x_bytes: int, scale_bytes: int, num_topk: int, num_experts: int
-    ) -> None:
-        """Launches pipeline ``"node"``'s dispatch (``ranks``: ``_C.DispatchRank``, ``num_experts``:
-        experts per node) or ``"fused"``'s (``_C.FusedDispatchRank``, experts per rank)."""
-        self._run(f"internode_{pipeline}_dispatch", common, ranks, x_bytes, scale_bytes, num_topk, num_experts)
+    def dispatch(self, pipeline: str, common, ranks: list, call: DispatchCall, num_experts: int) -> None:
+        """Launches pipeline ``"node"``'s dispatch of ``call`` (``ranks``: ``_C.DispatchRank``,
+        ``num_experts``: experts per node) or ``"fused"``'s (``_C.FusedDispatchRank``, experts per
+        rank)."""
+        shape = self.dispatch_shape(call.inputs)
+        self._run(f"internode_{pipeline}_dispatch", common, ranks, *shape.launch_args, num_experts)
 
     def combine(self, pipeline: str, common, ranks: list, y_bytes: int, dtype: torch.dtype) -> None:
         """Launches pipeline ``"node"``'s combine (``ranks``: ``_C.CombineRank``) or ``"fused"``'s
         (``_C.FusedCombineRank``)."""
-        self._run(f"internode_{pipeline}_combine", common, ranks, y_bytes, COMBINE_DTYPES[dtype])
+        self._run_combine(f"internode_{pipeline}_combine", common, ranks, y_bytes, dtype)
 
 
 @dataclasses.dataclass(eq=False)
@@ -313,6 +297,11 @@ class InternodeEngines:
         return self.num_nodes * self.ranks_per_node
 
     @property
+    def device(self) -> torch.device:
+        """Where the launches run (the RDMA engine's device)."""
+        return self.rdma.device
+
+    @property
     def fused(self) -> bool:
         """Whether the launches run the fused pipeline (Config.internode_pipeline)."""
         return self.rdma.config.internode_pipeline == "fused"
@@ -340,79 +329,19 @@ class InternodeEngines:
         self.check_mismatches()
 
 
-def skipper(skip_rank: int | None, skip_phase: str | None):
-    return lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
-
-
-def _fused_dispatch(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    handles: list[InternodeHandle] | None,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    dispatch_ids: list[int | None] | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-) -> list[InternodeDispatch]:
-    """The fused pipeline's dispatch: the fused notify (fresh only), then one fused dispatch
-    launch (``skip_phase`` None: "dispatch"); arguments as :func:`run_dispatch`."""
-    e, W, device = t.rdma, t.world_size, t.rdma.device
-    _, num_topk, x_bytes, scale_bytes = dispatch_shape(
-        inputs, e.slot_bytes, slots="the buffers' slots", fix="size the transport"
-    )
-    experts_per_rank, statuses = num_experts // W, statuses or {}
-    skip = skipper(skip_rank, skip_phase or "dispatch")
-    outs = None
-    if handles is None:
-        handles, outs = fused_notify(
-            t,
-            inputs,
-            num_experts,
-            num_sms=num_sms,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=skip("notify"),
-            dispatch_ids=dispatch_ids,
-            statuses=statuses,
-        )
-    else:
-        for inp, h in zip(inputs, handles):
-            if not isinstance(h, InternodeHandle) or (h.num_tokens != inp.x.shape[0] and inp.rank not in statuses):
-                raise ValueError(
-                    f"rank {inp.rank}: the handle is not an InternodeHandle for {inp.x.shape[0]} tokens "
-                    f"(of this transport's fused pipeline)"
-                )
-    if outs is None:
-        outs = [alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, handles)]
-    fused_launch(t, inputs, handles, outs, num_experts, skip("dispatch"), statuses, x_bytes, scale_bytes, num_topk)
-    return assemble_results(InternodeDispatch, inputs, handles, outs)
-
-
-def fused_notify(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    dispatch_ids: list[int | None] | None,
-    statuses: dict[int, int],
-    outs: list[dict] | None = None,
-) -> tuple[list[InternodeHandle], list[dict] | None]:
-    """The fused notify launch: per rank a handle. Without a budget the host reads R and R1 (one
-    read for all launched ranks); with one, nothing is read and the outputs notify fills (their
-    padding rows) are made here unless passed (``outs``, as in the intranode ``run_notify``)."""
+def fused_notify(t: InternodeEngines, call: DispatchCall) -> None:
+    """The fused notify launch: per rank a handle into ``call.handles``. Without a budget the
+    host reads R and R1 (one read for all launched ranks); with one, nothing is read and the
+    outputs notify fills (their padding rows) are made here unless ``call.outs`` holds them
+    (as in the intranode ``run_notify``)."""
     e, N, L, W, device = t.rdma, t.num_nodes, t.ranks_per_node, t.world_size, t.rdma.device
-    num_topk, experts_per_rank = inputs[0].topk_idx.shape[1], num_experts // W
+    inputs = call.inputs
+    num_topk, experts_per_rank = inputs[0].topk_idx.shape[1], call.num_experts // W
     if num_topk == 0:
         raise ValueError("a fresh internode dispatch needs topk_idx (the forwarders read the holders from it)")
-    C = fused_channels(num_sms, e.config)
-    budget = check_budget(num_worst_tokens)
-    ids = e.dispatch_ids(dispatch_ids, len(inputs))
+    C = fused_channels(call.num_sms, e.config)
+    budget = call.budget
+    ids = e.dispatch_ids(call.dispatch_ids, len(inputs))
     zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
     in_node = [inp.is_token_in_rank.view(-1, N, L).any(2).contiguous() for inp in inputs]
     tables = [
@@ -426,14 +355,11 @@ def fused_notify(
         }
         for _ in inputs
     ]
-    if budget < 0:
-        outs = None
-    elif outs is None:
-        outs = [alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs]
+    outs = e.notify_outputs(call, experts_per_rank)
     capacity = L * budget if budget >= 0 else -1
     e.notify(
         "fused",
-        e.common(C, inputs[0].rank, skip_rank),
+        e.common(C, inputs[0].rank, call.skip("notify", "dispatch")),
         [
             require_extension().FusedNotifyRank(
                 is_token_in_rank=ptr(inp.is_token_in_rank),
@@ -445,9 +371,8 @@ def fused_notify(
                 num_tokens=inp.x.shape[0],
                 budget=budget,
                 forward_capacity=capacity,
-                **e.check_fields(
-                    inp.rank,
-                    dispatch_header(OP_DISPATCH, ids[i], inp, num_experts, C, statuses.get(inp.rank, 0), budget=budget),
+                **e.dispatch_check(
+                    OP_DISPATCH, ids[i], inp, call.num_experts, C, call.statuses.get(inp.rank, 0), budget
                 ),
             )
             for i, (inp, itn, tb) in enumerate(zip(inputs, in_node, tables))
@@ -461,11 +386,9 @@ def fused_notify(
             raise InternodeTimeoutError(*describe_timeout(host[2 * len(inputs) :], e.timeout_s, L, fused=True))
     else:
         counts = [(None, None)] * len(inputs)
-    handles = [
+    call.handles = [
         InternodeHandle(
-            num_tokens=inp.x.shape[0],
-            num_channels=C,
-            is_token_in_rank=inp.is_token_in_rank,
+            **call.handle_fields(inp, ids[i], C),
             is_token_in_node=itn,
             recv_prefix=tb["recv_prefix"],
             forward_prefix=tb["forward_prefix"],
@@ -478,124 +401,48 @@ def fused_notify(
             num_recv_tokens=received,
             num_rows=budget if budget >= 0 else received,
             forward_capacity=capacity if budget >= 0 else forwarded,
-            dispatch_id=ids[i],
-            num_experts=num_experts,
-            topk_dtype=inp.topk_dtype or torch.int64,
             notified=True,
         )
         for i, (inp, itn, tb, (received, forwarded)) in enumerate(zip(inputs, in_node, tables, counts))
     ]
-    return handles, outs
 
 
-def fused_launch(
-    t: InternodeEngines,
-    inputs: list[RankInput],
-    handles: list[InternodeHandle],
-    outs: list[dict],
-    num_experts: int,
-    skip_rank: int | None,
-    statuses: dict[int, int],
-    x_bytes: int,
-    scale_bytes: int,
-    num_topk: int,
-) -> None:
-    """The fused dispatch launch into ``outs`` (per rank the dict of ``alloc_outputs``, whose
-    tensors may be views of the caller's: rows ``[handle.num_rows, ...]``)."""
+def fused_launch(t: InternodeEngines, call: DispatchCall) -> None:
+    """The fused dispatch launch on ``call.handles`` into ``call.outs`` (per rank the dict of
+    ``alloc_outputs``: rows ``[handle.num_rows, ...]``)."""
     e = t.rdma
-    ranks = []
-    for inp, h, o in zip(inputs, handles, outs):
-        fresh, fields = dispatch_fields(e, inp, h, o, num_experts, statuses)
-        ranks.append(
-            require_extension().FusedDispatchRank(
-                **fields,
-                **h.routing_fields(),
-                peer_ok=h.peer_ok.data_ptr() if fresh else None,
-            )
-        )
-    e.dispatch(
-        "fused",
-        e.common(handles[0].num_channels, inputs[0].rank, skip_rank),
-        ranks,
-        x_bytes,
-        scale_bytes,
-        num_topk,
-        num_experts // t.world_size,
-    )
+    ranks = [
+        require_extension().FusedDispatchRank(**e.dispatch_fields(call, inp, h, o))
+        for inp, h, o in zip(call.inputs, call.handles, call.outs)
+    ]
+    common = e.common(call.handles[0].num_channels, call.inputs[0].rank, call.skip("dispatch", "dispatch"))
+    e.dispatch("fused", common, ranks, call, call.num_experts // t.world_size)
 
 
-def _fused_combine(
-    t: InternodeEngines,
-    rank_begin: int,
-    ys: list[torch.Tensor],
-    handles: list[InternodeHandle],
-    row_scales: list[torch.Tensor | None] | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    statuses: dict[int, int] | None,
-    row_bytes: int | None = None,
-) -> list[torch.Tensor]:
-    e, device, statuses = t.rdma, t.rdma.device, statuses or {}
-    row_scales, hidden, dtype, y_bytes = combine_shape(
-        ys, handles, row_scales, rank_begin, device, e.slot_bytes, InternodeHandle, slots="the buffers' slots"
-    )
-    outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
-    e.combine(
-        "fused",
-        e.common(handles[0].num_channels, rank_begin, skipper(skip_rank, skip_phase or "combine")("combine")),
-        [
-            require_extension().FusedCombineRank(
-                y=ptr(y),
-                row_scale=ptr(s.contiguous()) if s is not None else None,
-                **h.routing_fields(),
-                out=ptr(out),
-                num_tokens=h.num_tokens,
-                num_rows=h.num_rows,
-                **e.combine_check(
-                    rank_begin + i, h, row_bytes or y_bytes, dtype, h.num_channels, statuses.get(rank_begin + i, 0)
-                ),
-            )
-            for i, (y, h, s, out) in enumerate(zip(ys, handles, row_scales, outs))
-        ],
-        y_bytes,
-        dtype,
-    )
-    return outs
-
-
-def run_dispatch(t: InternodeEngines, inputs: list[RankInput], num_experts: int, **options) -> list[InternodeDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive) through the configured pipeline.
-
-    Options (keywords, each required): ``num_sms``; ``handles`` (a cached dispatch's, or None);
-    ``num_worst_tokens``; ``skip_rank`` / ``skip_phase`` (tests: that rank's blocks skip a launch;
-    ``skip_phase`` None: the pipeline's main kernel); ``dispatch_ids``; ``statuses`` (rank -> a
-    refusing rank's header status); ``check`` (raise what the launches recorded, between them)."""
+def run_dispatch(t: InternodeEngines, call: DispatchCall) -> list[InternodeDispatch]:
+    """Dispatch for ranks ``call.inputs[i].rank`` (consecutive) through the configured pipeline:
+    fused, the fused notify (fresh only), then one fused dispatch launch (``call.skip_phase``
+    None: "dispatch"); staged, :func:`~.experimental.staged_dispatch`."""
     if t.fused:
-        return _fused_dispatch(t, inputs, num_experts, **options)
+        t.rdma.dispatch_shape(call.inputs)
+        return dispatch_through(t, call, fused_notify, fused_launch, InternodeDispatch, InternodeHandle)
     from .experimental import staged_dispatch
 
-    return staged_dispatch(t, inputs, num_experts, **options)
+    return staged_dispatch(t, call)
 
 
-def run_combine(
-    t: InternodeEngines,
-    rank_begin: int,
-    ys: list[torch.Tensor],
-    handles: list,
-    row_scales,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    statuses: dict[int, int] | None,
-    check: bool,
-    row_bytes: int | None = None,
-) -> list[torch.Tensor]:
-    """Combine through the transport's pipeline (``skip_phase`` None: its main kernel);
-    ``row_bytes``: what the headers say of a row, the caller's before padding (None: y's)."""
-    if t.fused:
-        return _fused_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase, statuses, row_bytes)
-    from .experimental import staged_combine
+def run_combine(t: InternodeEngines, call: CombineCall) -> list[torch.Tensor]:
+    """Combine through the transport's pipeline (``call.skip_phase`` None: its main kernel): the
+    fused one in one launch, the staged one by :func:`~.experimental.staged_combine`."""
+    if not t.fused:
+        from .experimental import staged_combine
 
-    return staged_combine(t, rank_begin, ys, handles, row_scales, skip_rank, skip_phase, statuses, check, row_bytes)
+        return staged_combine(t, call)
+    e = t.rdma
+    _, dtype, y_bytes = e.prepare_combine(call, InternodeHandle)
+    common = e.common(call.handles[0].num_channels, call.rank_begin, call.skip("combine", "combine"))
+    e.combine("fused", common, e.combine_ranks("FusedCombineRank", call, y_bytes, dtype), y_bytes, dtype)
+    return call.outs
 
 
 def cross_node_bytes(handles: list, ranks_per_node: int, row_bytes: int, rank_begin: int = 0) -> int:
@@ -665,10 +512,9 @@ class InternodeBuffers(RankBuffers):
             node n.
         rank: this rank's index in the group.
         ranks_per_node: L (<= 16, the NVLink domain of stage 2).
-        hidden, num_topk, element_bytes: the largest rows moved (sizes slots).
-        config: :class:`Config` (``num_slots % chunk_tokens == 0``); every rank passes the same.
-        timeout_s: bound of every wait inside the kernels.
-        device: None (the current CUDA device), a CUDA device, or ``"cpu"``.
+        hidden, num_topk: the largest rows moved (sizes slots); ``options``: the keywords of
+            :class:`~moe_dispatch.transport.kernels.launcher.RankBuffers` (``config``:
+            ``num_slots % chunk_tokens == 0``).
 
     Raises:
         ValueError: ranks_per_node not dividing W, hidden, num_topk (in [1, 32]) or
@@ -680,26 +526,21 @@ class InternodeBuffers(RankBuffers):
     groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        ranks_per_node: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        device: torch.device | str | None = None,
-    ):
+    min_topk = 1
+    _notify = staticmethod(fused_notify)
+    _launch = staticmethod(fused_launch)
+    _dispatch = staticmethod(run_dispatch)
+    _combine = staticmethod(run_combine)
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, ranks_per_node: int, hidden: int, num_topk: int, **options):
         world_size = dist.get_world_size(group)
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"ranks_per_node must divide the group size {world_size}, got {ranks_per_node!r}")
-        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=1)
-        self.config = config or Config()
+        self.ranks_per_node = ranks_per_node
+        super().__init__(group, rank, hidden, num_topk, **options)
+
+    def _build(self, slot_bytes: int) -> None:
         check_rdma_config(self.config)
-        self.device, _ = resolve_device("cuda" if device is None else device)  # before anything collective
         # The kernel refuses it at the first dispatch; refused here, at construction.
         fused = self.config.internode_pipeline == "fused"
         if fused and self.device.type == "cuda" and self.config.copy_variant != Config().copy_variant:
@@ -709,14 +550,14 @@ class InternodeBuffers(RankBuffers):
                 "variants run in loopback mode (InternodeLoopback)"
             )
         C = require_extension()
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self.num_nodes, self.ranks_per_node = N, L = world_size // ranks_per_node, ranks_per_node
+        group, rank, world_size, L = self.group, self.rank, self.world_size, self.ranks_per_node
+        self.num_nodes = N = world_size // L
         on_gpu = self.device.type == "cuda"
-        timeout = default_timeout_s(timeout_s)
         layout = C.internode_rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
         # Every rank creates every node group, in the same order (new_group is collective).
         node = rank // L
         node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
+        hidden, num_topk, element_bytes = self.rows
         self.node_buffers = IntranodeBuffers(
             node_groups[node],
             rank % L,
@@ -724,7 +565,7 @@ class InternodeBuffers(RankBuffers):
             num_topk,
             config=self.config,
             element_bytes=element_bytes,
-            timeout_s=timeout,
+            timeout_s=self.timeout_s,
             device=self.device,
             relay_nodes=N,
         )
@@ -752,7 +593,7 @@ class InternodeBuffers(RankBuffers):
                 error_host_ptr,
                 "cuda" if on_gpu else "cpu",
                 "nvshmem" if on_gpu else "loopback",
-                timeout,
+                self.timeout_s,
                 records=Records(1, self.device, mirror=on_gpu),
                 rank_begin=rank,
             )
@@ -772,36 +613,6 @@ class InternodeBuffers(RankBuffers):
     @property
     def records(self) -> list[Records]:
         return [self.engine.rdma.records, *(e.records for e in self.engine.nodes.values())]
-
-    def notify(self, inp, num_experts, *, num_sms, num_worst_tokens, dispatch_id, outs=None) -> InternodeHandle:
-        """The fused pipeline's notify (the staged one learns its routing by a :meth:`dispatch`)."""
-        (handle,), _ = fused_notify(
-            self.engine,
-            [inp],
-            num_experts,
-            num_sms=num_sms,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=None,
-            dispatch_ids=[dispatch_id],
-            statuses={},
-            outs=[outs] if outs else None,
-        )
-        return handle
-
-    def launch_dispatch(self, inp, handle, outs, num_experts) -> None:
-        """The fused pipeline's dispatch launch."""
-        _, num_topk, x_bytes, scale_bytes = dispatch_shape(
-            [inp], self.engine.rdma.slot_bytes, slots="the buffers' slots", fix="size the transport"
-        )
-        fused_launch(self.engine, [inp], [handle], [outs], num_experts, None, {}, x_bytes, scale_bytes, num_topk)
-
-    def _run_dispatch(self, inputs, num_experts, **options) -> list:
-        return run_dispatch(self.engine, inputs, num_experts, **options, check=False)
-
-    def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
-        return run_combine(
-            self.engine, self.rank, [y], [handle], [row_scale], None, None, statuses, check=False, row_bytes=row_bytes
-        )[0]
 
     def empty_handle(self) -> InternodeHandle | StagedInternodeHandle:
         return empty_handle(self.engine, self.rank)

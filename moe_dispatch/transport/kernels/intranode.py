@@ -46,29 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import ERROR_RECORD_INTS, MAX_RANKS, Config
-from ...errors import BudgetOverflowError
+from ...config import Config
+from ...errors import BudgetOverflowError, IntranodeTimeoutError
+from ...kernel_layout import ERROR_RECORD_INTS, MAX_RANKS
 from .header import OP_DISPATCH, Records
-from .launcher import (
-    COMBINE_DTYPES,
-    IntranodeTimeoutError,
-    Launcher,
-    RankBuffers,
-    RankInput,
-    alloc_outputs,
-    assemble_results,
-    check_budget,
-    check_num_sms,
-    combine_shape,
-    default_timeout_s,
-    dispatch_fields,
-    dispatch_header,
-    dispatch_shape,
-    ptr,
-    recorded,
-    resolve_device,
-    slot_bytes_for,
-)
+from .launcher import CombineCall, DispatchCall, Launcher, RankBuffers, check_num_sms, dispatch_through, ptr, recorded
 from .launcher import describe_intranode_timeout as describe_timeout
 from .memory import CudaIpcBuffer, SharedMemoryBuffer, map_peers
 
@@ -122,6 +104,10 @@ class IntranodeHandle:
     # True from the notify until its dispatch launch, which alone reuses the notify's verdicts;
     # every later launch on the handle exchanges headers (ring.cuh explains why).
     notified: bool = dataclasses.field(default=False, repr=False)
+
+    def routing_fields(self) -> dict:
+        """The dispatch and combine rank structs' fields this handle's routing fills."""
+        return {"is_token_in_rank": ptr(self.is_token_in_rank), "recv_prefix": self.recv_prefix.data_ptr()}
 
     def check_overflow(self) -> None:
         """Raises :class:`~moe_dispatch.errors.BudgetOverflowError` when the budget was too small
@@ -183,6 +169,10 @@ class IntranodeEngine(Launcher):
         )
         super().__init__(error, error_host_ptr, backend, timeout_s, cpu_options, records, rank_begin)
 
+    @property
+    def slot_flags(self) -> bool:
+        return self.config.slot_flags
+
     def common(self, num_channels: int, rank_begin: int, skip_rank: int | None):
         """The launch's ``_C.IntranodeCommon``."""
         return self._common(
@@ -193,15 +183,15 @@ class IntranodeEngine(Launcher):
         """Launches ``_C.intranode_notify`` (``ranks``: a ``_C.NotifyRank`` per launched rank)."""
         self._run("intranode_notify", common, ranks, num_topk, cpu_options=False)
 
-    def dispatch(
-        self, common, ranks: list, x_bytes: int, scale_bytes: int, num_topk: int, experts_per_rank: int
-    ) -> None:
-        """Launches ``_C.intranode_dispatch`` (``ranks``: a ``_C.DispatchRank`` per launched rank)."""
-        self._run("intranode_dispatch", common, ranks, x_bytes, scale_bytes, num_topk, experts_per_rank)
+    def dispatch(self, common, ranks: list, call: DispatchCall) -> None:
+        """Launches ``_C.intranode_dispatch`` of ``call`` (``ranks``: a ``_C.DispatchRank`` per
+        launched rank)."""
+        shape = self.dispatch_shape(call.inputs)
+        self._run("intranode_dispatch", common, ranks, *shape.launch_args, call.num_experts // self.world_size)
 
     def combine(self, common, ranks: list, y_bytes: int, dtype: torch.dtype) -> None:
         """Launches ``_C.intranode_combine`` (``ranks``: a ``_C.CombineRank`` per launched rank)."""
-        self._run("intranode_combine", common, ranks, y_bytes, COMBINE_DTYPES[dtype])
+        self._run_combine("intranode_combine", common, ranks, y_bytes, dtype)
 
     def raise_if_timed_out(self, record: list[int] | None = None) -> None:
         """Raises :class:`IntranodeTimeoutError` if ``record`` (default: the device's, a host sync) is set."""
@@ -210,82 +200,28 @@ class IntranodeEngine(Launcher):
             raise IntranodeTimeoutError(*describe_timeout(record, self.timeout_s))
 
 
-def run_dispatch(
-    engine: IntranodeEngine,
-    inputs: list[RankInput],
-    num_experts: int,
-    *,
-    num_sms: int,
-    handles: list[IntranodeHandle] | None,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    skip_phase: str | None,
-    dispatch_ids: list[int | None] | None = None,
-    statuses: dict[int, int] | None = None,
-) -> list[RankDispatch]:
-    """Dispatch for ranks ``inputs[i].rank`` (consecutive) in one launch each of notify and
-    dispatch. ``dispatch_ids``: per rank the fresh dispatch's identity (None: the engine's next);
-    ``statuses``: rank -> non-zero header status (that rank refuses: its inputs are empty)."""
-    skip = lambda phase: skip_rank if skip_phase == phase else None  # noqa: E731
-    experts_per_rank = num_experts // engine.world_size
-    dispatch_shape(inputs, engine.slot_bytes)
-    if handles is None:
-        handles, outs = run_notify(
-            engine,
-            inputs,
-            experts_per_rank,
-            num_sms=num_sms,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=skip("notify"),
-            dispatch_ids=dispatch_ids,
-            statuses=statuses,
-        )
-    else:
-        if len(handles) != len(inputs):
-            raise ValueError(f"pass one handle per rank: {len(inputs)} inputs, {len(handles)} handles")
-        for inp, h in zip(inputs, handles):
-            refusing = statuses is not None and inp.rank in statuses  # its tokens were taken away
-            if not isinstance(h, IntranodeHandle) or (h.num_tokens != inp.x.shape[0] and not refusing):
-                raise ValueError(f"rank {inp.rank}: the handle is not an IntranodeHandle for {inp.x.shape[0]} tokens")
-        outs = None
-    if outs is None:
-        outs = [alloc_outputs(inp, h.num_rows, experts_per_rank, engine.device) for inp, h in zip(inputs, handles)]
-    launch_dispatch(engine, inputs, handles, outs, experts_per_rank, skip_rank=skip("dispatch"), statuses=statuses)
-    return assemble_results(RankDispatch, inputs, handles, outs)
+def run_dispatch(engine: IntranodeEngine, call: DispatchCall) -> list[RankDispatch]:
+    """Dispatch for ranks ``call.inputs[i].rank`` (consecutive) in one launch each of notify and
+    dispatch (``call.skip_phase`` None: "dispatch")."""
+    engine.dispatch_shape(call.inputs)
+    return dispatch_through(engine, call, run_notify, launch_dispatch, RankDispatch, IntranodeHandle)
 
 
-def run_notify(
-    engine: IntranodeEngine,
-    inputs: list[RankInput],
-    experts_per_rank: int,
-    *,
-    num_sms: int,
-    num_worst_tokens: int | None,
-    skip_rank: int | None,
-    dispatch_ids: list[int | None] | None = None,
-    statuses: dict[int, int] | None = None,
-    outs: list[dict] | None = None,
-) -> tuple[list[IntranodeHandle], list[dict] | None]:
-    """The notify launch: per rank a handle (receive prefix, counts, the verdicts on its peers).
-    Without a budget the host reads the receive counts (one sync for all launched ranks) and no
-    outputs are allocated; with one, the outputs are allocated first (notify fills their padding
-    rows), unless the caller passes them (``outs``: per rank the dict of :func:`alloc_outputs`;
-    notify writes only its top-k ids, weights and source indices)."""
-    world_size, device = engine.world_size, engine.device
+def run_notify(engine: IntranodeEngine, call: DispatchCall) -> None:
+    """The notify launch: per rank a handle into ``call.handles`` (receive prefix, counts, the
+    verdicts on its peers). Without a budget the host reads the receive counts (one sync for all
+    launched ranks) and no outputs are made (``call.outs`` None); with one, the outputs are
+    made first (notify fills their padding rows) unless ``call.outs`` holds them."""
+    inputs, world_size, device = call.inputs, engine.world_size, engine.device
     num_topk = inputs[0].topk_idx.shape[1]
-    num_channels = check_num_sms(num_sms, engine.config)
-    budget = check_budget(num_worst_tokens)
-    num_experts = experts_per_rank * world_size
-    ids = engine.dispatch_ids(dispatch_ids, len(inputs))
-    statuses = statuses or {}
+    num_channels = check_num_sms(call.num_sms, engine.config)
+    budget = call.budget
+    ids = engine.dispatch_ids(call.dispatch_ids, len(inputs))
     prefixes = [torch.zeros(world_size * num_channels + 1, dtype=torch.int32, device=device) for _ in inputs]
     counts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
     overflows = [torch.zeros(1, dtype=torch.int32, device=device) for _ in inputs]
     peer_ok = [torch.zeros(world_size, dtype=torch.int32, device=device) for _ in inputs]
-    if budget < 0:
-        outs = None
-    elif outs is None:
-        outs = [alloc_outputs(inp, budget, experts_per_rank, device) for inp in inputs]
+    outs = engine.notify_outputs(call, call.num_experts // world_size)
     ranks = [
         require_extension().NotifyRank(
             is_token_in_rank=ptr(inp.is_token_in_rank),
@@ -298,129 +234,53 @@ def run_notify(
             recv_src_idx=ptr(outs[i]["src_idx"]) if outs else None,
             num_tokens=inp.x.shape[0],
             budget=budget,
-            **engine.check_fields(
-                inp.rank,
-                dispatch_header(
-                    OP_DISPATCH,
-                    ids[i],
-                    inp,
-                    num_experts,
-                    num_channels,
-                    statuses.get(inp.rank, 0),
-                    engine.config.slot_flags,
-                    budget,
-                ),
+            **engine.dispatch_check(
+                OP_DISPATCH, ids[i], inp, call.num_experts, num_channels, call.statuses.get(inp.rank, 0), budget
             ),
         )
         for i, (inp, p, n, o, ok) in enumerate(zip(inputs, prefixes, counts, overflows, peer_ok))
     ]
-    engine.notify(engine.common(num_channels, inputs[0].rank, skip_rank), ranks, num_topk)
+    engine.notify(engine.common(num_channels, inputs[0].rank, call.skip("notify", "dispatch")), ranks, num_topk)
     if budget < 0:
         totals = torch.cat(counts).tolist()
         engine.raise_if_timed_out()
     else:
         totals = [None] * len(inputs)
-    handles = [
+    call.handles = [
         IntranodeHandle(
-            num_tokens=inp.x.shape[0],
-            num_channels=num_channels,
-            is_token_in_rank=inp.is_token_in_rank,
+            **call.handle_fields(inp, ids[i], num_channels),
             recv_prefix=p,
             num_recv_tokens=total,
             num_recv_tokens_dev=n,
             overflow=o,
             num_rows=budget if budget >= 0 else total,
-            dispatch_id=ids[i],
-            num_experts=num_experts,
             peer_ok=ok,
-            topk_dtype=inp.topk_dtype or torch.int64,
             notified=True,
         )
         for i, (inp, p, n, o, ok, total) in enumerate(zip(inputs, prefixes, counts, overflows, peer_ok, totals))
     ]
-    return handles, outs
 
 
-def launch_dispatch(
-    engine: IntranodeEngine,
-    inputs: list[RankInput],
-    handles: list[IntranodeHandle],
-    outs: list[dict],
-    experts_per_rank: int,
-    *,
-    skip_rank: int | None,
-    statuses: dict[int, int] | None = None,
-) -> None:
-    """The dispatch launch into ``outs`` (per rank the dict :func:`alloc_outputs` makes, whose
-    tensors may be views of the caller's: rows ``[handle.num_rows, ...]``). Right after its
-    notify a handle's launch reuses the notify's verdicts; any later one (a cached dispatch)
-    exchanges headers in the kernel."""
-    _, num_topk, x_bytes, scale_bytes = dispatch_shape(inputs, engine.slot_bytes)
-    num_experts, statuses = experts_per_rank * engine.world_size, statuses or {}
-    ranks = []
-    for inp, h, o in zip(inputs, handles, outs):
-        fresh, fields = dispatch_fields(engine, inp, h, o, num_experts, statuses, engine.config.slot_flags)
-        ranks.append(
-            require_extension().DispatchRank(
-                **fields,
-                token_ids=ptr(inp.token_ids),
-                is_token_in_rank=ptr(h.is_token_in_rank),
-                recv_prefix=h.recv_prefix.data_ptr(),
-                peer_ok=h.peer_ok.data_ptr() if fresh else None,
-            )
-        )
-    engine.dispatch(
-        engine.common(handles[0].num_channels, inputs[0].rank, skip_rank),
-        ranks,
-        x_bytes,
-        scale_bytes,
-        num_topk,
-        experts_per_rank,
-    )
-
-
-def run_combine(
-    engine: IntranodeEngine,
-    rank_begin: int,
-    ys: list[torch.Tensor],
-    handles: list[IntranodeHandle],
-    row_scales: list[torch.Tensor | None] | None,
-    skip_rank: int | None,
-    statuses: dict[int, int] | None = None,
-    outs: list[torch.Tensor] | None = None,
-    row_bytes: int | None = None,
-) -> list[torch.Tensor]:
-    """Combine for ranks ``rank_begin + i`` into ``outs`` (contiguous ``[T, H]``, made when None);
-    ``row_bytes``: what the header says of a row, the caller's before padding (None: y's)."""
-    device, statuses = engine.device, statuses or {}
-    row_scales, hidden, dtype, y_bytes = combine_shape(
-        ys, handles, row_scales, rank_begin, device, engine.slot_bytes, IntranodeHandle
-    )
-    if outs is None:
-        outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=device) for h in handles]
+def launch_dispatch(engine: IntranodeEngine, call: DispatchCall) -> None:
+    """The dispatch launch on ``call.handles`` into ``call.outs`` (per rank the dict of
+    :func:`alloc_outputs`: rows ``[handle.num_rows, ...]``). Right after its notify a handle's
+    launch reuses the notify's verdicts; any later one (a cached dispatch) exchanges headers in
+    the kernel."""
     ranks = [
-        require_extension().CombineRank(
-            y=ptr(y),
-            row_scale=ptr(s.contiguous()) if s is not None else None,
-            is_token_in_rank=ptr(h.is_token_in_rank),
-            recv_prefix=h.recv_prefix.data_ptr(),
-            out=ptr(out),
-            num_tokens=h.num_tokens,
-            num_rows=h.num_rows,
-            **engine.combine_check(
-                rank_begin + i,
-                h,
-                row_bytes or y_bytes,
-                dtype,
-                h.num_channels,
-                statuses.get(rank_begin + i, 0),
-                engine.config.slot_flags,
-            ),
-        )
-        for i, (y, h, s, out) in enumerate(zip(ys, handles, row_scales, outs))
+        require_extension().DispatchRank(**engine.dispatch_fields(call, inp, h, o), token_ids=ptr(inp.token_ids))
+        for inp, h, o in zip(call.inputs, call.handles, call.outs)
     ]
-    engine.combine(engine.common(handles[0].num_channels, rank_begin, skip_rank), ranks, y_bytes, dtype)
-    return outs
+    common = engine.common(call.handles[0].num_channels, call.inputs[0].rank, call.skip("dispatch", "dispatch"))
+    engine.dispatch(common, ranks, call)
+
+
+def run_combine(engine: IntranodeEngine, call: CombineCall) -> list[torch.Tensor]:
+    """Combine for ranks ``call.rank_begin + i`` into ``call.outs`` (contiguous ``[T, H]``, made
+    when None); returns them."""
+    _, dtype, y_bytes = engine.prepare_combine(call, IntranodeHandle)
+    common = engine.common(call.handles[0].num_channels, call.rank_begin, call.skip("combine", "combine"))
+    engine.combine(common, engine.combine_ranks("CombineRank", call, y_bytes, dtype), y_bytes, dtype)
+    return call.outs
 
 
 class IntranodeBuffers(RankBuffers):
@@ -441,15 +301,8 @@ class IntranodeBuffers(RankBuffers):
     :class:`~moe_dispatch.transport.kernels.header.MismatchError` (on a GPU from the pinned
     mirrors, without waiting for running kernels).
 
-    Args:
-        group: the EP process group (NCCL or gloo: it only carries the handles); W = its size,
-            all ranks on this node.
-        rank: this rank's index in the group.
-        hidden, num_topk, element_bytes: the largest rows these buffers move (sizes slots).
-        config: :class:`Config`; every rank must pass the same.
-        timeout_s: bound of every wait inside the kernels.
-        device: where buffers, inputs and outputs live: None (the current CUDA device), a
-            CUDA device, or ``"cpu"``.
+    Args: those of :class:`~moe_dispatch.transport.kernels.launcher.RankBuffers` (``group``:
+    NCCL or gloo, it only carries the handles; all W ranks on this node), and
         relay_nodes: the internode buffers' N when these are their NVLink buffers (adds the
             fused pipeline's relay region); 0 otherwise.
 
@@ -461,27 +314,16 @@ class IntranodeBuffers(RankBuffers):
     Collective: every rank constructs it together (allocation, handle exchange).
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        hidden: int,
-        num_topk: int,
-        *,
-        config: Config | None = None,
-        element_bytes: int = 2,
-        timeout_s: float | None = None,
-        device: torch.device | str | None = None,
-        relay_nodes: int = 0,
-    ):
-        C = require_extension()
-        world_size = dist.get_world_size(group)
+    _notify = staticmethod(run_notify)
+    _launch = staticmethod(launch_dispatch)
+    _dispatch = staticmethod(run_dispatch)
+    _combine = staticmethod(run_combine)
+
+    def _build(self, slot_bytes: int, relay_nodes: int = 0) -> None:
+        group, rank, world_size = self.group, self.rank, self.world_size
         if world_size > MAX_RANKS:
             raise ValueError(f"the intranode kernels serve at most {MAX_RANKS} ranks, the group has {world_size}")
-        self.device, _ = resolve_device("cuda" if device is None else device)
-        self.group, self.rank, self.world_size = group, rank, world_size
-        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config)
-        self.config = config or Config()
+        C = require_extension()
         self.layout = C.intranode_buffer_layout(
             world_size, self.config.num_channels, self.config.num_slots, slot_bytes, relay_nodes
         )
@@ -502,7 +344,7 @@ class IntranodeBuffers(RankBuffers):
                 error,
                 error_host_ptr,
                 "cuda" if on_gpu else "cpu",
-                default_timeout_s(timeout_s),
+                self.timeout_s,
                 records=Records(1, self.device, mirror=on_gpu),
                 rank_begin=rank,
                 relay_nodes=relay_nodes,
@@ -520,30 +362,6 @@ class IntranodeBuffers(RankBuffers):
     @property
     def records(self) -> list[Records]:
         return [self.engine.records]
-
-    def notify(self, inp, num_experts, *, num_sms, num_worst_tokens, dispatch_id, outs=None) -> IntranodeHandle:
-        (handle,), _ = run_notify(
-            self.engine,
-            [inp],
-            num_experts // self.world_size,
-            num_sms=num_sms,
-            num_worst_tokens=num_worst_tokens,
-            skip_rank=None,
-            dispatch_ids=[dispatch_id],
-            outs=[outs] if outs else None,
-        )
-        return handle
-
-    def launch_dispatch(self, inp, handle, outs, num_experts) -> None:
-        launch_dispatch(self.engine, [inp], [handle], [outs], num_experts // self.world_size, skip_rank=None)
-
-    def _run_dispatch(self, inputs, num_experts, **options) -> list:
-        return run_dispatch(self.engine, inputs, num_experts, **options)
-
-    def combine(self, y, handle, row_scale=None, statuses=None, row_bytes=None) -> torch.Tensor:
-        return run_combine(
-            self.engine, self.rank, [y], [handle], [row_scale], None, statuses=statuses, row_bytes=row_bytes
-        )[0]
 
     def empty_handle(self) -> IntranodeHandle:
         W, C, device = self.world_size, self.config.num_channels, self.device

@@ -1,12 +1,14 @@
-"""What the kernels' engines share to launch: :class:`Launcher` (the typed ``_C`` launch), wait
+"""What the kernels' engines share to launch: :class:`Launcher` (the typed ``_C`` launch and
+what every pipeline builds its launches from: shapes, outputs, rank fields, header checks), wait
 bounds and timeout records, pointer and alignment checks, a rank's prepared dispatch input
-(:class:`RankInput`), the shapes and headers of a launch and the assembly of its results, and
-:class:`RankBuffers`, the interface of a rank's buffers in its own process.
+(:class:`RankInput`), one operation's call for its launched ranks (:class:`DispatchCall`,
+:class:`CombineCall`), the assembly of a dispatch's results, and :class:`RankBuffers`, the
+interface of a rank's buffers in its own process.
 
 :mod:`.intranode` and :mod:`.internode` build their engines on :class:`Launcher` and run every
-dispatch through :func:`dispatch_fields` / :func:`assemble_results`; the tests' harnesses
-(:mod:`moe_dispatch.testing`) prepare their inputs with :func:`prepare_input`. Importable without
-the extension (only the launches need it).
+dispatch through :func:`dispatch_through` (the staged pipeline of :mod:`.experimental` its own
+way); the tests' harnesses (:mod:`moe_dispatch.testing`) prepare their inputs with
+:func:`prepare_input`. Importable without the extension (only the launches need it).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import abc
 import dataclasses
 import math
 import os
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ..._ext import require_extension
-from ...config import MAX_TOPK, Config, check_config, max_slot_bytes, slot_layout
-from ...errors import CommError
+from ...config import Config, check_config
+from ...kernel_layout import MAX_TOPK, max_slot_bytes, slot_layout
 from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_INVALID_ARGUMENTS, Records, header_words
 
 TIMEOUT_ENV = "MOE_DISPATCH_KERNEL_TIMEOUT_S"
@@ -58,19 +63,6 @@ _FUSED_PHASES = {
 _ROLES = {1: "barrier", 2: "sender", 3: "receiver", 4: "coordinator"}
 _SIGNAL, _TAIL, _HEAD, _HEADER = 1, 2, 3, 4
 _COUNTERS = {1: "signal", 2: "tail", 3: "head", 4: "header", 5: "relayed header", 6: "forwarded tail"}
-
-
-class IntranodeTimeoutError(CommError):
-    """A wait inside an intranode kernel ran past ``timeout_s``.
-
-    Attributes (from the kernel's record): ``phase`` ("notify"/"dispatch"/"combine"),
-    ``role``, ``rank`` (the waiting rank), ``channel`` (-1 for the barrier), ``peer`` (the rank
-    whose store never came), ``counter`` ("signal"/"tail"/"head"), ``expected``, ``observed``.
-    """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.__dict__.update(fields)
 
 
 def describe_intranode_timeout(record: list[int], timeout_s: float) -> tuple[str, dict]:
@@ -124,20 +116,6 @@ def describe_intranode_timeout(record: list[int], timeout_s: float) -> tuple[str
         f"Rank {peer} did not take part (crashed, hung, or called another operation); {AFTER_TIMEOUT}."
     )
     return message, fields
-
-
-class InternodeTimeoutError(CommError):
-    """A wait inside an internode kernel ran past ``timeout_s``.
-
-    Attributes: ``stage`` (1 = RDMA, 2 = NVLink), ``phase``, ``role``, ``rank`` / ``node`` (the
-    waiting rank, global), ``channel`` (-1 for notify), ``peer`` / ``peer_node`` (the rank whose
-    store never came), ``counter`` ("signal"/"tail"/"head"/"header"/...), ``expected``,
-    ``observed``.
-    """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.__dict__.update(fields)
 
 
 def describe_internode_timeout(
@@ -326,10 +304,109 @@ class RankInput:
         self.is_token_in_rank = self.is_token_in_rank.contiguous()
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
+class LaunchCall:
+    """What the launches of one operation read beyond its rows (a base of
+    :class:`DispatchCall` and :class:`CombineCall`).
+
+    Attributes:
+        statuses: rank -> non-zero header status: that rank refuses (its inputs are empty).
+        skip_rank, skip_phase: tests: ``skip_rank``'s blocks skip the launch of phase
+            ``skip_phase`` (None: the pipeline's main kernel).
+        check: raise what the launches recorded between them (the staged pipeline).
+    """
+
+    statuses: dict[int, int] | None = None
+    skip_rank: int | None = None
+    skip_phase: str | None = None
+    check: bool = False
+
+    def __post_init__(self) -> None:
+        self.statuses = self.statuses or {}
+
+    def skip(self, phase: str, main: str) -> int | None:
+        """The launch's ``skip_rank`` for phase ``phase`` of a pipeline whose main kernel is ``main``."""
+        return self.skip_rank if (self.skip_phase or main) == phase else None
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class DispatchCall(LaunchCall):
+    """One dispatch for launched ranks ``inputs[i].rank`` (consecutive); a fresh one's notify
+    fills ``handles`` (and ``outs`` in budget mode).
+
+    Attributes:
+        inputs: per rank its :class:`RankInput`.
+        num_experts: E.
+        num_sms: the SM budget of a fresh dispatch (even, at most ``Config.num_sms``).
+        handles: per rank a previous dispatch's handle (a cached dispatch: no notify), or None.
+        num_worst_tokens: a fresh dispatch's static receive size (budget mode), or None / 0.
+        dispatch_ids: per rank a fresh dispatch's identity (None: the engine's next).
+        outs: per rank its receive tensors (the dict of :func:`alloc_outputs`, whose tensors
+            may be views of the caller's; notify writes only the top-k ids, weights and source
+            indices), or None: allocated.
+    """
+
+    inputs: list[RankInput]
+    num_experts: int
+    num_sms: int = 0
+    handles: list | None = None
+    num_worst_tokens: int | None = None
+    dispatch_ids: list[int | None] | None = None
+    outs: list[dict] | None = None
+
+    @property
+    def budget(self) -> int:
+        """The kernels' row budget: -1 for none, else ``num_worst_tokens`` (:func:`check_budget`)."""
+        return check_budget(self.num_worst_tokens)
+
+    def handle_fields(self, inp: RankInput, dispatch_id: int, num_channels: int) -> dict:
+        """The fields every kernel handle of this fresh dispatch takes from rank ``inp``: its tokens
+        and layout, the dispatch's identity and E (header.py), the caller's top-k id dtype."""
+        return {
+            "num_tokens": inp.x.shape[0],
+            "num_channels": num_channels,
+            "is_token_in_rank": inp.is_token_in_rank,
+            "dispatch_id": dispatch_id,
+            "num_experts": self.num_experts,
+            "topk_dtype": inp.topk_dtype or torch.int64,
+        }
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class CombineCall(LaunchCall):
+    """One combine for launched ranks ``rank_begin + i``: ``ys[i]`` ``[handles[i].num_rows, H]``
+    (times ``row_scales[i]`` ``[num_rows]`` fp32, if any) summed onto the rank's tokens.
+
+    Attributes:
+        rank_begin: the first launched rank.
+        ys, handles, row_scales: per rank (``row_scales`` None: none).
+        row_bytes: what the headers say of a row, the caller's before padding (None: y's).
+        outs: per rank the ``[T, H]`` contiguous output, or None: made.
+    """
+
+    rank_begin: int
+    ys: list[torch.Tensor]
+    handles: list
+    row_scales: list[torch.Tensor | None] | None = None
+    row_bytes: int | None = None
+    outs: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.row_scales = self.row_scales or [None] * len(self.ys)
+
+
 class Launcher:
     """What every engine's launches share: device and backend, stream, cooperative launch, the
     wait bound and the error record (``int32[16]`` on the launch device, ``error_host_ptr``: a
-    pinned mirror's device address, or None)."""
+    pinned mirror's device address, or None), and what every pipeline's operation builds its
+    launches from (shapes, outputs, rank fields, header checks). A subclass sets ``slot_bytes``
+    (its slots' capacity), ``config`` and ``buffers``."""
+
+    # How the argument errors name the slots, and what the caller does about a row too wide.
+    slots: ClassVar[str] = "the buffer's slots"
+    fix: ClassVar[str] = "size the Buffer"
+    slot_bytes: int
 
     def __init__(
         self,
@@ -350,12 +427,18 @@ class Launcher:
         self.next_dispatch_id = 1  # the default identity of the next fresh dispatch
         self.set_timeout(timeout_s)
 
+    @property
+    def slot_flags(self) -> bool:
+        """What the headers say of ready flags: the intranode kernels' ``Config.slot_flags``; the
+        internode kernels have none."""
+        return False
+
     def check_fields(self, rank: int, header: list[int]) -> dict:
         """A launched rank's ``check`` field: its ``_C.Check`` (header.Records.fields)."""
         return {"check": require_extension().Check(**self.records.fields(rank - self.record_base, header))}
 
     def combine_check(
-        self, rank: int, handle, y_bytes: int, dtype: torch.dtype, num_channels: int, status: int, slot_flags=False
+        self, rank: int, handle, y_bytes: int, dtype: torch.dtype, num_channels: int, status: int
     ) -> dict:
         """The ``check`` field of launched rank ``rank``'s combine of ``handle``'s dispatch
         (``y_bytes`` rows of ``dtype``; header.py)."""
@@ -367,10 +450,92 @@ class Launcher:
             0,
             handle.num_experts,
             num_channels,
-            slot_flags=slot_flags,
+            slot_flags=self.slot_flags,
             status=status,
         )
         return self.check_fields(rank, header)
+
+    def dispatch_check(
+        self, op: int, dispatch_id: int, inp: RankInput, num_experts: int, num_channels: int, status: int, budget=-1
+    ) -> dict:
+        """The ``check`` field of ``inp``'s rank in a dispatch launch (``op``: OP_DISPATCH or
+        OP_CACHED_DISPATCH; :func:`dispatch_header`)."""
+        header = dispatch_header(op, dispatch_id, inp, num_experts, num_channels, status, self.slot_flags, budget)
+        return self.check_fields(inp.rank, header)
+
+    def dispatch_shape(self, inputs: list[RankInput]) -> DispatchShape:
+        """:func:`dispatch_shape` of ``inputs`` in this engine's slots."""
+        return dispatch_shape(inputs, self.slot_bytes, self.slots, self.fix)
+
+    def dispatch_fields(self, call: DispatchCall, inp: RankInput, handle, out: dict) -> dict:
+        """The fields every dispatch launch's rank struct shares: inputs, outputs (``out``), the
+        handle's routing (``routing_fields()``) and the header check. A handle's first launch after
+        its notify alone reuses the notify's verdicts (``peer_ok``; its ``notified`` flag is
+        cleared); a later one exchanges headers in the kernel."""
+        fresh, handle.notified = handle.notified, False
+        op = OP_DISPATCH if fresh else OP_CACHED_DISPATCH
+        status = call.statuses.get(inp.rank, 0)
+        return {
+            "x": ptr(inp.x),
+            "x_scales": ptr(inp.scales),
+            "topk_idx": ptr(inp.topk_idx),
+            "topk_weights": ptr(inp.topk_weights),
+            "recv_x": ptr(out["x"]),
+            "recv_scales": ptr(out["scales"]),
+            "recv_topk_idx": ptr(out["topk_idx"]),
+            "recv_topk_weights": ptr(out["topk_weights"]) if inp.topk_weights is not None else None,
+            "recv_src_idx": ptr(out["src_idx"]),
+            "num_recv_per_expert": out["per_expert"].data_ptr(),
+            "overflow": handle.overflow.data_ptr(),
+            "num_tokens": inp.x.shape[0],
+            "num_rows": handle.num_rows,
+            **handle.routing_fields(),
+            "peer_ok": handle.peer_ok.data_ptr() if fresh else None,
+            **self.dispatch_check(op, handle.dispatch_id, inp, call.num_experts, handle.num_channels, status),
+        }
+
+    def notify_outputs(self, call: DispatchCall, experts_per_rank: int) -> list[dict] | None:
+        """The receive tensors whose padding rows a fresh dispatch's notify fills: in budget mode
+        ``call.outs``, made here where None; without a budget none (``call.outs`` cleared)."""
+        if call.budget < 0:
+            call.outs = None
+        elif call.outs is None:
+            call.outs = [alloc_outputs(inp, call.budget, experts_per_rank, self.device) for inp in call.inputs]
+        return call.outs
+
+    def prepare_combine(self, call: CombineCall, handle_type: type) -> tuple[int, torch.dtype, int]:
+        """``(hidden, dtype, y_bytes)`` of a combine in this engine's slots whose handles must be
+        ``handle_type`` (see :func:`check_combine`); makes ``call.outs`` (``[T, H]`` per rank)
+        where None."""
+        for i, h in enumerate(call.handles):
+            if not isinstance(h, handle_type):
+                raise ValueError(
+                    f"rank {call.rank_begin + i}: the handle must be a {handle_type.__name__} (of a dispatch on "
+                    f"this transport), got {type(h).__name__}"
+                )
+        hidden, dtype, y_bytes = check_combine(call, self.device, self.slot_bytes, self.slots)
+        if call.outs is None:
+            call.outs = [torch.empty(h.num_tokens, hidden, dtype=dtype, device=self.device) for h in call.handles]
+        return hidden, dtype, y_bytes
+
+    def combine_ranks(self, struct: str, call: CombineCall, y_bytes: int, dtype: torch.dtype) -> list:
+        """Per launched rank of ``call`` its ``_C.<struct>`` (``CombineRank``, ``FusedCombineRank``):
+        its y, row scale and output (``call.outs``), its handle's routing (``routing_fields()``)
+        and header check."""
+        make, row_bytes = getattr(require_extension(), struct), call.row_bytes or y_bytes
+        ranks = range(call.rank_begin, call.rank_begin + len(call.ys))
+        return [
+            make(
+                y=ptr(y),
+                row_scale=ptr(s.contiguous()) if s is not None else None,
+                **h.routing_fields(),
+                out=ptr(out),
+                num_tokens=h.num_tokens,
+                num_rows=h.num_rows,
+                **self.combine_check(r, h, row_bytes, dtype, h.num_channels, call.statuses.get(r, 0)),
+            )
+            for r, y, h, s, out in zip(ranks, call.ys, call.handles, call.row_scales, call.outs)
+        ]
 
     def dispatch_ids(self, given: list[int | None] | None, count: int) -> list[int]:
         """The identities of a fresh dispatch's ``count`` launched ranks: ``given`` (per rank), or
@@ -413,6 +578,10 @@ class Launcher:
     def _backend_args(self) -> tuple:
         """What every ``_C`` launch takes after its own arguments, before the stream."""
         return (self.backend,)
+
+    def _run_combine(self, name: str, common, ranks: list, y_bytes: int, dtype: torch.dtype) -> None:
+        """Launches combine ``_C.<name>`` of ``y_bytes`` rows of ``dtype`` (bf16, fp16 or fp32)."""
+        self._run(name, common, ranks, y_bytes, COMBINE_DTYPES[dtype])
 
     def _run(self, name: str, *args, cpu_options: bool = True) -> None:
         """Calls ``_C.<name>`` with ``args`` and the launch settings (a notify takes no CPU options)."""
@@ -515,11 +684,26 @@ def prepare_input(
     return RankInput(rank, x, scales, topk_idx, topk_weights, is_token_in_rank, topk_idx.dtype)
 
 
+class DispatchShape(NamedTuple):
+    """The rows of a dispatch launch: ``hidden`` elements, ``num_topk``, and the bytes of a row's
+    x and fp8 scales (what each engine's dispatch launch takes)."""
+
+    hidden: int
+    num_topk: int
+    x_bytes: int
+    scale_bytes: int
+
+    @property
+    def launch_args(self) -> tuple[int, int, int]:
+        """What a dispatch launch takes of it: ``(x_bytes, scale_bytes, num_topk)``."""
+        return self.x_bytes, self.scale_bytes, self.num_topk
+
+
 def dispatch_shape(
     inputs: list[RankInput], slot_bytes: int, slots: str = "the buffer's slots", fix: str = "size the Buffer"
-) -> tuple[int, int, int, int]:
-    """``(hidden, num_topk, x_bytes, scale_bytes)`` of a dispatch launch: every rank must move the
-    same rows, and a slot (of ``slot_bytes``) must hold one."""
+) -> DispatchShape:
+    """The :class:`DispatchShape` of a dispatch launch: every rank must move the same rows, and a
+    slot (of ``slot_bytes``) must hold one."""
     first = inputs[0]
     hidden, dtype = first.x.shape[1], first.x.dtype
     num_topk = first.topk_idx.shape[1]
@@ -543,7 +727,7 @@ def dispatch_shape(
             f"a dispatch slot for hidden {hidden} x {first.x.element_size()} bytes, top-{num_topk} needs "
             f"{need} bytes but {slots} hold {slot_bytes}; {fix} for it"
         )
-    return hidden, num_topk, x_bytes, scale_bytes
+    return DispatchShape(hidden, num_topk, x_bytes, scale_bytes)
 
 
 def dispatch_header(
@@ -572,47 +756,6 @@ def dispatch_header(
         status=status,
         budget=max(budget, 0),
     )
-
-
-def dispatch_fields(
-    engine: Launcher,
-    inp: RankInput,
-    handle,
-    out: dict,
-    num_experts: int,
-    statuses: dict[int, int],
-    slot_flags: bool = False,
-) -> tuple[bool, dict]:
-    """The fields every dispatch launch's rank struct shares (inputs, outputs, the header check),
-    and whether this is the handle's first launch after its notify: that one alone reuses the
-    notify's verdicts (the handle's ``notified`` flag is cleared). ``slot_flags``: the intranode
-    kernels' ready flags (in the header)."""
-    fresh, handle.notified = handle.notified, False
-    header = dispatch_header(
-        OP_DISPATCH if fresh else OP_CACHED_DISPATCH,
-        handle.dispatch_id,
-        inp,
-        num_experts,
-        handle.num_channels,
-        statuses.get(inp.rank, 0),
-        slot_flags,
-    )
-    return fresh, {
-        "x": ptr(inp.x),
-        "x_scales": ptr(inp.scales),
-        "topk_idx": ptr(inp.topk_idx),
-        "topk_weights": ptr(inp.topk_weights),
-        "recv_x": ptr(out["x"]),
-        "recv_scales": ptr(out["scales"]),
-        "recv_topk_idx": ptr(out["topk_idx"]),
-        "recv_topk_weights": ptr(out["topk_weights"]) if inp.topk_weights is not None else None,
-        "recv_src_idx": ptr(out["src_idx"]),
-        "num_recv_per_expert": out["per_expert"].data_ptr(),
-        "overflow": handle.overflow.data_ptr(),
-        "num_tokens": inp.x.shape[0],
-        "num_rows": handle.num_rows,
-        **engine.check_fields(inp.rank, header),
-    }
 
 
 def alloc_outputs(inp: RankInput, rows: int, experts_per_rank: int, device: torch.device) -> dict:
@@ -658,23 +801,42 @@ def assemble_results(result_type: type, inputs: list[RankInput], handles: list, 
     return results
 
 
+def dispatch_through(engine, call: DispatchCall, notify, launch, result_type: type, handle_type: type) -> list:
+    """A pipeline's dispatch on ``engine`` (its ``world_size`` and ``device``): a fresh one's
+    ``notify(engine, call)`` (fills ``call.handles``), a cached one's handles checked (one
+    ``handle_type`` per rank, for the rank's tokens unless it refuses); then the outputs where
+    ``call.outs`` has none, ``launch(engine, call)``, and per rank a ``result_type``."""
+    inputs, handles = call.inputs, call.handles
+    if handles is None:
+        notify(engine, call)
+    elif len(handles) != len(inputs):
+        raise ValueError(f"pass one handle per rank: {len(inputs)} inputs, {len(handles)} handles")
+    else:
+        for inp, h in zip(inputs, handles):
+            if not isinstance(h, handle_type) or (h.num_tokens != inp.x.shape[0] and inp.rank not in call.statuses):
+                raise ValueError(
+                    f"rank {inp.rank}: the handle is not an {handle_type.__name__} for {inp.x.shape[0]} tokens "
+                    f"(of a dispatch on these buffers)"
+                )
+    if call.outs is None:
+        experts_per_rank, device = call.num_experts // engine.world_size, engine.device
+        call.outs = [alloc_outputs(inp, h.num_rows, experts_per_rank, device) for inp, h in zip(inputs, call.handles)]
+    launch(engine, call)
+    return assemble_results(result_type, inputs, call.handles, call.outs)
+
+
 def check_combine(
-    ys: list[torch.Tensor],
-    handles: list,
-    row_scales: list[torch.Tensor | None],
-    rank_begin: int,
-    device: torch.device,
-    slot_bytes: int,
-    slots: str = "the buffer's slots",
+    call: CombineCall, device: torch.device, slot_bytes: int, slots: str = "the buffer's slots"
 ) -> tuple[int, torch.dtype, int]:
     """``(hidden, dtype, y_bytes)`` of a combine launch: every rank's y and row_scale fit its
     handle, the ranks agree, and a slot (of ``slot_bytes``) holds a row."""
     from ...semantics.validation import check_hidden
 
+    ys, handles, rank_begin = call.ys, call.handles, call.rank_begin
     if len(ys) != len(handles):
         raise ValueError(f"pass one y per handle: {len(ys)} ys, {len(handles)} handles")
     hidden, dtype = ys[0].shape[1], ys[0].dtype
-    for i, (y, h, s) in enumerate(zip(ys, handles, row_scales)):
+    for i, (y, h, s) in enumerate(zip(ys, handles, call.row_scales)):
         check_hidden(
             f"y (rank {rank_begin + i})", y, device, num_rows=h.num_rows, rows_what="the handle (rows received)"
         )
@@ -698,28 +860,6 @@ def check_combine(
             f"{slot_layout(y_bytes).slot_bytes} bytes but {slots} hold {slot_bytes}"
         )
     return hidden, dtype, y_bytes
-
-
-def combine_shape(
-    ys: list[torch.Tensor],
-    handles: list,
-    row_scales: list | None,
-    rank_begin: int,
-    device: torch.device,
-    slot_bytes: int,
-    handle_type: type,
-    slots: str = "the buffer's slots",
-) -> tuple[list, int, torch.dtype, int]:
-    """``(row_scales, hidden, dtype, y_bytes)`` of a combine whose handles must be ``handle_type``
-    (see :func:`check_combine`)."""
-    for i, h in enumerate(handles):
-        if not isinstance(h, handle_type):
-            raise ValueError(
-                f"rank {rank_begin + i}: the handle must be a {handle_type.__name__} (of a dispatch on "
-                f"this transport), got {type(h).__name__}"
-            )
-    row_scales = row_scales or [None] * len(ys)
-    return (row_scales, *check_combine(ys, handles, row_scales, rank_begin, device, slot_bytes, slots))
 
 
 def refusal_input(rank: int, world_size: int, device: torch.device) -> RankInput:
@@ -750,15 +890,66 @@ class RankBuffers(abc.ABC):
     tests' :mod:`moe_dispatch.testing.ranks`.
 
     Subclasses: ``intranode.IntranodeBuffers`` (one node) and ``internode.InternodeBuffers``
-    (several). They set ``rank``, ``world_size``, ``device`` and ``config``. Every operation is
+    (several): each builds its buffers and ``engine`` (:meth:`_build`) and names its topology's
+    operations on that engine (``_notify``, ``_launch``, ``_dispatch``, ``_combine``: a
+    :class:`DispatchCall` or :class:`CombineCall` for this one rank). Every operation is
     collective (every rank of the group calls it) and launches at once; none checks its
     arguments against the peers' on the host (the kernels' headers do, on the device).
+
+    Args:
+        group: the EP process group; W = its size.
+        rank: this rank's index in the group.
+        hidden, num_topk, element_bytes: the largest rows these buffers move (sizes slots).
+        config: :class:`Config`; every rank must pass the same.
+        timeout_s: bound of every wait inside the kernels (default :func:`default_timeout_s`).
+        device: where buffers, inputs and outputs live: None (the current CUDA device), a
+            CUDA device, or ``"cpu"``.
+        build: the subclass's own keywords (:meth:`_build`).
+
+    Raises:
+        ValueError: hidden, num_topk or element_bytes out of range, or a device that is neither
+            CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device without a
+            GPU (and what :meth:`_build` raises).
+
+    Attributes:
+        group, rank, world_size, device, config, timeout_s: as constructed (W: the group's size).
+        rows: ``(hidden, num_topk, element_bytes)``, the largest rows the buffers move.
+        engine: what the operations launch on (the subclass's engine, or engines).
+
+    Collective: every rank constructs it together.
     """
 
-    rank: int
-    world_size: int
-    device: torch.device
-    config: Config
+    min_topk: ClassVar[int] = 0  # the fewest top-k entries a slot holds
+    # The topology's operations (static methods), each on (self.engine, a call of this rank):
+    _notify: ClassVar[Callable]  # a fresh dispatch's notify: fills call.handles
+    _launch: ClassVar[Callable]  # the dispatch launch on call.handles into call.outs
+    _dispatch: ClassVar[Callable]  # a whole dispatch -> per rank its result
+    _combine: ClassVar[Callable]  # a combine -> per rank its [T, H] output
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        hidden: int,
+        num_topk: int,
+        *,
+        config: Config | None = None,
+        element_bytes: int = 2,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+        **build,
+    ):
+        self.group, self.rank, self.world_size = group, rank, dist.get_world_size(group)
+        self.rows = (hidden, num_topk, element_bytes)
+        slot_bytes = slot_bytes_for(hidden, num_topk, element_bytes, config, min_topk=self.min_topk)
+        self.config = config or Config()
+        self.device, _ = resolve_device("cuda" if device is None else device)  # before anything collective
+        self.timeout_s = default_timeout_s(timeout_s)
+        self._build(slot_bytes, **build)
+
+    @abc.abstractmethod
+    def _build(self, slot_bytes: int, **build) -> None:
+        """Checks what the topology needs, then (collective) makes the buffers and ``engine``."""
 
     @property
     @abc.abstractmethod
@@ -770,7 +961,6 @@ class RankBuffers(abc.ABC):
     def records(self) -> list[Records]:
         """The mismatch records the launches write (header.py)."""
 
-    @abc.abstractmethod
     def notify(
         self,
         inp: RankInput,
@@ -785,11 +975,21 @@ class RankBuffers(abc.ABC):
         Without a budget (``num_worst_tokens`` None) the host reads the receive count; with one,
         nothing waits for the host and notify fills the padding rows of ``outs`` (the dict of
         :func:`alloc_outputs`; None: no tables)."""
+        call = DispatchCall(
+            inputs=[inp],
+            num_experts=num_experts,
+            num_sms=num_sms,
+            num_worst_tokens=num_worst_tokens,
+            dispatch_ids=[dispatch_id],
+            outs=[outs] if outs else None,
+        )
+        self._notify(self.engine, call)
+        return call.handles[0]
 
-    @abc.abstractmethod
     def launch_dispatch(self, inp: RankInput, handle, outs: dict, num_experts: int) -> None:
         """The dispatch launch of ``inp`` on ``handle`` into ``outs`` (the dict of
         :func:`alloc_outputs`, whose tensors may be views of the caller's)."""
+        self._launch(self.engine, DispatchCall(inputs=[inp], num_experts=num_experts, handles=[handle], outs=[outs]))
 
     def dispatch(
         self,
@@ -805,23 +1005,17 @@ class RankBuffers(abc.ABC):
         """A whole dispatch of ``inp``: notify (unless ``handle`` is given: a cached dispatch),
         then the dispatch launch into new outputs; returns this rank's result. ``statuses``:
         rank -> non-zero header status (a refusing rank's, see :meth:`refuse`)."""
-        return self._run_dispatch(
-            [inp],
-            num_experts,
+        call = DispatchCall(
+            inputs=[inp],
+            num_experts=num_experts,
             num_sms=num_sms,
             handles=[handle] if handle is not None else None,
             num_worst_tokens=num_worst_tokens,
-            skip_rank=None,
-            skip_phase=None,
             dispatch_ids=[dispatch_id] if dispatch_id is not None else None,
             statuses=statuses,
-        )[0]
+        )
+        return self._dispatch(self.engine, call)[0]
 
-    @abc.abstractmethod
-    def _run_dispatch(self, inputs: list[RankInput], num_experts: int, **options) -> list:
-        """The topology's ``run_dispatch`` on this rank's engine (``inputs``: this rank's)."""
-
-    @abc.abstractmethod
     def combine(
         self,
         y: torch.Tensor,
@@ -833,6 +1027,15 @@ class RankBuffers(abc.ABC):
         """Combine of ``y [handle.num_rows, H]`` (times ``row_scale``, fp32) onto this rank's
         tokens: ``[T, H]`` in y's dtype. ``row_bytes``: what the header says of a row, the
         caller's before padding (None: y's)."""
+        call = CombineCall(
+            rank_begin=self.rank,
+            ys=[y],
+            handles=[handle],
+            row_scales=[row_scale],
+            statuses=statuses,
+            row_bytes=row_bytes,
+        )
+        return self._combine(self.engine, call)[0]
 
     @abc.abstractmethod
     def empty_handle(self):

@@ -5,8 +5,8 @@ The interface is :class:`~moe_dispatch.transport.base.Transport`, the torch_dist
 too, so everything the Buffer builds on it (autograd, ``async_finish``, receive hooks,
 ``num_worst_tokens``, cached dispatch, fp8, delayed weight gradients) works unchanged. Every
 operation launches when called and returns :func:`~moe_dispatch.transport.base.completed`
-steps; every launch goes through the Buffer's one ordered queue (``plans_on_comm_thread``:
-the launches share one set of rings, so a fresh dispatch's notify must not run beside another
+steps; every launch goes through the Buffer's one ordered queue, a fresh dispatch's plan too
+(the launches share one set of rings, so a fresh dispatch's notify must not run beside another
 operation's kernels).
 
 - **One node** (``ranks_per_node == W``): the intranode kernels
@@ -33,16 +33,15 @@ What synchronises the host (per rank, on a GPU):
   dispatch id the handle carries; row bytes, dtype, top-k, experts, channels; a status), and a
   pair whose headers differ moves no rows (:mod:`.header`). The Buffer compares the
   arguments on the host only the first time a call signature appears
-  (:class:`~moe_dispatch.buffer.Transfers`). A rank whose own arguments are bad takes part
+  (:class:`~moe_dispatch.runtime.transfers.Transfers`). A rank whose own arguments are bad takes part
   with a non-zero status (:meth:`KernelTransport.refuse`), so its peers finish at once.
 - kernel timeouts and header mismatches are recorded on the device (and in pinned host
   mirrors on a GPU) and raised at the next point that reads them: a sized dispatch's count
   read, ``Buffer.check_errors()``, a buffer resize; on the CPU backend after each launch.
 
 Rows whose width is not a multiple of 16 bytes (what the kernels move per vector) travel
-zero-padded; fp16 combines on CPU run as fp32 rows (the same fp32 sum, rounded once). The
-buffers grow, on every rank, when an operation needs wider rows than they hold (a collective
-set-up: every rank sees the same, checked sizes). ``Buffer.close()`` frees them.
+zero-padded. The buffers grow, on every rank, when an operation needs wider rows than they hold
+(a collective set-up: every rank sees the same, checked sizes). ``Buffer.close()`` frees them.
 """
 
 from __future__ import annotations
@@ -54,12 +53,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ...config import MAX_RANKS, MAX_TOPK, Config
-from ...errors import CommError
+from ...config import Config
+from ...control import ControlPlane
+from ...control.agreement import DISPATCH_FIELDS, Field, status_of
+from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError, error_name
+from ...kernel_layout import MAX_RANKS, MAX_TOPK
 from ...topology import Topology
-from ..base import Field, Steps, completed
-from ..torch_dist import ALL_COMM, TorchDistTransport
-from .header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, STATUS_GROW, STATUS_INVALID_ARGUMENTS
+from ..base import Capabilities, PlanRequest, Steps, Transfer, Transport, TransportOptions, completed
+from .header import (
+    FIELD_STATUS,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    STATUS_GROW,
+    describe_mismatch,
+    refusal_status,
+)
 from .internode import InternodeBuffers, InternodeHandle, check_rdma_config
 from .intranode import IntranodeBuffers, IntranodeHandle
 from .launcher import COMBINE_DTYPES, RankBuffers, RankInput, kernel_timeout_s
@@ -69,6 +78,15 @@ if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects
 
 _VECTOR = 16  # bytes the kernels move per access
 _OPS = {"dispatch": OP_DISPATCH, "cached dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE}
+# What every launch's operation header compares (.header), by operation: the fresh dispatch's notify
+# header carries its exact row bytes, dtype, top-k, experts, weights flag and num_worst_tokens; a
+# combine's or cached dispatch's its handle, the caller's row bytes and dtype. topk_idx's dtype only
+# names the received ids' dtype on each rank.
+DEVICE_CHECKED_FIELDS = {
+    "dispatch (metadata)": frozenset(DISPATCH_FIELDS),
+    "dispatch": frozenset({"handle", "hidden", "dtype"}),
+    "combine": frozenset({"handle", "hidden", "dtype"}),
+}
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,60 +164,57 @@ class KernelPlan:
         return int(sent.sum()) - int(sent[:, me].sum())
 
 
-class KernelTransport:
+class KernelTransport(Transport):
     """The ``_C`` kernels behind a Buffer (see the module docstring), a
     :class:`~moe_dispatch.transport.base.Transport`.
 
     Args:
-        group: the EP process group: NCCL with CUDA tensors, or gloo (with CPU tensors, or
-            CUDA tensors of processes sharing a GPU).
+        control: the EP group's control plane: its host group carries the argument checks of a
+            new call signature and the kernels' buffer set-up (handles of the shared buffers).
         topology: this rank's place; one node takes the intranode kernels, several the
             hierarchical ones.
-        timeout_s: bound of every wait (the argument checks; the kernels' waits too, unless
-            ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` is set: :func:`kernel_timeout_s`).
-        config: the kernels' launch shape and queue sizes (the Buffer checked it; several
-            nodes need ``num_slots % chunk_tokens == 0``), or "auto": ``Config.auto`` at the
-            first plan, from the agreed fields (``_auto_config``).
-        device: the Buffer's device (CUDA, or CPU for the CPU backend).
+        options: ``timeout_s`` bounds every wait (the argument checks; the kernels' waits too,
+            unless ``MOE_DISPATCH_KERNEL_TIMEOUT_S`` is set: :func:`kernel_timeout_s`);
+            ``config`` is the kernels' launch shape and queue sizes (the Buffer checked it;
+            several nodes need ``num_slots % chunk_tokens == 0``), or "auto": ``Config.auto`` at
+            the first plan, from the agreed fields (``_auto_config``); ``device`` the Buffer's
+            (CUDA, or CPU for the CPU backend).
 
     Raises:
         ValueError: more ranks per node than the kernels serve (an NVLink domain), a Config the
             hierarchical kernels cannot use, or a bad ``MOE_DISPATCH_KERNEL_TIMEOUT_S``.
         RuntimeError: the extension is not built.
 
-    Collective: every rank of ``group`` constructs it together.
+    Collective: every rank of the EP group constructs it together.
     """
 
-    plans_on_comm_thread = True
-    # plan() takes the routing (topk_idx) and a static row budget: the kernels' notify sizes
-    # the receive on the device.
-    routes_on_device = True
-    # Every launch compares the ranks' calls on the device (the operation header).
-    device_checks = True
+    name = "kernels"
 
-    def __init__(
-        self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, config: Config | str, device: torch.device
-    ):
+    def __init__(self, control: ControlPlane, topology: Topology, options: TransportOptions):
+        super().__init__(control, topology, options)
+        config = options.config or Config()
         # "auto" is resolved at the first plan; it keeps the default pipeline
         shape = Config() if config == "auto" else config
-        self.check(topology, shape)
+        self.check_options(topology, options)
         self.config = config
-        self.topology, self.timeout_s, self.device = topology, timeout_s, device
-        self.kernel_timeout_s = kernel_timeout_s(timeout_s)
+        self.timeout_s, self.device = options.timeout_s, options.device
+        self.kernel_timeout_s = kernel_timeout_s(self.timeout_s)
         # one node, or the hierarchical pipeline of Config.internode_pipeline
         self.pipeline = "intranode" if topology.num_nodes == 1 else shape.internode_pipeline
-        # The argument checks and progress records are the torch_dist transport's; its
-        # comm-thread group also carries the kernels' handle exchange.
-        self._dist = TorchDistTransport(group, topology, timeout_s, num_chunks=1)
-        self.progress = self._dist.progress
-        self._group = self._dist.groups[ALL_COMM] or group
+        self.capabilities = Capabilities(
+            # one node and the fused pipeline keep R on the device; the staged one reads it on the host
+            budget_on_device=self.pipeline != "staged",
+            device_checks=True,
+            device_checked_fields=DEVICE_CHECKED_FIELDS,
+        )
+        self._group = control.group or control.ep_group  # the buffers' set-up (a group of one: any)
         self._kernels: RankBuffers | None = None  # IntranodeBuffers or InternodeBuffers, sized on first use
         self._capacity = (0, 0)  # (row elements at 4 bytes, top-k) the buffers hold
 
-    @staticmethod
-    def check(topology: Topology, config: Config) -> None:
-        """Raises unless the kernels can serve ``topology`` with ``config`` here (Buffer checks
-        it before its ranks agree on their arguments, so no rank fails alone later).
+    @classmethod
+    def check_options(cls, topology: Topology, options: TransportOptions) -> None:
+        """Raises unless the kernels can serve ``topology`` with ``options.config`` here (Buffer
+        checks it before its ranks agree on their arguments, so no rank fails alone later).
 
         Raises:
             ValueError: more ranks per node than the kernels serve (an NVLink domain), or a
@@ -217,55 +232,31 @@ class KernelTransport:
                 f"has {topology.ranks_per_node} ({topology.num_nodes} node(s)); pass ranks_per_node= (a divisor of "
                 f"{topology.world_size} up to {MAX_RANKS}) or use transport='torch_dist'"
             )
+        config = options.config
         if topology.num_nodes > 1:
-            check_rdma_config(config)
-
-    @property
-    def budget_on_device(self) -> bool:
-        """Whether a ``num_worst_tokens`` dispatch keeps its counts on the device (one node, or
-        the fused hierarchical pipeline; the staged one reads them on the host)."""
-        return self.pipeline != "staged"
-
-    def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Steps:
-        """Steps comparing ``fields`` and statuses across ranks on the host
-        (``TorchDistTransport.agree``: its host group, no device synchronisation): the Buffer's
-        check of a call signature it has not seen before, and of a refusal.
-
-        Raises (from the steps):
-            ValueError: naming each refusing rank, or the first field and the ranks that differ.
-        """
-        return self._dist.agree(fields, what, status)
+            check_rdma_config(Config() if config is None or config == "auto" else config)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        what: str = "dispatch",
-        on_comm_thread: bool = True,
-        status: int = 0,
-        *,
-        topk_idx: torch.Tensor | None = None,
-        num_rows: int | None = None,
-        dispatch_id: int = 0,
-    ) -> Steps:
+    def plan(self, request: PlanRequest) -> Steps:
         """Steps that size the buffers and run notify; returns the :class:`KernelPlan`. The
         Buffer compares the arguments across ranks first (the first call of a signature; the
         kernels' header every later one).
 
-        Args:
+        What it reads of ``request`` (:class:`~moe_dispatch.transport.base.PlanRequest`):
             is_token_in_rank: ``[T, W]`` bool layout of the sent tokens.
             fields: the dispatch's checked arguments (``hidden``, ``x dtype``, ``top-k``,
                 ``num_experts``, ``topk_weights given``): what notify's header carries.
             topk_idx: ``[T, K]`` int32/int64 global expert ids.
             num_rows: a static receive size (budget mode): R stays on the device (no host sync)
-                where :attr:`budget_on_device`; None: R is read on the host.
+                where ``capabilities.budget_on_device``; None: R is read on the host.
             dispatch_id: the dispatch's identity, the same on every rank.
             status: this rank's refusal (non-zero): it takes part in the argument check with it
                 (``agreement``), and every rank raises ValueError there, before any launch.
+            (``rows`` is unused: the payload moves in :meth:`dispatch_rows`.)
         """
-        if status:
-            yield from self.agree({"operation": "dispatch (metadata)", **fields}, what, status)
+        fields, topk_idx, is_token_in_rank = request.fields, request.topk_idx, request.is_token_in_rank
+        if request.status:
+            yield from self.agree({"operation": "dispatch (metadata)", **fields}, request.what, request.status)
         yield from ()  # steps that wait for nothing: the launches are enqueued when driven
         if self.config == "auto":
             self.config = _auto_config(fields, self.topology)
@@ -280,7 +271,7 @@ class KernelTransport:
                 self._input(torch.zeros(num_tokens, 4, device=self.device), None, topk_idx, None, is_token_in_rank),
                 num_experts,
                 num_sms=self.config.num_sms,
-                dispatch_id=dispatch_id,
+                dispatch_id=request.dispatch_id,
             )
             self._after_launch(mismatches=True)  # this plan's dispatch is an operation of its own
             return KernelPlan(result.handle, experts_per_rank, self.topology, result.handle.num_rows)
@@ -291,7 +282,7 @@ class KernelTransport:
         )
         weights = stand_in(num_topk, torch.float32) if fields["topk_weights given"] else None
         inp = self._input(stand_in(fields["hidden"], fields["x dtype"]), None, topk_idx, weights, is_token_in_rank)
-        budget, scratch = num_rows, None
+        budget, scratch = request.num_rows, None
         if budget is not None:  # the padding rows notify fills, and the dispatch launch's tables
             scratch = {
                 "x": torch.empty(budget, 0, device=self.device),
@@ -306,7 +297,7 @@ class KernelTransport:
             num_experts,
             num_sms=self.config.num_sms,
             num_worst_tokens=budget,
-            dispatch_id=dispatch_id,
+            dispatch_id=request.dispatch_id,
             outs=scratch,
         )
         # A timeout now (on a GPU the count read synchronised); a mismatch once the dispatch launch
@@ -317,17 +308,12 @@ class KernelTransport:
             self._after_launch(mismatches=False)
         return KernelPlan(handle, experts_per_rank, self.topology, handle.num_rows, scratch)
 
-    def dispatch(
-        self,
-        tensors: list[torch.Tensor],
-        is_token_in_rank: torch.Tensor,
-        plan: KernelPlan,
-        out: list[torch.Tensor],
-        what: str = "dispatch",
-    ) -> Steps:
-        """Steps moving ``tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into ``out``
-        (the same list, ``[plan.num_rows, ...]``); top-k ids arrive in global numbering (-1 where
-        the expert is another rank's, and in rows past the received ones), weights 0 there."""
+    def dispatch_rows(self, transfer: Transfer, is_token_in_rank: torch.Tensor) -> Steps:
+        """Steps moving ``transfer.tensors`` = ``[x, (fp8 scales), topk_idx, (topk_weights)]`` into
+        ``transfer.out`` (the same list, ``[plan.num_rows, ...]``); top-k ids arrive in global
+        numbering (-1 where the expert is another rank's, and in rows past the received ones),
+        weights 0 there."""
+        tensors, plan, out = transfer.tensors, transfer.plan, transfer.out
         k = next(i for i, t in enumerate(tensors) if not t.is_floating_point())  # topk_idx, the integer one
         x, scales = tensors[0], (tensors[1] if k == 2 else None)
         topk_idx, weights = tensors[k], (tensors[k + 1] if len(tensors) > k + 1 else None)
@@ -350,9 +336,10 @@ class KernelTransport:
             self._check_errors()
         return completed()
 
-    def forward(self, tensors: list[torch.Tensor], plan: KernelPlan, out: list[torch.Tensor], what: str) -> Steps:
-        """Steps replaying ``plan`` for row tensors ``[T, ...]`` into ``out`` ``[num_rows, ...]``
-        (an fp8 pair travels as one row)."""
+    def forward_rows(self, transfer: Transfer) -> Steps:
+        """Steps replaying the plan for row tensors ``[T, ...]`` into ``transfer.out``
+        ``[num_rows, ...]`` (an fp8 pair travels as one row)."""
+        tensors, plan, out = transfer.tensors, transfer.plan, transfer.out
         fp8 = len(tensors) == 2 and tensors[0].dtype == torch.float8_e4m3fn
         groups = [(tensors, out)] if fp8 else [([t], [o]) for t, o in zip(tensors, out)]
         for (x, *scales), (dst, *dst_scales) in groups:
@@ -370,23 +357,15 @@ class KernelTransport:
             )
         return completed()
 
-    def combine(
-        self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: KernelPlan,
-        out: list[torch.Tensor],
-        what: str,
-    ) -> Steps:
+    def combine_rows(self, transfer: Transfer) -> Steps:
         """Steps summing each tensor's rows ``[num_rows, ...]`` (times its fp32 scale, if any)
-        onto their source tokens in ``out`` ``[T, ...]``; rows past the received ones are not
-        read."""
-        for y, scale, dst in zip(tensors, scales, out):
+        onto their source tokens in ``transfer.out`` ``[T, ...]``; rows past the received ones
+        are not read."""
+        plan, what = transfer.plan, transfer.what
+        for y, scale, dst in zip(transfer.tensors, transfer.scales, transfer.out):
             if y.dtype not in COMBINE_DTYPES:
                 raise TypeError(f"{what}: the kernels combine bf16/fp16/fp32 rows, got {y.dtype}")
             row_bytes = math.prod(y.shape[1:]) * y.element_size()  # the header's: the caller's row
-            if y.dtype == torch.float16 and self.device.type == "cpu":
-                y = y.float()  # the CPU backend sums fp16 as fp32 rows: the same fp32 sum, rounded once below
             y2d = _rows16(_flat(y))
             kernels = self._sized(_row_elements(y2d), 0, "combine")
             scale = scale.contiguous() if scale is not None else None
@@ -409,7 +388,7 @@ class KernelTransport:
         if self._kernels is None:
             return
         try:
-            self._join(operation, STATUS_INVALID_ARGUMENTS)
+            self._join(operation, refusal_status(status_of(err)))
         except CommError as refusal:
             raise err from refusal
         # Its own verdicts name itself: not news to a rank that raises its own error now. Cleared
@@ -418,6 +397,18 @@ class KernelTransport:
             torch.cuda.current_stream(self.device).synchronize()
         for records in self._kernels.records:
             records.clear()
+
+    def refusal(self, err: Exception) -> Exception:
+        """What a rank raises after :meth:`refuse` took part for it: what its peers' records
+        say of it (their MismatchError, or for a refused TypeError an ArgumentTypeError), quoting
+        ``err``."""
+        rank = self.topology.rank
+        message, fields = describe_mismatch([1, rank, rank, FIELD_STATUS, refusal_status(status_of(err)), 0, -1, 0])
+        message = f"{message} (EP rank {rank} refused: {error_name(err)}: {err})"
+        if isinstance(err, TypeError):
+            argument = err.argument if isinstance(err, ArgumentError) else "arguments"
+            return ArgumentTypeError(message, argument=argument, rank=rank)
+        return MismatchError(message, fields)
 
     def _join(self, operation: str, status: int) -> None:
         """Takes part in ``operation`` ("dispatch", "cached dispatch" or "combine") with no rows
@@ -569,30 +560,27 @@ class KernelTransport:
             torch.cuda.current_stream(self.device).synchronize()
         self._check_errors()
 
-    def _release(self) -> None:
-        """Frees the buffers (collective; the barrier first keeps a peer's last kernel from
+    def _release(self, barrier: bool = True) -> None:
+        """Frees the buffers (collective with ``barrier``: it keeps a peer's last kernel from
         writing into freed memory)."""
-        dist.barrier(group=self._group)
+        if barrier:
+            dist.barrier(group=self._group)
         self._kernels.close()
         self._kernels = None
 
     def close(self) -> None:
-        """Frees the kernels' buffers, then the argument checks' groups (collective: every rank,
-        after its last operation)."""
-        try:
-            if self._kernels is not None:
-                self._release()
-        finally:
-            self._dist.close()
+        """Frees the kernels' buffers (local: the runtime's barrier on the control plane came
+        first, after every rank's last operation)."""
+        if self._kernels is not None:
+            self._release(barrier=False)
 
     def release(self) -> None:
         """Frees what needs no peer: shared memory on CPU (a peer's mapping of it stays valid);
         on a GPU the buffers stay until the process exits, as a peer's kernel may still write
-        into them. Then ``TorchDistTransport.release``."""
+        into them."""
         if self._kernels is not None and self.device.type == "cpu":
             self._kernels.close()
         self._kernels = None
-        self._dist.release()
 
 
 def _next_pow2(n: int) -> int:

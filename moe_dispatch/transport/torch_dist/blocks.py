@@ -2,7 +2,7 @@
 fresh dispatch's counts, every argument check) is one equal-split exchange of one block per peer,
 so ranks running different operations get a ValueError rather than a collective of mismatched
 sizes. Block ``[header | payload]``: the header's int64 words are the sender's agreement row
-(:mod:`moe_dispatch.transport.agreement`), the rows of payload the block carries (-1: none), and
+(:mod:`moe_dispatch.control.agreement`), the rows of payload the block carries (-1: none), and
 for a fresh dispatch the sender's sizes and counts (:func:`.plan.dispatch_counts`); the payload,
 on the all-ranks group, is :attr:`Blocks.capacity` bytes, which carry a small call's flat rows
 where every rank's fit (one collective per call instead of two, :data:`.tuning.FUSED_BYTES`).
@@ -22,9 +22,9 @@ from typing import Callable
 import torch
 
 from ... import _ext
-from .. import agreement
-from ..agreement import AGREE_WORDS
-from ..base import Field, Steps
+from ...control import agreement
+from ...control.agreement import AGREE_WORDS, Field
+from ..base import Steps
 from .collectives import ALL_COMM, Collectives
 from .packing import Carried, carried_rows, pack, pack_blocks, packed_width
 from .plan import TorchDistPlan
@@ -66,22 +66,6 @@ class Blocks:
                 ):
                     self.capacity = capacity
                     break
-
-    def verify(self, rows: list[list[int]], fields: dict[str, Field], what: str) -> None:
-        """Every rank's ``[status, field codes...]`` row checked (:func:`agreement.check`); a
-        refusing rank's text is read from the store for the operation this thread is in.
-
-        Raises:
-            ValueError: a rank refused, or a field differs between ranks.
-        """
-        seq = self.comm.progress.current_seq()
-        agreement.check(
-            rows,
-            fields,
-            rank=self.comm.topology.rank,
-            what=what,
-            refusals=lambda ranks: self.comm.progress.read_refusals(ranks, seq),
-        )
 
     def headers(self, fields: dict[str, Field], status: int, device) -> torch.Tensor:
         """``[W, header words]`` int64, a row per destination: this rank's agreement row, no
@@ -151,7 +135,7 @@ class Blocks:
         """
         kind = self.comm.agree_kind
         if self.comm.groups[kind] is None:  # a group of one: nothing to compare, the rows are this rank's
-            self.verify([agreement.row(check.fields, check.status, AGREE_WORDS)], check.fields, check.what)
+            self.comm.control.verify([agreement.row(check.fields, check.status, AGREE_WORDS)], check.fields, check.what)
             return None if rows is None else pack(rows[0])
         fused = width = None
         if rows is not None:
@@ -164,7 +148,7 @@ class Blocks:
         head = self.headers(check.fields, check.status, torch.device("cpu"))
         headers, blocks = yield from self.exchange(head, f"{check.what} argument check", kind, fused)
         got = headers[:, : AGREE_WORDS + 1].tolist()  # the agreement rows, then the rows carried
-        self.verify([r[:AGREE_WORDS] for r in got], check.fields, check.what)
+        self.comm.control.verify([r[:AGREE_WORDS] for r in got], check.fields, check.what)
         if rows is None:
             return None
         fields, send_splits, recv_splits, what, in_blocks = rows

@@ -1,10 +1,10 @@
-"""The combine's sums of the torch_dist transport, in the order of
-``moe_dispatch.reference.combine``: a forwarder sums its node's contributions to a token in fp32
-(ascending local rank) and rounds; the source sums the node partials in fp32 (ascending node) and
-rounds; the flat route runs both at the source, the same sums in the same order. A fused
-permute's expert-major rows are first summed per received row (ascending row, fp32). Every sum is
-:func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`: in one pass on
-CPU), planned once per dispatch and kept in its plan."""
+"""The combine's sums of the torch_dist transport, in the summation order that
+:mod:`moe_dispatch.semantics.summation` defines (``test_sums`` compares these functions with its
+``combine_sum``): a forwarder forms the node partials (:func:`forwarder_sums`), the source sums them
+(:func:`source_sums`); the flat route runs both levels at the source (:func:`flat_sums`). A fused
+permute's expert-major rows are first summed per received row (:func:`unpermute`). Every sum is
+:func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`: in one native pass
+on CPU, ``csrc/kernels/sums_cpu.cpp``), planned once per dispatch and kept in its plan."""
 
 from __future__ import annotations
 

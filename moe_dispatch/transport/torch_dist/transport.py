@@ -7,7 +7,7 @@ Dispatch:
   metadata (group: all EP ranks, the one of the argument checks, in the Buffer's queue): each
     source tells each destination d how many of its tokens reach d's node and each rank of d's
     node, per sub-range of its tokens, plus its own send sizes by either route, behind its
-    agreement row (:mod:`moe_dispatch.transport.agreement`). From that every rank knows every
+    agreement row (:mod:`moe_dispatch.control.agreement`). From that every rank knows every
     split below and its receive count before any payload moves (so outputs can be allocated up
     front and the payload can move asynchronously), and every rank takes the same route. Small
     calls' rows travel in the same blocks (one collective per dispatch and per combine, see
@@ -25,11 +25,11 @@ Dispatch:
 Combine runs backwards: receivers return rows to forwarders, forwarders sum their node's
 contributions in fp32 (ascending local rank) and round to the payload dtype, so each
 (token, node) pair crosses the network once; sources sum node partials in fp32 (ascending
-node) and round. Exactly the order of ``moe_dispatch.reference.combine``; the flat route runs
-both sums at the source, the same sums in the same order. A fused permute's expert-major rows
-are summed per received row (ascending expert, fp32) straight into the send buffer. Every sum
-is :func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`: in one pass on
-CPU), planned once per dispatch (:mod:`.sums`).
+node) and round: the summation order (:mod:`moe_dispatch.semantics.summation`). The flat
+route runs both sums at the source, the same sums in the same order. A fused permute's
+expert-major rows are summed per received row (ascending expert, fp32) straight into the send
+buffer. Every sum is :func:`moe_dispatch.semantics.sums.ordered_sum` (:mod:`moe_dispatch.ops.sums`:
+in one pass on CPU), planned once per dispatch (:mod:`.sums`).
 
 Pipeline (two-stage). Each source splits its tokens into contiguous chunks; every stage runs
 once per chunk, and the inter-node and intra-node groups (separate process groups) carry
@@ -73,11 +73,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ...control import ControlPlane
+from ...control.agreement import AGREE_WORDS, Field
 from ...semantics.permute import PermuteHandle
 from ...topology import Topology
-from ..agreement import AGREE_WORDS
-from ..base import Field, Steps
-from ..progress import Progress
+from ..base import Capabilities, PlanRequest, Steps, Transfer, Transport, TransportOptions
 from .blocks import Agreement, Blocks, begin, complete
 from .collectives import ALL_COMM, Collectives
 from .packing import Carried, field_views, land, packed_width, specs_of
@@ -88,53 +88,50 @@ from .sums import flat_sums, row_scales, unpermute
 from .tuning import NUM_CHUNKS
 
 
-class TorchDistTransport:
+class TorchDistTransport(Transport):
     """Hierarchical dispatch/combine for one EP group over torch.distributed (a
     :class:`~moe_dispatch.transport.base.Transport`).
 
     Args:
-        group: the EP process group (gloo or NCCL).
+        control: the EP group's control plane (its host group carries the argument checks, and on
+            gloo every collective of the Buffer's queue).
         topology: this rank's place in the group.
-        timeout_s: bound on every collective; a peer that never joins makes it raise
-            :class:`~moe_dispatch.errors.CommError` naming the operation and the peers.
-        num_chunks: the two-stage pipeline depth (module docstring), the same on every rank; 1
-            runs the stages one after the other. None (default): the route and depth follow each
-            dispatch's size (flat for small calls and for worlds of one node or one rank per
-            node, or little de-duplication; one chunk per :data:`.tuning.CHUNK_BYTES`, at most
-            :data:`.tuning.NUM_CHUNKS`).
+        options: ``timeout_s`` bounds every collective (a peer that never joins makes it raise
+            :class:`~moe_dispatch.errors.CommError` naming the operation and the peers);
+            ``num_chunks`` is the two-stage pipeline depth (module docstring), the same on every
+            rank; 1 runs the stages one after the other. None (default): the route and depth
+            follow each dispatch's size (flat for small calls and for worlds of one node or one
+            rank per node, or little de-duplication; one chunk per :data:`.tuning.CHUNK_BYTES`,
+            at most :data:`.tuning.NUM_CHUNKS`).
 
     Raises:
         ValueError: ``num_chunks`` is neither None nor a positive int.
 
-    Collective: construction creates the sub-groups and must be called by every rank of
-    ``group`` (each rank joins its own inter-node, intra-node and all-ranks groups; on NCCL also
-    a gloo group of all ranks for the argument checks, :meth:`agree`). :meth:`close` destroys
-    them.
+    Collective: construction creates the sub-groups and must be called by every rank of the EP
+    group (each rank joins its own inter-node, intra-node and, on NCCL, all-ranks groups).
     """
 
-    # A fresh dispatch's counts travel in the Buffer's one queue, on the group of the checks: every
-    # first collective of an operation is the same block exchange, so ranks running different
-    # operations (or a dispatch sized on one rank and num_worst_tokens on another) get a ValueError.
-    plans_on_comm_thread = True
-    # dispatch / forward / combine take the fused permute (``permute``, ``permuted``) and the
-    # argument check to overlap (``check``) as keywords (see base.Transport).
-    fuses_layout = True
+    name = "torch_dist"
+    # A fresh dispatch's counts travel in the Buffer's one queue, on the group of the checks, behind
+    # every rank's agreement row: every first collective of an operation is the same block exchange,
+    # so ranks running different operations (or a dispatch sized on one rank and num_worst_tokens on
+    # another) get a ValueError.
+    capabilities = Capabilities(checks_in_plan=True)
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, timeout_s: float, num_chunks: int | None = None):
+    def __init__(self, control: ControlPlane, topology: Topology, options: TransportOptions):
+        super().__init__(control, topology, options)
+        num_chunks = options.num_chunks
         if num_chunks is not None and not (isinstance(num_chunks, int) and num_chunks >= 1):
             raise ValueError(f"num_chunks must be a positive int or None (automatic), got {num_chunks!r}")
-        self.topology = topology
-        self.timeout_s = timeout_s
+        self.timeout_s = options.timeout_s
         self.num_chunks = num_chunks
         # The count sub-ranges of a fresh dispatch, and the words of every block's header: the
         # agreement row, the rows of payload the block carries (-1: none), the sender's sizes,
         # then its counts for the destination, per sub-range.
         self._subs = num_chunks or (NUM_CHUNKS if two_stage_world(topology) else 1)
         header_words = AGREE_WORDS + 1 + NUM_SIZES + self._subs * (topology.ranks_per_node + 1)
-        group_ranks = dist.get_process_group_ranks(group)
-        self._links_key = (tuple(group_ranks), topology.ranks_per_node)  # see _links
-        self.progress = Progress(group_ranks, topology.rank)
-        self.comm = Collectives(group, topology, timeout_s, self.progress)
+        self._links_key = (tuple(control.group_ranks), topology.ranks_per_node)  # see _links
+        self.comm = Collectives(control, topology, control.backend)
         self.blocks = Blocks(self.comm, header_words)
 
     @property
@@ -143,24 +140,14 @@ class TorchDistTransport:
         return self.comm.groups
 
     def close(self) -> None:
-        """Waits at a barrier until every rank's last collective is done, then :meth:`release`
-        (collective: every rank, after its last operation; the payload lives in the tensors of
-        each call, nothing else to free).
-
-        Raises:
-            CommError: a peer did not reach the barrier within ``timeout_s`` (released anyway).
-        """
-        try:
-            self.comm.close()
-        finally:
-            self.release()
+        """Frees this transport's own sub-groups (local: the runtime's barrier on the control
+        plane came first; the payload lives in the tensors of each call, nothing else to free)."""
+        self.comm.close()
 
     def release(self) -> None:
         """Frees what needs no peer (local, no collective; what a Buffer dropped without close()
-        gets): destroys this transport's process groups, ends the progress writer thread and
-        removes this rank's store keys. Idempotent."""
+        gets): destroys this transport's own process groups. Idempotent."""
         self.comm.release()
-        self.progress.close()
 
     def agree(self, fields: dict[str, Field], what: str, status: int = 0) -> Agreement:
         """The argument check of an operation whose sizes are not exchanged (combine, cached
@@ -170,7 +157,7 @@ class TorchDistTransport:
         would abort inside gloo, or hang or read garbage on NCCL, had the payload moved first.
         Given to :meth:`combine` or :meth:`forward` as ``check``, the flat route's rows travel in
         the same blocks where they fit (:data:`.tuning.FUSED_BYTES`). The wire format and the
-        messages: :mod:`moe_dispatch.transport.agreement`.
+        messages: :mod:`moe_dispatch.control.agreement`.
 
         Args:
             fields: at most ``AGREE_FIELDS`` fields, the operation first (same keys on every rank).
@@ -204,30 +191,20 @@ class TorchDistTransport:
         choose_route(plan, row_bytes, self.topology, self.num_chunks, self.comm.agree_kind == ALL_COMM, self._links)
 
     # -- dispatch ----------------------------------------------------------------------------
-    def plan(
-        self,
-        is_token_in_rank: torch.Tensor,
-        fields: dict[str, Field],
-        what: str = "dispatch",
-        on_comm_thread: bool = False,
-        status: int = 0,
-        rows: list[torch.Tensor] | None = None,
-    ) -> Steps:
+    def plan(self, request: PlanRequest) -> Steps:
         """Steps that exchange the layout counts and return the :class:`TorchDistPlan` (its route
         is chosen by the first payload transfer); one block exchange on the all-ranks group, the
         one every argument check uses (:meth:`agree`), so the blocks have the same size whatever
         operation a peer runs, and the operation is the first field compared.
 
-        Args:
+        What it reads of ``request`` (:class:`~moe_dispatch.transport.base.PlanRequest`):
             is_token_in_rank: ``[T, W]`` bool, as from ``get_dispatch_layout``; the per-rank and
                 per-node counts are taken per sub-range of the tokens from it.
             fields: arguments that must agree on every rank (ints, bools, dtypes, the same keys
                 everywhere). They ride in front of the counts, after this rank's status
-                (:mod:`~moe_dispatch.transport.agreement`), so they are compared before any
+                (:mod:`~moe_dispatch.control.agreement`), so they are compared before any
                 payload moves and the message has the same size on every rank whatever they
                 hold (a size mismatch inside a collective aborts the process instead of raising).
-            on_comm_thread: unused: the steps always run in the Buffer's one queue
-                (``plans_on_comm_thread``), as every collective of this transport.
             status: 0, or this rank's refusal: then ``is_token_in_rank`` is ``[0, W]`` (zero
                 counts), the fields are -1, and every rank raises after the exchange.
             rows: the dispatch's row tensors ``[T, ...]`` (what :meth:`dispatch` will get), or
@@ -235,18 +212,20 @@ class TorchDistTransport:
                 :data:`.tuning.FUSED_BYTES`) they travel with the counts, and if every rank's did
                 and the route is flat, :meth:`dispatch` only lands them: one collective per
                 dispatch.
+            (``topk_idx``, ``num_rows``, ``dispatch_id`` are unused: the counts size the receive.)
 
         Raises (from the steps):
             ValueError: a rank refused (naming each and quoting its error), or naming the first
                 field and the EP ranks that differ from this rank.
         """
+        is_token_in_rank, fields, what, rows = request.is_token_in_rank, request.fields, request.what, request.rows
         topo = self.topology
         world = topo.world_size
         device, num_tokens = is_token_in_rank.device, is_token_in_rank.shape[0]
         subs = self._subs
         bounds = [c * num_tokens // subs for c in range(subs + 1)]
         checked = {"operation": "dispatch (metadata)", **fields}
-        head = self.blocks.headers(checked, status, device)
+        head = self.blocks.headers(checked, request.status, device)
         sizes_at = AGREE_WORDS + 1  # header words: agreement row, carried rows, sizes, counts
         per_sub, in_node, send_idx = dispatch_counts(is_token_in_rank, bounds, topo, head, sizes_at)
         fused = None
@@ -264,7 +243,7 @@ class TorchDistTransport:
         host = torch.cat([got.flatten(), per_sub.flatten()]).tolist()
         words = got.shape[1]
         rows_of = [host[w * words : (w + 1) * words] for w in range(world)]
-        self.blocks.verify([r[:AGREE_WORDS] for r in rows_of], checked, what)
+        self.control.verify([r[:AGREE_WORDS] for r in rows_of], checked, what)
         plan = plan_from_headers(
             rows_of, host[world * words :], is_token_in_rank, in_node, bounds, send_idx, topo, sizes_at
         )
@@ -277,21 +256,20 @@ class TorchDistTransport:
 
     def dispatch(
         self,
-        tensors: list[torch.Tensor],
+        transfer: Transfer,
         is_token_in_rank: torch.Tensor,
-        plan: TorchDistPlan,
-        out: list[torch.Tensor],
-        what: str = "dispatch",
         permute: tuple[int, Callable[[], PermuteHandle]] | None = None,
     ) -> Steps:
         """Steps that move row tensors ``[T, ...]`` to the ranks holding each token and write
-        them, in (source rank, source token) order, into ``out`` (``[R, ...]`` each); the first
-        payload chooses the plan's route, and two-stage ones fill the chunks' stage-2 indices.
+        them, in (source rank, source token) order, into ``transfer.out`` (``[R, ...]`` each);
+        the first payload chooses the plan's route, and two-stage ones fill the chunks' stage-2
+        indices.
 
         ``permute = (k, layout)`` fuses a permute: ``tensors[:k]`` land expert-major into
         ``out[:k]`` (``[P, ...]``) as the :class:`~moe_dispatch.semantics.permute.PermuteHandle`
         ``layout()`` lays the received rows out (zero padding rows); ``layout`` is called once
         ``out[k:]`` hold their rows (it reads the received top-k ids)."""
+        tensors, plan, out, what = transfer.tensors, transfer.plan, transfer.out, transfer.what
         width = packed_width(tensors)
         self._route(plan, width)
         self.blocks.resize(plan, width, self._links)
@@ -305,20 +283,13 @@ class TorchDistTransport:
         recv2 = yield from two_stage_dispatch(self.comm, tensors, is_token_in_rank, plan, what)
         land(recv2, plan.recv_perm, specs_of(tensors), out, permute)
 
-    def forward(
-        self,
-        tensors: list[torch.Tensor],
-        plan: TorchDistPlan,
-        out: list[torch.Tensor],
-        what: str,
-        permuted: PermuteHandle | None = None,
-        check: Steps | None = None,
-    ) -> Steps:
-        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into ``out``
-        (cached dispatch, combine's backward); with ``permuted`` (a permute handle of the received
-        rows) into ``[P, ...]`` outputs in its expert-major layout (a fused permute's replay).
-        ``check``: the argument check, started before the first payload is packed and completed
-        before it moves."""
+    def forward(self, transfer: Transfer, permuted: PermuteHandle | None = None, check: Steps | None = None) -> Steps:
+        """Steps replaying a plan's dispatch for other row tensors ``[T, ...]`` into
+        ``transfer.out`` (cached dispatch, combine's backward); with ``permuted`` (a permute
+        handle of the received rows) into ``[P, ...]`` outputs in its expert-major layout (a
+        fused permute's replay). ``check``: the argument check, started before the first payload
+        is packed and completed before it moves."""
+        tensors, plan, out, what = transfer.tensors, transfer.plan, transfer.out, transfer.what
         if plan.flat:
             yield from flat_dispatch(self.comm, self.blocks, tensors, plan, out, what, None, permuted, check)
             return
@@ -327,26 +298,18 @@ class TorchDistTransport:
 
     # -- combine -----------------------------------------------------------------------------
     def combine(
-        self,
-        tensors: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        plan: TorchDistPlan,
-        out: list[torch.Tensor],
-        what: str = "combine",
-        permuted: list[PermuteHandle | None] | None = None,
-        check: Steps | None = None,
+        self, transfer: Transfer, permuted: list[PermuteHandle | None] | None = None, check: Steps | None = None
     ) -> Steps:
         """Steps summing received rows back onto their source tokens.
 
         Args:
-            tensors: floating row tensors: ``[R, ...]`` in dispatch's receive order, or, where
-                ``permuted`` gives a permute handle of the received rows, ``[P, ...]`` in its
-                expert-major layout (padding rows ignored): a received row is then the fp32 sum of
-                its copies in ascending row order (unpermute), rounded.
-            scales: per tensor, None or ``[R]`` fp32 row scales applied (in fp32) before summing.
-            plan: the dispatch's plan.
-            out: per tensor ``[T, ...]`` in its dtype, written with the sums in the order of the
-                module docstring.
+            transfer: its ``tensors``, floating row tensors: ``[R, ...]`` in dispatch's receive
+                order, or, where ``permuted`` gives a permute handle of the received rows,
+                ``[P, ...]`` in its expert-major layout (padding rows ignored): a received row is
+                then the fp32 sum of its copies in ascending row order (unpermute), rounded; its
+                ``scales``, per tensor None or ``[R]`` fp32 row scales applied (in fp32) before
+                summing; its ``out``, per tensor ``[T, ...]`` in its dtype, written with the sums
+                in the order of the module docstring.
             permuted: per tensor None or the handle; None = all None.
             check: the argument check, started before the first payload is prepared and
                 completed before it moves.
@@ -354,6 +317,7 @@ class TorchDistTransport:
         Raises:
             ValueError: row scales given with an expert-major tensor.
         """
+        tensors, scales, plan, out, what = transfer.tensors, transfer.scales, transfer.plan, transfer.out, transfer.what
         permuted = permuted if permuted is not None else [None] * len(tensors)
         if any(s is not None for s in scales) and any(p is not None for p in permuted):
             raise ValueError("combine: row scales apply to received rows, not to expert-major ones")

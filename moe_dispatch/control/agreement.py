@@ -26,7 +26,7 @@ collective.
 
 After the collective every rank checks every row with :func:`check`: refusals first (a
 ValueError naming each refusing rank and quoting its error, which it posted in the store
-before the check: :meth:`~moe_dispatch.transport.progress.Progress.post_refusal`), then the
+before the check: :meth:`~moe_dispatch.control.progress.Progress.post_refusal`), then the
 first field that differs (naming the ranks and both values). A refusing rank catches that
 ValueError and raises its own error. Every rank completed the same collectives, so the Buffer
 stays usable.
@@ -38,13 +38,14 @@ import collections
 import datetime
 import itertools
 import json
-import re
 
 import torch
 
-from ..errors import CommError
-from .base import Field
-from .progress import default_store, group_key
+from ..errors import ArgumentError, CommError, InvalidArgumentError, argument_error
+from .store import default_store, group_key
+
+# An argument compared across ranks before a payload moves: what travels in a check's row.
+Field = int | bool | str | torch.dtype
 
 FIELD_DTYPES = (
     torch.float32,
@@ -60,20 +61,30 @@ FIELD_DTYPES = (
     torch.bool,
 )
 FIELD_WORDS = ("dispatch", "combine", "dispatch (metadata)")
+# A fresh dispatch's fields, compared across ranks before its payload moves (in this order).
+DISPATCH_FIELDS = (
+    "num_experts",
+    "top-k",
+    "hidden",
+    "x dtype",
+    "fp8 x",
+    "topk_idx dtype",
+    "topk_weights given",
+    "num_worst_tokens",
+)
 AGREE_FIELDS = 12  # every check on the host group compares this many fields (padded with -1), so ranks that
 # run different operations there compare their first field (the operation) instead of aborting in gloo
 AGREE_WORDS = 1 + AGREE_FIELDS  # the status, then the fields
 
-# What a status code names: the argument (the first of these words in the refused call's message)
-# and the error's type. status = 1 + ARGUMENTS.index(argument) * len(ERROR_TYPES) + ERROR_TYPES.index(type).
+# What a status code names: the refused argument and the error's kind (an ArgumentError's fields,
+# never its text). status = 1 + ARGUMENTS.index(argument) * len(ERROR_TYPES) + ERROR_TYPES.index(kind).
 ARGUMENTS = (
     "x",
-    "x_fp8",
-    "scales",
     "topk_idx",
     "topk_weights",
     "num_experts",
     "num_worst_tokens",
+    "on_overflow",
     "handle",
     "y",
     "previous_event",
@@ -81,10 +92,12 @@ ARGUMENTS = (
     "return_recv_hook",
     "allocate_on_comm_stream",
     "wgrad_store",
-    "arguments",  # none of the above named
+    "pad_multiple",
+    "num_permuted_tokens",
+    "expert_capacity",
+    "arguments",  # none of the above, or an error that names no argument
 )
 ERROR_TYPES = (ValueError, TypeError)
-_ARGUMENT_RE = re.compile(r"\b(" + "|".join(ARGUMENTS[:-1]) + r")\b")
 
 
 class DispatchId(int):
@@ -96,11 +109,20 @@ class DispatchId(int):
 
 
 def status_of(err: BaseException) -> int:
-    """The non-zero status a rank sends when it refuses a call with ``err``."""
-    found = _ARGUMENT_RE.search(str(err))
-    argument = ARGUMENTS.index(found.group(1)) if found else len(ARGUMENTS) - 1
-    kind = next((i for i, t in enumerate(ERROR_TYPES) if isinstance(err, t)), 0)
-    return 1 + argument * len(ERROR_TYPES) + kind
+    """The non-zero status a rank sends when it refuses a call with ``err``: its argument (an
+    :class:`~moe_dispatch.errors.ArgumentError`'s, else ``"arguments"``) and its kind."""
+    argument = err.argument if isinstance(err, ArgumentError) and err.argument in ARGUMENTS else "arguments"
+    kind = 1 if isinstance(err, TypeError) else 0
+    return 1 + ARGUMENTS.index(argument) * len(ERROR_TYPES) + kind
+
+
+def decode_status(status: int) -> tuple[str, type]:
+    """``(argument, kind)`` of a non-zero status (:func:`status_of`); ``("arguments",
+    ValueError)`` for a code this version does not know."""
+    argument, kind = divmod(status - 1, len(ERROR_TYPES))
+    if not (0 <= argument < len(ARGUMENTS)):
+        return "arguments", ValueError
+    return ARGUMENTS[argument], ERROR_TYPES[kind]
 
 
 def describe_status(status: int) -> str:
@@ -167,9 +189,11 @@ def check(rows: list[list[int]], fields: dict[str, Field], *, rank: int, what: s
             a rank missing from the answer is described by its status code).
 
     Raises:
-        ValueError: ``"EP rank 0: combine (#7) refused by EP rank 1 (ValueError: y has shape ...)
-            ..."``; or ``"EP rank 0: combine arguments differ across ranks: handle is dispatch #3
-            here but dispatch #5 on EP rank 1; ..."``.
+        InvalidArgumentError, ArgumentTypeError: ``"EP rank 0: combine (#7) refused by EP rank 1
+            (ValueError: y has shape ...) ..."``, of the lowest refusing rank's kind, with its
+            argument and rank (decoded from its status); or ``"EP rank 0: combine arguments
+            differ across ranks: handle is dispatch #3 here but dispatch #5 on EP rank 1; ..."``
+            (an InvalidArgumentError naming the field and the first differing rank).
     """
     if 0 <= rank < len(rows) and rows[rank][0] == 0 and all(words == rows[rank] for words in rows):
         return  # every rank sent this rank's row: no refusal, no difference (the usual case)
@@ -177,18 +201,24 @@ def check(rows: list[list[int]], fields: dict[str, Field], *, rank: int, what: s
     if refusing:
         texts = refusals(refusing)
         listed = ", ".join(f"{r} ({texts.get(r) or describe_status(rows[r][0])})" for r in refusing)
-        raise ValueError(
+        argument, kind = decode_status(rows[refusing[0]][0])  # the lowest refusing rank's, on every rank
+        raise argument_error(
+            kind,
             f"EP rank {rank}: {what} refused by EP rank{'s' if len(refusing) > 1 else ''} {listed}; every rank "
-            "raises and skips this operation, and the Buffer stays usable"
+            "raises and skips this operation, and the Buffer stays usable",
+            argument=argument,
+            rank=refusing[0],
         )
     for position, (name, value) in enumerate(fields.items(), start=1):
         mine = encode(value)
         differ = [(r, words[position]) for r, words in enumerate(rows) if words[position] != mine]
         if differ:
             theirs = ", ".join(f"{_show(_decode(value, code))} on EP rank {r}" for r, code in differ)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"EP rank {rank}: {what} arguments differ across ranks: {name} is {_show(value)} here but {theirs}; "
-                f"every rank must pass the same {', '.join(fields)}"
+                f"every rank must pass the same {', '.join(fields)}",
+                argument=name,
+                rank=differ[0][0],
             )
 
 

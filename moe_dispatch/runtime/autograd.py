@@ -1,8 +1,8 @@
 """Dispatch and combine as autograd Functions, each the other's backward (they are adjoint:
 dispatch copies a token to every rank that holds it, combine sums those copies back).
 
-The Functions only wire gradients; a Buffer's :class:`~moe_dispatch.buffer.Transfers` moves
-the data, launched as the per-call :class:`~moe_dispatch.transport.base.Call` says (sync,
+The Functions only wire gradients; a Buffer's :class:`~.transfers.Transfers` moves
+the data, launched as the per-call :class:`~.calls.Call` says (sync,
 async, or up to a receive hook). Backward passes run synchronously, except that a dispatch
 given a ``wgrad_store`` launches its gradient combine first and runs the delayed weight
 gradients while it is in flight.
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .transport.base import Call
+from ..ops.quant import per_token_cast_back
+from .calls import Call
 
 
 class DispatchFn(torch.autograd.Function):
@@ -23,13 +24,22 @@ class DispatchFn(torch.autograd.Function):
     where ``recv_topk_idx`` names a local expert (elsewhere the output is 0). With a fused
     permute (``call.dispatch.layout``) the outputs are expert-major (``[P, H]`` and ``[P]``): the
     backward combine sums each token's copies, and a row's weight gradient returns to its entry.
+
+    ``wire``: None, or the fp8 pair ``(x_fp8, scales)`` of ``x`` (``ops.quant.per_token_cast_to_fp8``)
+    that travels instead of ``x`` and is dequantized to x's dtype on arrival (the call must
+    complete before it returns: ``call.mode`` "sync"). Its gradient passes the quantization
+    straight through, as DeepEP's fp8 dispatch in training: the backward combine moves the
+    gradients in their own dtype.
     """
 
     @staticmethod
-    def forward(ctx, transfers, call: Call, x, topk_weights):
+    def forward(ctx, transfers, call: Call, x, topk_weights, wire=None):
         ctx.transfers, ctx.call = transfers, call
-        recv_x, recv_weights = transfers.dispatch(call, x, topk_weights)
-        return recv_x, recv_weights
+        if wire is None:
+            recv_x, recv_weights = transfers.dispatch(call, x, topk_weights)
+            return recv_x, recv_weights
+        recv_fp8, recv_scales, recv_weights = transfers.dispatch(call, list(wire), topk_weights)
+        return per_token_cast_back(recv_fp8, recv_scales, x.dtype), recv_weights
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):
@@ -57,7 +67,7 @@ class DispatchFn(torch.autograd.Function):
         if store is not None:  # the experts' weight gradients overlap the combine in flight
             store.backward_dw()
             launch.event.current_stream_wait()
-        return None, None, grads[0], (grads[1] if len(grads) > 1 else None)
+        return None, None, grads[0], (grads[1] if len(grads) > 1 else None), None
 
 
 class ReplayDispatchFn(torch.autograd.Function):
