@@ -16,9 +16,8 @@ import torch
 
 from ...config import Config
 from ...kernel_layout import MAX_TOPK, slot_layout
+from ...semantics.quant import FP8_BLOCK
 from .header import header_words
-
-FP8_BLOCK = 128
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -99,7 +99,7 @@ class KernelPlan:
     Attributes:
         handle: the kernels' handle: an
             :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` (one node), an
-            :class:`~moe_dispatch.transport.kernels.internode.InternodeHandle` (several, fused) or a
+            :class:`~moe_dispatch.transport.kernels.internode_engines.InternodeHandle` (several, fused) or a
             :class:`~moe_dispatch.transport.kernels.experimental.StagedInternodeHandle`.
         experts_per_rank: E / W.
         topology: this rank's place.
