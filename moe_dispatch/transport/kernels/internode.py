@@ -43,6 +43,7 @@ rank per process (:class:`moe_dispatch.testing.ranks.InternodeRank`).
 
 from __future__ import annotations
 
+import datetime
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from ..._ext import require_extension
 from ...config import Config
+from ...control.groups import setup_group
 from ...errors import InternodeTimeoutError
 from ...kernel_layout import ERROR_RECORD_INTS
 from .calls import CombineCall, DispatchCall, check_num_sms, ptr
@@ -279,8 +281,9 @@ class InternodeBuffers(RankBuffers):
             neither CUDA nor CPU; TypeError: config is no Config; RuntimeError: a CUDA device
             without a GPU, or the extension is not built.
 
-    Collective: every rank constructs it together (NVSHMEM init or shared memory, the node
-    groups, the stage-2 buffers). :meth:`close` tears it down, also collectively.
+    Collective: every rank constructs it together (NVSHMEM init or shared memory, the stage-2
+    buffers over a group of its node's ranks, freed once they are set up). :meth:`close` tears it
+    down, also collectively.
     """
 
     min_topk = 1
@@ -306,17 +309,29 @@ class InternodeBuffers(RankBuffers):
                 f"rows_in_flight=1, bulk_copy=False, register_cap=True), got {self.config.copy_variant}; the copy "
                 "variants run in loopback mode (InternodeLoopback)"
             )
+        L = self.ranks_per_node
+        node = self.rank // L
+        # Only this node's ranks make its group; it carries the stage-2 buffers' set-up only, and
+        # _build_stages ends with a barrier of the EP group after its last collective on it.
+        with setup_group(
+            [group_rank(self.group, node * L + i) for i in range(L)],
+            datetime.timedelta(seconds=self.timeout_s),
+            str(dist.get_backend(self.group)),
+        ) as node_group:
+            self._build_stages(slot_bytes, node_group)
+
+    def _build_stages(self, slot_bytes: int, node_group: dist.ProcessGroup) -> None:
+        """The RDMA stage's buffer and engine and, on ``node_group`` (this node's ranks), the
+        NVLink stage's buffers (collective; ends with a barrier of the EP group)."""
         C = require_extension()
         group, rank, world_size, L = self.group, self.rank, self.world_size, self.ranks_per_node
         self.num_nodes = N = world_size // L
         on_gpu = self.device.type == "cuda"
         layout = C.internode_rdma_layout(N, L, self.config.num_channels, self.config.num_slots, slot_bytes)
-        # Every rank creates every node group, in the same order (new_group is collective).
         node = rank // L
-        node_groups = [dist.new_group([group_rank(group, n * L + i) for i in range(L)]) for n in range(N)]
         hidden, num_topk, element_bytes = self.rows
         self.node_buffers = IntranodeBuffers(
-            node_groups[node],
+            node_group,
             rank % L,
             hidden,
             num_topk,
