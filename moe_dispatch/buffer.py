@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +16,7 @@ from .control import ControlPlane
 from .control.agreement import DISPATCH_FIELDS, refusing_fields
 from .errors import ArgumentTypeError, InvalidArgumentError, checking
 from .ops.layout import check_topk_idx_cpu, get_dispatch_layout, is_token_in_rank_cpu
-from .ops.permute import check_permute_args
+from .ops.permute import INT32_MAX, check_permute_args
 from .ops.quant import check_fp8_pair, per_token_cast_to_fp8
 from .runtime import autograd
 from .runtime.arguments import DEFAULT_TIMEOUT_S, agree_arguments
@@ -417,13 +418,15 @@ class Buffer:
 
         Raises:
             ValueError/TypeError: bad shapes, dtypes, devices, ranges (``num_experts`` an int in
-                ``[1, 2**20]``, bools refused as ints); a foreign handle, or (cached) the handle of
-                another dispatch than the peers'; async_finish with return_recv_hook; ranks that
-                disagree on E, K, H, dtypes, whether topk_weights are given or num_worst_tokens
-                (naming the ranks and the field). A bad argument on any rank costs its peers one
-                small collective, not ``timeout_s``: that rank takes part in the call's check with
-                a non-zero status and raises its own error, its peers a ValueError naming it and
-                quoting its error (``moe_dispatch.control.agreement``); the Buffer stays usable.
+                ``[1, 2**20]``, bools refused as ints; topk_idx with no column; a ``num_worst_tokens``
+                whose receive buffers would not fit the memory or could not be allocated); a foreign
+                handle, or (cached) the handle of another dispatch than the peers'; async_finish with
+                return_recv_hook; ranks that disagree on E, K, H, dtypes, whether topk_weights are
+                given or num_worst_tokens (naming the ranks and the field). A bad argument on any
+                rank costs its peers one small collective, not ``timeout_s``: that rank takes part
+                in the call's check with a non-zero status and raises its own error, its peers a
+                ValueError naming it and quoting its error (``moe_dispatch.control.agreement``); the
+                Buffer stays usable.
             RuntimeError: the handle's dispatch was issued with ``return_recv_hook`` and its hook
                 not called; another thread is inside this Buffer; the Buffer was closed.
             BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts),
@@ -595,18 +598,22 @@ class Buffer:
         is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
+            recv_topk_idx = self._transfers.allocate_budget(
+                lambda: topk_idx.new_empty((slot.num_rows, topk_idx.shape[1]))
+            )
         else:
             xs = list(x) if isinstance(x, tuple) else [x]
             rows = [dense(t) for t in [*xs, topk_idx, *([topk_weights] if topk_weights is not None else [])]]
             plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx=topk_idx, rows=rows)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
+            recv_topk_idx = topk_idx.new_empty((slot.num_rows, topk_idx.shape[1]))
         call.dispatch = FreshDispatch(
             slot=slot,
             fields=fields,
             is_token_in_rank=is_token_in_rank,
             topk_idx=topk_idx,
             num_experts=num_experts,
-            recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
+            recv_topk_idx=recv_topk_idx,
             num_recv_tokens_per_expert=torch.empty(
                 num_experts // self.world_size, dtype=torch.int64, device=self.device
             ),
@@ -666,9 +673,17 @@ class Buffer:
             check_num_experts(num_experts, self.world_size)
         with checking("topk_idx", self.rank):
             check_topk_idx_cpu(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
+            if topk_idx.shape[1] == 0:  # the kernels route by topk_idx's columns: refused on every transport alike
+                raise ValueError(
+                    f"topk_idx must have at least one column (top-k >= 1; -1 marks a slot with no expert), got "
+                    f"shape [{num_tokens}, 0]"
+                )
         if topk_weights is not None:
             with checking("topk_weights", self.rank):
                 check_topk_weights(topk_weights, topk_idx, device=self.device)
+        if num_worst_tokens:
+            with checking("num_worst_tokens", self.rank):
+                self._check_budget(num_worst_tokens, x, topk_idx, topk_weights)
         if sync_free:
             self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
         else:
@@ -880,9 +895,40 @@ class Buffer:
                     f"dispatch it in {str(x.dtype).removeprefix('torch.')}, or pad it to a multiple of {FP8_BLOCK}"
                 )
 
+    def _check_budget(self, num_worst_tokens: int, x, topk_idx: torch.Tensor, topk_weights) -> None:
+        """``num_worst_tokens`` of a dispatch whose other arguments were checked: its receive
+        buffers (``num_worst_tokens`` rows of x, topk_idx and topk_weights) must fit this rank's
+        share of the memory they live in (a GPU's own; on CPU the host's, shared by the EP
+        group's ranks). The most rows a dispatch can deliver is the sum of every rank's tokens,
+        which no rank knows before the transfer, so the bound is the memory (and the kernels'
+        int32 row counts); ``num_tokens * num_ranks`` (DeepEP's convention) passes wherever it fits.
+
+        Raises:
+            ValueError: the buffers would not fit (naming the bound and the value).
+        """
+        xs = list(x) if isinstance(x, tuple) else [x]
+        row_bytes = sum(t.shape[1] * t.element_size() for t in xs) + topk_idx.shape[1] * topk_idx.element_size()
+        if topk_weights is not None:
+            row_bytes += topk_weights.shape[1] * topk_weights.element_size()
+        if self.device.type == "cuda":
+            memory, where = torch.cuda.mem_get_info(self.device)[1], f"{self.device}'s memory"
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            memory, where = total // self.world_size, f"1/{self.world_size} of the host's memory"
+        # The kernels count a node's rows (ranks_per_node budgets) in int32.
+        limit = min(memory // max(row_bytes, 1), INT32_MAX // self.topology.ranks_per_node)
+        if num_worst_tokens > limit:
+            num_tokens = xs[0].shape[0]
+            raise ValueError(
+                f"num_worst_tokens must be at most {limit} here (its receive buffers take {row_bytes} bytes per row "
+                f"and must fit {where}, {memory} bytes, and a node's rows are counted in int32; a dispatch delivers "
+                f"at most the sum of every rank's tokens, num_tokens * num_ranks = {num_tokens * self.world_size} "
+                f"with this rank's), got {num_worst_tokens}"
+            )
+
     def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
         if isinstance(x, list):
-            raise TypeError(f"x is a list of {len(x)}: pass the fp8 pair as the tuple (x_fp8, scales)")
+            raise TypeError(f"x must be a tensor, or the fp8 pair as the tuple (x_fp8, scales), got a list of {len(x)}")
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")

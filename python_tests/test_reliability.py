@@ -97,6 +97,18 @@ def _dispatch_cases() -> dict:
     def sized(buf, x, idx, w, e):
         return buf.dispatch(x, idx, w, e)
 
+    def out_of_memory(buf, x, idx, w, e):
+        """A num_worst_tokens dispatch whose receive buffers this rank cannot allocate."""
+
+        def alloc(call, shapes_like):
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+
+        buf._transfers.queue.alloc = alloc
+        try:
+            return buf.dispatch(x, idx, w, e, num_worst_tokens=worst)
+        finally:
+            del buf._transfers.queue.alloc
+
     def nwt(buf, x, idx, w, e):
         return buf.dispatch(x, idx, w, e, num_worst_tokens=worst)
 
@@ -129,12 +141,39 @@ def _dispatch_cases() -> dict:
             lambda b, x, i, w, e: b.dispatch(x, i, w, 2**40),
             sized,
         ),
-        "fp8-as-list": ("dispatch", TypeError, r"x is a list of 2: pass the fp8 pair as the tuple", fp8_list, sized),
+        "fp8-as-list": (
+            "dispatch",
+            TypeError,
+            r"x must be a tensor, or the fp8 pair as the tuple \(x_fp8, scales\), got a list of 2",
+            fp8_list,
+            sized,
+        ),
+        "topk-zero": (
+            "dispatch",
+            ValueError,
+            r"topk_idx must have at least one column .*got shape \[12, 0\]",
+            lambda b, x, i, w, e: b.dispatch(x, i[:, :0], w[:, :0], e),
+            sized,
+        ),
         "num-worst-tokens-bool": (
             "dispatch",
             ValueError,
             r"num_worst_tokens must be an int >= 0 .*got True",
             lambda b, x, i, w, e: b.dispatch(x, i, w, e, num_worst_tokens=True),
+            nwt,
+        ),
+        "num-worst-tokens-huge": (
+            "dispatch",
+            ValueError,
+            r"num_worst_tokens must be at most \d+ here .*got 1099511627776",
+            lambda b, x, i, w, e: b.dispatch(x, i, w, e, num_worst_tokens=2**40),
+            nwt,
+        ),
+        "num-worst-tokens-out-of-memory": (
+            "dispatch",
+            ValueError,
+            r"num_worst_tokens: the receive buffers of that many rows could not be allocated \(out of memory",
+            out_of_memory,
             nwt,
         ),
         "num-worst-tokens-weights": (
@@ -253,7 +292,16 @@ def test_one_bad_rank_costs_its_peers_nothing(case):
     assert_case(world_results(_one_rank_entry, W), case)
 
 
-KERNEL_CASES = ["x-dtype", "num-experts-huge", "num-worst-tokens-bool", "cached-dispatch-rows", "combine-rows"]
+KERNEL_CASES = [
+    "x-dtype",
+    "num-experts-huge",
+    "num-worst-tokens-bool",
+    "num-worst-tokens-huge",
+    "num-worst-tokens-out-of-memory",
+    "topk-zero",
+    "cached-dispatch-rows",
+    "combine-rows",
+]
 
 
 def _kernel_refusal_entry(rank, world_size):
