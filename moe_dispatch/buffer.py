@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,16 +15,16 @@ from .control import ControlPlane
 from .control.agreement import DISPATCH_FIELDS, refusing_fields
 from .errors import ArgumentTypeError, InvalidArgumentError, checking
 from .ops.layout import check_topk_idx_cpu, get_dispatch_layout, is_token_in_rank_cpu
-from .ops.permute import INT32_MAX, check_permute_args
-from .ops.quant import check_fp8_pair, per_token_cast_to_fp8
+from .ops.permute import check_permute_args
+from .ops.quant import per_token_cast_to_fp8
 from .runtime import autograd
 from .runtime.arguments import DEFAULT_TIMEOUT_S, agree_arguments
 from .runtime.calls import Call, ExpertLayout, FreshDispatch, PlanSlot
+from .runtime.checks import check_fp8_wire, check_num_worst_tokens, check_x
 from .runtime.queue import EventOverlap, RecvHook, release_dropped
 from .runtime.transfers import Transfers, dispatch_fields
 from .semantics.layout import get_dispatch_layout_torch
 from .semantics.permute import PermuteHandle
-from .semantics.quant import FP8_BLOCK
 from .semantics.validation import (
     check_hidden,
     check_num_experts,
@@ -442,7 +441,7 @@ class Buffer:
             try:
                 mode = self._check_call(async_finish, return_recv_hook, previous_event)
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
-                self._check_fp8_wire(x, use_fp8, handle, return_recv_hook)
+                check_fp8_wire(x, use_fp8, self.rank, handle, return_recv_hook)
             except (TypeError, ValueError) as err:
                 if handle is not None:
                     self._transfers.refuse(err, "dispatch", "cached dispatch")
@@ -551,7 +550,7 @@ class Buffer:
                             "fp8); dispatch an fp8 pair with dispatch()"
                         )
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, num_worst_tokens, on_overflow)
-                self._check_fp8_wire(x, use_fp8)
+                check_fp8_wire(x, use_fp8, self.rank)
                 layout = (pad_multiple, num_permuted_tokens, expert_capacity)
                 with checking("arguments", self.rank):  # the layout's arguments together
                     check_permute_args(topk_idx, num_experts // self.world_size, *layout)
@@ -648,7 +647,7 @@ class Buffer:
         if handle is not None:
             self._check_handle(handle)
             with checking("x", self.rank):
-                self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
+                check_x(x, self.device, handle.num_tokens, "handle (tokens dispatched)")
             with checking("arguments", self.rank):
                 if topk_idx is not None or topk_weights is not None or num_worst_tokens:
                     raise ValueError(
@@ -657,7 +656,7 @@ class Buffer:
                     )
             return
         with checking("x", self.rank):
-            self._check_x(x)
+            check_x(x, self.device)
         with checking("topk_weights", self.rank):
             if is_int(topk_weights) and num_experts is None:
                 raise TypeError(
@@ -683,7 +682,7 @@ class Buffer:
                 check_topk_weights(topk_weights, topk_idx, device=self.device)
         if num_worst_tokens:
             with checking("num_worst_tokens", self.rank):
-                self._check_budget(num_worst_tokens, x, topk_idx, topk_weights)
+                check_num_worst_tokens(num_worst_tokens, x, topk_idx, topk_weights, self.topology, self.device)
         if sync_free:
             self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
         else:
@@ -871,67 +870,3 @@ class Buffer:
         """``(event,)``, or ``(event, hook)`` for the hook variant."""
         event = call.event if call.event is not None else EventOverlap()
         return (event, call.hook) if call.mode == "hook" else (event,)
-
-    def _check_fp8_wire(self, x, use_fp8, handle=None, return_recv_hook: bool = False) -> None:
-        """``use_fp8`` of a dispatch whose ``x`` was checked: a bool, and with True a fresh
-        dispatch of one tensor whose rows split into 1x128 blocks, completed by the call."""
-        with checking("use_fp8", self.rank):
-            if not isinstance(use_fp8, bool):
-                raise TypeError(f"use_fp8 must be a bool, got {type(use_fp8).__name__}")
-            if not use_fp8:
-                return
-            if isinstance(x, tuple) or handle is not None:
-                raise ValueError(
-                    "use_fp8=True quantizes a bf16/fp16/fp32 x for a fresh dispatch: pass x as one tensor and no "
-                    "handle (an fp8 pair travels as it is without use_fp8)"
-                )
-            if return_recv_hook:
-                raise ValueError(
-                    "use_fp8=True dequantizes the rows as the call completes: not with return_recv_hook=True"
-                )
-            if x.shape[1] % FP8_BLOCK:
-                raise ValueError(
-                    f"use_fp8=True quantizes rows in 1x{FP8_BLOCK} blocks, but x has hidden size {x.shape[1]}: "
-                    f"dispatch it in {str(x.dtype).removeprefix('torch.')}, or pad it to a multiple of {FP8_BLOCK}"
-                )
-
-    def _check_budget(self, num_worst_tokens: int, x, topk_idx: torch.Tensor, topk_weights) -> None:
-        """``num_worst_tokens`` of a dispatch whose other arguments were checked: its receive
-        buffers (``num_worst_tokens`` rows of x, topk_idx and topk_weights) must fit this rank's
-        share of the memory they live in (a GPU's own; on CPU the host's, shared by the EP
-        group's ranks). The most rows a dispatch can deliver is the sum of every rank's tokens,
-        which no rank knows before the transfer, so the bound is the memory (and the kernels'
-        int32 row counts); ``num_tokens * num_ranks`` (DeepEP's convention) passes wherever it fits.
-
-        Raises:
-            ValueError: the buffers would not fit (naming the bound and the value).
-        """
-        xs = list(x) if isinstance(x, tuple) else [x]
-        row_bytes = sum(t.shape[1] * t.element_size() for t in xs) + topk_idx.shape[1] * topk_idx.element_size()
-        if topk_weights is not None:
-            row_bytes += topk_weights.shape[1] * topk_weights.element_size()
-        if self.device.type == "cuda":
-            memory, where = torch.cuda.mem_get_info(self.device)[1], f"{self.device}'s memory"
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            memory, where = total // self.world_size, f"1/{self.world_size} of the host's memory"
-        # The kernels count a node's rows (ranks_per_node budgets) in int32.
-        limit = min(memory // max(row_bytes, 1), INT32_MAX // self.topology.ranks_per_node)
-        if num_worst_tokens > limit:
-            num_tokens = xs[0].shape[0]
-            raise ValueError(
-                f"num_worst_tokens must be at most {limit} here (its receive buffers take {row_bytes} bytes per row "
-                f"and must fit {where}, {memory} bytes, and a node's rows are counted in int32; a dispatch delivers "
-                f"at most the sum of every rank's tokens, num_tokens * num_ranks = {num_tokens * self.world_size} "
-                f"with this rank's), got {num_worst_tokens}"
-            )
-
-    def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
-        if isinstance(x, list):
-            raise TypeError(f"x must be a tensor, or the fp8 pair as the tuple (x_fp8, scales), got a list of {len(x)}")
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise ValueError(f"an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
-            check_fp8_pair(*x, num_tokens=num_tokens, device=self.device)
-        else:
-            check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)
