@@ -16,15 +16,15 @@ from .control.agreement import DISPATCH_FIELDS, refusing_fields
 from .errors import ArgumentTypeError, InvalidArgumentError, checking
 from .ops.layout import check_topk_idx_cpu, get_dispatch_layout, is_token_in_rank_cpu
 from .ops.permute import check_permute_args
-from .ops.quant import check_fp8_pair, per_token_cast_to_fp8
+from .ops.quant import per_token_cast_to_fp8
 from .runtime import autograd
 from .runtime.arguments import DEFAULT_TIMEOUT_S, agree_arguments
 from .runtime.calls import Call, ExpertLayout, FreshDispatch, PlanSlot
+from .runtime.checks import check_fp8_wire, check_num_worst_tokens, check_x
 from .runtime.queue import EventOverlap, RecvHook, release_dropped
 from .runtime.transfers import Transfers, dispatch_fields
 from .semantics.layout import get_dispatch_layout_torch
 from .semantics.permute import PermuteHandle
-from .semantics.quant import FP8_BLOCK
 from .semantics.validation import (
     check_hidden,
     check_num_experts,
@@ -417,13 +417,15 @@ class Buffer:
 
         Raises:
             ValueError/TypeError: bad shapes, dtypes, devices, ranges (``num_experts`` an int in
-                ``[1, 2**20]``, bools refused as ints); a foreign handle, or (cached) the handle of
-                another dispatch than the peers'; async_finish with return_recv_hook; ranks that
-                disagree on E, K, H, dtypes, whether topk_weights are given or num_worst_tokens
-                (naming the ranks and the field). A bad argument on any rank costs its peers one
-                small collective, not ``timeout_s``: that rank takes part in the call's check with
-                a non-zero status and raises its own error, its peers a ValueError naming it and
-                quoting its error (``moe_dispatch.control.agreement``); the Buffer stays usable.
+                ``[1, 2**20]``, bools refused as ints; topk_idx with no column; a ``num_worst_tokens``
+                whose receive buffers would not fit the memory or could not be allocated); a foreign
+                handle, or (cached) the handle of another dispatch than the peers'; async_finish with
+                return_recv_hook; ranks that disagree on E, K, H, dtypes, whether topk_weights are
+                given or num_worst_tokens (naming the ranks and the field). A bad argument on any
+                rank costs its peers one small collective, not ``timeout_s``: that rank takes part
+                in the call's check with a non-zero status and raises its own error, its peers a
+                ValueError naming it and quoting its error (``moe_dispatch.control.agreement``); the
+                Buffer stays usable.
             RuntimeError: the handle's dispatch was issued with ``return_recv_hook`` and its hook
                 not called; another thread is inside this Buffer; the Buffer was closed.
             BudgetOverflowError: more rows arrived than ``num_worst_tokens`` (naming both counts),
@@ -439,7 +441,7 @@ class Buffer:
             try:
                 mode = self._check_call(async_finish, return_recv_hook, previous_event)
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, handle, num_worst_tokens, on_overflow)
-                self._check_fp8_wire(x, use_fp8, handle, return_recv_hook)
+                check_fp8_wire(x, use_fp8, self.rank, handle, return_recv_hook)
             except (TypeError, ValueError) as err:
                 if handle is not None:
                     self._transfers.refuse(err, "dispatch", "cached dispatch")
@@ -548,7 +550,7 @@ class Buffer:
                             "fp8); dispatch an fp8 pair with dispatch()"
                         )
                 self._check_dispatch(x, topk_idx, topk_weights, num_experts, None, num_worst_tokens, on_overflow)
-                self._check_fp8_wire(x, use_fp8)
+                check_fp8_wire(x, use_fp8, self.rank)
                 layout = (pad_multiple, num_permuted_tokens, expert_capacity)
                 with checking("arguments", self.rank):  # the layout's arguments together
                     check_permute_args(topk_idx, num_experts // self.world_size, *layout)
@@ -595,18 +597,22 @@ class Buffer:
         is_token_in_rank = self._is_token_in_rank(topk_idx, num_experts)  # inputs checked above, once
         if num_worst_tokens:  # the transfer exchanges the counts first (Transfers.dispatch)
             slot = PlanSlot(num_tokens, num_worst_tokens)
+            recv_topk_idx = self._transfers.allocate_budget(
+                lambda: topk_idx.new_empty((slot.num_rows, topk_idx.shape[1]))
+            )
         else:
             xs = list(x) if isinstance(x, tuple) else [x]
             rows = [dense(t) for t in [*xs, topk_idx, *([topk_weights] if topk_weights is not None else [])]]
             plan = self._transfers.plan(call, is_token_in_rank, fields, topk_idx=topk_idx, rows=rows)
             slot = PlanSlot(num_tokens, plan.num_recv_tokens, plan)
+            recv_topk_idx = topk_idx.new_empty((slot.num_rows, topk_idx.shape[1]))
         call.dispatch = FreshDispatch(
             slot=slot,
             fields=fields,
             is_token_in_rank=is_token_in_rank,
             topk_idx=topk_idx,
             num_experts=num_experts,
-            recv_topk_idx=topk_idx.new_empty((slot.num_rows, topk_idx.shape[1])),
+            recv_topk_idx=recv_topk_idx,
             num_recv_tokens_per_expert=torch.empty(
                 num_experts // self.world_size, dtype=torch.int64, device=self.device
             ),
@@ -641,7 +647,7 @@ class Buffer:
         if handle is not None:
             self._check_handle(handle)
             with checking("x", self.rank):
-                self._check_x(x, handle.num_tokens, "handle (tokens dispatched)")
+                check_x(x, self.device, handle.num_tokens, "handle (tokens dispatched)")
             with checking("arguments", self.rank):
                 if topk_idx is not None or topk_weights is not None or num_worst_tokens:
                     raise ValueError(
@@ -650,7 +656,7 @@ class Buffer:
                     )
             return
         with checking("x", self.rank):
-            self._check_x(x)
+            check_x(x, self.device)
         with checking("topk_weights", self.rank):
             if is_int(topk_weights) and num_experts is None:
                 raise TypeError(
@@ -666,9 +672,17 @@ class Buffer:
             check_num_experts(num_experts, self.world_size)
         with checking("topk_idx", self.rank):
             check_topk_idx_cpu(topk_idx, num_experts, num_tokens=num_tokens, device=self.device, values=not sync_free)
+            if topk_idx.shape[1] == 0:  # the kernels route by topk_idx's columns: refused on every transport alike
+                raise ValueError(
+                    f"topk_idx must have at least one column (top-k >= 1; -1 marks a slot with no expert), got "
+                    f"shape [{num_tokens}, 0]"
+                )
         if topk_weights is not None:
             with checking("topk_weights", self.rank):
                 check_topk_weights(topk_weights, topk_idx, device=self.device)
+        if num_worst_tokens:
+            with checking("num_worst_tokens", self.rank):
+                check_num_worst_tokens(num_worst_tokens, x, topk_idx, topk_weights, self.topology, self.device)
         if sync_free:
             self._transfers.check_topk_idx_on_device(topk_idx, num_experts)
         else:
@@ -856,36 +870,3 @@ class Buffer:
         """``(event,)``, or ``(event, hook)`` for the hook variant."""
         event = call.event if call.event is not None else EventOverlap()
         return (event, call.hook) if call.mode == "hook" else (event,)
-
-    def _check_fp8_wire(self, x, use_fp8, handle=None, return_recv_hook: bool = False) -> None:
-        """``use_fp8`` of a dispatch whose ``x`` was checked: a bool, and with True a fresh
-        dispatch of one tensor whose rows split into 1x128 blocks, completed by the call."""
-        with checking("use_fp8", self.rank):
-            if not isinstance(use_fp8, bool):
-                raise TypeError(f"use_fp8 must be a bool, got {type(use_fp8).__name__}")
-            if not use_fp8:
-                return
-            if isinstance(x, tuple) or handle is not None:
-                raise ValueError(
-                    "use_fp8=True quantizes a bf16/fp16/fp32 x for a fresh dispatch: pass x as one tensor and no "
-                    "handle (an fp8 pair travels as it is without use_fp8)"
-                )
-            if return_recv_hook:
-                raise ValueError(
-                    "use_fp8=True dequantizes the rows as the call completes: not with return_recv_hook=True"
-                )
-            if x.shape[1] % FP8_BLOCK:
-                raise ValueError(
-                    f"use_fp8=True quantizes rows in 1x{FP8_BLOCK} blocks, but x has hidden size {x.shape[1]}: "
-                    f"dispatch it in {str(x.dtype).removeprefix('torch.')}, or pad it to a multiple of {FP8_BLOCK}"
-                )
-
-    def _check_x(self, x, num_tokens: int | None = None, rows_what: str = "topk_idx") -> None:
-        if isinstance(x, list):
-            raise TypeError(f"x is a list of {len(x)}: pass the fp8 pair as the tuple (x_fp8, scales)")
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise ValueError(f"an fp8 x must be the tuple (x_fp8, scales), got a tuple of {len(x)}")
-            check_fp8_pair(*x, num_tokens=num_tokens, device=self.device)
-        else:
-            check_hidden("x", x, self.device, num_rows=num_tokens, rows_what=rows_what)

@@ -15,8 +15,10 @@ from .kernel_layout import COMBINE_WARPS, COPY_VARIANTS, MAX_CHANNELS, MAX_ROWS_
 
 INTERNODE_PIPELINES = ("fused", "staged")
 
-# The named kernel variants the benchmarks time side by side and the tests run (Config fields
-# over the current kernels'; csrc/kernels/variant.cuh says why each should help).
+# Experimental: the named kernel variants, kept only to be timed side by side against the defaults
+# (benchmarks/gpu_check.sh, bench_intranode/internode --variants) and run by the tests. Nothing on the
+# main path selects one: a Config is "current" unless built with Config.with_variant(name). Each is
+# Config fields over the current kernels' (csrc/kernels/variant.cuh says why each should help).
 VARIANTS: dict[str, dict] = {
     "current": {},
     "loads8": {"loads_in_flight": 8},

@@ -99,6 +99,22 @@ def _bad_input_cases(buf: Buffer) -> dict:
             r"an fp8 x must be the tuple \(x_fp8, scales\), got a tuple of 1",
             lambda: buf.dispatch((x,), idx, w, E),
         ),
+        "x-list": lambda: _raises(
+            TypeError,
+            r"x must be a tensor, or the fp8 pair as the tuple \(x_fp8, scales\), got a list of 2",
+            lambda: buf.dispatch([x, x], idx, w, E),
+        ),
+        "topk-idx-no-column": lambda: _raises(
+            ValueError,
+            r"topk_idx must have at least one column \(top-k >= 1.*got shape \[6, 0\]",
+            lambda: buf.dispatch(x, idx[:, :0], w[:, :0], E),
+        ),
+        "num-worst-tokens-huge": lambda: _raises(
+            ValueError,
+            r"num_worst_tokens must be at most \d+ here .*num_tokens \* num_ranks = 12 .*got 1099511627776",
+            lambda: buf.dispatch(x, idx, w, E, num_worst_tokens=2**40),
+        ),
+        "num-worst-tokens-tokens-times-ranks": lambda: buf.dispatch(x, idx, w, E, num_worst_tokens=12),
         "missing-routing": lambda: _raises(
             ValueError, r"dispatch needs topk_idx and num_experts", lambda: buf.dispatch(x)
         ),

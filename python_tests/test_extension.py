@@ -103,7 +103,7 @@ def test_config_mirror_matches_extension():
 @built
 def test_header_and_record_codes_match_extension():
     """The codes Python writes into headers and reads from the kernels' records equal _C's."""
-    from moe_dispatch.transport.kernels import header, launcher
+    from moe_dispatch.transport.kernels import header, launcher, timeouts
 
     codes = _ext._C.codes
     assert {name: code for code, name in header.OPS.items()} == codes["op"]
@@ -114,9 +114,9 @@ def test_header_and_record_codes_match_extension():
     assert {str(dtype).removeprefix("torch."): c for dtype, c in launcher.COMBINE_DTYPES.items()} == codes[
         "combine_dtype"
     ]
-    assert {name: code for code, name in launcher._PHASES.items()} == codes["phase"]
-    assert {name: code for code, name in launcher._ROLES.items()} == codes["role"]
-    assert {name: code for code, name in launcher._COUNTERS.items()} == codes["counter"]
+    assert {name: code for code, name in timeouts._PHASES.items()} == codes["phase"]
+    assert {name: code for code, name in timeouts._ROLES.items()} == codes["role"]
+    assert {name: code for code, name in timeouts._COUNTERS.items()} == codes["counter"]
 
 
 @built

@@ -34,12 +34,8 @@ from moe_dispatch.semantics import reference
 from moe_dispatch.semantics.quant import per_token_cast_to_fp8_reference
 from moe_dispatch.testing.loopback import InternodeLoopback
 from moe_dispatch.transport.kernels.experimental import StagedInternodeHandle
-from moe_dispatch.transport.kernels.internode import (
-    InternodeHandle,
-    cross_node_bytes,
-    describe_timeout,
-    fused_channels,
-)
+from moe_dispatch.transport.kernels.internode import cross_node_bytes, describe_timeout, fused_channels
+from moe_dispatch.transport.kernels.internode_engines import InternodeHandle
 from moe_dispatch.transport.kernels.nvshmem import HEAP_MARGIN, symmetric_heap_bytes
 from python_tests.conftest import needs_gpu
 from python_tests.test_intranode_cuda import (

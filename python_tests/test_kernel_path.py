@@ -31,7 +31,7 @@ from moe_dispatch.errors import MismatchError
 from moe_dispatch.semantics import reference
 from moe_dispatch.testing.launch import spawn_world
 from moe_dispatch.testing.sync import HostSyncError, no_host_sync
-from moe_dispatch.transport.kernels.launcher import TIMEOUT_ENV
+from moe_dispatch.transport.kernels.timeouts import TIMEOUT_ENV
 
 from . import test_async, test_dispatch
 from .test_dispatch import expert, make_routing, make_x

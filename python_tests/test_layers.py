@@ -65,10 +65,6 @@ ON_DEMAND: dict[tuple[str, str], str] = {
         "the start-up hook loads the backend when a MoELayer or Bridge first names it; nothing else of "
         "moe_dispatch (nor torch) is imported at start-up"
     ),
-    ("transport/kernels/internode.py", "transport/kernels/experimental.py"): (
-        "the staged pipeline (kept only to be timed) is imported only where a Config selects it "
-        "(python_tests/test_internode_cuda.py checks); it builds on internode's engines"
-    ),
 }
 
 

@@ -11,8 +11,9 @@ largest (:func:`group_count`, :func:`align_group_count`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,20 @@ def retire(groups: list[dist.ProcessGroup | None], timeout: datetime.timedelta, 
             dist.destroy_process_group(group)
         except (RuntimeError, ValueError):  # already gone with the world's teardown
             pass
+
+
+@contextlib.contextmanager
+def setup_group(ranks: list[int], timeout: datetime.timedelta, backend: str) -> Iterator[dist.ProcessGroup]:
+    """A group of the global ``ranks`` (:func:`new_group`) for a collective set-up only, retired
+    when the block ends: as idle when it ends normally, so the block must end with a barrier of a
+    group holding every member, after its last collective on this one; not idle when it raises."""
+    group = new_group(ranks, timeout, backend)
+    try:
+        yield group
+    except BaseException:
+        retire([group], timeout, idle=False)
+        raise
+    retire([group], timeout, idle=True)
 
 
 class Pending:

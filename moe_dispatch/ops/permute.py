@@ -27,7 +27,7 @@ from ..semantics.permute import (
 from ..semantics.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, check_topk_idx
 from .layout import _accumulate_hits, _block_prefix, _device_of, _next_pow2, resolve_backend
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 _FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
 
 
@@ -315,7 +315,7 @@ def permute_map_triton(topk_idx: torch.Tensor, layout: PermuteLayout, *, block_r
     expert_offsets = alloc(e, dtype=torch.int32, device=device)
     num_rows_needed = alloc((), dtype=torch.int64, device=device)
     overflow = alloc((), dtype=torch.bool, device=device)
-    budget = _INT32_MAX if static is None else static
+    budget = INT32_MAX if static is None else static
     if num_tokens > 0:
         block = block_r or _index_block(num_tokens, experts_pad, topk_idx.is_cuda)
         num_blocks = triton.cdiv(num_tokens, block)

@@ -13,7 +13,7 @@ import torch
 
 from ..control import ControlPlane, agreement
 from ..control.agreement import DISPATCH_FIELDS, DispatchId, Field
-from ..errors import ArgumentTypeError, BudgetOverflowError, CommError, MismatchError, error_name
+from ..errors import ArgumentTypeError, BudgetOverflowError, CommError, InvalidArgumentError, MismatchError, error_name
 from ..ops.layout import localize_topk_idx_cpu
 from ..ops.permute import permute, permute_map_cpu, permute_map_triton, unpermute
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
@@ -253,6 +253,29 @@ class Transfers:
             raise refused.with_traceback(None) from err
         raise err  # unreachable: the check raises every rank's refusal
 
+    def allocate_budget(self, allocate):
+        """``allocate()``'s tensors: receive buffers of a ``num_worst_tokens`` dispatch, allocated
+        before its first collective, so a failure (out of memory) is refused as a bad
+        ``num_worst_tokens`` (:meth:`refuse`: every rank raises, the Buffer stays usable).
+
+        Raises:
+            InvalidArgumentError: the allocation failed here (naming num_worst_tokens), or, via
+                :meth:`refuse`, on a peer.
+        """
+        try:
+            return allocate()
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            reason = str(err).splitlines()[0] if str(err) else error_name(err)
+            refusal = InvalidArgumentError(
+                f"num_worst_tokens: the receive buffers of that many rows could not be allocated ({reason}); pass "
+                "a smaller num_worst_tokens (a dispatch delivers at most the sum of every rank's tokens)",
+                argument="num_worst_tokens",
+                rank=self.topology.rank,
+            )
+            refusal.__cause__ = err
+            what = "dispatch (num_worst_tokens)"
+            self.refuse(refusal, what, what, agreement.refusing_fields(DISPATCH_FIELDS))
+
     def _checked_kind(self, operation: str) -> bool:
         """Whether a call of ``operation``'s kind (a refusal's check name) passed the host check
         of a first signature on this Buffer (only with ``device_checks``)."""
@@ -334,9 +357,10 @@ class Transfers:
             if slot.plan is not None:
                 return self._dispatch_permuted(call, tensors, len(xs))
             call.mode = "sync"  # permuted on the caller's stream once the rows are in
-        out = self.queue.alloc(call, [(t, (slot.num_rows, *t.shape[1:])) for t in tensors])
-        out[len(xs)] = recv_idx = routing.recv_topk_idx
         budget = slot.plan is None  # num_worst_tokens: the plan comes with the transfer
+        shapes = [(t, (slot.num_rows, *t.shape[1:])) for t in tensors]
+        out = self.allocate_budget(lambda: self.queue.alloc(call, shapes)) if budget else self.queue.alloc(call, shapes)
+        out[len(xs)] = recv_idx = routing.recv_topk_idx
 
         def steps():
             if budget:

@@ -23,20 +23,14 @@ from .._ext import require_extension
 from ..config import Config
 from ..errors import InternodeTimeoutError, IntranodeTimeoutError
 from ..kernel_layout import ERROR_RECORD_INTS, MAX_LAUNCH_RANKS, MAX_RANKS
+from ..transport.kernels.calls import CombineCall, DispatchCall, RankInput, prepare_input
 from ..transport.kernels.header import Records
-from ..transport.kernels.internode import InternodeEngines, RdmaEngine, check_rdma_config
 from ..transport.kernels.internode import run_combine as run_internode_combine
 from ..transport.kernels.internode import run_dispatch as run_internode_dispatch
+from ..transport.kernels.internode_engines import InternodeEngines, RdmaEngine, check_rdma_config
 from ..transport.kernels.intranode import IntranodeEngine, run_combine, run_dispatch
-from ..transport.kernels.launcher import (
-    CombineCall,
-    DispatchCall,
-    RankInput,
-    default_timeout_s,
-    prepare_input,
-    resolve_device,
-    slot_bytes_for,
-)
+from ..transport.kernels.launcher import resolve_device, slot_bytes_for
+from ..transport.kernels.timeouts import default_timeout_s
 
 __all__ = ["InternodeLoopback", "Loopback"]
 
@@ -148,7 +142,7 @@ class _Harness:
 
         Returns:
             per rank a :class:`~moe_dispatch.transport.kernels.intranode.RankDispatch` (intranode)
-            or :class:`~moe_dispatch.transport.kernels.internode.InternodeDispatch`; rows ordered
+            or :class:`~moe_dispatch.transport.kernels.internode_engines.InternodeDispatch`; rows ordered
             by source rank, then source token.
         """
         W = self.world_size
@@ -307,7 +301,7 @@ class InternodeLoopback(_Harness):
             ``internode_pipeline`` the pipeline run).
 
     Attributes:
-        engines: the :class:`~moe_dispatch.transport.kernels.internode.InternodeEngines` of every
+        engines: the :class:`~moe_dispatch.transport.kernels.internode_engines.InternodeEngines` of every
             launch (the RDMA engine; the staged pipeline's node engines too).
 
     Raises:
@@ -397,7 +391,7 @@ class InternodeLoopback(_Harness):
 
 def _launch_fields(status, withhold_rank, withhold_phase, check: bool) -> dict:
     """A harness operation's test keywords as the kernels' calls name them
-    (:class:`~moe_dispatch.transport.kernels.launcher.LaunchCall`)."""
+    (:class:`~moe_dispatch.transport.kernels.calls.LaunchCall`)."""
     return {"statuses": status, "skip_rank": withhold_rank, "skip_phase": withhold_phase, "check": check}
 
 

@@ -6,7 +6,7 @@
   with ``device="cpu"``).
 - :class:`InternodeRank`: the hierarchical kernels (NVSHMEM on GPUs, shared memory on CPU).
 
-Each checks this rank's arguments (:func:`~moe_dispatch.transport.kernels.launcher.prepare_input`),
+Each checks this rank's arguments (:func:`~moe_dispatch.transport.kernels.calls.prepare_input`),
 runs the operation on its buffers (the same one-rank operations ``Buffer(transport="kernels")``
 runs) and, for arguments it cannot use, the refusal instead (its peers finish at once and record
 why, instead of waiting out their timeout), then synchronises as the kernel path does. Tests
@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import CommError
+from ..transport.kernels.calls import prepare_input
 from ..transport.kernels.header import OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH
 from ..transport.kernels.internode import InternodeBuffers
 from ..transport.kernels.intranode import IntranodeBuffers, IntranodeHandle
-from ..transport.kernels.launcher import RankBuffers, prepare_input
+from ..transport.kernels.launcher import RankBuffers
 
 __all__ = ["InternodeRank", "IntranodeRank", "KernelRank"]
 
@@ -67,7 +68,7 @@ class KernelRank:
         :meth:`~moe_dispatch.testing.loopback.InternodeLoopback.dispatch` (several) for one rank
         (``x``, ``topk_idx``, ``topk_weights``, ``handle``, ``dispatch_id``). Returns this rank's
         result (:class:`~moe_dispatch.transport.kernels.intranode.RankDispatch`,
-        :class:`~moe_dispatch.transport.kernels.internode.InternodeDispatch`). Raises ValueError /
+        :class:`~moe_dispatch.transport.kernels.internode_engines.InternodeDispatch`). Raises ValueError /
         TypeError for bad arguments (after taking part with a refusal, so the peers finish at
         once and record it), :class:`~moe_dispatch.transport.kernels.header.MismatchError` when
         the peers' calls differ, ``IntranodeTimeoutError`` / ``InternodeTimeoutError`` for a

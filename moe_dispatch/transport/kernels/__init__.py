@@ -6,10 +6,12 @@ word per layer (Transport, Buffers, Engine, Launcher), top down:
 - :mod:`.intranode` / :mod:`.internode`, per topology: ``IntranodeBuffers`` /
   ``InternodeBuffers`` (on ``launcher.RankBuffers``), this process's rank of the kernels (its
   buffers, its peers' mapped, one operation for this rank), over the engines
-  (``IntranodeEngine``; ``InternodeEngines``: ``RdmaEngine`` and the node engines), which run an
-  operation for a list of ranks, one launch per kernel.
+  (``IntranodeEngine``; in :mod:`.internode_engines`, below both internode pipelines,
+  ``InternodeEngines``: ``RdmaEngine`` and the node engines), which run an operation for a list
+  of ranks, one launch per kernel.
 - :mod:`.launcher`: what the engines share to launch: :class:`~.launcher.Launcher` (the typed
-  ``_C`` launch), wait bounds and timeout records, a rank's prepared input, shapes and headers.
+  ``_C`` launch) and ``RankBuffers``; below it :mod:`.calls` (a rank's prepared input, one
+  operation's call, shapes and headers) and :mod:`.timeouts` (wait bounds and timeout records).
 - ``moe_dispatch._C``: the kernels (``csrc/kernels``).
 
 Beside them: :mod:`.header` (the operation header every launch compares), :mod:`.memory` (the

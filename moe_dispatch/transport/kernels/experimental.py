@@ -35,11 +35,11 @@ import dataclasses
 import torch
 
 from ..._ext import require_extension
+from .calls import CombineCall, DispatchCall, RankInput, alloc_outputs, assemble_results, check_num_sms, ptr
 from .header import OP_CACHED_DISPATCH, OP_DISPATCH
-from .internode import InternodeDispatch, InternodeEngines
+from .internode_engines import InternodeDispatch, InternodeEngines
 from .intranode import IntranodeHandle, launch_dispatch, run_notify
 from .intranode import run_combine as run_intranode_combine
-from .launcher import CombineCall, DispatchCall, RankInput, alloc_outputs, assemble_results, check_num_sms, ptr
 
 __all__ = ["StagedInternodeHandle", "empty_staged_handle", "staged_combine", "staged_dispatch"]
 
@@ -49,7 +49,7 @@ class StagedInternodeHandle:
     """One rank's share of a staged internode dispatch (``Config.internode_pipeline="staged"``).
 
     Attributes:
-        num_tokens, num_channels, is_token_in_rank, is_token_in_node: as :class:`~.internode.InternodeHandle`.
+        num_tokens, num_channels, is_token_in_rank, is_token_in_node: as :class:`~.internode_engines.InternodeHandle`.
         node_prefix: ``[N * C + 1]`` int32: first stage-1 receive row of each (source node, channel).
         node_peer_ok: ``[N]`` int32: the node notify's rail verdicts.
         segments: N + 1 host ints: this rank's stage-1 rows from source node m are
@@ -58,7 +58,7 @@ class StagedInternodeHandle:
         local: per source node m, the :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` of
             stage-2 operation m; its rows start at :meth:`row_base` (m).
         num_rows: R, rows received in all.
-        dispatch_id, num_experts, topk_dtype: as :class:`~.internode.InternodeHandle`.
+        dispatch_id, num_experts, topk_dtype: as :class:`~.internode_engines.InternodeHandle`.
     """
 
     num_tokens: int

@@ -49,10 +49,12 @@ from ..._ext import require_extension
 from ...config import Config
 from ...errors import BudgetOverflowError, IntranodeTimeoutError
 from ...kernel_layout import ERROR_RECORD_INTS, MAX_RANKS
+from .calls import CombineCall, DispatchCall, check_num_sms, ptr
 from .header import OP_DISPATCH, Records
-from .launcher import CombineCall, DispatchCall, Launcher, RankBuffers, check_num_sms, dispatch_through, ptr, recorded
-from .launcher import describe_intranode_timeout as describe_timeout
+from .launcher import Launcher, RankBuffers, dispatch_through
 from .memory import CudaIpcBuffer, SharedMemoryBuffer, map_peers
+from .timeouts import describe_intranode_timeout as describe_timeout
+from .timeouts import recorded
 
 __all__ = [
     "IntranodeBuffers",

@@ -60,6 +60,7 @@ from ...errors import ArgumentError, ArgumentTypeError, CommError, MismatchError
 from ...kernel_layout import MAX_RANKS, MAX_TOPK
 from ...topology import Topology
 from ..base import Capabilities, PlanRequest, Steps, Transfer, Transport, TransportOptions, completed
+from .calls import RankInput
 from .header import (
     FIELD_STATUS,
     OP_CACHED_DISPATCH,
@@ -69,9 +70,11 @@ from .header import (
     describe_mismatch,
     refusal_status,
 )
-from .internode import InternodeBuffers, InternodeHandle, check_rdma_config
+from .internode import InternodeBuffers
+from .internode_engines import InternodeHandle, check_rdma_config
 from .intranode import IntranodeBuffers, IntranodeHandle
-from .launcher import COMBINE_DTYPES, RankBuffers, RankInput, kernel_timeout_s
+from .launcher import COMBINE_DTYPES, RankBuffers
+from .timeouts import kernel_timeout_s
 
 if TYPE_CHECKING:  # the staged pipeline is imported only where a Config selects it
     from .experimental import StagedInternodeHandle
@@ -96,7 +99,7 @@ class KernelPlan:
     Attributes:
         handle: the kernels' handle: an
             :class:`~moe_dispatch.transport.kernels.intranode.IntranodeHandle` (one node), an
-            :class:`~moe_dispatch.transport.kernels.internode.InternodeHandle` (several, fused) or a
+            :class:`~moe_dispatch.transport.kernels.internode_engines.InternodeHandle` (several, fused) or a
             :class:`~moe_dispatch.transport.kernels.experimental.StagedInternodeHandle`.
         experts_per_rank: E / W.
         topology: this rank's place.
