@@ -378,18 +378,20 @@ def test_soak_tiny_world_checks_and_samples(tmp_path, capsys, transport):
     assert set(figures["modes"]) == set(MODES)
     assert [s["iteration"] for s in figures["samples"]] == [10, 20, 30, 40]
     assert all(len(s["ranks"]) == 2 and s["ranks"][0]["threads"] > 0 for s in figures["samples"])
+    assert all(r["groups"] >= 1 for s in figures["samples"] for r in s["ranks"])  # the world's, at least
 
 
 def test_soak_growth_names_what_grew():
     from benchmarks.soak import growth
 
-    base = {"threads": 10, "fds": 40, "shm_mappings": 2, "rss_kib": 100 * 1024}
+    base = {"threads": 10, "fds": 40, "shm_mappings": 2, "groups": 3, "rss_kib": 100 * 1024}
     assert growth(base, dict(base), slack=0, rss_growth_mib=8) == []
-    grown = dict(base, threads=11, fds=41, rss_kib=120 * 1024)
+    grown = dict(base, threads=11, fds=41, groups=4, rss_kib=120 * 1024)
     assert growth(grown, grown, 0, 8) == []
     assert growth(base, grown, slack=0, rss_growth_mib=8) == [
         "threads 10 -> 11",
         "fds 40 -> 41",
+        "groups 3 -> 4",
         "RSS +20.0 MiB (bound 8)",
     ]
     assert growth(base, grown, slack=1, rss_growth_mib=32) == []
