@@ -19,7 +19,7 @@ from ..ops.permute import permute, permute_map_cpu, permute_map_triton, unpermut
 from ..semantics.permute import PermuteHandle, gather_rows, permuted_sources
 from ..semantics.validation import dense
 from ..topology import Topology
-from ..transport.base import Plan, PlanRequest, Transfer, Transport
+from ..transport.base import Plan, PlanRequest, Transfer, Transport, byte_rows
 from .calls import Call, FreshDispatch, PlanSlot
 from .queue import OperationQueue, drive, stream_order_wait
 
@@ -652,5 +652,5 @@ def _pad_rows(out: list[torch.Tensor], padding: torch.Tensor, index: torch.Tenso
     for o in out:
         if o is index:
             o.masked_fill_(padding.view(-1, 1), -1)
-        elif o.numel():
-            o.view(o.shape[0], -1).view(torch.uint8).masked_fill_(padding.view(-1, 1), 0)
+        else:
+            byte_rows(o).masked_fill_(padding.view(-1, 1), 0)

@@ -352,10 +352,10 @@ def _gather_permuted(rows: list[torch.Tensor], handle: PermuteHandle, out: list[
     """``out[j][p] = rows[j][source of p]`` for the expert-major layout ``handle`` (padding rows 0)."""
     src, _ = permuted_sources(handle)
     for r, o in zip(rows, out):
-        gather_rows(_bytes(r), src, out=_bytes(o))
+        gather_rows(byte_rows(r), src, out=byte_rows(o))
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
     """``[rows, ...]`` contiguous -> its ``[rows, bytes]`` uint8 view (row gathers of any dtype;
     the width is spelled out: -1 is ambiguous for a rank that received no rows)."""
     return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
